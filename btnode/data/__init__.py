@@ -1,0 +1,1 @@
+"""Corpora (bundled WikiText-2 or a user path) and deterministic training/evaluation windows."""

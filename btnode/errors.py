@@ -1,0 +1,53 @@
+"""Domain exceptions: the only errors btnode raises on purpose.
+
+Every layer raises these; the CLI turns them into a one-line message and a non-zero exit code,
+and (later) the RPC layer maps them to gRPC status codes. Peer or user input is checked with
+real checks that raise these, never with `assert`.
+"""
+
+
+class BtnodeError(Exception):
+    """Base class. `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class ConfigError(BtnodeError):
+    """A setting is invalid, or two settings contradict each other."""
+
+    exit_code = 2
+
+
+class DataError(BtnodeError):
+    """A corpus file is missing, unreadable, empty, too short or fails its checksum."""
+
+    exit_code = 3
+
+
+class CheckpointError(BtnodeError):
+    """A checkpoint is missing, truncated, corrupted, or has the wrong tensors."""
+
+    exit_code = 4
+
+
+class ConfigMismatchError(CheckpointError):
+    """A checkpoint or peer was made with different swarm-wide settings.
+
+    `fields` names each differing setting as (name, ours, theirs).
+    """
+
+    def __init__(self, message: str, fields: list[tuple[str, object, object]]):
+        super().__init__(message)
+        self.fields = fields
+
+
+class InputError(BtnodeError):
+    """A request cannot be served as asked (prompt too long, untrained segment length...)."""
+
+    exit_code = 5
+
+
+class DeviceError(BtnodeError):
+    """The requested torch device does not exist on this host."""
+
+    exit_code = 6

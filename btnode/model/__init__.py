@@ -1,0 +1,1 @@
+"""The byte-level DiffusionBlocks model: torch and the standard library only."""

@@ -1,0 +1,97 @@
+"""The model's configuration: every field here is swarm-wide and hashed into the run fingerprint.
+
+Peers that disagree on any of these fields cannot exchange blocks, so a mismatch is reported
+field by field (`diff`). Local settings (device, threads, batch, learning rate, data path) live in
+the training configuration instead and never enter the fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from btnode.errors import ConfigError, ConfigMismatchError
+
+FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code changes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 256  # byte-level: one class per byte value
+    d_model: int = 128  # width of every block (and of the AR baselines)
+    n_heads: int = 4  # attention heads per layer
+    n_layers: int = 2  # L: layers per block
+    n_blocks: int = 3  # B: blocks, each trained independently on its own noise interval
+    context: int = 128  # N: bytes of clean context / noisy targets per training window
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
+    sigma_lo: float = 1.0  # lowest noise level; with unit-norm targets σ ≥ 1 leaks ≤ 0.5 nats
+    sigma_hi: float = 10.0  # highest noise level, where sampling starts
+    p_mean: float = -1.2  # ln σ ~ N(p_mean, p_std), truncated to [sigma_lo, sigma_hi]
+    p_std: float = 1.2
+    gamma: float = 0.1  # overlap: each block trains slightly beyond its partition cell
+    sigma_data: float = 0.5  # EDM's σ_d, used by c_in and the loss weight λ(σ)
+    target_seed: int = 0  # seed of the fixed unit-norm target table E
+    segments: tuple[int, ...] = field(default=(1, 16))  # segment lengths K trained (and servable)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.vocab != 256:
+            problems.append(f"vocab must be 256 (bytes), got {self.vocab}")
+        if self.d_model <= 0 or self.n_heads <= 0 or self.d_model % self.n_heads:
+            problems.append(f"d_model={self.d_model} must be a positive multiple of n_heads={self.n_heads}")
+        if self.n_layers < 1 or self.n_blocks < 1:
+            problems.append(f"need n_layers ≥ 1 and n_blocks ≥ 1, got {self.n_layers}, {self.n_blocks}")
+        if self.context < 2:
+            problems.append(f"context must be ≥ 2 bytes, got {self.context}")
+        if not 0 < self.sigma_lo < self.sigma_hi:
+            problems.append(f"need 0 < sigma_lo < sigma_hi, got {self.sigma_lo}, {self.sigma_hi}")
+        if self.p_std <= 0 or self.gamma < 0 or self.sigma_data <= 0:
+            problems.append("p_std and sigma_data must be > 0 and gamma ≥ 0")
+        segs = tuple(self.segments)
+        if not segs or any(int(k) != k or k < 1 or k > self.context for k in segs):
+            problems.append(f"segments must be integers in [1, context={self.context}], got {segs}")
+        elif 1 not in segs:
+            problems.append(f"segments must include K=1, got {segs}")
+        if problems:
+            raise ConfigError("invalid model configuration: " + "; ".join(problems))
+        object.__setattr__(self, "segments", tuple(sorted(set(int(k) for k in segs))))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["segments"] = list(self.segments)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown model settings: {', '.join(unknown)}")
+        d = dict(d)
+        if "segments" in d:
+            d["segments"] = tuple(d["segments"])
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """sha256 over the canonical JSON of every swarm-wide field (and the format version)."""
+        doc = {"fingerprint_version": FINGERPRINT_VERSION, **self.to_dict()}
+        blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def diff(self, other: ModelConfig) -> list[tuple[str, object, object]]:
+        """(field, ours, theirs) for every swarm-wide field that differs."""
+        a, b = self.to_dict(), other.to_dict()
+        return [(k, a[k], b[k]) for k in a if a[k] != b[k]]
+
+    def require_same(self, other: ModelConfig, what: str) -> None:
+        fields = self.diff(other)
+        if fields:
+            detail = ", ".join(f"{k}: expected {ours!r}, got {theirs!r}" for k, ours, theirs in fields)
+            raise ConfigMismatchError(f"{what} has a different model configuration ({detail})", fields)

@@ -1,0 +1,64 @@
+"""The one-sweep sampler (design §2.6): Euler steps on expected embeddings over a Φ-spaced σ grid,
+each grid point evaluated by the block that owns it (routed by index).
+
+The sweep is written as a chain of spans: `run_span` is what one block (one serving stage) does
+with the state it receives, so the same code runs locally here and across a chain of stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from btnode.model.block import ContextCache, DiffusionBlock
+from btnode.model.layout import Layout
+from btnode.model.noise import route
+
+Denoiser = Callable[[torch.Tensor, float], torch.Tensor]  # (z, σ) → logits
+
+
+def euler_update(z: torch.Tensor, logits: torch.Tensor, table: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
+    """D = softmax(logits)·E;  z ← D + (σ_{i+1}/σ_i)·(z − D)."""
+    d = torch.softmax(logits.float(), dim=-1) @ table  # (B, T, C) expected embedding
+    return d + (sigma_next / sigma) * (z - d)
+
+
+def run_span(denoise: Denoiser, z: torch.Tensor, grid: Sequence[float], steps: Sequence[int],
+             table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run grid points `steps` (consecutive indices) on state z.
+
+    Every point but the last grid point is an Euler step; the last grid point returns the output
+    logits instead. Returns (z, logits or None).
+    """
+    last = len(grid) - 1
+    for i in steps:
+        logits = denoise(z, grid[i])
+        if i == last:
+            return z, logits
+        z = euler_update(z, logits, table, grid[i], grid[i + 1])
+    return z, None
+
+
+def spans(n_blocks: int, n_steps: int) -> list[list[int]]:
+    """The grid indices each block runs, in chain order: spans(3, 7) = [[0, 1], [2, 3], [4, 5, 6]]."""
+    owner = route(n_blocks, n_steps)
+    return [[i for i, b in enumerate(owner) if b == block] for block in range(n_blocks)]
+
+
+def block_denoiser(block: DiffusionBlock, cache: ContextCache, layout: Layout) -> Denoiser:
+    def denoise(z: torch.Tensor, sigma: float) -> torch.Tensor:
+        return block.denoise(z, torch.full((z.shape[0],), sigma, device=z.device), cache, layout)
+
+    return denoise
+
+
+@torch.no_grad()
+def sweep(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: torch.Tensor,
+          grid: Sequence[float], layout: Layout, table: torch.Tensor) -> torch.Tensor:
+    """One full sweep from state z at grid[0] to output logits; every block runs its span."""
+    logits = None
+    for block, cache, span in zip(blocks, caches, spans(len(blocks), len(grid))):
+        z, logits = run_span(block_denoiser(block, cache, layout), z, grid, span, table)
+    assert logits is not None, "the last block must evaluate the last grid point"
+    return logits

@@ -1,0 +1,140 @@
+"""Checkpoints on disk: safetensors for tensors plus a JSON of metadata, each written atomically.
+
+A checkpoint named STEM in a folder is STEM.safetensors (model), optionally STEM.optim.safetensors
+(optimizer state, for resuming) and STEM.json. The JSON is written last and records the sha256
+and size of the tensor files, so a torn or truncated write is detected on load instead of being
+half-read; the JSON itself is the commit record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from btnode import __version__
+from btnode.errors import CheckpointError
+
+FORMAT = 1
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _file_record(name: str, blob: bytes) -> dict[str, Any]:
+    return {"name": name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+@dataclass
+class Checkpoint:
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor] | None
+
+
+def save(folder: Path, stem: str, *, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+         optim: dict[str, torch.Tensor] | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for role, group, name in [("model", tensors, f"{stem}.safetensors"),
+                              ("optim", optim, f"{stem}.optim.safetensors")]:
+        if group is None:
+            continue
+        blob = st_save({k: v.detach().cpu().contiguous() for k, v in group.items()})
+        atomic_write(folder / name, blob)
+        files[role] = _file_record(name, blob)
+    doc = {"format": FORMAT, "btnode_version": __version__, **meta, "files": files}
+    atomic_write(folder / f"{stem}.json", json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def _read_tensors(folder: Path, record: dict[str, Any], with_path: Path) -> dict[str, torch.Tensor]:
+    path = folder / record["name"]
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {with_path}: cannot read {path.name}: {exc.strerror or exc}") from exc
+    if len(blob) != record["bytes"] or hashlib.sha256(blob).hexdigest() != record["sha256"]:
+        raise CheckpointError(f"checkpoint {with_path}: {path.name} is truncated or corrupted "
+                              f"({len(blob)} bytes, expected {record['bytes']}; sha256 differs)")
+    try:
+        return st_load(blob)
+    except (SafetensorError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {with_path}: {path.name} is not a valid safetensors file: {exc}") from exc
+
+
+def load(folder: Path, stem: str, *, with_optim: bool = False) -> Checkpoint:
+    meta_path = folder / f"{stem}.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"no checkpoint {stem} in {folder} ({meta_path.name} is missing)") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint metadata {meta_path} is unreadable or truncated: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta.get("files", {}):
+        raise CheckpointError(f"checkpoint metadata {meta_path} is not a btnode checkpoint of format {FORMAT}")
+    tensors = _read_tensors(folder, meta["files"]["model"], meta_path)
+    optim = None
+    if with_optim:
+        if "optim" not in meta["files"]:
+            raise CheckpointError(f"checkpoint {meta_path} holds no optimizer state, so it cannot be resumed")
+        optim = _read_tensors(folder, meta["files"]["optim"], meta_path)
+    return Checkpoint(meta=meta, tensors=tensors, optim=optim)
+
+
+def check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
+    """Raise CheckpointError naming every missing, unexpected or wrongly shaped/typed tensor."""
+    problems = []
+    for name in sorted(set(expected) - set(got)):
+        problems.append(f"missing {name}")
+    for name in sorted(set(got) - set(expected)):
+        problems.append(f"unexpected {name}")
+    for name in sorted(set(expected) & set(got)):
+        e, g = expected[name], got[name]
+        if e.shape != g.shape or e.dtype != g.dtype:
+            problems.append(f"{name} is {g.dtype} {tuple(g.shape)}, expected {e.dtype} {tuple(e.shape)}")
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise CheckpointError(f"{what} does not fit the model: {shown}")
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Flatten an optimizer's state into named tensors plus its JSON-able param groups."""
+    sd = opt.state_dict()
+    tensors = {f"state.{idx}.{key}": (val if torch.is_tensor(val) else torch.tensor(val))
+               for idx, st in sd["state"].items() for key, val in st.items()}
+    return tensors, sd["param_groups"]
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, val in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = val
+    try:
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"optimizer state does not fit the model: {exc}") from exc

@@ -1,0 +1,117 @@
+"""Saving and loading blocks and AR baselines, checked against the model configuration.
+
+Block b of a run lives in FOLDER/block-{b}.*; an autoregressive baseline in FOLDER/ar.*.
+The metadata carries the full model configuration, its fingerprint and the hash of the target
+table, so a checkpoint from another configuration is refused with the differing fields named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from btnode.errors import CheckpointError, ConfigError
+from btnode.model.ar import ByteTransformer
+from btnode.model.block import DiffusionBlock
+from btnode.model.config import ModelConfig
+from btnode.model.targets import table_sha256, target_table
+from btnode.seeding import stream_seed
+from btnode.store import files
+
+
+def block_stem(block: int) -> str:
+    return f"block-{block}"
+
+
+AR_STEM = "ar"
+
+
+def init_block(cfg: ModelConfig, block: int, seed: int) -> DiffusionBlock:
+    """Version 0 of block `block`: a seeded initialisation, identical on every host."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed("init-block", seed, block))
+        return DiffusionBlock(cfg)
+
+
+def init_ar(cfg: ModelConfig, n_layers: int, seed: int) -> ByteTransformer:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed("init-ar", seed, n_layers))
+        return ByteTransformer(cfg, n_layers)
+
+
+def model_meta(cfg: ModelConfig) -> dict[str, Any]:
+    return {"model": cfg.to_dict(), "fingerprint": cfg.fingerprint(), "target_sha256": table_sha256(target_table(cfg))}
+
+
+def _config_of(meta: dict[str, Any], where: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(meta["model"])
+    except (KeyError, TypeError, ConfigError) as exc:
+        raise CheckpointError(f"checkpoint {where} has no valid model configuration: {exc}") from exc
+
+
+@dataclass
+class Loaded:
+    cfg: ModelConfig
+    model: torch.nn.Module
+    meta: dict[str, Any]
+    optim: dict[str, torch.Tensor] | None
+
+
+def _load(folder: Path, stem: str, expected: ModelConfig | None, kind: str, with_optim: bool) -> Loaded:
+    ck = files.load(folder, stem, with_optim=with_optim)
+    where = folder / f"{stem}.json"
+    if ck.meta.get("kind") != kind:
+        raise CheckpointError(f"checkpoint {where} is a {ck.meta.get('kind')!r} checkpoint, expected {kind!r}")
+    cfg = _config_of(ck.meta, where)
+    if expected is not None:
+        expected.require_same(cfg, f"checkpoint {where}")
+    if ck.meta.get("target_sha256") != table_sha256(target_table(cfg)):
+        raise CheckpointError(f"checkpoint {where} was made with a different target table "
+                              "(another torch RNG or target_seed); its blocks cannot be used here")
+    if kind == "block":
+        model: torch.nn.Module = DiffusionBlock(cfg)
+    else:
+        n_layers = ck.meta.get("n_layers")
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise CheckpointError(f"checkpoint {where} has no valid n_layers")
+        model = ByteTransformer(cfg, n_layers)
+    files.check_tensors(model.state_dict(), ck.tensors, f"checkpoint {where}")
+    model.load_state_dict(ck.tensors)
+    return Loaded(cfg=cfg, model=model, meta=ck.meta, optim=ck.optim)
+
+
+def load_block(folder: Path, block: int, expected: ModelConfig | None = None, with_optim: bool = False) -> Loaded:
+    loaded = _load(folder, block_stem(block), expected, "block", with_optim)
+    if loaded.meta.get("block") != block:
+        raise CheckpointError(f"{folder / block_stem(block)}.json says it holds block {loaded.meta.get('block')}")
+    return loaded
+
+
+def load_blocks(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
+    """All B blocks of a run, checked to share one configuration."""
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    first = load_block(folder, 0)
+    blocks = [first.model]
+    for b in range(1, first.cfg.n_blocks):
+        blocks.append(load_block(folder, b, expected=first.cfg).model)
+    return first.cfg, blocks  # type: ignore[return-value]
+
+
+def load_ar(folder: Path, expected: ModelConfig | None = None, with_optim: bool = False) -> Loaded:
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    return _load(folder, AR_STEM, expected, "ar", with_optim)
+
+
+def kind_of(folder: Path) -> str:
+    """'block' or 'ar': what a checkpoint folder holds."""
+    if (folder / f"{block_stem(0)}.json").exists():
+        return "block"
+    if (folder / f"{AR_STEM}.json").exists():
+        return "ar"
+    raise CheckpointError(f"{folder} holds no btnode checkpoint (no block-0.json or ar.json)")

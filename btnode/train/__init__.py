@@ -1,0 +1,1 @@
+"""Training: per-block and autoregressive trainers, and the single-process training loops."""

@@ -1,0 +1,100 @@
+"""One optimizer step at a time: `BlockTrainer` trains one DiffusionBlock with its own AdamW
+(design §2.5); `ARTrainer` trains the autoregressive baseline. Each owns its model and optimizer,
+and nothing else; the loops that feed them batches and write checkpoints live in loops.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from btnode.model.ar import ByteTransformer
+from btnode.model.block import DiffusionBlock
+from btnode.model.config import ModelConfig
+from btnode.model.layout import window_layout
+from btnode.model.noise import loss_weight, sample_sigma
+from btnode.seeding import generator
+from btnode.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float  # the optimised loss (λ-weighted CE for blocks)
+    ce: float  # unweighted CE, nats/byte (a diagnostic for blocks: it sees a noised target)
+    k: int  # segment length of this batch (1 for AR)
+
+
+def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+
+
+class _Trainer:
+    model: nn.Module
+
+    def __init__(self, model: nn.Module, tc: TrainConfig, device: torch.device):
+        self.tc = tc
+        self.device = device
+        self.model = model.to(device)
+        self.opt = make_optimizer(self.model, tc)
+        self.step = 0  # completed optimizer steps of this model
+
+    def _apply(self, loss: torch.Tensor) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.tc.lr_at(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.tc.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        self.opt.step()
+        self.step += 1
+
+
+class BlockTrainer(_Trainer):
+    """Trains block `block` on its σ interval. All randomness of a step is keyed by
+    (seed, worker, block, step), so a resumed run replays the uninterrupted one exactly."""
+
+    model: DiffusionBlock
+
+    def __init__(self, model: DiffusionBlock, tc: TrainConfig, *, block: int, table: torch.Tensor,
+                 device: torch.device):
+        super().__init__(model, tc, device)
+        self.cfg: ModelConfig = model.cfg
+        self.block = block
+        self.table = table.to(device)
+
+    def train_step(self, x: torch.Tensor, worker: int) -> StepStats:
+        """x: (B, N+1) byte windows."""
+        cfg = self.cfg
+        b, n = x.shape[0], x.shape[1] - 1
+        g = generator("block-step", self.tc.seed, worker, self.block, self.step)
+        k = cfg.segments[int(torch.randint(len(cfg.segments), (), generator=g))]
+        phase = int(torch.randint(k, (), generator=g))
+        sigma = sample_sigma(cfg, self.block, b, g)
+        eps = torch.randn(b, n, cfg.d_model, generator=g)
+        x, sigma, eps = x.to(self.device), sigma.to(self.device), eps.to(self.device)
+        ctx, tgt = x[:, :-1], x[:, 1:]
+        z = self.table[tgt] + sigma[:, None, None] * eps  # (B, N, C)
+        layout = window_layout(n, k, phase).to(self.device)
+        self.model.train()
+        logits = self.model(ctx, z, sigma, layout)
+        ce = F.cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1), reduction="none").view(b, n).mean(1)
+        loss = (loss_weight(cfg, sigma) * ce).mean()
+        self._apply(loss)
+        return StepStats(loss=loss.item(), ce=ce.mean().item(), k=k)
+
+
+class ARTrainer(_Trainer):
+    model: ByteTransformer
+
+    def train_step(self, x: torch.Tensor, worker: int = 0) -> StepStats:
+        x = x.to(self.device)
+        self.model.train()
+        logits = self.model(x[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        self._apply(loss)
+        return StepStats(loss=loss.item(), ce=loss.item(), k=1)

@@ -1,0 +1,1 @@
+"""The btnode command line (installed as the `btnode_cli` package; the folder is cli/)."""

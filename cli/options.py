@@ -1,0 +1,47 @@
+"""Options shared by several commands, and the builders that turn them into frozen configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from btnode.errors import ConfigError
+
+Device = Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")]
+Data = Annotated[Optional[Path], typer.Option(
+    "--data", help="Corpus: a file (training corpus) or a folder with wiki.{train,valid,test}.raw. "
+                   "Default: the bundled WikiText-2 copy.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed for initialisation, windows, σ and noise.")]
+DModel = Annotated[int, typer.Option("--d-model", help="Model width d (swarm-wide).")]
+Heads = Annotated[int, typer.Option("--heads", help="Attention heads (swarm-wide).")]
+Layers = Annotated[int, typer.Option("--layers", help="Layers per block L (swarm-wide).")]
+Blocks = Annotated[int, typer.Option("--blocks", help="Number of blocks B (swarm-wide).")]
+Context = Annotated[int, typer.Option("--context", help="Context length N in bytes (swarm-wide).")]
+Segments = Annotated[str, typer.Option("--segments", help="Comma-separated segment lengths K to train (swarm-wide); must include 1.")]
+TargetSeed = Annotated[int, typer.Option("--target-seed", help="Seed of the fixed target table E (swarm-wide).")]
+
+
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from exc
+    if not values:
+        raise ConfigError(f"{what} is empty")
+    return values
+
+
+def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context: int, segments: str,
+                 target_seed: int):  # -> ModelConfig (import deferred)
+    from btnode.model.config import ModelConfig
+
+    return ModelConfig(d_model=d_model, n_heads=heads, n_layers=layers, n_blocks=blocks, context=context,
+                       segments=parse_ints(segments, "--segments"), target_seed=target_seed)
+
+
+def device(name: str):  # -> torch.device
+    from btnode.device import resolve_device
+
+    return resolve_device(name)
