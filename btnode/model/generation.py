@@ -31,7 +31,7 @@ def check_request(blocks: Sequence[DiffusionBlock], prompt: bytes, k: int, n_ste
     if k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
     if any(not span for span in spans(len(blocks), n_steps)) or n_steps < 2:
-        raise InputError(f"{n_steps} sampler steps cannot visit all {len(blocks)} blocks; use at least {len(blocks) + 1}")
+        raise InputError(f"{n_steps} sampler steps cannot visit all {len(blocks)} blocks; use at least {len(blocks)}")
     limit = max_prompt(cfg.context, k)
     if len(prompt) > limit:
         raise InputError(f"prompt is {len(prompt)} bytes; with context N={cfg.context} and K={k} "

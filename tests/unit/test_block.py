@@ -1,0 +1,123 @@
+"""The block's attention pattern, tested by perturbation (design §2.4), and its cache path."""
+
+import pytest
+import torch
+
+from btnode.model.block import DiffusionBlock
+from btnode.model.layout import eval_layout, generation_layout, window_layout
+from btnode.model.targets import target_table
+
+
+def randomized(cfg, seed=0) -> DiffusionBlock:
+    """A block whose every parameter is random, so that AdaLN-zero gates do not hide any path."""
+    torch.manual_seed(seed)
+    blk = DiffusionBlock(cfg)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.normal_(0, 0.3)
+    return blk.eval()
+
+
+def test_target_table_is_fixed_unit_norm_and_seeded(tiny_cfg):
+    e = target_table(tiny_cfg)
+    assert e.shape == (256, tiny_cfg.d_model) and e.dtype == torch.float32
+    assert torch.allclose(e.norm(dim=1), torch.ones(256), atol=1e-6)
+    assert torch.equal(e, target_table(tiny_cfg))
+    assert not torch.equal(e, target_table(type(tiny_cfg)(**{**tiny_cfg.to_dict(), "target_seed": 1,
+                                                                  "segments": tiny_cfg.segments})))
+
+
+def test_block_shares_nothing_with_the_target_table(tiny_cfg):
+    blk = DiffusionBlock(tiny_cfg)
+    e = target_table(tiny_cfg)
+    assert all(p.shape != e.shape or not torch.equal(p, e) for p in blk.parameters())
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_bytes_after_context_end_do_not_change_a_row(tiny_cfg, k):
+    """Changing any clean byte x_j with j > c(t) leaves row t's logits bit-identical, while changing
+    a byte at or before c(t) changes them (so the test can fail)."""
+    n = tiny_cfg.context
+    blk = randomized(tiny_cfg)
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(0, 256, (1, n), generator=g)
+    z = torch.randn(1, n, tiny_cfg.d_model, generator=g)
+    sigma = torch.tensor([2.0])
+    layout = window_layout(n, k, phase=3 % k)
+    with torch.no_grad():
+        base = blk(ctx, z, sigma, layout)[0]
+        for t in [0, 5, 13, n // 2, n - 2]:
+            c = int(layout.context_end[t])
+            later = ctx.clone()
+            later[0, c + 1:] = (later[0, c + 1:] + 1 + torch.randint(0, 254, (n - c - 1,), generator=g)) % 256
+            assert torch.equal(blk(later, z, sigma, layout)[0, t], base[t]), f"row {t} saw bytes after c={c}"
+            earlier = ctx.clone()
+            earlier[0, c] = (earlier[0, c] + 1) % 256
+            assert not torch.equal(blk(earlier, z, sigma, layout)[0, t], base[t])
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_rows_see_only_their_own_segment(tiny_cfg, k):
+    n = tiny_cfg.context
+    blk = randomized(tiny_cfg)
+    g = torch.Generator().manual_seed(2)
+    ctx = torch.randint(0, 256, (1, n), generator=g)
+    z = torch.randn(1, n, tiny_cfg.d_model, generator=g)
+    sigma = torch.tensor([3.0])
+    layout = window_layout(n, k, phase=0)
+    with torch.no_grad():
+        base = blk(ctx, z, sigma, layout)[0]
+        t = n // 2 + 1
+        other = layout.segment != layout.segment[t]
+        z2 = z.clone()
+        z2[0, other] += torch.randn(int(other.sum()), tiny_cfg.d_model, generator=g)
+        assert torch.equal(blk(ctx, z2, sigma, layout)[0, t], base[t])
+        same = (layout.segment == layout.segment[t]).nonzero()[:, 0]
+        if k > 1:  # a segment is denoised jointly: its other rows matter
+            z3 = z.clone()
+            z3[0, int(same[same != t][0])] += 1.0
+            assert not torch.equal(blk(ctx, z3, sigma, layout)[0, t], base[t])
+
+
+def test_clean_cache_and_subset_rows_match_the_full_window(tiny_cfg):
+    """Scoring only rows [N/2, N) with a cached context gives the full window's logits there."""
+    n = tiny_cfg.context
+    blk = randomized(tiny_cfg)
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randint(0, 256, (2, n), generator=g)
+    z = torch.randn(2, n, tiny_cfg.d_model, generator=g)
+    sigma = torch.tensor([1.5, 4.0])
+    k = 8
+    sub = eval_layout(n, k)
+    full = window_layout(n, k, phase=(n // 2) % k)
+    with torch.no_grad():
+        a = blk(ctx, z, sigma, full)[:, n // 2:]
+        cache = blk.encode_context(ctx)
+        b = blk.denoise(z[:, n // 2:], sigma, cache, sub)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_layout_equals_the_window_rows_it_stands_for(tiny_cfg):
+    n, k, p = tiny_cfg.context, 8, 11
+    blk = randomized(tiny_cfg)
+    g = torch.Generator().manual_seed(4)
+    ctx = torch.randint(0, 256, (1, n), generator=g)
+    z = torch.randn(1, n, tiny_cfg.d_model, generator=g)
+    sigma = torch.tensor([2.5])
+    full = window_layout(n, k, phase=(p - 1) % k)  # a segment starts at row p − 1
+    with torch.no_grad():
+        a = blk(ctx, z, sigma, full)[:, p - 1:p - 1 + k]
+        b = blk.denoise(z[:, p - 1:p - 1 + k], sigma, blk.encode_context(ctx[:, :p]), generation_layout(p, k))
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_sigma_conditions_every_layer(tiny_cfg):
+    blk = randomized(tiny_cfg)
+    for layer in blk.layers:  # each layer's modulation is a function of σ
+        s1, s2 = torch.randn(1, tiny_cfg.d_model), torch.randn(1, tiny_cfg.d_model)
+        assert not torch.equal(layer.ada(s1), layer.ada(s2))
+    ctx = torch.randint(0, 256, (1, tiny_cfg.context))
+    z = torch.randn(1, tiny_cfg.context, tiny_cfg.d_model)
+    lay = window_layout(tiny_cfg.context, 1, 0)
+    with torch.no_grad():
+        assert not torch.equal(blk(ctx, z, torch.tensor([1.0]), lay), blk(ctx, z, torch.tensor([1.01]), lay))

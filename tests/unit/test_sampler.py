@@ -1,0 +1,72 @@
+"""The one-sweep sampler: Euler on expected embeddings, routed by index, every block called."""
+
+import pytest
+import torch
+
+from btnode.errors import InputError
+from btnode.model.block import DiffusionBlock
+from btnode.model.generation import generate
+from btnode.model.layout import generation_layout
+from btnode.model.noise import sigma_grid
+from btnode.model.sampler import run_span, spans, sweep
+from btnode.model.targets import target_table
+
+
+def test_oracle_denoiser_lands_each_euler_step_on_the_noised_target(tiny_cfg):
+    """With D = E[y], step i must give z = E[y] + σ_{i+1}·ε (the EDM sign; a reversed schedule fails)."""
+    e = target_table(tiny_cfg)
+    grid = sigma_grid(tiny_cfg, 9)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 256, (2, 5), generator=g)
+    eps = torch.randn(2, 5, tiny_cfg.d_model, generator=g)
+    oracle_logits = torch.full((2, 5, 256), -1e4).scatter(-1, y[..., None], 1e4)
+
+    def oracle(z, sigma):
+        return oracle_logits
+
+    z = e[y] + grid[0] * eps
+    for i in range(len(grid) - 1):
+        z, logits = run_span(oracle, z, grid, [i], e)
+        assert logits is None
+        assert torch.allclose(z, e[y] + grid[i + 1] * eps, atol=1e-5), f"step {i}"
+    _, logits = run_span(oracle, z, grid, [len(grid) - 1], e)
+    assert torch.equal(logits.argmax(-1), y)
+
+
+class RecordingBlock(DiffusionBlock):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sigmas = []
+
+    def denoise(self, z, sigma, cache, layout):
+        self.sigmas.append(float(sigma[0]))
+        return super().denoise(z, sigma, cache, layout)
+
+
+@pytest.mark.parametrize("n_steps", [4, 7, 10])
+def test_sweep_calls_every_block_on_its_own_grid_points(tiny_cfg, n_steps):
+    blocks = [RecordingBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
+    grid = sigma_grid(tiny_cfg, n_steps)
+    ctx = torch.randint(0, 256, (1, 5))
+    caches = [b.encode_context(ctx) for b in blocks]
+    z = grid[0] * torch.randn(1, 8, tiny_cfg.d_model)
+    sweep(blocks, caches, z, grid, generation_layout(5, 8), target_table(tiny_cfg))
+    for b, span in zip(blocks, spans(len(blocks), n_steps)):
+        assert span and b.sigmas == [pytest.approx(grid[i]) for i in span]
+    assert sum(len(b.sigmas) for b in blocks) == n_steps
+
+
+def test_generate_is_seeded_and_checks_its_request(tiny_cfg):
+    torch.manual_seed(0)
+    blocks = [DiffusionBlock(tiny_cfg) for _ in range(tiny_cfg.n_blocks)]
+    kw = dict(n_bytes=20, k=8, n_steps=7, temperature=0.0, device=torch.device("cpu"))
+    a = b"".join(generate(blocks, b"hello", seed=3, **kw))
+    assert len(a) == 20 and a == b"".join(generate(blocks, b"hello", seed=3, **kw))
+    pieces = list(generate(blocks, b"hello", seed=3, **{**kw, "temperature": 1.0}))
+    assert [len(p) for p in pieces] == [8, 8, 4]  # one sweep per segment, the last one cut
+    with pytest.raises(InputError, match="at most 25 bytes"):
+        list(generate(blocks, b"x" * 26, seed=0, **kw))
+    with pytest.raises(InputError, match="K=4 was not trained"):
+        list(generate(blocks, b"hi", seed=0, **{**kw, "k": 4}))
+    with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks; use at least 3"):
+        list(generate(blocks, b"hi", seed=0, **{**kw, "n_steps": 2}))

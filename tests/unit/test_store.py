@@ -1,0 +1,117 @@
+"""Checkpoints: bit-exact round trip, atomic writes, and clear errors for every bad file."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from btnode.errors import CheckpointError, ConfigMismatchError
+from btnode.model.config import ModelConfig
+from btnode.model.targets import target_table
+from btnode.store import files
+from btnode.store.models import init_block, load_block, load_blocks, model_meta
+from btnode.train.config import TrainConfig
+from btnode.train.trainers import BlockTrainer
+
+
+def _trained(cfg, steps=2):
+    tr = BlockTrainer(init_block(cfg, 1, seed=0), TrainConfig(steps=10, warmup=1, batch=2), block=1,
+                      table=target_table(cfg), device=torch.device("cpu"))
+    for i in range(steps):
+        tr.train_step(torch.randint(0, 256, (2, cfg.context + 1)), worker=0)
+    return tr
+
+
+def _save(tr, folder, block=1):
+    optim, groups = files.optimizer_tensors(tr.opt)
+    files.save(folder, f"block-{block}", tensors=tr.model.state_dict(), optim=optim,
+               meta={**model_meta(tr.cfg), "kind": "block", "block": block, "step": tr.step, "optim_groups": groups})
+
+
+def test_roundtrip_is_bit_exact_with_optimizer_state(tmp_path, tiny_cfg):
+    tr = _trained(tiny_cfg)
+    _save(tr, tmp_path)
+    loaded = load_block(tmp_path, 1, expected=tiny_cfg, with_optim=True)
+    for name, t in tr.model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], t) and loaded.model.state_dict()[name].dtype == t.dtype
+    ours, _ = files.optimizer_tensors(tr.opt)
+    assert set(ours) == set(loaded.optim) and all(torch.equal(ours[k], loaded.optim[k]) for k in ours)
+    assert loaded.meta["step"] == 2
+    assert not list(tmp_path.glob(".*tmp*")), "temp files left behind"
+
+
+def test_missing_checkpoint(tmp_path, tiny_cfg):
+    with pytest.raises(CheckpointError, match="block-0.json is missing"):
+        load_block(tmp_path, 0)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_blocks(tmp_path / "nowhere")
+
+
+def test_truncated_and_corrupted_tensor_files(tmp_path, tiny_cfg):
+    _save(_trained(tiny_cfg), tmp_path)
+    path = tmp_path / "block-1.safetensors"
+    blob = path.read_bytes()
+    path.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+        load_block(tmp_path, 1)
+    flipped = bytearray(blob)
+    flipped[-7] ^= 0xFF
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+        load_block(tmp_path, 1)
+
+
+def test_truncated_metadata(tmp_path, tiny_cfg):
+    _save(_trained(tiny_cfg), tmp_path)
+    meta = tmp_path / "block-1.json"
+    meta.write_text(meta.read_text()[:40])
+    with pytest.raises(CheckpointError, match="unreadable or truncated"):
+        load_block(tmp_path, 1)
+
+
+def test_wrong_shape_tensors_are_named(tmp_path, tiny_cfg):
+    tr = _trained(tiny_cfg)
+    state = dict(tr.model.state_dict())
+    state["head.weight"] = torch.zeros(3, 3)
+    del state["in_proj.bias"]
+    files.save(tmp_path, "block-1", tensors=state, meta={**model_meta(tiny_cfg), "kind": "block", "block": 1})
+    with pytest.raises(CheckpointError, match=r"missing in_proj.bias; head.weight is torch.float32 \(3, 3\)"):
+        load_block(tmp_path, 1)
+
+
+def test_checkpoint_from_another_configuration_names_the_fields(tmp_path, tiny_cfg):
+    _save(_trained(tiny_cfg), tmp_path)
+    other = ModelConfig(**{**tiny_cfg.to_dict(), "d_model": 64, "segments": tiny_cfg.segments})
+    with pytest.raises(ConfigMismatchError, match="d_model: expected 64, got 32"):
+        load_block(tmp_path, 1, expected=other)
+
+
+def test_lying_metadata_is_caught_by_the_shape_check(tmp_path, tiny_cfg):
+    """A JSON that claims another config than the tensors it points to is refused, not half-loaded."""
+    _save(_trained(tiny_cfg), tmp_path)
+    meta_path = tmp_path / "block-1.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model"]["mlp_ratio"] = 2
+    meta["target_sha256"] = model_meta(ModelConfig.from_dict(meta["model"]))["target_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        load_block(tmp_path, 1)
+
+
+def test_not_a_safetensors_file(tmp_path, tiny_cfg):
+    blob = b"\x00" * 64
+    (tmp_path / "block-0.safetensors").write_bytes(blob)
+    rec = {"name": "block-0.safetensors", "bytes": 64, "sha256": __import__("hashlib").sha256(blob).hexdigest()}
+    (tmp_path / "block-0.json").write_text(json.dumps({"format": 1, "kind": "block", "block": 0,
+                                                       **model_meta(tiny_cfg), "files": {"model": rec}}))
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        load_block(tmp_path, 0)
+
+
+def test_atomic_write_replaces_whole_files(tmp_path):
+    p = tmp_path / "x.bin"
+    files.atomic_write(p, b"one")
+    files.atomic_write(p, b"two!")
+    assert p.read_bytes() == b"two!" and [q.name for q in tmp_path.iterdir()] == ["x.bin"]
+    assert st_save({"a": torch.zeros(1)})  # safetensors available
