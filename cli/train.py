@@ -31,7 +31,9 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
                 seed: Seed = 0, data: Data = None, device_name: Device = "cpu", resume: Resume = False,
                 checkpoint_every: Every = 200, stop_after: StopAfter = None, log_every: LogEvery = 50,
                 d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
-                context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+                context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0,
+                block: Annotated[Optional[list[int]], typer.Option(
+                    "--block", help="Train only this block (repeatable). Default: all B blocks.")] = None) -> None:
     """Train all B blocks in one process, each with its own optimizer; one checkpoint per block."""
     from btnode.data import corpus
     from btnode.train.loops import train_blocks
@@ -40,10 +42,10 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed)
     tc = _train_config(steps, batch, lr, warmup, seed)
-    train_blocks(cfg, tc, corpus.load(data).train, out, device=device(device_name), resume=resume,
+    train_blocks(cfg, tc, corpus.load(data).train, out, device=device(device_name), resume=resume, blocks=block,
                  checkpoint_every=checkpoint_every, stop_after=stop_after,
                  on_step=ProgressPrinter(log_every, cfg.n_blocks))
-    typer.echo(f"wrote {cfg.n_blocks} block checkpoints to {out}")
+    typer.echo(f"wrote {len(block) if block else cfg.n_blocks} block checkpoints to {out}")
 
 
 def train_ar(out: Out, ar_layers: Annotated[Optional[int], typer.Option(

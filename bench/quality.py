@@ -1,0 +1,177 @@
+"""Quality benchmark (issue #2, design §6.1–6.2): the blockwise model against two autoregressive
+baselines at equal wall-clock, scored on the same held-out windows and positions.
+
+    .venv/bin/python bench/quality.py                 # ~50 min on 2 cores: 15 min of training per model
+    .venv/bin/python bench/quality.py --budget 30 --windows 32 --out /tmp/q   # a smoke run
+
+Each model trains through the real CLI in its own process for `--budget` seconds of training
+(the step count is calibrated from measured step times first), then `btnode eval` scores it.
+Peak RSS is measured with wait4 on processes training one block and the B·L-layer baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS, ROOT, measure, shown, update_section  # noqa: E402
+
+from btnode.model.config import ModelConfig  # noqa: E402  (no torch: this process must stay small)
+
+BTNODE = str(Path(sys.executable).with_name("btnode"))
+CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=128, segments=(1, 16))
+SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128",
+         "--segments", "1,16"]
+BATCH, LR = 32, 2e-3
+
+
+def step_seconds(kind: str, n: int = 8) -> float:
+    """Median seconds of one optimizer step of every model the run trains (after 3 warm-ups).
+
+    Runs in a child process: the orchestrator never loads torch, so that wait4's peak RSS of
+    each child is not inflated by the parent's pages copied at fork."""
+    m = measure([sys.executable, __file__, "--calibrate", kind])
+    return float(m.stdout.strip().splitlines()[-1])
+
+
+def calibrate(kind: str, n: int = 8) -> float:
+    import torch
+
+    from btnode.data import corpus
+    from btnode.data.windows import WindowSampler
+    from btnode.model.targets import target_table
+    from btnode.store.models import init_ar, init_block
+    from btnode.train.config import TrainConfig
+    from btnode.train.trainers import ARTrainer, BlockTrainer
+
+    tc = TrainConfig(steps=1000, batch=BATCH, lr=LR)
+    data = WindowSampler(corpus.bundled().train, CFG.context)
+    dev = torch.device("cpu")
+    if kind == "blocks":
+        trainers = [BlockTrainer(init_block(CFG, b, 0), tc, block=b, table=target_table(CFG), device=dev)
+                    for b in range(CFG.n_blocks)]
+    else:
+        trainers = [ARTrainer(init_ar(CFG, int(kind[2:]), 0), tc, dev)]
+    times = []
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        for tr in trainers:
+            tr.train_step(data.batch(99, 0, i, BATCH), 0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=900.0, help="training seconds per model")
+    ap.add_argument("--windows", type=int, default=512, help="held-out windows for evaluation")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality")
+    ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
+    ap.add_argument("--calibrate", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.calibrate:
+        print(calibrate(args.calibrate))
+        return
+    models = {"blocks": "train-local", f"ar{CFG.n_blocks * CFG.n_layers}": "train-ar", f"ar{CFG.n_layers}": "train-ar"}
+    runs: dict[str, dict] = {}
+    for name, command in models.items():
+        per_step = step_seconds(name)
+        steps = max(20, int(args.budget / per_step))
+        out = args.out / name
+        cmd = [BTNODE, command, "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), "--lr", str(LR),
+               "--warmup", str(max(10, steps // 20)), "--checkpoint-every", str(steps), "--log-every",
+               str(max(1, steps // 10)), *SHAPE]
+        if command == "train-ar":
+            cmd += ["--ar-layers", name[2:]]
+        print(f"[quality] {name}: {per_step:.3f} s/step calibrated -> {steps} steps", flush=True)
+        m = measure(cmd)
+        tokens = steps * BATCH * CFG.context * (CFG.n_blocks if name == "blocks" else 1)
+        ev = out / "eval.json"
+        measure([BTNODE, "eval", "--checkpoint", str(out), "--windows", str(args.windows), "--seeds",
+                 str(args.seeds), "--json", str(ev)])
+        runs[name] = {"steps": steps, "wall_s": m.wall_s, "tokens_per_s": tokens / m.wall_s,
+                      "max_rss_mb": m.max_rss_mb, "eval": json.loads(ev.read_text()), "command": shown(cmd)}
+        print(f"[quality] {name}: {m.wall_s:.0f} s, {tokens / m.wall_s:.0f} tokens/s", flush=True)
+
+    probe = args.out / "rss"
+    rss_block = measure([BTNODE, "train-local", "--out", str(probe / "block"), "--steps", "30", "--block", "0",
+                         "--batch", str(BATCH), *SHAPE])
+    ar_total = f"ar{CFG.n_blocks * CFG.n_layers}"
+    rss_ar = measure([BTNODE, "train-ar", "--out", str(probe / "ar"), "--steps", "30", "--batch", str(BATCH),
+                      "--ar-layers", ar_total[2:], *SHAPE])
+    rss_base = measure([sys.executable, "-c", "import torch, btnode.train.loops"])
+    threads = measure([sys.executable, "-c", "import torch; print(torch.get_num_threads(), torch.__version__)"])
+
+    blocks = runs["blocks"]["eval"]
+    kmax = max(CFG.segments)
+    seeds = args.seeds
+    res = {
+        "config": {**CFG.to_dict(), "batch": BATCH, "lr": LR, "budget_s": args.budget, "windows": args.windows,
+                   "seeds": seeds, "n_steps": blocks["n_steps"], "budget": "equal wall-clock per model"},
+        "sce1_k1": blocks["per_k"]["1"]["sce1"], "sce8_k1": blocks["per_k"]["1"][f"sce{seeds}"],
+        "sce1_kmax": blocks["per_k"][str(kmax)]["sce1"], "sce8_kmax": blocks["per_k"][str(kmax)][f"sce{seeds}"],
+        "kmax": kmax, "ar_total_ce": runs[ar_total]["eval"]["ce"], "ar_block_ce": runs[f"ar{CFG.n_layers}"]["eval"]["ce"],
+        "unigram": blocks["unigram"], "rss_block_mb": rss_block.max_rss_mb, "rss_ar_total_mb": rss_ar.max_rss_mb,
+        "rss_torch_baseline_mb": rss_base.max_rss_mb,
+        "runs": {k: {kk: vv for kk, vv in v.items() if kk != "eval"} for k, v in runs.items()},
+        "machine": "{}, torch threads and version: {}".format(platform.machine(), threads.stdout.strip()),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps(res, indent=1))
+    if args.no_report:
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "quality.json").write_text(json.dumps(res, indent=1) + "\n")
+    update_section("quality", render(res, runs))
+
+
+def render(r: dict, runs: dict) -> str:
+    ar_total, ar_block = f"ar{CFG.n_blocks * CFG.n_layers}", f"ar{CFG.n_layers}"
+    c = r["config"]
+    ev = f"`btnode eval --checkpoint runs/bench-quality/<model> --windows {c['windows']} --seeds {c['seeds']}`"
+    gap = r["sce8_k1"] - r["ar_total_ce"]
+    lines = [
+        "## Quality: blockwise vs autoregressive (`bench/quality.py`)",
+        "",
+        f"Command: `.venv/bin/python bench/quality.py` ({r['date']}, {r['machine']}). Model: d={c['d_model']}, "
+        f"{c['n_heads']} heads, B={c['n_blocks']} blocks × L={c['n_layers']} layers, N={c['context']}, "
+        f"K ∈ {c['segments']}, batch {c['batch']}, AdamW lr {c['lr']}. Budget: **equal wall-clock**, "
+        f"{c['budget_s']:.0f} s of training per model on the same 2 cores (the blockwise model trains all "
+        f"{c['n_blocks']} blocks in that time, one after another). Held-out: {c['windows']} windows of "
+        f"wiki.test.raw, rows with ≥ N/2 context; SCE uses N_s = {c['n_steps']} and seeds 0..{c['seeds'] - 1}. "
+        "nats/byte.",
+        "",
+        "| model | metric | nats/byte | steps | wall-clock | tokens/s | command |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        f"| blockwise, K=1 | SCE-1 | {r['sce1_k1']:.4f} | {runs['blocks']['steps']} × {c['n_blocks']} blocks "
+        f"| {runs['blocks']['wall_s']:.0f} s | {runs['blocks']['tokens_per_s']:.0f} | `{runs['blocks']['command']}`, then {ev} |",
+        f"| blockwise, K=1 | SCE-{c['seeds']} | {r['sce8_k1']:.4f} | | | | same |",
+        f"| blockwise, K={r['kmax']} | SCE-1 | {r['sce1_kmax']:.4f} | | | | same |",
+        f"| blockwise, K={r['kmax']} | SCE-{c['seeds']} | {r['sce8_kmax']:.4f} | | | | same |",
+        f"| AR, {ar_total[2:]} layers (B·L) | teacher-forced CE | {r['ar_total_ce']:.4f} | {runs[ar_total]['steps']} "
+        f"| {runs[ar_total]['wall_s']:.0f} s | {runs[ar_total]['tokens_per_s']:.0f} | `{runs[ar_total]['command']}`, then {ev} |",
+        f"| AR, {ar_block[2:]} layers (L) | teacher-forced CE | {r['ar_block_ce']:.4f} | {runs[ar_block]['steps']} "
+        f"| {runs[ar_block]['wall_s']:.0f} s | {runs[ar_block]['tokens_per_s']:.0f} | `{runs[ar_block]['command']}`, then {ev} |",
+        f"| unigram entropy of wiki.test.raw | | {r['unigram']:.4f} | | | | |",
+        "",
+        f"Gap, blockwise SCE-{c['seeds']} at K=1 minus the {ar_total[2:]}-layer AR: **{gap:+.4f}** nats/byte "
+        f"(aim: ≤ +0.15); against the {ar_block[2:]}-layer AR: {r['sce8_k1'] - r['ar_block_ce']:+.4f} (aim: below 0).",
+        "",
+        "| peak RSS (wait4) | MB | command |",
+        "| --- | ---: | --- |",
+        f"| process training one block | {r['rss_block_mb']:.0f} | `btnode train-local --block 0 --steps 30 --batch 32 ...` |",
+        f"| process training the {ar_total[2:]}-layer AR | {r['rss_ar_total_mb']:.0f} | `btnode train-ar --ar-layers {ar_total[2:]} --steps 30 --batch 32 ...` |",
+        f"| python + torch + btnode imported, nothing trained | {r['rss_torch_baseline_mb']:.0f} | `python -c 'import torch, btnode.train.loops'` |",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Shared by the benchmarks: run a command while measuring its wall time and peak RSS, and
+replace one marked section of BENCHMARKS.md so that benchmarks never overwrite each other."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+RESULTS = ROOT / "bench" / "results"
+HEADER = "# Benchmarks\n\nEvery row names the command that produced it. Machine: see each section.\n"
+
+
+@dataclass(frozen=True)
+class Measured:
+    wall_s: float
+    max_rss_mb: float
+    stdout: str
+
+
+def measure(cmd: list[str]) -> Measured:
+    """Run cmd to completion; peak RSS comes from wait4 on that child alone."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    proc.returncode = code
+    if code != 0:
+        raise SystemExit(f"benchmark step failed ({code}): {shlex.join(cmd)}")
+    return Measured(wall_s=wall, max_rss_mb=usage.ru_maxrss / 1024, stdout=out)
+
+
+def shown(cmd: list[str]) -> str:
+    """The command as a user would paste it: venv binaries by name, paths relative to the repo."""
+    def one(arg: str) -> str:
+        if Path(arg).name in ("btnode", "python", "python3") and "/bin/" in arg:
+            return Path(arg).name
+        return arg.replace(str(ROOT) + "/", "")
+
+    return shlex.join([one(c) for c in cmd])
+
+
+def update_section(name: str, markdown: str) -> None:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    BENCHMARKS.write_text(text)
