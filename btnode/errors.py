@@ -51,3 +51,36 @@ class DeviceError(BtnodeError):
     """The requested torch device does not exist on this host."""
 
     exit_code = 6
+
+
+class PeerInputError(BtnodeError):
+    """A peer sent something we refuse. `reason` is a short label for counters ("checksum", ...).
+
+    The RPC layer maps each subclass to a status code; nothing from a refused message is applied.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class MalformedInput(PeerInputError):
+    """Truncated stream, unknown tensor, wrong shape or dtype, checksum mismatch, NaN/Inf... (INVALID_ARGUMENT)."""
+
+
+class TooLarge(PeerInputError):
+    """A frame, chunk or update over its size limit (RESOURCE_EXHAUSTED)."""
+
+
+class UnknownBlock(PeerInputError):
+    """A block this node does not own, or a version it does not keep (NOT_FOUND)."""
+
+
+class StaleUpdate(PeerInputError):
+    """An update whose base version is older than the staleness bound allows (FAILED_PRECONDITION)."""
+
+
+class PeerUnavailable(BtnodeError):
+    """The peer could not be reached, or went away mid-call (UNAVAILABLE). Safe to retry."""
+
+    exit_code = 7

@@ -30,9 +30,9 @@ def root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEB
 
 
 def _register() -> None:
-    from btnode_cli import evaluate, generate, train
+    from btnode_cli import evaluate, generate, join, train
 
-    for module in (train, evaluate, generate):
+    for module in (train, evaluate, generate, join):
         module.register(app)
 
 

@@ -54,21 +54,36 @@ class Checkpoint:
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     optim: dict[str, torch.Tensor] | None
+    extra: dict[str, dict[str, torch.Tensor]]
+
+
+def file_name(stem: str, role: str) -> str:
+    return f"{stem}.safetensors" if role == "model" else f"{stem}.{role}.safetensors"
 
 
 def save(folder: Path, stem: str, *, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-         optim: dict[str, torch.Tensor] | None = None) -> None:
+         optim: dict[str, torch.Tensor] | None = None,
+         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Write each tensor group to its own file, then the JSON that commits them all."""
     folder.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, dict[str, torch.Tensor] | None] = {"model": tensors, "optim": optim, **(extra or {})}
     files = {}
-    for role, group, name in [("model", tensors, f"{stem}.safetensors"),
-                              ("optim", optim, f"{stem}.optim.safetensors")]:
+    for role, group in groups.items():
         if group is None:
             continue
+        name = file_name(stem, role)
         blob = st_save({k: v.detach().cpu().contiguous() for k, v in group.items()})
         atomic_write(folder / name, blob)
         files[role] = _file_record(name, blob)
     doc = {"format": FORMAT, "btnode_version": __version__, **meta, "files": files}
     atomic_write(folder / f"{stem}.json", json.dumps(doc, indent=1, sort_keys=True).encode())
+
+
+def remove(folder: Path, stem: str) -> None:
+    """Delete a checkpoint: its JSON first, so that a crash midway never leaves a JSON pointing at nothing."""
+    (folder / f"{stem}.json").unlink(missing_ok=True)
+    for path in folder.glob(f"{stem}.*safetensors"):
+        path.unlink(missing_ok=True)
 
 
 def _read_tensors(folder: Path, record: dict[str, Any], with_path: Path) -> dict[str, torch.Tensor]:
@@ -86,7 +101,8 @@ def _read_tensors(folder: Path, record: dict[str, Any], with_path: Path) -> dict
         raise CheckpointError(f"checkpoint {with_path}: {path.name} is not a valid safetensors file: {exc}") from exc
 
 
-def load(folder: Path, stem: str, *, with_optim: bool = False) -> Checkpoint:
+def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str, ...] = (),
+         optional_roles: tuple[str, ...] = ()) -> Checkpoint:
     meta_path = folder / f"{stem}.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -102,7 +118,23 @@ def load(folder: Path, stem: str, *, with_optim: bool = False) -> Checkpoint:
         if "optim" not in meta["files"]:
             raise CheckpointError(f"checkpoint {meta_path} holds no optimizer state, so it cannot be resumed")
         optim = _read_tensors(folder, meta["files"]["optim"], meta_path)
-    return Checkpoint(meta=meta, tensors=tensors, optim=optim)
+    extra = {}
+    for role in roles + tuple(r for r in optional_roles if r in meta["files"]):
+        if role not in meta["files"]:
+            raise CheckpointError(f"checkpoint {meta_path} holds no {role!r} tensors")
+        extra[role] = _read_tensors(folder, meta["files"][role], meta_path)
+    return Checkpoint(meta=meta, tensors=tensors, optim=optim, extra=extra)
+
+
+def state_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Canonical hash of a block's state: names in sorted order, each as name, shape and
+    little-endian float32 bytes. Workers and the aggregator compare this after every version."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
 
 
 def check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:

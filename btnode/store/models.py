@@ -7,6 +7,7 @@ table, so a checkpoint from another configuration is refused with the differing 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from btnode.model.config import ModelConfig
 from btnode.model.targets import table_sha256, target_table
 from btnode.seeding import stream_seed
 from btnode.store import files
+from btnode.store.versions import VersionStore
 
 
 def block_stem(block: int) -> str:
@@ -27,6 +29,7 @@ def block_stem(block: int) -> str:
 
 
 AR_STEM = "ar"
+RUN_FILE = "run.json"  # marks an aggregator state folder (see aggregate/service.py)
 
 
 def init_block(cfg: ModelConfig, block: int, seed: int) -> DiffusionBlock:
@@ -92,14 +95,36 @@ def load_block(folder: Path, block: int, expected: ModelConfig | None = None, wi
 
 
 def load_blocks(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
-    """All B blocks of a run, checked to share one configuration."""
+    """All B blocks of a run, checked to share one configuration: from a train-local folder, or
+    the newest complete versions in an aggregator's state folder."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if (folder / RUN_FILE).exists():
+        return _load_newest_versions(folder)
     first = load_block(folder, 0)
     blocks = [first.model]
     for b in range(1, first.cfg.n_blocks):
         blocks.append(load_block(folder, b, expected=first.cfg).model)
     return first.cfg, blocks  # type: ignore[return-value]
+
+
+def _load_newest_versions(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
+    try:
+        cfg = ModelConfig.from_dict(json.loads((folder / RUN_FILE).read_text())["model"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+        raise CheckpointError(f"{folder / RUN_FILE} is not a valid run description: {exc}") from exc
+    blocks = []
+    for b in range(cfg.n_blocks):
+        stored = VersionStore(folder, b).latest()
+        if stored is None:
+            raise CheckpointError(f"aggregator state {folder} holds no complete version of block {b}")
+        if files.state_sha256(stored.params) != stored.meta.get("info", {}).get("sha256"):
+            raise CheckpointError(f"block {b} version {stored.version} in {folder} fails its hash")
+        model = DiffusionBlock(cfg)
+        files.check_tensors(model.state_dict(), stored.params, f"block {b} version {stored.version} in {folder}")
+        model.load_state_dict(stored.params)
+        blocks.append(model)
+    return cfg, blocks
 
 
 def load_ar(folder: Path, expected: ModelConfig | None = None, with_optim: bool = False) -> Loaded:
@@ -114,4 +139,6 @@ def kind_of(folder: Path) -> str:
         return "block"
     if (folder / f"{AR_STEM}.json").exists():
         return "ar"
+    if (folder / RUN_FILE).exists():
+        return "block"
     raise CheckpointError(f"{folder} holds no btnode checkpoint (no block-0.json or ar.json)")

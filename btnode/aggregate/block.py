@@ -1,0 +1,229 @@
+"""`BlockAggregator` owns one block: its current version, the open round, the outer optimizer and
+the version store. Pushes, the deadline ticker and watchers meet here under one lock.
+
+Publishing version v+1: combine the accepted deltas (sorted by worker id), take the outer step,
+encode it with the publish codec, decode it again and add it to θ^v exactly as every worker will
+(fp32, same order), hash the result, write it durably, and only then announce it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
+from btnode.aggregate.rounds import Round, RoundConfig, Update
+from btnode.codec.codecs import Codec, decode
+from btnode.codec.frames import encode_raw
+from btnode.errors import MalformedInput, PeerInputError
+from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo
+from btnode.store.files import state_sha256
+from btnode.store.versions import VersionStore
+
+log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
+EF_PREFIX = "ef."  # publish-codec error feedback, stored with the outer state
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    round: RoundConfig = RoundConfig()
+    outer: OuterConfig = OuterConfig()
+    update_codecs: tuple[Codec, ...] = (Codec.FP32, Codec.BF16, Codec.INT8)
+    publish_codec: Codec = Codec.FP32  # lossless: every replica reaches θ^{v+1} exactly
+    keep: int = 3  # versions kept on disk
+    max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
+    history: int = 20  # round summaries kept for status
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    info: VersionInfo
+    closed_at: float
+
+
+class BlockAggregator:
+    def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
+                 clock: Callable[[], float] = time.time):
+        self.block = block
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        self.lock = threading.Condition()
+        self.outer = OuterOptimizer(cfg.outer)
+        self.residual: Tensors = {}
+        self.registered: set[str] = set()
+        self.counters: Counter = Counter()  # (outcome, reason) → count
+        self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
+        self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
+        self._norms: deque[float] = deque(maxlen=50)
+        stored = store.latest()
+        if stored is None:
+            self.params = {n: t.detach().clone().float() for n, t in initial.items()}
+            self.info = VersionInfo(block=block, version=0, base_version=0, sha256=state_sha256(self.params))
+            store.write(0, self.params, meta=self._meta(self.info))
+        else:
+            self.params = stored.params
+            self.info = _info_from_meta(stored.meta)
+            state = stored.outer
+            self.outer.load_state_dict({n: t for n, t in state.items() if not n.startswith(EF_PREFIX)})
+            self.residual = {n[len(EF_PREFIX):]: t for n, t in state.items() if n.startswith(EF_PREFIX)}
+            if state_sha256(self.params) != self.info.sha256:
+                raise MalformedInput("checksum", f"block {block} version {self.info.version} on disk fails its hash")
+            log.info("block %d resumed at version %d (%s)", block, self.info.version, self.info.sha256[:12])
+        self.spec = {n: tuple(t.shape) for n, t in self.params.items()}
+        self.round = Round(version=self.info.version, opened_at=self.clock(), cfg=cfg.round)
+
+    # -- membership -------------------------------------------------------------------------
+    def register(self, worker_id: str) -> None:
+        with self.lock:
+            self.registered.add(worker_id)
+
+    def unregister(self, worker_id: str) -> None:
+        with self.lock:
+            self.registered.discard(worker_id)
+            self._maybe_close()
+
+    # -- updates ----------------------------------------------------------------------------
+    def precheck(self, header: PushHeader) -> Judgement | None:
+        """Answer a push from its header alone when possible (re-push, late, stale), before any payload."""
+        with self.lock:
+            if header.update_id in self._answers:
+                return self._answers[header.update_id]
+            outcome, _, reason = self.round.judge(header.worker_id, header.base_version)
+            if outcome is Outcome.LATE:
+                return self._answer(header, self.round.judgement(outcome, reason))
+            return None
+
+    def submit(self, header: PushHeader, delta: Tensors) -> Judgement:
+        """Judge and (if accepted) record a decoded, frame-validated update."""
+        with self.lock:
+            if header.update_id in self._answers:
+                return self._answers[header.update_id]
+            try:
+                outcome, factor, reason = self.round.judge(header.worker_id, header.base_version)
+                if outcome is Outcome.ACCEPTED:
+                    self._check_norm(delta)
+            except PeerInputError as exc:
+                self.reject(header, exc)
+                raise
+            if outcome is not Outcome.ACCEPTED:
+                return self._answer(header, self.round.judgement(outcome, reason))
+            if not header.samples > 0 or not math.isfinite(header.samples):
+                err = MalformedInput("samples", f"update weight must be a positive number, got {header.samples}")
+                self.reject(header, err)
+                raise err
+            update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
+                            samples=header.samples, loss=header.loss, delta=delta, weight=header.samples * factor)
+            self.round.add(update)
+            self.counters[(Outcome.ACCEPTED.value, "")] += 1
+            answer = self._remember(header.update_id, self.round.judgement(Outcome.ACCEPTED))
+            self._maybe_close()
+            return answer
+
+    def reject(self, header: PushHeader | None, exc: PeerInputError) -> None:
+        """Count a refused push (called by the RPC layer for frame errors too)."""
+        outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
+        with self.lock:
+            self.counters[(outcome.value, exc.reason)] += 1
+            if header is not None:
+                self.round.note(header.worker_id, outcome, header.base_version)
+                self._maybe_close()
+        log.warning("block %d: %s update from %s: %s", self.block, outcome.value,
+                    header.worker_id if header else "?", exc)
+
+    def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
+        self.counters[(j.outcome.value, "")] += 1
+        self.round.note(header.worker_id, j.outcome, header.base_version)
+        self._maybe_close()
+        return self._remember(header.update_id, j)
+
+    def _remember(self, update_id: str, j: Judgement) -> Judgement:
+        self._answers[update_id] = j
+        while len(self._answers) > 4096:
+            self._answers.popitem(last=False)
+        return j
+
+    def _check_norm(self, delta: Tensors) -> None:
+        norm = self._norm(delta)
+        if len(self._norms) >= 3:
+            ref = statistics.median(self._norms)
+            if ref > 0 and norm > self.cfg.max_norm_ratio * ref:
+                raise MalformedInput("norm", f"update norm {norm:.4g} is over {self.cfg.max_norm_ratio:g}× "
+                                             f"the median accepted norm {ref:.4g}")
+
+    # -- closing ----------------------------------------------------------------------------
+    def tick(self) -> VersionInfo | None:
+        """Close the round if it is due; returns the newly published version, if any."""
+        with self.lock:
+            return self._maybe_close()
+
+    def _maybe_close(self) -> VersionInfo | None:
+        reason = self.round.close_reason(self.clock(), self.registered)
+        return self._close(reason) if reason else None
+
+    def _close(self, reason: str) -> VersionInfo:
+        ups = sorted(self.round.accepted.values(), key=lambda u: u.worker_id)
+        mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
+        step = self.outer.step(mean)
+        codec = self.cfg.publish_codec
+        if codec is not Codec.FP32:  # error feedback on the published step
+            step = {n: s + self.residual.get(n, 0) for n, s in step.items()}
+        raw = encode_raw(step, codec)
+        decoded = {n: decode(codec, raw[n], self.spec[n]) for n in step}
+        if codec is not Codec.FP32:
+            self.residual = {n: step[n] - decoded[n] for n in step}
+        params = {n: self.params[n] + decoded[n] for n in self.params}
+        counts = self.round.counts
+        info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
+                           sha256=state_sha256(params), delta_codec=codec, accepted=counts[Outcome.ACCEPTED],
+                           late=counts[Outcome.LATE], stale=counts[Outcome.STALE], rejected=counts[Outcome.REJECTED],
+                           mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
+        outer_state = {**self.outer.state_dict(), **{EF_PREFIX + n: r for n, r in self.residual.items()}}
+        self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
+                         outer=outer_state)
+        self._norms.extend(self._norm(u.delta) for u in ups)
+        self.params, self.info = params, info
+        now = self.clock()
+        self.recent.append(RoundSummary(info=info, closed_at=now))
+        self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
+        log.info("block %d: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
+                 self.block, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)
+        self.lock.notify_all()
+        return info
+
+    @staticmethod
+    def _norm(delta: Tensors) -> float:
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
+
+    def _meta(self, info: VersionInfo, rule: str = "") -> dict:
+        return {"info": {**info.__dict__, "delta_codec": info.delta_codec.name}, "rule": rule}
+
+    # -- reading ----------------------------------------------------------------------------
+    def current(self) -> tuple[VersionInfo, Tensors]:
+        with self.lock:
+            return self.info, self.params
+
+    def wait_for(self, after: int, timeout: float) -> VersionInfo | None:
+        """The current version once it is newer than `after`, or None after `timeout` seconds."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.info.version > after, timeout=timeout)
+            return self.info if self.info.version > after else None
+
+    def delta(self, version: int) -> tuple[VersionInfo, Codec, dict[str, bytes]]:
+        codec, raw, meta = self.store.delta(version)
+        return _info_from_meta(meta), codec, raw
+
+
+def _info_from_meta(meta: dict) -> VersionInfo:
+    d = dict(meta["info"])
+    d["delta_codec"] = Codec[d["delta_codec"]]
+    return VersionInfo(**d)

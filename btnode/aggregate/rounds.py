@@ -1,0 +1,94 @@
+"""One block's round (design §3.3): which updates count toward version v+1, and when it closes.
+
+A round opens when version v is published. An update based on v (or, with a staleness bound s,
+on v−s … v−1, weighted down) is accepted while the round is open. One based on the version
+just before the oldest accepted one is LATE: its round closed before it arrived. Anything older
+is STALE. The round closes at its deadline once `min_updates` are accepted, or earlier once every
+registered replica has reported and at least one update was accepted. With none accepted it
+stays open: a block never publishes a version nobody trained.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from btnode.errors import ConfigError, MalformedInput, StaleUpdate
+from btnode.protocol import Judgement, Outcome
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    deadline_s: float = 30.0  # τ: seconds after a round opens before it may close
+    min_updates: int = 1  # accepted updates needed to close at the deadline
+    max_staleness: int = 0  # accept updates based on up to this many versions back
+    staleness_decay: float = 0.5  # weight factor per version of staleness
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.min_updates < 1 or self.max_staleness < 0 or not 0 < self.staleness_decay <= 1:
+            raise ConfigError(f"invalid round settings: {self}")
+
+
+@dataclass
+class Update:
+    worker_id: str
+    update_id: str
+    base_version: int
+    samples: float
+    loss: float
+    delta: dict[str, torch.Tensor]
+    weight: float
+
+
+@dataclass
+class Round:
+    version: int
+    opened_at: float
+    cfg: RoundConfig
+    accepted: dict[str, Update] = field(default_factory=dict)  # by worker id
+    reported: set[str] = field(default_factory=set)
+    counts: Counter = field(default_factory=Counter)
+
+    def judge(self, worker_id: str, base_version: int) -> tuple[Outcome, float, str]:
+        """(outcome, staleness weight factor, reason) for an update's timing, before its content."""
+        v, s = self.version, self.cfg.max_staleness
+        if base_version > v:
+            raise MalformedInput("future_version", f"base version {base_version} is ahead of the current version {v}")
+        if worker_id in self.accepted:
+            raise MalformedInput("duplicate", f"worker {worker_id!r} already has an accepted update in round {v}")
+        if base_version >= v - s:
+            return Outcome.ACCEPTED, self.cfg.staleness_decay ** (v - base_version), ""
+        if base_version == v - s - 1:
+            return Outcome.LATE, 0.0, (f"round {base_version} closed before this update arrived; "
+                                       f"the block is at version {v}")
+        raise StaleUpdate("stale", f"base version {base_version} is older than the staleness bound allows "
+                                   f"(current {v}, max staleness {s})")
+
+    def add(self, update: Update) -> None:
+        self.accepted[update.worker_id] = update
+        self.reported.add(update.worker_id)
+        self.counts[Outcome.ACCEPTED] += 1
+
+    def note(self, worker_id: str, outcome: Outcome, base_version: int) -> None:
+        """Record a non-accepted report (late, stale, rejected). Only a report based on this
+        round's version means the replica is done with this round; a late one is still coming."""
+        if base_version == self.version:
+            self.reported.add(worker_id)
+        self.counts[outcome] += 1
+
+    def close_reason(self, now: float, registered: set[str]) -> str | None:
+        if not self.accepted:
+            return None
+        if now >= self.opened_at + self.cfg.deadline_s and len(self.accepted) >= self.cfg.min_updates:
+            return "deadline"
+        if registered and registered <= self.reported:
+            return "all_reported"
+        return None
+
+    def deadline(self) -> float:
+        return self.opened_at + self.cfg.deadline_s
+
+    def judgement(self, outcome: Outcome, reason: str = "") -> Judgement:
+        return Judgement(outcome=outcome, reason=reason, round_version=self.version)

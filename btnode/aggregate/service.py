@@ -1,0 +1,82 @@
+"""`SwarmAggregator`: the aggregator role's domain object. It owns a set of blocks (all of them,
+or a disjoint share when several aggregators split the model), admits workers whose run
+fingerprint matches, and answers status. rpc/server.py is a thin layer over it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from btnode.aggregate.block import AggregatorConfig, BlockAggregator
+from btnode.errors import ConfigError, ConfigMismatchError, UnknownBlock
+from btnode.model.config import ModelConfig
+from btnode.protocol import JoinInfo
+from btnode.store.models import RUN_FILE, init_block
+from btnode.store.versions import VersionStore
+
+log = logging.getLogger(__name__)
+
+
+class SwarmAggregator:
+    def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
+                 seed: int = 0, clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.acfg = acfg
+        self.fingerprint = cfg.fingerprint()
+        owned = sorted(set(range(cfg.n_blocks) if blocks is None else blocks))
+        if not owned or any(not 0 <= b < cfg.n_blocks for b in owned):
+            raise ConfigError(f"blocks {owned} out of range for n_blocks={cfg.n_blocks}")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self._check_state_dir(state_dir)
+        self.blocks = {b: BlockAggregator(b, init_block(cfg, b, seed).state_dict(),
+                                          VersionStore(state_dir, b, keep=acfg.keep), acfg, clock=clock)
+                       for b in owned}
+        self.counters: Counter = Counter()  # (name, reason) for events outside one block
+
+    def _check_state_dir(self, state_dir: Path) -> None:
+        """A state folder belongs to one run: refuse to mix versions of different configurations."""
+        marker = state_dir / RUN_FILE
+        if marker.exists():
+            theirs = ModelConfig.from_dict(json.loads(marker.read_text())["model"])
+            self.cfg.require_same(theirs, f"state folder {state_dir}")
+        else:
+            from btnode.store.files import atomic_write
+
+            atomic_write(marker, json.dumps({"model": self.cfg.to_dict(), "fingerprint": self.fingerprint},
+                                            indent=1).encode())
+
+    def block(self, b: int) -> BlockAggregator:
+        agg = self.blocks.get(b)
+        if agg is None:
+            raise UnknownBlock("unknown_block", f"this aggregator owns blocks {sorted(self.blocks)}, not block {b}")
+        return agg
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
+        if fingerprint != self.fingerprint:
+            self.counters[("join_refused", "fingerprint")] += 1
+            try:
+                theirs = ModelConfig.from_dict(json.loads(config_json))
+            except (ValueError, TypeError, ConfigError):
+                raise ConfigMismatchError(f"worker {worker_id!r} has run fingerprint {fingerprint[:12]}…, this swarm "
+                                          f"runs {self.fingerprint[:12]}… (its settings could not be read)", []) from None
+            fields = self.cfg.diff(theirs)
+            detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
+            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
+        agg = self.block(block)
+        agg.register(worker_id)
+        self.counters[("joins", "")] += 1
+        log.info("worker %s joined block %d", worker_id, block)
+        return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
+                        max_staleness=self.acfg.round.max_staleness)
+
+    def leave(self, worker_id: str, block: int) -> None:
+        self.block(block).unregister(worker_id)
+        log.info("worker %s left block %d", worker_id, block)
+
+    def tick(self) -> None:
+        for agg in self.blocks.values():
+            agg.tick()

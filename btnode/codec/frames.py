@@ -1,0 +1,184 @@
+"""Frames (design §3.5): one tensor = a header (name, dtype, shape, codec, raw and payload sizes,
+sha256 of the raw bytes) and a zstd payload, sent as chunks of at most CHUNK_BYTES.
+
+`encode_frames` / `iter_chunks` produce the wire sequence; `FrameAssembler` consumes one and
+checks every rule against the exact tensor spec the receiver expects, so that nothing partial or
+invalid is ever handed on. This module knows no gRPC: rpc/ converts these to protobuf messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from btnode.codec.codecs import Codec, decode, encode, raw_size
+from btnode.errors import MalformedInput, TooLarge
+
+CHUNK_BYTES = 1 << 20  # at most 1 MiB of payload per chunk
+ZSTD_LEVEL = 1
+DTYPE = "float32"  # the only decoded dtype blocks use
+
+Spec = Mapping[str, tuple[int, ...]]  # tensor name → shape, in canonical order
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    name: str
+    shape: tuple[int, ...]
+    codec: Codec
+    raw_bytes: int
+    payload_bytes: int
+    sha256: bytes
+    dtype: str = DTYPE
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: FrameHeader
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class ChunkData:
+    header: FrameHeader | None  # present on the first chunk of each frame
+    data: bytes
+
+
+def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in tensors.items()}
+
+
+def frame_from_raw(name: str, shape: tuple[int, ...], codec: Codec, raw: bytes) -> Frame:
+    payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+    header = FrameHeader(name=name, shape=tuple(shape), codec=codec, raw_bytes=len(raw),
+                         payload_bytes=len(payload), sha256=hashlib.sha256(raw).digest())
+    return Frame(header, payload)
+
+
+def encode_raw(tensors: Mapping[str, torch.Tensor], codec: Codec) -> dict[str, bytes]:
+    """Codec representation of each tensor (before zstd), in the mapping's order."""
+    return {name: encode(codec, t) for name, t in tensors.items()}
+
+
+def encode_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> list[Frame]:
+    return [frame_from_raw(name, tuple(t.shape), codec, encode(codec, t)) for name, t in tensors.items()]
+
+
+def iter_chunks(frames: Iterable[Frame], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
+    for f in frames:
+        payload = f.payload
+        yield ChunkData(f.header, payload[:chunk_bytes])
+        for lo in range(chunk_bytes, len(payload), chunk_bytes):
+            yield ChunkData(None, payload[lo:lo + chunk_bytes])
+
+
+def wire_bytes(frames: Iterable[Frame]) -> tuple[int, int]:
+    """(raw bytes before compression, payload bytes after) of a frame list."""
+    raw = payload = 0
+    for f in frames:
+        raw += f.header.raw_bytes
+        payload += f.header.payload_bytes
+    return raw, payload
+
+
+class FrameAssembler:
+    """Rebuilds tensors from a chunk stream, validating against `spec`.
+
+    Raises MalformedInput (truncated stream, unknown or repeated name, wrong shape/dtype/codec,
+    size or checksum mismatch, NaN/Inf) or TooLarge (frame or chunk over its limit). Call
+    `finish()` when the stream ends: it raises unless every tensor of the spec arrived whole.
+    """
+
+    def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
+                 max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True):
+        self.spec = dict(spec)
+        self.codecs = set(codecs)
+        self.max_frame_bytes = max_frame_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.finite = finite
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.raw: dict[str, bytes] = {}
+        self._current: FrameHeader | None = None
+        self._parts: list[bytes] = []
+        self._received = 0
+        self.wire_bytes = 0  # payload bytes received so far
+
+    def add(self, chunk: ChunkData) -> None:
+        if len(chunk.data) > self.max_chunk_bytes:
+            raise TooLarge("chunk_size", f"chunk of {len(chunk.data)} bytes exceeds {self.max_chunk_bytes}")
+        self.wire_bytes += len(chunk.data)
+        if chunk.header is not None:
+            if self._current is not None:
+                raise MalformedInput("truncated", f"frame {self._current.name!r} ended after "
+                                     f"{self._received} of {self._current.payload_bytes} payload bytes")
+            self._start(chunk.header)
+        elif self._current is None:
+            raise MalformedInput("no_header", "chunk without a frame header")
+        assert self._current is not None
+        self._received += len(chunk.data)
+        if self._received > self._current.payload_bytes:
+            raise MalformedInput("size", f"frame {self._current.name!r} carries more than its "
+                                 f"declared {self._current.payload_bytes} payload bytes")
+        self._parts.append(chunk.data)
+        if self._received == self._current.payload_bytes:
+            self._complete()
+
+    def _start(self, h: FrameHeader) -> None:
+        if h.name not in self.spec:
+            raise MalformedInput("unknown_tensor", f"unknown tensor {h.name!r}")
+        if h.name in self.tensors:
+            raise MalformedInput("duplicate_tensor", f"tensor {h.name!r} sent twice")
+        want = self.spec[h.name]
+        if tuple(h.shape) != tuple(want):
+            raise MalformedInput("shape", f"tensor {h.name!r} has shape {tuple(h.shape)}, expected {tuple(want)}")
+        if h.dtype != DTYPE:
+            raise MalformedInput("dtype", f"tensor {h.name!r} has dtype {h.dtype}, expected {DTYPE}")
+        if h.codec not in self.codecs:
+            raise MalformedInput("codec", f"tensor {h.name!r} uses codec {h.codec!r}, accepted: "
+                                 f"{sorted(c.name for c in self.codecs)}")
+        expected_raw = raw_size(h.codec, math.prod(want))
+        if h.raw_bytes != expected_raw:
+            raise MalformedInput("size", f"tensor {h.name!r} declares {h.raw_bytes} raw bytes, "
+                                 f"{h.codec.name} needs {expected_raw}")
+        if h.payload_bytes > self.max_frame_bytes:
+            raise TooLarge("frame_size", f"frame {h.name!r} of {h.payload_bytes} bytes exceeds "
+                           f"the limit of {self.max_frame_bytes}")
+        if len(h.sha256) != 32:
+            raise MalformedInput("checksum", f"tensor {h.name!r} has no valid sha256")
+        self._current, self._parts, self._received = h, [], 0
+        if h.payload_bytes == 0:
+            raise MalformedInput("size", f"frame {h.name!r} declares an empty payload")
+
+    def _complete(self) -> None:
+        h = self._current
+        assert h is not None
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(b"".join(self._parts), max_output_size=h.raw_bytes)
+        except zstandard.ZstdError as exc:
+            raise MalformedInput("zstd", f"tensor {h.name!r}: payload is not valid zstd data: {exc}") from exc
+        if len(raw) != h.raw_bytes:
+            raise MalformedInput("size", f"tensor {h.name!r} decompressed to {len(raw)} bytes, "
+                                 f"header says {h.raw_bytes}")
+        if hashlib.sha256(raw).digest() != h.sha256:
+            raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
+        t = decode(h.codec, raw, h.shape)
+        if self.finite and not bool(torch.isfinite(t).all()):
+            raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
+        self.tensors[h.name] = t
+        self.raw[h.name] = raw
+        self._current, self._parts = None, []
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if self._current is not None:
+            raise MalformedInput("truncated", f"stream ended inside frame {self._current.name!r} "
+                                 f"({self._received} of {self._current.payload_bytes} bytes)")
+        missing = [n for n in self.spec if n not in self.tensors]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise MalformedInput("truncated", f"stream ended without tensors {', '.join(missing[:3])}{more}")
+        return {n: self.tensors[n] for n in self.spec}

@@ -1,0 +1,47 @@
+"""Run the aggregator role: serve the swarm RPCs, close rounds on time, stop cleanly on a signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.service import SwarmAggregator
+from btnode.model.config import ModelConfig
+from btnode.rpc.server import serve
+from btnode.store.files import atomic_write
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05  # how often deadlines are checked
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    def handler(signum: int, frame: object) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path, listen: str,
+                   blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
+                   stop: threading.Event | None = None) -> None:
+    stop = stop or threading.Event()
+    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed)
+    server, port, server_stop = serve(agg, listen)
+    host = listen.rsplit(":", 1)[0]
+    log.info("aggregator for blocks %s listening on %s:%d (fingerprint %s…)", sorted(agg.blocks), host, port,
+             agg.fingerprint[:12])
+    if port_file is not None:
+        atomic_write(port_file, f"{port}\n".encode())
+    try:
+        while not stop.is_set():
+            agg.tick()
+            stop.wait(TICK_S)
+    finally:
+        server_stop.set()
+        server.stop(grace=5.0).wait()
+        log.info("aggregator stopped")

@@ -1,0 +1,121 @@
+"""`btnode swarm`: a whole swarm on this machine: one aggregator and B × R workers, each its own
+process on loopback, started through the real CLI. Prints the CE each block's accepted updates
+reported, per round, as versions are published."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from btnode.errors import BtnodeError, PeerUnavailable
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.convert import info_from_pb
+from btnode.protocol import VersionInfo
+
+log = logging.getLogger(__name__)
+CLI = [sys.executable, "-m", "btnode_cli.main"]
+
+
+@dataclass
+class SwarmResult:
+    port: int
+    versions: dict[int, int] = field(default_factory=dict)  # block → newest version
+    history: list[VersionInfo] = field(default_factory=list)
+    worker_codes: list[int] = field(default_factory=list)
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise BtnodeError(f"the aggregator exited with code {proc.returncode} before listening")
+        time.sleep(0.1)
+    raise PeerUnavailable(f"the aggregator did not start listening within {timeout_s:.0f} s")
+
+
+def run_swarm(*, state_dir: Path, n_blocks: int, replicas: int, rounds: int, shape_args: list[str],
+              aggregator_args: list[str], worker_args: list[str], echo: Callable[[str], None] = print,
+              timeout_s: float = 3600.0) -> SwarmResult:
+    """Run until every worker has pushed `rounds` updates; returns what was published."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    port_file = state_dir / "aggregator.port"
+    port_file.unlink(missing_ok=True)
+    logs = state_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen] = []
+
+    def spawn(args: list[str], name: str) -> subprocess.Popen:
+        out = open(logs / f"{name}.log", "ab")
+        p = subprocess.Popen(CLI + args, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(p)
+        return p
+
+    agg = spawn(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                 "--port-file", str(port_file), *shape_args, *aggregator_args], "aggregator")
+    try:
+        port = int(_wait_for_file(port_file, agg, 120.0))
+        result = SwarmResult(port=port)
+        peer = f"127.0.0.1:{port}"
+        echo(f"aggregator on {peer}; starting {n_blocks} × {replicas} workers for {rounds} rounds "
+             f"(logs in {logs})")
+        workers = [spawn(["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id", f"b{b}r{r}",
+                          "--rounds", str(rounds), "--stats-file", str(logs / f"b{b}r{r}.stats.json"),
+                          *shape_args, *worker_args], f"worker-b{b}r{r}")
+                   for b in range(n_blocks) for r in range(replicas)]
+        client = SwarmClient(peer, timeout_s=10.0)
+        seen: dict[int, int] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                _report(client, seen, result, echo)
+                if all(w.poll() is not None for w in workers):
+                    _report(client, seen, result, echo)
+                    break
+                if agg.poll() is not None:
+                    raise BtnodeError(f"the aggregator exited with code {agg.returncode}; see {logs}/aggregator.log")
+                if time.monotonic() > deadline:
+                    raise BtnodeError(f"the swarm did not finish within {timeout_s:.0f} s")
+                time.sleep(0.5)
+        finally:
+            client.close()
+        result.worker_codes = [w.returncode for w in workers]
+        failed = [i for i, c in enumerate(result.worker_codes) if c != 0]
+        if failed:
+            raise BtnodeError(f"{len(failed)} worker(s) failed; see {logs}")
+        return result
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo: Callable[[str], None]) -> None:
+    try:
+        status = client.status()
+    except PeerUnavailable:
+        return
+    for bs in status.blocks:
+        for r in bs.recent:
+            info = info_from_pb(r.version)
+            if info.version > seen.get(info.block, 0):
+                seen[info.block] = info.version
+                result.versions[info.block] = info.version
+                result.history.append(info)
+                loss = f"{info.mean_loss:.4f}" if not math.isnan(info.mean_loss) else "n/a"
+                echo(f"block {info.block} round {info.version - 1} → v{info.version}: train CE {loss} "
+                     f"({info.accepted} accepted, {info.late} late, {info.stale} stale, {info.rejected} rejected; "
+                     f"{info.closed_by})")

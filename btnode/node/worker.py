@@ -1,0 +1,47 @@
+"""Run the worker role: connect to the aggregator (retrying until it is up), train, stop on a signal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from btnode.errors import PeerUnavailable
+from btnode.model.config import ModelConfig
+from btnode.rpc.client import SwarmClient
+from btnode.store.files import atomic_write
+from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
+from btnode.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: bytes,
+               device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
+               stop: threading.Event | None = None) -> WorkerStats:
+    stop = stop or threading.Event()
+    link = SwarmClient(peer)
+    try:
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
+            try:
+                stats = worker.run(stop)
+                break
+            except PeerUnavailable as exc:
+                if time.monotonic() > deadline or worker.stats.pushes:
+                    raise
+                log.info("aggregator at %s not reachable yet (%s); retrying", peer, exc)
+                stop.wait(1.0)
+    finally:
+        link.close()
+    if stats_file is not None:
+        d = asdict(stats)
+        d["wall_seconds"] = time.perf_counter() - stats.started
+        atomic_write(stats_file, json.dumps(d, indent=1).encode())
+    return stats

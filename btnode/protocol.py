@@ -1,0 +1,97 @@
+"""The swarm's shared vocabulary, free of gRPC: versions, push headers, outcomes, and the
+`AggregatorLink` a worker talks through. rpc/ converts these to and from protobuf messages;
+an in-process link (tests, the simulator) can implement AggregatorLink without any network."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import Frame
+
+
+class Outcome(Enum):
+    ACCEPTED = "accepted"
+    LATE = "late"
+    STALE = "stale"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    block: int
+    version: int
+    base_version: int  # the published delta turns base_version into version (0 → 0 for the seed)
+    sha256: str  # store.files.state_sha256 of θ^version
+    delta_codec: Codec = Codec.FP32
+    accepted: int = 0
+    late: int = 0
+    stale: int = 0
+    rejected: int = 0
+    mean_loss: float = float("nan")
+    closed_by: str = ""
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    worker_id: str
+    block: int
+    base_version: int
+    samples: float  # weight: windows trained since the base version
+    loss: float  # mean training CE over those steps
+    codec: Codec
+    update_id: str
+
+
+@dataclass(frozen=True)
+class Judgement:
+    outcome: Outcome
+    reason: str
+    round_version: int
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    current: VersionInfo
+    deadline_s: float
+    codecs: tuple[Codec, ...]
+    max_staleness: int
+
+
+@dataclass
+class Transfer:
+    """Bytes a call moved: codec representation before zstd, and payload after."""
+
+    raw: int = 0
+    wire: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Pulled:
+    info: VersionInfo
+    tensors: dict[str, torch.Tensor]
+    transfer: Transfer = field(default_factory=Transfer)
+
+
+class AggregatorLink(Protocol):
+    """What a worker needs from the aggregator that owns its block."""
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo: ...
+
+    def leave(self, worker_id: str, block: int) -> None: ...
+
+    def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled: ...
+
+    def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled: ...
+
+    def push(self, header: PushHeader, frames: list[Frame]) -> Judgement: ...
+
+    def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,118 @@
+"""`SwarmClient`: the worker's AggregatorLink over gRPC. Status codes come back as domain errors;
+a push that was judged by content (stale, invalid) comes back as a Judgement the worker can act on."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+
+import grpc
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import CHUNK_BYTES, Frame, FrameAssembler, iter_chunks
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError
+from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
+from btnode.rpc import convert
+from btnode.rpc.server import CHANNEL_OPTIONS, FRAME_SLACK
+from btnode.rpc.status import error_from_rpc
+from btnode.v1 import swarm_pb2 as pb
+from btnode.v1 import swarm_pb2_grpc as pb_grpc
+
+
+class SwarmClient:
+    def __init__(self, address: str, *, timeout_s: float = 120.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SwarmStub(self.channel)
+        self._watches: list[grpc.Future] = []
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, timeout=self.timeout_s, **kwargs)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"{what} at {self.address}") from None
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
+        reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
+                                                                  fingerprint=fingerprint, config_json=config_json))
+        return convert.join_from_pb(reply)
+
+    def leave(self, worker_id: str, block: int) -> None:
+        self._call("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, block=block))
+
+    def _tensor_stream(self, what: str, call, spec: Mapping[str, tuple[int, ...]], codecs: list[Codec]) -> Pulled:
+        """Read one info message then chunks, validating every frame against `spec`."""
+        t0 = time.perf_counter()
+        largest = max(4 * math.prod(s) for s in spec.values())
+        asm = FrameAssembler(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES)
+        info = None
+        try:
+            for msg in call:
+                kind = msg.WhichOneof("kind")
+                if kind == "info" and info is None:
+                    info = convert.info_from_pb(msg.info)
+                elif kind == "chunk" and info is not None:
+                    asm.add(convert.chunk_from_pb(msg.chunk))
+                else:
+                    raise MalformedInput("stream", f"{what}: unexpected {kind} message")
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"{what} at {self.address}") from None
+        except PeerInputError:
+            call.cancel()
+            raise
+        if info is None:
+            raise MalformedInput("truncated", f"{what}: stream ended before its version info")
+        tensors = asm.finish()
+        raw = sum(len(b) for b in asm.raw.values())
+        return Pulled(info=info, tensors=tensors, transfer=Transfer(raw=raw, wire=asm.wire_bytes,
+                                                                  seconds=time.perf_counter() - t0))
+
+    def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
+        call = self.stub.Pull(pb.PullRequest(block=block, worker_id=worker_id), timeout=self.timeout_s)
+        return self._tensor_stream("pull", call, spec, [Codec.FP32])
+
+    def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
+        call = self.stub.FetchDelta(pb.FetchDeltaRequest(block=block, version=version), timeout=self.timeout_s)
+        return self._tensor_stream("fetch delta", call, spec, list(Codec))
+
+    def push(self, header: PushHeader, frames: list[Frame]) -> Judgement:
+        """Push an update; invalid or stale updates come back as REJECTED/STALE judgements."""
+
+        def messages() -> Iterator[pb.PushMessage]:
+            yield pb.PushMessage(header=convert.push_header_to_pb(header))
+            for chunk in iter_chunks(frames):
+                yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))
+
+        try:
+            reply = self._call("push", self.stub.Push, messages())
+        except PeerInputError as exc:
+            outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
+            return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
+        return convert.judgement_from_pb(reply)
+
+    def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
+        """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""
+        call = self.stub.Watch(pb.WatchRequest(block=block, worker_id=worker_id))
+        self._watches.append(call)
+        try:
+            for msg in call:
+                yield convert.info_from_pb(msg)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"watch at {self.address}") from None
+        finally:
+            if call in self._watches:
+                self._watches.remove(call)
+
+    def status(self) -> pb.StatusReply:
+        return self._call("status", self.stub.Status, pb.StatusRequest())
+
+    def close(self) -> None:
+        for call in list(self._watches):
+            call.cancel()
+        self.channel.close()
+
+
+
+__all__ = ["SwarmClient", "BtnodeError"]

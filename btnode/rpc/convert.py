@@ -1,0 +1,102 @@
+"""Protobuf ⇄ domain objects. Every field coming from a peer is checked here before it becomes a
+domain value; a bad enum, a negative dimension or a missing header is MalformedInput."""
+
+from __future__ import annotations
+
+import math
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
+from btnode.errors import MalformedInput
+from btnode.protocol import Judgement, JoinInfo, Outcome, PushHeader, VersionInfo
+from btnode.v1 import swarm_pb2 as pb
+
+# The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
+_WIRE_CODECS = {v for v in pb.Codec.values() if v != pb.CODEC_UNSPECIFIED}
+if _WIRE_CODECS != {c.value for c in Codec} or any(pb.Codec.Name(c.value) != c.name for c in Codec):
+    raise ImportError(f"btnode.v1.Codec {sorted(_WIRE_CODECS)} and btnode.codec.Codec {list(Codec)} disagree")
+
+_OUTCOMES = {Outcome.ACCEPTED: pb.ACCEPTED, Outcome.LATE: pb.LATE, Outcome.STALE: pb.STALE,
+             Outcome.REJECTED: pb.REJECTED}
+_OUTCOMES_BACK = {v: k for k, v in _OUTCOMES.items()}
+MAX_DIMS = 8
+MAX_NAME = 256
+
+
+def codec_from_pb(value: int) -> Codec:
+    try:
+        return Codec(value)
+    except ValueError:
+        raise MalformedInput("codec", f"unknown codec value {value}") from None
+
+
+def header_to_pb(h: FrameHeader) -> pb.FrameHeader:
+    return pb.FrameHeader(name=h.name, dtype=pb.FLOAT32, shape=list(h.shape), codec=int(h.codec),
+                          raw_bytes=h.raw_bytes, payload_bytes=h.payload_bytes, sha256=h.sha256)
+
+
+def header_from_pb(m: pb.FrameHeader) -> FrameHeader:
+    if len(m.name) > MAX_NAME or len(m.shape) > MAX_DIMS or any(d < 0 for d in m.shape):
+        raise MalformedInput("header", f"malformed frame header for {m.name[:64]!r}")
+    dtype = DTYPE if m.dtype == pb.FLOAT32 else f"dtype#{m.dtype}"
+    return FrameHeader(name=m.name, shape=tuple(int(d) for d in m.shape), codec=codec_from_pb(m.codec),
+                       raw_bytes=int(m.raw_bytes), payload_bytes=int(m.payload_bytes), sha256=bytes(m.sha256),
+                       dtype=dtype)
+
+
+def chunk_to_pb(c: ChunkData) -> pb.Chunk:
+    if c.header is None:
+        return pb.Chunk(data=c.data)
+    return pb.Chunk(header=header_to_pb(c.header), data=c.data)
+
+
+def chunk_from_pb(m: pb.Chunk) -> ChunkData:
+    return ChunkData(header=header_from_pb(m.header) if m.HasField("header") else None, data=bytes(m.data))
+
+
+def info_to_pb(i: VersionInfo) -> pb.VersionInfo:
+    return pb.VersionInfo(block=i.block, version=i.version, base_version=i.base_version, sha256=bytes.fromhex(i.sha256),
+                          delta_codec=int(i.delta_codec), accepted=i.accepted, late=i.late, stale=i.stale,
+                          rejected=i.rejected, mean_loss=i.mean_loss, closed_by=i.closed_by)
+
+
+def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
+    if len(m.sha256) != 32:
+        raise MalformedInput("checksum", "version announcement without a valid sha256")
+    return VersionInfo(block=m.block, version=m.version, base_version=m.base_version, sha256=m.sha256.hex(),
+                       delta_codec=codec_from_pb(m.delta_codec), accepted=m.accepted, late=m.late, stale=m.stale,
+                       rejected=m.rejected, mean_loss=m.mean_loss, closed_by=m.closed_by)
+
+
+def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
+    return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
+                         loss=h.loss, codec=int(h.codec), update_id=h.update_id)
+
+
+def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
+    if not m.worker_id or not m.update_id or len(m.worker_id) > MAX_NAME or len(m.update_id) > MAX_NAME:
+        raise MalformedInput("header", "push header needs a worker_id and an update_id (≤ 256 characters)")
+    if not (math.isfinite(m.samples) and m.samples > 0):
+        raise MalformedInput("samples", f"update weight must be a positive number, got {m.samples}")
+    return PushHeader(worker_id=m.worker_id, block=m.block, base_version=m.base_version, samples=m.samples,
+                      loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id)
+
+
+def judgement_to_pb(j: Judgement) -> pb.PushReply:
+    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version)
+
+
+def judgement_from_pb(m: pb.PushReply) -> Judgement:
+    if m.outcome not in _OUTCOMES_BACK:
+        raise MalformedInput("outcome", f"unknown push outcome {m.outcome}")
+    return Judgement(outcome=_OUTCOMES_BACK[m.outcome], reason=m.reason, round_version=m.round_version)
+
+
+def join_to_pb(j: JoinInfo) -> pb.JoinReply:
+    return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[int(c) for c in j.codecs],
+                        max_staleness=j.max_staleness)
+
+
+def join_from_pb(m: pb.JoinReply) -> JoinInfo:
+    return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
+                    codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness)

@@ -1,0 +1,200 @@
+"""The aggregator's gRPC service: a thin layer over SwarmAggregator.
+
+Every handler runs inside `_guard`, which plays the interceptor: domain errors become their
+status code (with the reason in trailing metadata), anything unexpected is logged and becomes
+INTERNAL, and the process keeps serving. Message sizes are set explicitly on both ends.
+"""
+
+from __future__ import annotations
+
+import math
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec, raw_size
+from btnode.codec.frames import CHUNK_BYTES, FrameAssembler, encode_frames, frame_from_raw, iter_chunks
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError
+from btnode.protocol import PushHeader
+from btnode.rpc import convert
+from btnode.rpc.status import REASON_KEY, code_for, reason_for
+from btnode.v1 import swarm_pb2 as pb
+from btnode.v1 import swarm_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20  # a 1 MiB chunk plus headers fits with room to spare
+FRAME_SLACK = 64 << 10  # zstd may grow incompressible data slightly
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+
+
+def _abort(context: grpc.ServicerContext, exc: BtnodeError) -> None:
+    context.set_trailing_metadata(((REASON_KEY, reason_for(exc)),))
+    context.abort(code_for(exc), str(exc))
+
+
+def _guard(method: Callable) -> Callable:
+    """Map errors to status codes for unary and server-streaming handlers alike."""
+
+    def handle(self: Any, context: grpc.ServicerContext, exc: BaseException) -> None:
+        if isinstance(exc, BtnodeError):
+            _abort(context, exc)
+        log.exception("internal error in %s", method.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}")
+
+    if getattr(method, "streaming", False):
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the guard is the last line
+                handle(self, context, exc)
+        return stream
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            handle(self, context, exc)
+    return unary
+
+
+def streaming(method: Callable) -> Callable:
+    method.streaming = True  # type: ignore[attr-defined]
+    return method
+
+
+class SwarmServicer(pb_grpc.SwarmServicer):
+    def __init__(self, agg: SwarmAggregator, stop: threading.Event):
+        self.agg = agg
+        self.stop = stop
+
+    @_guard
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json)
+        return convert.join_to_pb(info)
+
+    @_guard
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.agg.leave(request.worker_id, request.block)
+        return pb.LeaveReply()
+
+    @_guard
+    @streaming
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+        info, params = self.agg.block(request.block).current()
+        yield pb.TensorStream(info=convert.info_to_pb(info))
+        for chunk in iter_chunks(encode_frames(params, Codec.FP32)):
+            yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+
+    @_guard
+    @streaming
+    def FetchDelta(self, request: pb.FetchDeltaRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+        block = self.agg.block(request.block)
+        info, codec, raw = block.delta(request.version)
+        yield pb.TensorStream(info=convert.info_to_pb(info))
+        frames = [frame_from_raw(n, block.spec[n], codec, raw[n]) for n in block.spec]
+        for chunk in iter_chunks(frames):
+            yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+
+    @_guard
+    def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise MalformedInput("no_header", "a push must start with its header")
+            header = convert.push_header_from_pb(first.header)
+            block = self.agg.block(header.block)
+        except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
+            self.agg.counters[("rejected", exc.reason)] += 1
+            log.warning("rejected push: %s", exc)
+            raise
+        try:
+            early = block.precheck(header)
+            if early is not None:
+                return convert.judgement_to_pb(early)
+            if header.codec not in self.agg.acfg.update_codecs:
+                raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
+            largest = max(raw_size(Codec.FP32, math.prod(s)) for s in block.spec.values())
+            asm = FrameAssembler(block.spec, codecs=[header.codec], max_frame_bytes=largest + FRAME_SLACK,
+                                 max_chunk_bytes=CHUNK_BYTES)
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise MalformedInput("header", "a push carries one header, then chunks only")
+                asm.add(convert.chunk_from_pb(msg.chunk))
+            delta = asm.finish()
+        except PeerInputError as exc:
+            block.reject(header, exc)
+            raise
+        return convert.judgement_to_pb(block.submit(header, delta))
+
+    @_guard
+    @streaming
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionInfo]:
+        """Announce the current version, then every new one, until the client goes away."""
+        block = self.agg.block(request.block)
+        worker = request.worker_id
+        if worker:
+            block.register(worker)
+            context.add_callback(lambda: block.unregister(worker))
+        last = -1
+        while context.is_active() and not self.stop.is_set():
+            info = block.wait_for(last, timeout=0.5)
+            if info is not None:
+                last = info.version
+                yield convert.info_to_pb(info)
+
+    @_guard
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        import json
+        import time
+
+        reply = pb.StatusReply(fingerprint=self.agg.fingerprint, config_json=json.dumps(self.agg.cfg.to_dict()),
+                               server_time_unix=time.time())
+        for b, block in sorted(self.agg.blocks.items()):
+            with block.lock:
+                bs = reply.blocks.add(block=b, current=convert.info_to_pb(block.info), replicas=sorted(block.registered),
+                                      round_age_s=block.clock() - block.round.opened_at,
+                                      accepted_in_round=len(block.round.accepted))
+                for r in block.recent:
+                    bs.recent.add(version=convert.info_to_pb(r.info), closed_at_unix=r.closed_at)
+                for (outcome, reason), n in block.counters.items():
+                    reply.counters.add(name="updates", labels={"block": str(b), "outcome": outcome, "reason": reason},
+                                       value=n)
+        for (name, reason), n in self.agg.counters.items():
+            reply.counters.add(name=name, labels={"reason": reason}, value=n)
+        return reply
+
+
+
+def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64) -> tuple[grpc.Server, int, threading.Event]:
+    """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event)."""
+    stop = threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+                         options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4)
+    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        from btnode.errors import ConfigError
+
+        raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
+    server.start()
+    return server, port, stop
+
+
+__all__ = ["serve", "SwarmServicer", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "PushHeader"]

@@ -1,0 +1,61 @@
+"""Domain errors ⇄ gRPC status codes, in one table used by both the server and the client.
+The reason label travels in trailing metadata so a client can count and report it."""
+
+from __future__ import annotations
+
+import grpc
+
+from btnode.errors import (BtnodeError, CheckpointError, ConfigError, ConfigMismatchError, MalformedInput,
+                           PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, UnknownBlock)
+
+REASON_KEY = "btnode-reason"
+
+_CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
+    (MalformedInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnknownBlock, grpc.StatusCode.NOT_FOUND),
+    (StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConfigMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (CheckpointError, grpc.StatusCode.INTERNAL),
+]
+
+
+def code_for(exc: BtnodeError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def reason_for(exc: BtnodeError) -> str:
+    if isinstance(exc, PeerInputError):
+        return exc.reason
+    if isinstance(exc, ConfigMismatchError):
+        return "fingerprint"
+    return type(exc).__name__
+
+
+def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
+    """The domain error a failed call stands for (client side)."""
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    reason = ""
+    for key, value in (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ():
+        if key == REASON_KEY:
+            reason = value
+    message = f"{what}: {details}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return PeerUnavailable(message)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return MalformedInput(reason or "invalid", message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return TooLarge(reason or "too_large", message)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownBlock(reason or "not_found", message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if reason == "fingerprint":
+            return ConfigMismatchError(message, [])
+        return StaleUpdate(reason or "stale", message)
+    return BtnodeError(f"{message} ({code.name if code else 'unknown status'})")

@@ -1,0 +1,93 @@
+"""The aggregator's durable history of one block: version v's parameters, the published delta
+that produced it, and the outer-optimizer state, written atomically before v is announced.
+
+Layout: STATE_DIR/block-{b}/v{version:012d}.json (the commit record, written last),
+.safetensors (θ^v), .delta.safetensors (the delta's raw codec bytes, one uint8 tensor per name)
+and .outer.safetensors (momentum buffers, when used). The newest `keep` versions are kept; a
+restart resumes from the newest version whose files all verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.errors import CheckpointError, UnknownBlock
+from btnode.store import files
+
+log = logging.getLogger(__name__)
+_STEM = re.compile(r"^v(\d{12})\.json$")
+
+
+def stem(version: int) -> str:
+    return f"v{version:012d}"
+
+
+@dataclass
+class StoredVersion:
+    version: int
+    params: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    outer: dict[str, torch.Tensor]
+
+
+class VersionStore:
+    def __init__(self, root: Path, block: int, keep: int = 3):
+        if keep < 1:
+            raise ValueError("keep must be ≥ 1")
+        self.folder = Path(root) / f"block-{block}"
+        self.block = block
+        self.keep = keep
+
+    def versions(self) -> list[int]:
+        if not self.folder.is_dir():
+            return []
+        found = (_STEM.match(p.name) for p in self.folder.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def write(self, version: int, params: dict[str, torch.Tensor], *, meta: dict[str, Any],
+              delta_raw: dict[str, bytes] | None = None, delta_codec: Codec | None = None,
+              outer: dict[str, torch.Tensor] | None = None) -> None:
+        """Durably write version `version`; returns only after the commit record is fsynced."""
+        extra: dict[str, dict[str, torch.Tensor]] = {}
+        if delta_raw is not None:
+            extra["delta"] = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+                              for n, b in delta_raw.items()}
+        if outer:
+            extra["outer"] = outer
+        record = {**meta, "kind": "version", "block": self.block, "version": version,
+                  "delta_codec": delta_codec.name if delta_codec is not None else None}
+        files.save(self.folder, stem(version), tensors=params, meta=record, extra=extra)
+        for old in self.versions():
+            if old <= version - self.keep:
+                files.remove(self.folder, stem(old))
+
+    def latest(self) -> StoredVersion | None:
+        """The newest version whose files all verify; torn or corrupted newer ones are skipped."""
+        for v in reversed(self.versions()):
+            try:
+                return self.load(v)
+            except CheckpointError as exc:
+                log.warning("block %d: skipping version %d: %s", self.block, v, exc)
+        return None
+
+    def load(self, version: int) -> StoredVersion:
+        ck = files.load(self.folder, stem(version), optional_roles=("outer",))
+        return StoredVersion(version=version, params=ck.tensors, meta=ck.meta, outer=ck.extra.get("outer", {}))
+
+    def delta(self, version: int) -> tuple[Codec, dict[str, bytes], dict[str, Any]]:
+        """The published delta that produced `version`: (codec, raw bytes per tensor, metadata)."""
+        if version not in self.versions():
+            raise UnknownBlock("version", f"block {self.block} keeps no version {version}")
+        try:
+            ck = files.load(self.folder, stem(version), roles=("delta",))
+        except CheckpointError as exc:
+            raise UnknownBlock("version", f"block {self.block} version {version} has no readable delta: {exc}") from exc
+        raw = {n: t.numpy().tobytes() for n, t in ck.extra["delta"].items()}
+        return Codec[ck.meta["delta_codec"]], raw, ck.meta

@@ -1,0 +1,254 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    FP32: _ClassVar[Codec]
+    BF16: _ClassVar[Codec]
+    INT8: _ClassVar[Codec]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    ACCEPTED: _ClassVar[Outcome]
+    LATE: _ClassVar[Outcome]
+    STALE: _ClassVar[Outcome]
+    REJECTED: _ClassVar[Outcome]
+CODEC_UNSPECIFIED: Codec
+FP32: Codec
+BF16: Codec
+INT8: Codec
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+OUTCOME_UNSPECIFIED: Outcome
+ACCEPTED: Outcome
+LATE: Outcome
+STALE: Outcome
+REJECTED: Outcome
+
+class FrameHeader(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "raw_bytes", "payload_bytes", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: Codec
+    raw_bytes: int
+    payload_bytes: int
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FrameHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("block", "version", "base_version", "sha256", "delta_codec", "accepted", "late", "stale", "rejected", "mean_loss", "closed_by")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    version: int
+    base_version: int
+    sha256: bytes
+    delta_codec: Codec
+    accepted: int
+    late: int
+    stale: int
+    rejected: int
+    mean_loss: float
+    closed_by: str
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker_id", "block", "fingerprint", "config_json")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block: int
+    fingerprint: str
+    config_json: str
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("current", "deadline_s", "codecs", "max_staleness")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    current: VersionInfo
+    deadline_s: float
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    max_staleness: int
+    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "block")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block: int
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("block", "worker_id")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    worker_id: str
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class FetchDeltaRequest(_message.Message):
+    __slots__ = ("block", "version")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    version: int
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class TensorStream(_message.Message):
+    __slots__ = ("info", "chunk")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    info: VersionInfo
+    chunk: Chunk
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block: int
+    base_version: int
+    samples: float
+    loss: float
+    codec: Codec
+    update_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("outcome", "reason", "round_version")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    outcome: Outcome
+    reason: str
+    round_version: int
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("block", "worker_id")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    worker_id: str
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("version", "closed_at_unix")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: VersionInfo
+    closed_at_unix: float
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., closed_at_unix: _Optional[float] = ...) -> None: ...
+
+class BlockStatus(_message.Message):
+    __slots__ = ("block", "current", "replicas", "round_age_s", "accepted_in_round", "recent")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_IN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    current: VersionInfo
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    round_age_s: float
+    accepted_in_round: int
+    recent: _containers.RepeatedCompositeFieldContainer[RoundSummary]
+    def __init__(self, block: _Optional[int] = ..., current: _Optional[_Union[VersionInfo, _Mapping]] = ..., replicas: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., accepted_in_round: _Optional[int] = ..., recent: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ...) -> None: ...
+
+class Counter(_message.Message):
+    __slots__ = ("name", "labels", "value")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    value: float
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    config_json: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockStatus]
+    counters: _containers.RepeatedCompositeFieldContainer[Counter]
+    server_time_unix: float
+    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,140 @@
+"""`btnode join --role aggregator|worker` (the daemon) and `btnode swarm` (a local swarm)."""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from btnode_cli.options import (Blocks, Context, Data, Device, DModel, Heads, Layers, Seed, Segments, TargetSeed,
+                                device, model_config, parse_ints)
+
+log = logging.getLogger("btnode.cli")
+
+
+class Role(str, Enum):
+    aggregator = "aggregator"
+    worker = "worker"
+
+
+Codecs = ("fp32", "bf16", "int8")
+
+
+def join(role: Annotated[Role, typer.Option("--role", help="What this node does.")],
+         # aggregator
+         listen: Annotated[str, typer.Option("--listen", help="[aggregator] HOST:PORT to serve on (port 0 picks one).")] = "0.0.0.0:7070",
+         state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="[aggregator] Where versions are stored.")] = None,
+         own_blocks: Annotated[Optional[str], typer.Option("--blocks-owned", help="[aggregator] Comma-separated blocks to own (default all).")] = None,
+         deadline: Annotated[float, typer.Option("--deadline", help="[aggregator] τ: seconds a round stays open before it may close.")] = 30.0,
+         min_updates: Annotated[int, typer.Option("--min-updates", help="[aggregator] Accepted updates needed to close at the deadline.")] = 1,
+         max_staleness: Annotated[int, typer.Option("--max-staleness", help="[aggregator] Accept updates this many versions old (weighted down).")] = 0,
+         outer_lr: Annotated[float, typer.Option("--outer-lr", help="[aggregator] η of the outer step.")] = 1.0,
+         outer_momentum: Annotated[float, typer.Option("--outer-momentum", help="[aggregator] μ of Nesterov outer momentum (0 = none).")] = 0.0,
+         robust: Annotated[str, typer.Option("--robust", help="[aggregator] mean | trimmed | median.")] = "mean",
+         publish_codec: Annotated[str, typer.Option("--publish-codec", help="[aggregator] Codec of published deltas.")] = "fp32",
+         keep: Annotated[int, typer.Option("--keep", help="[aggregator] Versions kept on disk per block.")] = 3,
+         port_file: Annotated[Optional[Path], typer.Option("--port-file", help="[aggregator] Write the bound port here once serving.")] = None,
+         # worker
+         block: Annotated[Optional[int], typer.Option("--block", help="[worker] The block to train.")] = None,
+         peer: Annotated[Optional[str], typer.Option("--peer", help="[worker] HOST:PORT of the aggregator.")] = None,
+         worker_id: Annotated[Optional[str], typer.Option("--worker-id", help="[worker] Unique name (default host-pid).")] = None,
+         steps_per_round: Annotated[int, typer.Option("--steps-per-round", help="[worker] H: local steps per update.")] = 50,
+         codec: Annotated[str, typer.Option("--codec", help="[worker] Update codec: fp32, bf16 or int8.")] = "int8",
+         no_error_feedback: Annotated[bool, typer.Option("--no-error-feedback", help="[worker] Drop the codec's rounding error.")] = False,
+         rounds: Annotated[Optional[int], typer.Option("--rounds", help="[worker] Stop after this many pushes.")] = None,
+         batch: Annotated[int, typer.Option("--batch", help="[worker] Windows per step.")] = 32,
+         lr: Annotated[float, typer.Option("--lr", help="[worker] Inner AdamW peak learning rate.")] = 2e-3,
+         warmup: Annotated[int, typer.Option("--warmup", help="[worker] Inner warmup steps.")] = 100,
+         schedule_steps: Annotated[Optional[int], typer.Option("--schedule-steps", help="[worker] Inner cosine length (default rounds × H).")] = None,
+         stats_file: Annotated[Optional[Path], typer.Option("--stats-file", help="[worker] Write transfer and timing stats here on exit.")] = None,
+         data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
+         d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
+         segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+    """Run a swarm node until stopped (SIGTERM/SIGINT) or, for a worker, until --rounds are done."""
+    from btnode.codec.codecs import parse
+    from btnode.errors import ConfigError
+
+    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
+                       segments=segments, target_seed=target_seed)
+    try:
+        update_codec, pub_codec = parse(codec), parse(publish_codec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if role is Role.aggregator:
+        from btnode.aggregate.averaging import OuterConfig
+        from btnode.aggregate.block import AggregatorConfig
+        from btnode.aggregate.rounds import RoundConfig
+        from btnode.node.aggregator import install_stop_signals, run_aggregator
+        import threading
+
+        if state_dir is None:
+            raise ConfigError("the aggregator needs --state-dir")
+        acfg = AggregatorConfig(round=RoundConfig(deadline_s=deadline, min_updates=min_updates, max_staleness=max_staleness),
+                                outer=OuterConfig(lr=outer_lr, momentum=outer_momentum, robust=robust),
+                                publish_codec=pub_codec, keep=keep)
+        stop = threading.Event()
+        install_stop_signals(stop)
+        run_aggregator(cfg, acfg, state_dir=state_dir, listen=listen, seed=seed, port_file=port_file, stop=stop,
+                       blocks=list(parse_ints(own_blocks, "--blocks-owned")) if own_blocks else None)
+        return
+    import os
+    import socket
+    import threading
+
+    from btnode.data import corpus
+    from btnode.node.aggregator import install_stop_signals
+    from btnode.node.worker import run_worker
+    from btnode.swarm.worker import WorkerConfig
+    from btnode.train.config import TrainConfig
+
+    if block is None or peer is None:
+        raise ConfigError("a worker needs --block and --peer")
+    if not 0 <= block < cfg.n_blocks:
+        raise ConfigError(f"--block {block} out of range for {cfg.n_blocks} blocks")
+    wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    total = schedule_steps or (rounds * steps_per_round if rounds else 100_000)
+    tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed)
+    wcfg = WorkerConfig(worker_id=wid, block=block, steps_per_round=steps_per_round, codec=update_codec,
+                        error_feedback=not no_error_feedback, rounds=rounds)
+    stop = threading.Event()
+    install_stop_signals(stop)
+    stats = run_worker(cfg, tc, wcfg, peer=peer, corpus=corpus.load(data).train, device=device(device_name),
+                       stats_file=stats_file, stop=stop)
+    log.info("worker %s done: %d pushes %s", wid, stats.pushes, stats.outcomes)
+
+
+def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregator state and logs.")] = Path("runs/swarm"),
+          replicas: Annotated[int, typer.Option("--replicas", help="R: workers per block.")] = 2,
+          rounds: Annotated[int, typer.Option("--rounds", help="Pushes per worker.")] = 5,
+          steps_per_round: Annotated[int, typer.Option("--steps-per-round", help="H: local steps per update.")] = 50,
+          codec: Annotated[str, typer.Option("--codec", help="Update codec: fp32, bf16 or int8.")] = "int8",
+          deadline: Annotated[float, typer.Option("--deadline", help="τ in seconds.")] = 60.0,
+          batch: Annotated[int, typer.Option("--batch", help="Windows per step.")] = 32,
+          lr: Annotated[float, typer.Option("--lr", help="Inner learning rate.")] = 2e-3,
+          threads: Annotated[int, typer.Option("--threads", help="Torch threads per worker.")] = 1,
+          seed: Seed = 0, d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
+          context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+    """Start an aggregator and B × R workers as separate processes on loopback and train for --rounds."""
+    import os
+
+    from btnode.node.swarm import run_swarm
+
+    model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context, segments=segments,
+                 target_seed=target_seed)  # validate before starting anything
+    shape = ["--d-model", str(d_model), "--heads", str(heads), "--layers", str(layers), "--blocks", str(blocks),
+             "--context", str(context), "--segments", segments, "--target-seed", str(target_seed), "--seed", str(seed)]
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    result = run_swarm(state_dir=state_dir, n_blocks=blocks, replicas=replicas, rounds=rounds, shape_args=shape,
+                       aggregator_args=["--deadline", str(deadline), "--min-updates", "1"],
+                       worker_args=["--steps-per-round", str(steps_per_round), "--codec", codec, "--batch", str(batch),
+                                    "--lr", str(lr)],
+                       echo=typer.echo)
+    typer.echo(f"done: versions {dict(sorted(result.versions.items()))}; state in {state_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("join")(join)
+    app.command("swarm")(swarm)

@@ -1,0 +1,180 @@
+"""The swarm RPCs against a real server: exact versions, and every kind of bad push refused with
+its status code, counted, and never applied."""
+
+import hashlib
+import json
+
+import grpc
+import pytest
+import torch
+
+from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import encode_frames, frame_from_raw, iter_chunks
+from btnode.errors import ConfigMismatchError, UnknownBlock
+from btnode.model.config import ModelConfig
+from btnode.protocol import Outcome, PushHeader
+from btnode.rpc import convert
+from btnode.store.files import state_sha256
+from btnode.v1 import swarm_pb2 as pb
+from btnode.v1 import swarm_pb2_grpc as pb_grpc
+
+
+def spec(live, block=0):
+    return live.agg.block(block).spec
+
+
+def small_delta(live, scale=1e-3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in spec(live).items()}
+
+
+def hdr(worker, base=0, uid=None, block=0, codec=Codec.FP32, samples=32.0):
+    return PushHeader(worker_id=worker, block=block, base_version=base, samples=samples, loss=2.0, codec=codec,
+                      update_id=uid or f"{worker}:{base}")
+
+
+def join(live, *workers, block=0):
+    cfg = live.agg.cfg
+    for w in workers:
+        live.client.join(w, block, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+
+
+def test_join_with_another_configuration_is_refused_naming_the_fields(live):
+    other = ModelConfig(**{**live.agg.cfg.to_dict(), "d_model": 64, "segments": (1, 16)})
+    with pytest.raises(ConfigMismatchError, match=r"d_model: swarm has 32, worker has 64.*segments"):
+        live.client.join("w", 0, other.fingerprint(), json.dumps(other.to_dict()))
+    stub = pb_grpc.SwarmStub(live.client.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(worker_id="w", block=0, fingerprint="00" * 32, config_json="{not json"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert live.agg.counters[("join_refused", "fingerprint")] == 2
+
+
+def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live):
+    join(live, "r1", "r2")
+    base = live.client.pull(0, "r1", spec(live))
+    assert base.info.version == 0 and state_sha256(base.tensors) == base.info.sha256
+    d1, d2 = small_delta(live, seed=1), small_delta(live, seed=2)
+    assert live.client.push(hdr("r2", samples=96.0), encode_frames(d2, Codec.FP32)).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("r1", samples=32.0), encode_frames(d1, Codec.FP32)).outcome is Outcome.ACCEPTED
+    new = live.client.pull(0, "r1", spec(live))
+    assert new.info.version == 1 and new.info.accepted == 2
+    for n, t in base.tensors.items():
+        acc = torch.zeros_like(t)
+        acc += (32.0 / 128.0) * d1[n]  # r1 before r2: fixed order by worker id
+        acc += (96.0 / 128.0) * d2[n]
+        assert torch.equal(new.tensors[n], t + 0.7 * acc), n
+    delta = live.client.fetch_delta(0, 1, spec(live))
+    rebuilt = {n: base.tensors[n] + delta.tensors[n] for n in base.tensors}
+    assert state_sha256(rebuilt) == new.info.sha256 == delta.info.sha256
+
+
+def raw_push(live, messages):
+    stub = pb_grpc.SwarmStub(live.client.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Push(iter(messages), timeout=20)
+    return err.value
+
+
+def msgs(header, frames, chunk_bytes=1 << 20):
+    out = [pb.PushMessage(header=convert.push_header_to_pb(header))]
+    out += [pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames, chunk_bytes)]
+    return out
+
+
+def with_chunk_header(messages, index, **changes):
+    m = list(messages)
+    chunk = m[index].chunk
+    h = pb.FrameHeader()
+    h.CopyFrom(chunk.header)
+    for k, v in changes.items():
+        if k == "shape":
+            del h.shape[:]
+            h.shape.extend(v)
+        else:
+            setattr(h, k, v)
+    m[index] = pb.PushMessage(chunk=pb.Chunk(header=h, data=chunk.data))
+    return m
+
+
+def frames_of(live, **override):
+    d = small_delta(live)
+    d.update(override)
+    return encode_frames(d, Codec.FP32)
+
+
+BAD = {
+    "truncated": (grpc.StatusCode.INVALID_ARGUMENT, "truncated", lambda live: msgs(hdr("w"), frames_of(live))[:-1]),
+    "unknown_tensor": (grpc.StatusCode.INVALID_ARGUMENT, "unknown_tensor",
+                       lambda live: with_chunk_header(msgs(hdr("w"), frames_of(live)), 1, name="evil.weight")),
+    "shape": (grpc.StatusCode.INVALID_ARGUMENT, "shape",
+              lambda live: with_chunk_header(msgs(hdr("w"), frames_of(live)), 1, shape=[1, 1])),
+    "dtype": (grpc.StatusCode.INVALID_ARGUMENT, "dtype",
+              lambda live: with_chunk_header(msgs(hdr("w"), frames_of(live)), 1, dtype=0)),
+    "checksum": (grpc.StatusCode.INVALID_ARGUMENT, "checksum",
+                 lambda live: with_chunk_header(msgs(hdr("w"), frames_of(live)), 1, sha256=hashlib.sha256(b"").digest())),
+    "nan": (grpc.StatusCode.INVALID_ARGUMENT, "nonfinite",
+            lambda live: msgs(hdr("w"), frames_of(live, **{"head.bias": torch.full((256,), float("nan"))}))),
+    "inf": (grpc.StatusCode.INVALID_ARGUMENT, "nonfinite",
+            lambda live: msgs(hdr("w"), frames_of(live, **{"head.bias": torch.full((256,), float("inf"))}))),
+    "oversized_frame": (grpc.StatusCode.RESOURCE_EXHAUSTED, "frame_size",
+                        lambda live: with_chunk_header(msgs(hdr("w"), frames_of(live)), 1, payload_bytes=1 << 40)),
+    "no_header": (grpc.StatusCode.INVALID_ARGUMENT, "no_header",
+                  lambda live: msgs(hdr("w"), frames_of(live))[1:]),
+    "bad_codec": (grpc.StatusCode.INVALID_ARGUMENT, "codec",
+                  lambda live: [pb.PushMessage(header=pb.PushHeader(worker_id="w", block=0, samples=1, codec=9,
+                                                                    update_id="u"))] + msgs(hdr("w"), frames_of(live))[1:]),
+    "unknown_block": (grpc.StatusCode.NOT_FOUND, "unknown_block", lambda live: msgs(hdr("w", block=7), frames_of(live))),
+}
+BEFORE_BLOCK = {"no_header", "bad_codec", "unknown_block"}  # refused before a block is known: counted swarm-wide
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_pushes_get_a_status_code_are_counted_and_change_nothing(live, case):
+    code, reason, build = BAD[case]
+    join(live, "w", "other")
+    before_info, before = live.agg.block(0).current()
+    err = raw_push(live, build(live))
+    assert err.code() == code, err.details()
+    assert err.details()
+    info, after = live.agg.block(0).current()
+    assert info == before_info and all(torch.equal(before[n], after[n]) for n in before)
+    assert not live.agg.block(0).round.accepted
+    counters = live.agg.counters if case in BEFORE_BLOCK else live.agg.block(0).counters
+    assert counters[("rejected", reason)] == 1
+    # the node keeps serving: a good push from the same worker is still accepted
+    assert live.client.push(hdr("w", uid="good"), frames_of(live)).outcome is Outcome.ACCEPTED
+
+
+def test_a_stale_base_version_is_failed_precondition(live):
+    join(live, "w")
+    for v in range(3):
+        assert live.client.push(hdr("w", base=v), frames_of(live)).outcome is Outcome.ACCEPTED
+    assert live.agg.block(0).info.version == 3
+    err = raw_push(live, msgs(hdr("w", base=1, uid="old"), frames_of(live)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "older than the staleness bound" in err.details()
+    assert live.agg.block(0).counters[("stale", "stale")] == 1
+    j = live.client.push(hdr("w", base=0, uid="older"), frames_of(live))  # the client maps it back
+    assert j.outcome is Outcome.STALE
+
+
+def test_an_oversized_message_is_refused_by_the_transport(live):
+    join(live, "w")
+    big = pb.PushMessage(chunk=pb.Chunk(data=b"\0" * (5 << 20)))
+    err = raw_push(live, [pb.PushMessage(header=convert.push_header_to_pb(hdr("w"))), big])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_unknown_block_and_version_for_pull_and_delta(live):
+    with pytest.raises(UnknownBlock):
+        live.client.pull(5, "w", spec(live))
+    with pytest.raises(UnknownBlock):
+        live.client.fetch_delta(0, 42, spec(live))
+
+
+def test_int8_updates_are_accepted_and_decoded(live):
+    join(live, "w")
+    d = small_delta(live)
+    frames = [frame_from_raw(n, tuple(t.shape), Codec.INT8, encode(Codec.INT8, t)) for n, t in d.items()]
+    assert live.client.push(hdr("w", codec=Codec.INT8), frames).outcome is Outcome.ACCEPTED
+    assert live.agg.block(0).info.version == 1

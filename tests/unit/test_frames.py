@@ -1,0 +1,171 @@
+"""Frames: chunked round trip, and every malformed stream refused with its reason."""
+
+import dataclasses
+import hashlib
+
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, encode_frames, frame_from_raw, iter_chunks,
+                                 spec_of)
+from btnode.errors import MalformedInput, PeerInputError, TooLarge
+
+TENSORS = {"big": torch.randn(700, 800), "small": torch.randn(3, 5), "vec": torch.randn(257)}
+SPEC = spec_of(TENSORS)
+
+
+def assembler(**kw):
+    return FrameAssembler(SPEC, codecs=kw.pop("codecs", list(Codec)), max_frame_bytes=kw.pop("max_frame", 4 << 20), **kw)
+
+
+def feed(chunks, **kw):
+    a = assembler(**kw)
+    for c in chunks:
+        a.add(c)
+    return a.finish()
+
+
+def test_roundtrip_over_several_chunks():
+    chunks = list(iter_chunks(encode_frames(TENSORS, Codec.FP32)))
+    assert len(chunks) >= 4 and all(len(c.data) <= CHUNK_BYTES for c in chunks)
+    out = feed(chunks)
+    assert list(out) == list(SPEC) and all(torch.equal(out[k], TENSORS[k]) for k in TENSORS)
+
+
+def test_int8_roundtrip_is_close():
+    out = feed(iter_chunks(encode_frames(TENSORS, Codec.INT8)))
+    assert all(torch.allclose(out[k], TENSORS[k], atol=0.05) for k in TENSORS)
+
+
+def good():
+    return list(iter_chunks(encode_frames(TENSORS, Codec.FP32)))
+
+
+def with_header(chunks, i, **changes):
+    chunks = list(chunks)
+    chunks[i] = ChunkData(dataclasses.replace(chunks[i].header, **changes), chunks[i].data)
+    return chunks
+
+
+def test_truncated_stream():
+    with pytest.raises(MalformedInput, match="stream ended inside frame 'big'") as e:
+        feed(good()[:1])
+    assert e.value.reason == "truncated"
+    with pytest.raises(MalformedInput, match="without tensors vec"):
+        feed([c for c in good() if c.header is None or c.header.name != "vec"])
+    with pytest.raises(MalformedInput, match="ended after"):  # a new frame starts before the last one ended
+        feed(good()[:1] + [c for c in good() if c.header and c.header.name == "small"])
+
+
+def test_unknown_name_wrong_shape_dtype_and_codec():
+    with pytest.raises(MalformedInput, match="unknown tensor 'evil'"):
+        feed(with_header(good(), 0, name="evil"))
+    with pytest.raises(MalformedInput, match=r"shape \(800, 700\), expected \(700, 800\)"):
+        feed(with_header(good(), 0, shape=(800, 700)))
+    with pytest.raises(MalformedInput, match="dtype float64"):
+        feed(with_header(good(), 0, dtype="float64"))
+    with pytest.raises(MalformedInput, match="uses codec"):
+        feed(good(), codecs=[Codec.INT8])
+
+
+def test_checksum_and_corrupted_payload():
+    chunks = good()
+    small = next(i for i, c in enumerate(chunks) if c.header and c.header.name == "small")
+    with pytest.raises(MalformedInput, match="fails its sha256 check"):
+        feed(with_header(chunks, small, sha256=hashlib.sha256(b"x").digest()))
+    bad = list(chunks)
+    data = bytearray(bad[small].data)
+    data[len(data) // 2] ^= 0x55
+    bad[small] = ChunkData(bad[small].header, bytes(data))
+    with pytest.raises(MalformedInput) as e:
+        feed(bad)
+    assert e.value.reason in ("checksum", "zstd", "size")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_are_refused(value):
+    t = dict(TENSORS)
+    t["small"] = t["small"].clone()
+    t["small"][1, 2] = value
+    with pytest.raises(MalformedInput, match="NaN or Inf") as e:
+        feed(iter_chunks(encode_frames(t, Codec.FP32)))
+    assert e.value.reason == "nonfinite"
+
+
+def test_nan_hidden_in_an_int8_scale_is_refused():
+    raw = bytearray(encode(Codec.INT8, TENSORS["vec"]))
+    raw[0:4] = bytes.fromhex("0000c07f")  # NaN as the first scale
+    frames = [f if f.header.name != "vec" else frame_from_raw("vec", (257,), Codec.INT8, bytes(raw))
+              for f in encode_frames(TENSORS, Codec.INT8)]
+    with pytest.raises(MalformedInput, match="NaN or Inf"):
+        feed(iter_chunks(frames))
+
+
+def test_oversized_frames_and_chunks():
+    with pytest.raises(TooLarge, match="exceeds the limit"):
+        feed(good(), max_frame=1000)
+    with pytest.raises(TooLarge, match="chunk of"):
+        feed(list(iter_chunks(encode_frames(TENSORS, Codec.FP32), chunk_bytes=2 * CHUNK_BYTES)))
+
+
+def test_size_lies_and_stray_chunks():
+    with pytest.raises(MalformedInput, match="declares 12 raw bytes"):
+        feed(with_header(good(), 0, raw_bytes=12))
+    with pytest.raises(MalformedInput, match="chunk without a frame header"):
+        feed([ChunkData(None, b"abc")])
+    chunks = good()
+    with pytest.raises(MalformedInput, match="sent twice"):
+        feed(chunks + chunks)
+    small = next(c for c in chunks if c.header and c.header.name == "small")
+    payload = zstandard.ZstdCompressor().compress(b"\0" * 59)
+    with pytest.raises(MalformedInput, match="decompressed to 59 bytes, header says 60"):
+        feed([ChunkData(dataclasses.replace(small.header, raw_bytes=60, payload_bytes=len(payload),
+                                            sha256=hashlib.sha256(b"\0" * 60).digest()), payload)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fuzzed_streams_never_crash_and_never_yield_wrong_tensors(data):
+    """Random mutations of a valid stream: either a PeerInputError, or exactly the original tensors."""
+    tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.linspace(-1, 1, 300)}
+    chunks = list(iter_chunks(encode_frames(tensors, Codec.INT8), chunk_bytes=64))
+    op = data.draw(st.sampled_from(["drop", "dup", "flip", "swap", "truncate", "header"]))
+    i = data.draw(st.integers(0, len(chunks) - 1))
+    if op == "drop":
+        del chunks[i]
+    elif op == "dup":
+        chunks.insert(i, chunks[i])
+    elif op == "flip" and chunks[i].data:
+        b = bytearray(chunks[i].data)
+        b[data.draw(st.integers(0, len(b) - 1))] ^= data.draw(st.integers(1, 255))
+        chunks[i] = ChunkData(chunks[i].header, bytes(b))
+    elif op == "swap":
+        j = data.draw(st.integers(0, len(chunks) - 1))
+        chunks[i], chunks[j] = chunks[j], chunks[i]
+    elif op == "truncate":
+        chunks[i] = ChunkData(chunks[i].header, chunks[i].data[: data.draw(st.integers(0, len(chunks[i].data)))])
+    elif op == "header" and chunks[i].header is not None:
+        h = chunks[i].header
+        chunks[i] = ChunkData(dataclasses.replace(h, payload_bytes=data.draw(st.integers(0, 2 * h.payload_bytes)),
+                                                  shape=data.draw(st.sampled_from([h.shape, (12,), (4, 3), ()]))),
+                              chunks[i].data)
+    a = FrameAssembler(spec_of(tensors), codecs=[Codec.INT8], max_frame_bytes=1 << 16, max_chunk_bytes=64)
+    try:
+        for c in chunks:
+            a.add(c)
+        out = a.finish()
+    except PeerInputError:
+        return
+    reference = feed_ref(tensors)
+    assert all(torch.equal(out[k], reference[k]) for k in tensors)
+
+
+def feed_ref(tensors):
+    a = FrameAssembler(spec_of(tensors), codecs=[Codec.INT8], max_frame_bytes=1 << 16)
+    for c in iter_chunks(encode_frames(tensors, Codec.INT8)):
+        a.add(c)
+    return a.finish()
