@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BTNODE := $(VENV)/bin/btnode
 DEMO_DIR ?= runs/demo
 
-.PHONY: venv test test-fast demo bench-quality lint clean
+.PHONY: venv test test-fast demo proto bench-quality bench-transport clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,19 +19,29 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
+	$(VENV)/bin/ruff check btnode cli tests bench
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"
 
+# A local swarm (1 aggregator + 3 blocks × 2 replicas, separate processes on loopback) trains on the
+# bundled corpus, then the aggregator's newest versions are evaluated and serve text.
 demo: venv
-	$(BTNODE) train-local --out $(DEMO_DIR) --steps 300 --warmup 30 --log-every 50
+	rm -rf $(DEMO_DIR)
+	$(BTNODE) swarm --state-dir $(DEMO_DIR) --replicas 2 --rounds 8 --steps-per-round 25
 	$(BTNODE) eval --checkpoint $(DEMO_DIR) --windows 64
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 "The history of the"
 
+proto: venv
+	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v1/swarm.proto
+
 bench-quality: venv
 	$(PY) bench/quality.py
+
+bench-transport: venv
+	$(PY) bench/transport.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

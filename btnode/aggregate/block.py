@@ -31,6 +31,7 @@ from btnode.store.versions import VersionStore
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 EF_PREFIX = "ef."  # publish-codec error feedback, stored with the outer state
+ABORTED = "aborted"  # reason for a push whose sender vanished mid-stream: it may still re-push
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class BlockAggregator:
         outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
         with self.lock:
             self.counters[(outcome.value, exc.reason)] += 1
-            if header is not None:
+            if header is not None and exc.reason != ABORTED:
                 self.round.note(header.worker_id, outcome, header.base_version)
                 self._maybe_close()
         log.warning("block %d: %s update from %s: %s", self.block, outcome.value,

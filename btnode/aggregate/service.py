@@ -15,6 +15,7 @@ from btnode.aggregate.block import AggregatorConfig, BlockAggregator
 from btnode.errors import ConfigError, ConfigMismatchError, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import JoinInfo
+from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_block
 from btnode.store.versions import VersionStore
 
@@ -44,8 +45,6 @@ class SwarmAggregator:
             theirs = ModelConfig.from_dict(json.loads(marker.read_text())["model"])
             self.cfg.require_same(theirs, f"state folder {state_dir}")
         else:
-            from btnode.store.files import atomic_write
-
             atomic_write(marker, json.dumps({"model": self.cfg.to_dict(), "fingerprint": self.fingerprint},
                                             indent=1).encode())
 

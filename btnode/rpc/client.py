@@ -11,7 +11,7 @@ import grpc
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import CHUNK_BYTES, Frame, FrameAssembler, iter_chunks
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError
+from btnode.errors import MalformedInput, PeerInputError
 from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS, FRAME_SLACK
@@ -114,5 +114,3 @@ class SwarmClient:
         self.channel.close()
 
 
-
-__all__ = ["SwarmClient", "BtnodeError"]

@@ -7,21 +7,23 @@ INTERNAL, and the process keeps serving. Message sizes are set explicitly on bot
 
 from __future__ import annotations
 
-import math
 import functools
+import json
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 
+from btnode.aggregate.block import ABORTED
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import CHUNK_BYTES, FrameAssembler, encode_frames, frame_from_raw, iter_chunks
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError
-from btnode.protocol import PushHeader
+from btnode.errors import BtnodeError, ConfigError, MalformedInput, PeerInputError
 from btnode.rpc import convert
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
@@ -133,10 +135,13 @@ class SwarmServicer(pb_grpc.SwarmServicer):
             largest = max(raw_size(Codec.FP32, math.prod(s)) for s in block.spec.values())
             asm = FrameAssembler(block.spec, codecs=[header.codec], max_frame_bytes=largest + FRAME_SLACK,
                                  max_chunk_bytes=CHUNK_BYTES)
-            for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk":
-                    raise MalformedInput("header", "a push carries one header, then chunks only")
-                asm.add(convert.chunk_from_pb(msg.chunk))
+            try:
+                for msg in request_iterator:
+                    if msg.WhichOneof("kind") != "chunk":
+                        raise MalformedInput("header", "a push carries one header, then chunks only")
+                    asm.add(convert.chunk_from_pb(msg.chunk))
+            except grpc.RpcError:  # the client went away mid-stream (killed, cancelled, network gone)
+                raise MalformedInput(ABORTED, "the client went away in the middle of the push") from None
             delta = asm.finish()
         except PeerInputError as exc:
             block.reject(header, exc)
@@ -161,9 +166,6 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        import json
-        import time
-
         reply = pb.StatusReply(fingerprint=self.agg.fingerprint, config_json=json.dumps(self.agg.cfg.to_dict()),
                                server_time_unix=time.time())
         for b, block in sorted(self.agg.blocks.items()):
@@ -188,13 +190,12 @@ def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64) -> tuple
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4)
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        from btnode.errors import ConfigError
-
         raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
     server.start()
     return server, port, stop
 
-
-__all__ = ["serve", "SwarmServicer", "CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "PushHeader"]

@@ -61,6 +61,8 @@ class WorkerStats:
     train_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     losses: list[float] = field(default_factory=list)
+    version: int = -1  # the version the worker holds now, and its hash
+    sha256: str = ""
 
 
 class BlockWorker:
@@ -82,6 +84,7 @@ class BlockWorker:
     def _adopt(self, info: VersionInfo, params: Tensors) -> None:
         """Make θ^version the base and the model's parameters; the inner optimizer state stays."""
         self.info, self.base = info, {n: t.clone() for n, t in params.items()}
+        self.stats.version, self.stats.sha256 = info.version, state_sha256(params)
         with torch.no_grad():
             for name, p in self.trainer.model.state_dict().items():
                 p.copy_(params[name])

@@ -1,0 +1,36 @@
+"""A worker process that joins, starts a push, sends its header and one chunk, then stalls
+forever: the test kills it with SIGKILL in the middle of the push."""
+
+import json
+import sys
+import time
+
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames, iter_chunks
+from btnode.model.config import ModelConfig
+from btnode.protocol import PushHeader
+from btnode.rpc import convert
+from btnode.rpc.client import SwarmClient
+from btnode.store.models import init_block
+from btnode.v1 import swarm_pb2 as pb
+
+address, worker = sys.argv[1], sys.argv[2]
+cfg = ModelConfig.from_dict(json.loads(sys.argv[3]))
+client = SwarmClient(address)
+client.join(worker, 0, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+delta = {n: torch.zeros_like(t) for n, t in init_block(cfg, 0, 0).state_dict().items()}
+header = PushHeader(worker_id=worker, block=0, base_version=0, samples=1.0, loss=0.0, codec=Codec.FP32,
+                    update_id="stalled")
+
+
+def messages():
+    yield pb.PushMessage(header=convert.push_header_to_pb(header))
+    yield pb.PushMessage(chunk=convert.chunk_to_pb(next(iter(iter_chunks(encode_frames(delta, Codec.FP32))))))
+    print("pushing", flush=True)
+    while True:
+        time.sleep(60)
+
+
+client.stub.Push(messages())

@@ -1,0 +1,146 @@
+"""The swarm with real processes over loopback: the `btnode swarm` command end to end, late
+updates, refused fingerprints, and an aggregator restart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames
+from btnode.model.config import ModelConfig
+from btnode.protocol import Outcome, PushHeader
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.convert import info_from_pb
+from btnode.store.files import state_sha256
+from btnode.store.versions import VersionStore
+
+from procs import CLI, TINY_SHAPE
+
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+
+
+def client_for(agg) -> SwarmClient:
+    return SwarmClient(agg.address, timeout_s=30)
+
+
+def join(client, *workers, block=0, cfg=CFG):
+    for w in workers:
+        client.join(w, block, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+
+
+def spec(client, block=0):
+    from btnode.store.models import init_block
+
+    return {n: tuple(t.shape) for n, t in init_block(CFG, block, 0).state_dict().items()}
+
+
+def push(client, worker, base, uid=None, block=0):
+    g = torch.Generator().manual_seed(hash((worker, base)) % 1000)
+    delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in spec(client, block).items()}
+    h = PushHeader(worker_id=worker, block=block, base_version=base, samples=8.0, loss=1.0, codec=Codec.FP32,
+                   update_id=uid or f"{worker}:{base}")
+    return client.push(h, encode_frames(delta, Codec.FP32))
+
+
+def wait_version(client, block, version, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = client.status()
+        cur = info_from_pb(st.blocks[block].current)
+        if cur.version >= version:
+            return cur
+        time.sleep(0.05)
+    raise AssertionError(f"block {block} never reached version {version}")
+
+
+@pytest.mark.slow
+def test_swarm_command_three_blocks_two_replicas(tmp_path):
+    state = tmp_path / "swarm"
+    p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
+                              "--steps-per-round", "3", "--batch", "4", "--deadline", "30", *TINY_SHAPE],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for b in range(3):
+        assert f"block {b} round 1 → v2: train CE" in p.stdout
+        newest = VersionStore(state, b).latest()
+        assert newest is not None and newest.version >= 2
+        for r in range(2):
+            stats = json.loads((state / "logs" / f"b{b}r{r}.stats.json").read_text())
+            assert stats["pushes"] == 3 and stats["outcomes"].get("accepted", 0) >= 1
+            held = VersionStore(state, b).load(stats["version"])  # the version the worker ended on
+            assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
+    gen = subprocess.run(CLI + ["generate", "--checkpoint", str(state), "--bytes", "16", "--segment", "8", "The"],
+                         capture_output=True, timeout=120)
+    assert gen.returncode == 0 and len(gen.stdout) == 17, gen.stderr
+
+
+def test_an_update_after_the_deadline_is_late_and_not_applied(aggregator):
+    agg = aggregator("--deadline", "1.5", "--min-updates", "1")
+    c = client_for(agg)
+    join(c, "fast", "slow")
+    assert push(c, "fast", 0).outcome is Outcome.ACCEPTED
+    v1 = wait_version(c, 0, 1)
+    assert v1.closed_by == "deadline" and v1.accepted == 1  # "slow" stayed silent: the deadline closed it
+    j = push(c, "slow", 0)
+    assert j.outcome is Outcome.LATE and "closed before this update arrived" in j.reason
+    after = c.pull(0, "x", spec(c))
+    assert after.info.version == 1 and state_sha256(after.tensors) == v1.sha256
+    counters = {(m.name, m.labels.get("outcome")): m.value for m in c.status().counters if m.labels.get("block") == "0"}
+    assert counters[("updates", "late")] == 1
+    c.close()
+
+
+def test_a_worker_with_another_fingerprint_is_refused(aggregator, tmp_path):
+    agg = aggregator()
+    shape = [a if a != "32" else "64" for a in TINY_SHAPE[:2]] + TINY_SHAPE[2:]
+    p = subprocess.run(CLI + ["join", "--role", "worker", "--block", "0", "--peer", agg.address, "--rounds", "1",
+                              "--worker-id", "odd", *shape], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "d_model: swarm has 32, worker has 64" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator, tmp_path):
+    agg = aggregator("--deadline", "30")
+    c = client_for(agg)
+    join(c, "w", block=1)
+    for v in range(2):
+        assert push(c, "w", v, block=1).outcome is Outcome.ACCEPTED
+    before = {bs.block: info_from_pb(bs.current) for bs in c.status().blocks}
+    assert before[1].version == 2 and before[0].version == 0
+    c.close()
+    assert agg.stop() == 0  # SIGTERM: a clean stop
+    again = aggregator("--deadline", "30", state_dir=agg.state_dir)
+    c = client_for(again)
+    after = {bs.block: info_from_pb(bs.current) for bs in c.status().blocks}
+    assert {b: (i.version, i.sha256) for b, i in after.items()} == {b: (i.version, i.sha256) for b, i in before.items()}
+    pulled = c.pull(1, "w", spec(c, 1))
+    assert state_sha256(pulled.tensors) == before[1].sha256
+    c.close()
+
+
+def test_a_new_version_is_exactly_base_plus_eta_times_the_weighted_mean(aggregator):
+    """Recomputed here from the updates we sent, against an aggregator process with η = 0.7."""
+    agg = aggregator("--deadline", "30", "--outer-lr", "0.7")
+    c = client_for(agg)
+    join(c, "r1", "r2", block=2)
+    base = c.pull(2, "r1", spec(c, 2))
+    g = torch.Generator().manual_seed(7)
+    d = {w: {n: 1e-3 * torch.randn(s, generator=g) for n, s in spec(c, 2).items()} for w in ("r1", "r2")}
+    weights = {"r1": 32.0, "r2": 96.0}
+    for w in ("r2", "r1"):  # arrival order must not matter
+        h = PushHeader(worker_id=w, block=2, base_version=0, samples=weights[w], loss=1.0, codec=Codec.FP32,
+                       update_id=w)
+        assert c.push(h, encode_frames(d[w], Codec.FP32)).outcome is Outcome.ACCEPTED
+    new = c.pull(2, "r1", spec(c, 2))
+    assert new.info.version == 1 and new.info.closed_by == "all_reported"
+    for n, t in base.tensors.items():
+        acc = torch.zeros_like(t)
+        for w in ("r1", "r2"):
+            acc += (weights[w] / 128.0) * d[w][n]
+        assert torch.equal(new.tensors[n], t + 0.7 * acc), n
+    c.close()

@@ -1,0 +1,75 @@
+"""Helpers for tests that run real `btnode` processes (imported by tests/conftest.py and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "btnode_cli.main"]
+TINY_SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32",
+              "--segments", "1,8"]
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(CLI + args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_port(port_file: Path, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        assert proc.poll() is None, f"aggregator exited with {proc.returncode}"
+        time.sleep(0.05)
+    raise AssertionError("aggregator did not start listening")
+
+
+class Aggregator:
+    def __init__(self, state_dir: Path, extra: list[str]):
+        self.state_dir = state_dir
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self) -> Aggregator:
+        port_file = self.state_dir / "port"
+        port_file.unlink(missing_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = start(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
+                           str(self.state_dir), "--port-file", str(port_file), *TINY_SHAPE, *self.extra],
+                          self.state_dir / "aggregator.log")
+        self.address = f"127.0.0.1:{wait_port(port_file, self.proc)}"
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+    def log(self) -> str:
+        return (self.state_dir / "aggregator.log").read_text(errors="replace")
+
+
+@pytest.fixture
+def aggregator(tmp_path):
+    """make(*flags, state_dir=None) starts an aggregator process; all are killed at teardown."""
+    made: list[Aggregator] = []
+
+    def make(*extra: str, state_dir: Path | None = None) -> Aggregator:
+        agg = Aggregator(state_dir or tmp_path / "agg", list(extra)).start()
+        made.append(agg)
+        return agg
+
+    yield make
+    for agg in made:
+        if agg.proc is not None and agg.proc.poll() is None:
+            agg.proc.kill()
+            agg.proc.wait()
