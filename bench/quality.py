@@ -74,22 +74,35 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality")
     ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
+    ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.calibrate:
         print(calibrate(args.calibrate))
         return
-    models = {"blocks": "train-local", f"ar{CFG.n_blocks * CFG.n_layers}": "train-ar", f"ar{CFG.n_layers}": "train-ar"}
+    ar_total = f"ar{CFG.n_blocks * CFG.n_layers}"
+    # name → (command, depth): the last one trains the B·L-layer AR for as many steps as each block got
+    # (equal optimizer steps per parameter owner), beside the equal-wall-clock runs.
+    models = {"blocks": ("train-local", 0), ar_total: ("train-ar", CFG.n_blocks * CFG.n_layers),
+              f"ar{CFG.n_layers}": ("train-ar", CFG.n_layers), f"{ar_total}-equal-steps": ("train-ar", CFG.n_blocks * CFG.n_layers)}
     runs: dict[str, dict] = {}
-    for name, command in models.items():
-        per_step = step_seconds(name)
-        steps = max(20, int(args.budget / per_step))
+    for name, (command, depth) in models.items():
         out = args.out / name
+        saved = out / "bench-run.json"
+        if args.reuse and saved.exists() and (out / "eval.json").exists():
+            runs[name] = {**json.loads(saved.read_text()), "eval": json.loads((out / "eval.json").read_text())}
+            print(f"[quality] {name}: reusing {out}", flush=True)
+            continue
+        if name.endswith("-equal-steps"):
+            per_step, steps = float("nan"), runs["blocks"]["steps"]
+        else:
+            per_step = step_seconds("blocks" if command == "train-local" else f"ar{depth}")
+            steps = max(20, int(args.budget / per_step))
         cmd = [BTNODE, command, "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), "--lr", str(LR),
                "--warmup", str(max(10, steps // 20)), "--checkpoint-every", str(steps), "--log-every",
                str(max(1, steps // 10)), *SHAPE]
         if command == "train-ar":
-            cmd += ["--ar-layers", name[2:]]
+            cmd += ["--ar-layers", str(depth)]
         print(f"[quality] {name}: {per_step:.3f} s/step calibrated -> {steps} steps", flush=True)
         m = measure(cmd)
         tokens = steps * BATCH * CFG.context * (CFG.n_blocks if name == "blocks" else 1)
@@ -97,13 +110,14 @@ def main() -> None:
         measure([BTNODE, "eval", "--checkpoint", str(out), "--windows", str(args.windows), "--seeds",
                  str(args.seeds), "--json", str(ev)])
         runs[name] = {"steps": steps, "wall_s": m.wall_s, "tokens_per_s": tokens / m.wall_s,
-                      "max_rss_mb": m.max_rss_mb, "eval": json.loads(ev.read_text()), "command": shown(cmd)}
+                      "max_rss_mb": m.max_rss_mb, "command": shown(cmd)}
+        saved.write_text(json.dumps(runs[name], indent=1))
+        runs[name]["eval"] = json.loads(ev.read_text())
         print(f"[quality] {name}: {m.wall_s:.0f} s, {tokens / m.wall_s:.0f} tokens/s", flush=True)
 
     probe = args.out / "rss"
     rss_block = measure([BTNODE, "train-local", "--out", str(probe / "block"), "--steps", "30", "--block", "0",
                          "--batch", str(BATCH), *SHAPE])
-    ar_total = f"ar{CFG.n_blocks * CFG.n_layers}"
     rss_ar = measure([BTNODE, "train-ar", "--out", str(probe / "ar"), "--steps", "30", "--batch", str(BATCH),
                       "--ar-layers", ar_total[2:], *SHAPE])
     rss_base = measure([sys.executable, "-c", "import torch, btnode.train.loops"])
@@ -118,6 +132,7 @@ def main() -> None:
         "sce1_k1": blocks["per_k"]["1"]["sce1"], "sce8_k1": blocks["per_k"]["1"][f"sce{seeds}"],
         "sce1_kmax": blocks["per_k"][str(kmax)]["sce1"], "sce8_kmax": blocks["per_k"][str(kmax)][f"sce{seeds}"],
         "kmax": kmax, "ar_total_ce": runs[ar_total]["eval"]["ce"], "ar_block_ce": runs[f"ar{CFG.n_layers}"]["eval"]["ce"],
+        "ar_total_ce_equal_steps": runs[f"{ar_total}-equal-steps"]["eval"]["ce"],
         "unigram": blocks["unigram"], "rss_block_mb": rss_block.max_rss_mb, "rss_ar_total_mb": rss_ar.max_rss_mb,
         "rss_torch_baseline_mb": rss_base.max_rss_mb,
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "eval"} for k, v in runs.items()},
@@ -159,10 +174,16 @@ def render(r: dict, runs: dict) -> str:
         f"| {runs[ar_total]['wall_s']:.0f} s | {runs[ar_total]['tokens_per_s']:.0f} | `{runs[ar_total]['command']}`, then {ev} |",
         f"| AR, {ar_block[2:]} layers (L) | teacher-forced CE | {r['ar_block_ce']:.4f} | {runs[ar_block]['steps']} "
         f"| {runs[ar_block]['wall_s']:.0f} s | {runs[ar_block]['tokens_per_s']:.0f} | `{runs[ar_block]['command']}`, then {ev} |",
+        f"| AR, {ar_total[2:]} layers, **equal steps** (as many as each block) | teacher-forced CE | "
+        f"{r['ar_total_ce_equal_steps']:.4f} | {runs[ar_total + '-equal-steps']['steps']} "
+        f"| {runs[ar_total + '-equal-steps']['wall_s']:.0f} s | {runs[ar_total + '-equal-steps']['tokens_per_s']:.0f} "
+        f"| `{runs[ar_total + '-equal-steps']['command']}`, then {ev} |",
         f"| unigram entropy of wiki.test.raw | | {r['unigram']:.4f} | | | | |",
         "",
-        f"Gap, blockwise SCE-{c['seeds']} at K=1 minus the {ar_total[2:]}-layer AR: **{gap:+.4f}** nats/byte "
-        f"(aim: ≤ +0.15); against the {ar_block[2:]}-layer AR: {r['sce8_k1'] - r['ar_block_ce']:+.4f} (aim: below 0).",
+        f"Gap, blockwise SCE-{c['seeds']} at K=1 minus the {ar_total[2:]}-layer AR at equal wall-clock: **{gap:+.4f}** "
+        f"nats/byte (aim: ≤ +0.15); at equal optimizer steps per parameter owner: "
+        f"{r['sce8_k1'] - r['ar_total_ce_equal_steps']:+.4f}; against the {ar_block[2:]}-layer AR at equal wall-clock: "
+        f"{r['sce8_k1'] - r['ar_block_ce']:+.4f} (aim: below 0).",
         "",
         "| peak RSS (wait4) | MB | command |",
         "| --- | ---: | --- |",

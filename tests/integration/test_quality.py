@@ -17,7 +17,7 @@ from btnode.train.loops import train_blocks
 def test_short_run_beats_the_unigram_entropy(tmp_path):
     torch.set_num_threads(2)
     cfg = ModelConfig(d_model=64, n_heads=2, n_layers=1, n_blocks=3, context=64, segments=(1, 16))
-    tc = TrainConfig(steps=150, warmup=15, batch=16, lr=3e-3)
+    tc = TrainConfig(steps=200, warmup=20, batch=16, lr=3e-3)
     data = corpus.bundled()
     train_blocks(cfg, tc, data.train, tmp_path, device=torch.device("cpu"), checkpoint_every=1000)
     _, blocks = load_blocks(tmp_path)
