@@ -78,7 +78,7 @@ def serve_tcp(port_file: Path) -> None:
 def child(kind: str, workdir: Path, *args: str) -> tuple[subprocess.Popen, int]:
     port_file = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.port"
     if kind == "aggregator":
-        cmd = CLI + ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
+        cmd = CLI + (["-v"] if os.environ.get("BENCH_VERBOSE") else []) + ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
                      str(workdir / f"state-{port_file.stem}"), "--port-file", str(port_file), *SHAPE, *args]
     else:
         cmd = [sys.executable, __file__, f"--serve-{kind}", str(port_file)]

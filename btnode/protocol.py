@@ -4,7 +4,7 @@ an in-process link (tests, the simulator) can implement AggregatorLink without a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -90,7 +90,7 @@ class AggregatorLink(Protocol):
 
     def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled: ...
 
-    def push(self, header: PushHeader, frames: list[Frame]) -> Judgement: ...
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement: ...
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 

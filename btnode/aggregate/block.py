@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 EF_PREFIX = "ef."  # publish-codec error feedback, stored with the outer state
 ABORTED = "aborted"  # reason for a push whose sender vanished mid-stream: it may still re-push
+# An update that did not arrive whole says nothing about whether its replica is done with the round
+# (a dropped connection can look like either reason), so these do not count as the replica reporting.
+INCOMPLETE = {ABORTED, "truncated"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class BlockAggregator:
         outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
         with self.lock:
             self.counters[(outcome.value, exc.reason)] += 1
-            if header is not None and exc.reason != ABORTED:
+            if header is not None and exc.reason not in INCOMPLETE:
                 self.round.note(header.worker_id, outcome, header.base_version)
                 self._maybe_close()
         log.warning("block %d: %s update from %s: %s", self.block, outcome.value,
@@ -203,7 +206,7 @@ class BlockAggregator:
 
     @staticmethod
     def _norm(delta: Tensors) -> float:
-        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
+        return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in delta.values()))
 
     def _meta(self, info: VersionInfo, rule: str = "") -> dict:
         return {"info": {**info.__dict__, "delta_codec": info.delta_codec.name}, "rule": rule}

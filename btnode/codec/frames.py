@@ -53,8 +53,11 @@ def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
-def frame_from_raw(name: str, shape: tuple[int, ...], codec: Codec, raw: bytes) -> Frame:
-    payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+def frame_from_raw(name: str, shape: tuple[int, ...], codec: Codec, raw: bytes,
+                   compressor: zstandard.ZstdCompressor | None = None) -> Frame:
+    """One frame; pass a compressor to reuse its context across the frames of one stream
+    (contexts are not thread-safe, so never share one between streams)."""
+    payload = (compressor or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(raw)
     header = FrameHeader(name=name, shape=tuple(shape), codec=codec, raw_bytes=len(raw),
                          payload_bytes=len(payload), sha256=hashlib.sha256(raw).digest())
     return Frame(header, payload)
@@ -66,7 +69,15 @@ def encode_raw(tensors: Mapping[str, torch.Tensor], codec: Codec) -> dict[str, b
 
 
 def encode_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> list[Frame]:
-    return [frame_from_raw(name, tuple(t.shape), codec, encode(codec, t)) for name, t in tensors.items()]
+    return list(lazy_frames(tensors, codec))
+
+
+def lazy_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> Iterator[Frame]:
+    """Frames encoded one at a time as the consumer asks: fed to a gRPC stream, the encoding of
+    tensor k+1 overlaps the sending of tensor k (zstd and sha256 release the GIL)."""
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    for name, t in tensors.items():
+        yield frame_from_raw(name, tuple(t.shape), codec, encode(codec, t), compressor)
 
 
 def iter_chunks(frames: Iterable[Frame], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
@@ -84,6 +95,14 @@ def wire_bytes(frames: Iterable[Frame]) -> tuple[int, int]:
         raw += f.header.raw_bytes
         payload += f.header.payload_bytes
     return raw, payload
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no value is NaN or ±Inf. Fast path: a finite sum proves it (NaN and Inf propagate);
+    only a non-finite sum, which overflow can also cause, pays for the element-wise check."""
+    if t.numel() == 0 or math.isfinite(float(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 class FrameAssembler:
@@ -107,6 +126,7 @@ class FrameAssembler:
         self._parts: list[bytes] = []
         self._received = 0
         self.wire_bytes = 0  # payload bytes received so far
+        self._dctx = zstandard.ZstdDecompressor()
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -158,7 +178,7 @@ class FrameAssembler:
         h = self._current
         assert h is not None
         try:
-            raw = zstandard.ZstdDecompressor().decompress(b"".join(self._parts), max_output_size=h.raw_bytes)
+            raw = self._dctx.decompress(b"".join(self._parts), max_output_size=h.raw_bytes)
         except zstandard.ZstdError as exc:
             raise MalformedInput("zstd", f"tensor {h.name!r}: payload is not valid zstd data: {exc}") from exc
         if len(raw) != h.raw_bytes:
@@ -167,7 +187,7 @@ class FrameAssembler:
         if hashlib.sha256(raw).digest() != h.sha256:
             raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
         t = decode(h.codec, raw, h.shape)
-        if self.finite and not bool(torch.isfinite(t).all()):
+        if self.finite and not all_finite(t):
             raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
         self.tensors[h.name] = t
         self.raw[h.name] = raw

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 
@@ -77,8 +77,9 @@ class SwarmClient:
         call = self.stub.FetchDelta(pb.FetchDeltaRequest(block=block, version=version), timeout=self.timeout_s)
         return self._tensor_stream("fetch delta", call, spec, list(Codec))
 
-    def push(self, header: PushHeader, frames: list[Frame]) -> Judgement:
-        """Push an update; invalid or stale updates come back as REJECTED/STALE judgements."""
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+        """Push an update; invalid or stale updates come back as REJECTED/STALE judgements.
+        `frames` may be a lazy iterator: it is consumed by gRPC's sending thread, chunk by chunk."""
 
         def messages() -> Iterator[pb.PushMessage]:
             yield pb.PushMessage(header=convert.push_header_to_pb(header))

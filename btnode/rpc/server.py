@@ -18,11 +18,12 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import zstandard
 
 from btnode.aggregate.block import ABORTED
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, raw_size
-from btnode.codec.frames import CHUNK_BYTES, FrameAssembler, encode_frames, frame_from_raw, iter_chunks
+from btnode.codec.frames import CHUNK_BYTES, ZSTD_LEVEL, FrameAssembler, frame_from_raw, iter_chunks, lazy_frames
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, PeerInputError
 from btnode.rpc import convert
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
@@ -101,7 +102,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
         info, params = self.agg.block(request.block).current()
         yield pb.TensorStream(info=convert.info_to_pb(info))
-        for chunk in iter_chunks(encode_frames(params, Codec.FP32)):
+        for chunk in iter_chunks(lazy_frames(params, Codec.FP32)):
             yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
 
     @_guard
@@ -110,12 +111,14 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         block = self.agg.block(request.block)
         info, codec, raw = block.delta(request.version)
         yield pb.TensorStream(info=convert.info_to_pb(info))
-        frames = [frame_from_raw(n, block.spec[n], codec, raw[n]) for n in block.spec]
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        frames = (frame_from_raw(n, block.spec[n], codec, raw[n], compressor) for n in block.spec)
         for chunk in iter_chunks(frames):
             yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
 
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        t0 = time.perf_counter()
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -142,11 +145,17 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                     asm.add(convert.chunk_from_pb(msg.chunk))
             except grpc.RpcError:  # the client went away mid-stream (killed, cancelled, network gone)
                 raise MalformedInput(ABORTED, "the client went away in the middle of the push") from None
+            if not context.is_active():  # the stream may also just end when the connection drops
+                raise MalformedInput(ABORTED, "the client went away in the middle of the push")
             delta = asm.finish()
         except PeerInputError as exc:
             block.reject(header, exc)
             raise
-        return convert.judgement_to_pb(block.submit(header, delta))
+        t1 = time.perf_counter()
+        judged = block.submit(header, delta)
+        log.debug("push from %s: %d wire bytes received and validated in %.1f ms, judged %s in %.1f ms",
+                  header.worker_id, asm.wire_bytes, 1e3 * (t1 - t0), judged.outcome.value, 1e3 * (time.perf_counter() - t1))
+        return convert.judgement_to_pb(judged)
 
     @_guard
     @streaming

@@ -15,12 +15,14 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import zstandard
 
 from btnode.codec.codecs import Codec, decode
-from btnode.codec.frames import encode_raw, frame_from_raw
+from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerUnavailable
 from btnode.model.config import ModelConfig
@@ -157,25 +159,33 @@ class BlockWorker:
         self.stats.train_seconds += time.perf_counter() - t0
         return sum(ces) / len(ces), self.wcfg.steps_per_round * self.tc.batch
 
-    def _encode(self) -> tuple[list, Tensors]:
-        """Frames of Δ (+ residual) and what the aggregator will decode from them."""
+    def _encode(self) -> dict[str, bytes]:
+        """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback)."""
         params = self.trainer.model.state_dict()
         delta = {n: params[n].detach().cpu() - self.base[n] for n in self.spec}
         if self.wcfg.error_feedback:
             delta = {n: d + self.residual[n] if n in self.residual else d for n, d in delta.items()}
         raw = encode_raw(delta, self.wcfg.codec)
-        decoded = {n: decode(self.wcfg.codec, raw[n], self.spec[n]) for n in self.spec}
         if self.wcfg.error_feedback:
-            self.residual = {n: delta[n] - decoded[n] for n in self.spec}
-        return [frame_from_raw(n, self.spec[n], self.wcfg.codec, raw[n]) for n in self.spec], decoded
+            self.residual = {n: delta[n] - decode(self.wcfg.codec, raw[n], self.spec[n]) for n in self.spec}
+        return raw
 
-    def _push(self, frames: list, loss: float, samples: int) -> Judgement:
+    def _frames(self, raw: dict[str, bytes]) -> Iterator[Frame]:
+        """Compressed lazily, as gRPC sends: counted as they go (a re-push counts again)."""
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        for n in self.spec:
+            frame = frame_from_raw(n, self.spec[n], self.wcfg.codec, raw[n], compressor)
+            self.stats.bytes_pushed_raw += frame.header.raw_bytes
+            self.stats.bytes_pushed_wire += frame.header.payload_bytes
+            yield frame
+
+    def _push(self, raw: dict[str, bytes], loss: float, samples: int) -> Judgement:
         assert self.info is not None
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
         for attempt in range(self.wcfg.push_retries + 1):
             try:
-                j = self.link.push(header, frames)
+                j = self.link.push(header, self._frames(raw))
                 break
             except PeerUnavailable as exc:
                 if attempt == self.wcfg.push_retries:
@@ -184,8 +194,6 @@ class BlockWorker:
                 time.sleep(min(5.0, 0.5 * 2**attempt))
         self.stats.pushes += 1
         self.stats.outcomes[j.outcome.value] = self.stats.outcomes.get(j.outcome.value, 0) + 1
-        self.stats.bytes_pushed_wire += sum(f.header.payload_bytes for f in frames)
-        self.stats.bytes_pushed_raw += sum(f.header.raw_bytes for f in frames)
         return j
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
@@ -202,8 +210,7 @@ class BlockWorker:
             while not stop.is_set() and (w.rounds is None or self.stats.pushes < w.rounds):
                 loss, samples = self._train()
                 self.stats.losses.append(loss)
-                frames, _ = self._encode()
-                j = self._push(frames, loss, samples)
+                j = self._push(self._encode(), loss, samples)
                 assert self.info is not None
                 log.info("worker %s: block %d round %d: %s%s (CE %.4f)", w.worker_id, w.block, self.info.version,
                          j.outcome.value, f": {j.reason}" if j.reason else "", loss)

@@ -46,5 +46,7 @@ def test_kill_9_of_a_worker_mid_push_leaves_the_aggregator_serving(aggregator):
     assert agg.proc.poll() is None
     counters = {(m.labels.get("outcome"), m.labels.get("reason")): m.value for m in c.status().counters
                 if m.labels.get("block") == "0"}
-    assert counters[("rejected", "aborted")] == 1 and counters[("accepted", "")] == 1
+    # a dropped connection shows up as "aborted" or as a truncated stream, depending on which the server sees first
+    assert counters.get(("rejected", "aborted"), 0) + counters.get(("rejected", "truncated"), 0) == 1
+    assert counters[("accepted", "")] == 1
     c.close()
