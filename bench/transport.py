@@ -129,7 +129,7 @@ def trained_delta(steps: int):
 
 def block_transfers(workdir: Path, cfg, delta, reps: int) -> dict:
     from btnode.codec.codecs import Codec
-    from btnode.codec.frames import encode_frames, wire_bytes
+    from btnode.codec.frames import encode_frames, lazy_frames, wire_bytes
     from btnode.protocol import Outcome, PushHeader
     from btnode.rpc.client import SwarmClient
 
@@ -146,7 +146,7 @@ def block_transfers(workdir: Path, cfg, delta, reps: int) -> dict:
             who = iter(workers)
 
             def push_once():
-                frames = encode_frames(delta, codec)  # codec included in the timing
+                frames = lazy_frames(delta, codec)  # codec included, encoded as the stream goes (as workers do)
                 h = PushHeader(worker_id=next(who), block=1, base_version=0, samples=32.0, loss=0.0, codec=codec,
                                update_id=uuid.uuid4().hex)
                 assert c.push(h, frames).outcome is Outcome.ACCEPTED
