@@ -32,7 +32,10 @@ demo: venv
 	rm -rf $(DEMO_DIR)
 	$(BTNODE) swarm --state-dir $(DEMO_DIR) --replicas 2 --rounds 8 --steps-per-round 25
 	$(BTNODE) eval --checkpoint $(DEMO_DIR) --windows 64
+	@echo "--- one sweep per 16 bytes (K=16):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 "The history of the"
+	@echo "--- one sweep per byte (K=1):"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
 
 proto: venv
 	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v1/swarm.proto

@@ -89,6 +89,10 @@ class BlockAggregator:
     # -- membership -------------------------------------------------------------------------
     def register(self, worker_id: str) -> None:
         with self.lock:
+            if not self.registered and not self.round.accepted and not self.round.reported:
+                # nobody was training this block: the round's clock starts with its first replica,
+                # so a swarm that takes a while to start does not lose its first round to τ
+                self.round.opened_at = self.clock()
             self.registered.add(worker_id)
 
     def unregister(self, worker_id: str) -> None:

@@ -151,3 +151,15 @@ def test_lossy_publish_codec_keeps_replicas_exact(tmp_path):
     replica = {n: INIT[n] + decode(codec, raw[n], INIT[n].shape) for n in INIT}
     assert state_sha256(replica) == agg.info.sha256
     assert any(float(r.abs().max()) > 0 for r in agg.residual.values())  # the rounding error is carried
+
+
+def test_the_first_round_starts_its_clock_when_the_first_replica_registers(tmp_path):
+    clock = Clock()
+    agg = make(tmp_path, clock)
+    clock.t += 100.0  # the swarm takes a while to start
+    agg.register("x")
+    agg.register("y")
+    agg.submit(header("x", 0), delta(0.1))
+    assert agg.tick() is None  # τ counts from the first registration, not from start-up
+    clock.t += 10.0
+    assert agg.tick().closed_by == "deadline"
