@@ -84,3 +84,11 @@ class PeerUnavailable(BtnodeError):
     """The peer could not be reached, or went away mid-call (UNAVAILABLE). Safe to retry."""
 
     exit_code = 7
+
+
+class CacheMiss(PeerInputError):
+    """A serving stage lacks the per-request cache a state builds on; resend from position 0
+    (FAILED_PRECONDITION). Happens after a re-route to a spare, or an eviction."""
+
+    def __init__(self, message: str):
+        super().__init__("cache_miss", message)

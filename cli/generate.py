@@ -12,7 +12,8 @@ from btnode_cli.options import Device, device
 
 
 def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Empty: start after a newline.")] = "",
-             checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Block checkpoint folder.")] = None,
+             checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Block checkpoint folder (runs the chain here).")] = None,
+             entry: Annotated[Optional[str], typer.Option("--entry", help="HOST:PORT of a serving chain's first stage.")] = None,
              n_bytes: Annotated[int, typer.Option("--bytes", help="New bytes to generate.")] = 256,
              segment: Annotated[Optional[int], typer.Option("--segment", help="K: bytes per sweep (default: largest trained).")] = None,
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
@@ -21,22 +22,32 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              device_name: Device = "cpu") -> None:
     """Print the prompt's continuation, segment by segment, as the sweeps complete."""
     from btnode.errors import InputError
-    from btnode.model.generation import generate as run
     from btnode.model.noise import default_steps
+    from btnode.serve.driver import generate as run
+    from btnode.serve.stages import local_chain
     from btnode.store.models import load_blocks
 
-    if checkpoint is None:
-        raise InputError("give --checkpoint DIR (a folder written by train-local)")
+    if (checkpoint is None) == (entry is None):
+        raise InputError("give --checkpoint DIR (run here) or --entry HOST:PORT (a serving chain)")
     if n_bytes < 1 or temperature < 0:
         raise InputError("--bytes must be ≥ 1 and --temperature ≥ 0")
+    out = sys.stdout.buffer
+    if entry is not None:
+        from btnode.rpc.stages import generate_remote
+
+        for reply in generate_remote(entry, prompt.encode(), n_bytes=n_bytes, k=segment or 0, n_steps=steps or 0,
+                                     seed=seed, temperature=temperature):
+            out.write(reply.new_bytes)
+            out.flush()
+        out.write(b"\n")
+        out.flush()
+        return
     dev = device(device_name)
     cfg, blocks = load_blocks(checkpoint)
-    blocks = [b.to(dev) for b in blocks]
     k = segment if segment is not None else max(cfg.segments)
-    out = sys.stdout.buffer
-    for piece in run(blocks, prompt.encode(), n_bytes=n_bytes, k=k, n_steps=steps or default_steps(cfg), seed=seed,
-                     temperature=temperature, device=dev):
-        out.write(piece)
+    for piece in run(local_chain(blocks, dev), cfg, cfg.n_blocks, prompt.encode(), n_bytes=n_bytes, k=k,
+                     n_steps=steps or default_steps(cfg), seed=seed, temperature=temperature):
+        out.write(piece.new_bytes)
         out.flush()
     out.write(b"\n")
     out.flush()

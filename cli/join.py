@@ -18,6 +18,7 @@ log = logging.getLogger("btnode.cli")
 class Role(str, Enum):
     aggregator = "aggregator"
     worker = "worker"
+    stage = "stage"
 
 
 Codecs = ("fp32", "bf16", "int8")
@@ -38,9 +39,9 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          keep: Annotated[int, typer.Option("--keep", help="[aggregator] Versions kept on disk per block.")] = 3,
          port_file: Annotated[Optional[Path], typer.Option("--port-file", help="[aggregator] Write the bound port here once serving.")] = None,
          # worker
-         block: Annotated[Optional[int], typer.Option("--block", help="[worker] The block to train.")] = None,
-         peer: Annotated[Optional[str], typer.Option("--peer", help="[worker] HOST:PORT of the aggregator.")] = None,
-         worker_id: Annotated[Optional[str], typer.Option("--worker-id", help="[worker] Unique name (default host-pid).")] = None,
+         block: Annotated[Optional[int], typer.Option("--block", help="[worker, stage] The block to train or serve.")] = None,
+         peer: Annotated[Optional[str], typer.Option("--peer", help="[worker, stage] HOST:PORT of the aggregator.")] = None,
+         worker_id: Annotated[Optional[str], typer.Option("--worker-id", help="[worker, stage] Unique name (default host-pid; a stage: block-B).")] = None,
          steps_per_round: Annotated[int, typer.Option("--steps-per-round", help="[worker] H: local steps per update.")] = 50,
          codec: Annotated[str, typer.Option("--codec", help="[worker] Update codec: fp32, bf16 or int8.")] = "int8",
          no_error_feedback: Annotated[bool, typer.Option("--no-error-feedback", help="[worker] Drop the codec's rounding error.")] = False,
@@ -50,10 +51,19 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          warmup: Annotated[int, typer.Option("--warmup", help="[worker] Inner warmup steps.")] = 100,
          schedule_steps: Annotated[Optional[int], typer.Option("--schedule-steps", help="[worker] Inner cosine length (default rounds × H).")] = None,
          stats_file: Annotated[Optional[Path], typer.Option("--stats-file", help="[worker] Write transfer and timing stats here on exit.")] = None,
+         # stage
+         next_stage: Annotated[Optional[str], typer.Option("--next", help="[stage] HOST:PORT of the next stage; a comma-separated list adds spares, tried in order.")] = None,
+         checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="[stage] Load the block (or AR model) from this folder instead of --peer.")] = None,
+         stage_model: Annotated[str, typer.Option("--model", help="[stage] block (one-sweep chain) or ar (the autoregressive baseline).")] = "block",
+         ar_layers: Annotated[Optional[str], typer.Option("--layers-range", help="[stage, --model ar] Layers LO:HI of the AR model this stage holds.")] = None,
+         stage_timeout: Annotated[float, typer.Option("--stage-timeout", help="[stage] Seconds to wait for the next stage before trying a spare.")] = 60.0,
          data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
          segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
-    """Run a swarm node until stopped (SIGTERM/SIGINT) or, for a worker, until --rounds are done."""
+    """Run a swarm node until stopped (SIGTERM/SIGINT) or, for a worker, until --rounds are done.
+
+    A stage serves one block of the one-sweep chain (or, with --model ar, a slice of the
+    autoregressive baseline); requests enter at block 0 (`btnode generate --entry`)."""
     from btnode.codec.codecs import parse
     from btnode.errors import ConfigError
 
@@ -63,6 +73,28 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         update_codec, pub_codec = parse(codec), parse(publish_codec)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if role is Role.stage:
+        import threading
+
+        from btnode.node.aggregator import install_stop_signals
+        from btnode.node.stage import build_stage, run_stage
+
+        layers_range = None
+        if ar_layers:
+            lo_hi = parse_ints(ar_layers.replace(":", ","), "--layers-range")
+            if len(lo_hi) != 2:
+                raise ConfigError(f"--layers-range takes LO:HI, got {ar_layers!r}")
+            layers_range = (lo_hi[0], lo_hi[1])
+        if stage_model not in ("block", "ar"):
+            raise ConfigError(f"--model must be block or ar, got {stage_model!r}")
+        nexts = [a.strip() for a in next_stage.split(",") if a.strip()] if next_stage else []
+        name = worker_id or (f"block-{block}" if stage_model == "block" else f"ar-{ar_layers}")
+        stage = build_stage(kind=stage_model, block=block, layers=layers_range, checkpoint=checkpoint, peer=peer,
+                            next_stages=nexts, device=device(device_name), timeout_s=stage_timeout, name=name)
+        stop = threading.Event()
+        install_stop_signals(stop)
+        run_stage(stage, listen=listen, port_file=port_file, stop=stop)
+        return
     if role is Role.aggregator:
         from btnode.aggregate.averaging import OuterConfig
         from btnode.aggregate.block import AggregatorConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from btnode.model.config import ModelConfig
-from procs import aggregator  # noqa: F401  (fixture for tests that run real processes)
+from procs import aggregator, processes  # noqa: F401  (fixtures for tests that run real processes)
 
 
 @pytest.fixture(autouse=True)

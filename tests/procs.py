@@ -73,3 +73,23 @@ def aggregator(tmp_path):
         if agg.proc is not None and agg.proc.poll() is None:
             agg.proc.kill()
             agg.proc.wait()
+
+
+def start_stage(workdir: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """A `btnode join --role stage` process on 127.0.0.1:0; returns it and its address."""
+    port_file = workdir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    proc = start(["join", "--role", "stage", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                  "--worker-id", name, *args], workdir / f"{name}.log")
+    return proc, f"127.0.0.1:{wait_port(port_file, proc)}"
+
+
+@pytest.fixture
+def processes():
+    """Collects processes to kill at teardown."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

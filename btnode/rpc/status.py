@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import grpc
 
-from btnode.errors import (BtnodeError, CheckpointError, ConfigError, ConfigMismatchError, MalformedInput,
-                           PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, UnknownBlock)
+from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, InputError,
+                           MalformedInput, PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, UnknownBlock)
 
 REASON_KEY = "btnode-reason"
 
 _CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
     (MalformedInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (InputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CacheMiss, grpc.StatusCode.FAILED_PRECONDITION),
     (TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnknownBlock, grpc.StatusCode.NOT_FOUND),
     (StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
@@ -49,6 +51,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return PeerUnavailable(message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if reason == "InputError":
+            return InputError(message)
         return MalformedInput(reason or "invalid", message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return TooLarge(reason or "too_large", message)
@@ -57,5 +61,7 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         if reason == "fingerprint":
             return ConfigMismatchError(message, [])
+        if reason == "cache_miss":
+            return CacheMiss(message)
         return StaleUpdate(reason or "stale", message)
     return BtnodeError(f"{message} ({code.name if code else 'unknown status'})")

@@ -109,22 +109,40 @@ def load_blocks(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
 
 
 def _load_newest_versions(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
+    cfg = _run_config(folder)
+    return cfg, [_newest_version(folder, cfg, b) for b in range(cfg.n_blocks)]
+
+
+def _newest_version(folder: Path, cfg: ModelConfig, b: int) -> DiffusionBlock:
+    stored = VersionStore(folder, b).latest()
+    if stored is None:
+        raise CheckpointError(f"aggregator state {folder} holds no complete version of block {b}")
+    if files.state_sha256(stored.params) != stored.meta.get("info", {}).get("sha256"):
+        raise CheckpointError(f"block {b} version {stored.version} in {folder} fails its hash")
+    model = DiffusionBlock(cfg)
+    files.check_tensors(model.state_dict(), stored.params, f"block {b} version {stored.version} in {folder}")
+    model.load_state_dict(stored.params)
+    return model
+
+
+def load_one_block(folder: Path, block: int) -> tuple[ModelConfig, DiffusionBlock]:
+    """Block `block` from a train-local folder, or its newest version in an aggregator state folder."""
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if (folder / RUN_FILE).exists():
+        cfg = _run_config(folder)
+        if not 0 <= block < cfg.n_blocks:
+            raise CheckpointError(f"{folder} holds blocks 0…{cfg.n_blocks - 1}, not block {block}")
+        return cfg, _newest_version(folder, cfg, block)
+    loaded = load_block(folder, block)
+    return loaded.cfg, loaded.model  # type: ignore[return-value]
+
+
+def _run_config(folder: Path) -> ModelConfig:
     try:
-        cfg = ModelConfig.from_dict(json.loads((folder / RUN_FILE).read_text())["model"])
+        return ModelConfig.from_dict(json.loads((folder / RUN_FILE).read_text())["model"])
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
         raise CheckpointError(f"{folder / RUN_FILE} is not a valid run description: {exc}") from exc
-    blocks = []
-    for b in range(cfg.n_blocks):
-        stored = VersionStore(folder, b).latest()
-        if stored is None:
-            raise CheckpointError(f"aggregator state {folder} holds no complete version of block {b}")
-        if files.state_sha256(stored.params) != stored.meta.get("info", {}).get("sha256"):
-            raise CheckpointError(f"block {b} version {stored.version} in {folder} fails its hash")
-        model = DiffusionBlock(cfg)
-        files.check_tensors(model.state_dict(), stored.params, f"block {b} version {stored.version} in {folder}")
-        model.load_state_dict(stored.params)
-        blocks.append(model)
-    return cfg, blocks
 
 
 def load_ar(folder: Path, expected: ModelConfig | None = None, with_optim: bool = False) -> Loaded:

@@ -5,7 +5,7 @@ from pathlib import Path
 from grpc_tools import protoc  # a test dependency, pinned in pyproject.toml
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ["swarm_pb2.py", "swarm_pb2.pyi", "swarm_pb2_grpc.py"]
+GENERATED = [f"{name}{suffix}" for name in ("swarm", "serve") for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 
 
 def test_generated_code_matches_the_schema(tmp_path):

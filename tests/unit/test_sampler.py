@@ -5,11 +5,12 @@ import torch
 
 from btnode.errors import InputError
 from btnode.model.block import DiffusionBlock
-from btnode.model.generation import generate
 from btnode.model.layout import generation_layout
 from btnode.model.noise import sigma_grid
 from btnode.model.sampler import run_span, spans, sweep
 from btnode.model.targets import target_table
+from btnode.serve.driver import generate as drive
+from btnode.serve.stages import initial_state, local_chain
 
 
 def test_oracle_denoiser_lands_each_euler_step_on_the_noised_target(tiny_cfg):
@@ -56,17 +57,39 @@ def test_sweep_calls_every_block_on_its_own_grid_points(tiny_cfg, n_steps):
     assert sum(len(b.sigmas) for b in blocks) == n_steps
 
 
+def generate(blocks, prompt, **kw):
+    first = local_chain(blocks, torch.device("cpu"))
+    return [r.new_bytes for r in drive(first, blocks[0].cfg, len(blocks), prompt, **kw)]
+
+
 def test_generate_is_seeded_and_checks_its_request(tiny_cfg):
     torch.manual_seed(0)
     blocks = [DiffusionBlock(tiny_cfg) for _ in range(tiny_cfg.n_blocks)]
-    kw = dict(n_bytes=20, k=8, n_steps=7, temperature=0.0, device=torch.device("cpu"))
+    kw = dict(n_bytes=20, k=8, n_steps=7, temperature=0.0)
     a = b"".join(generate(blocks, b"hello", seed=3, **kw))
     assert len(a) == 20 and a == b"".join(generate(blocks, b"hello", seed=3, **kw))
-    pieces = list(generate(blocks, b"hello", seed=3, **{**kw, "temperature": 1.0}))
+    pieces = generate(blocks, b"hello", seed=3, **{**kw, "temperature": 1.0})
     assert [len(p) for p in pieces] == [8, 8, 4]  # one sweep per segment, the last one cut
     with pytest.raises(InputError, match="at most 25 bytes"):
-        list(generate(blocks, b"x" * 26, seed=0, **kw))
+        generate(blocks, b"x" * 26, seed=0, **kw)
     with pytest.raises(InputError, match="K=4 was not trained"):
-        list(generate(blocks, b"hi", seed=0, **{**kw, "k": 4}))
+        generate(blocks, b"hi", seed=0, **{**kw, "k": 4})
     with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks; use at least 3"):
-        list(generate(blocks, b"hi", seed=0, **{**kw, "n_steps": 2}))
+        generate(blocks, b"hi", seed=0, **{**kw, "n_steps": 2})
+
+
+def test_the_stage_chain_equals_the_plain_sweep(tiny_cfg):
+    """Stages running their spans one after another give exactly the sweep's logits and bytes."""
+    torch.manual_seed(1)
+    blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
+    prompt, k, n_steps, seed = b"a prompt", 8, 7, 11
+    first = local_chain(blocks, torch.device("cpu"))
+    res = next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=8, k=k, n_steps=n_steps, seed=seed, temperature=0.0,
+                          want_logits=True)))
+    grid = sigma_grid(tiny_cfg, n_steps)
+    x = torch.tensor(list(prompt))[None]
+    z = initial_state(tiny_cfg, seed, 0, k, n_steps)[None]
+    logits = sweep(blocks, [b.encode_context(x) for b in blocks], z, grid, generation_layout(len(prompt), k),
+                   target_table(tiny_cfg))[0]
+    assert torch.equal(res.logits, logits) and res.new_bytes == bytes(logits.argmax(-1).tolist())
+    assert res.route == ["block-0", "block-1", "block-2"]

@@ -1,0 +1,77 @@
+"""Run the stage role: load one block (from a checkpoint folder, an aggregator's state folder or a
+live aggregator) or a slice of the AR baseline, link it to the candidates for the next stage, serve."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from btnode.errors import CheckpointError, ConfigError
+from btnode.model.block import DiffusionBlock
+from btnode.model.config import ModelConfig
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.stages import RemoteARStage, RemoteBlockStage, serve_stage
+from btnode.serve.ar import LocalARStage
+from btnode.serve.stages import FailoverStage, LocalBlockStage
+from btnode.store.files import atomic_write, state_sha256
+from btnode.store.models import load_ar, load_one_block
+
+log = logging.getLogger(__name__)
+
+
+def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, DiffusionBlock]:
+    """The newest version of `block` pulled from a live aggregator, hash-checked."""
+    client = SwarmClient(peer, timeout_s=60)
+    try:
+        cfg = ModelConfig.from_dict(json.loads(client.status().config_json))
+        model = DiffusionBlock(cfg)
+        pulled = client.pull(block, f"stage-{block}", {n: tuple(t.shape) for n, t in model.state_dict().items()})
+    finally:
+        client.close()
+    if state_sha256(pulled.tensors) != pulled.info.sha256:
+        raise CheckpointError(f"block {block} v{pulled.info.version} from {peer} fails its hash")
+    model.load_state_dict(pulled.tensors)
+    log.info("loaded block %d version %d from %s", block, pulled.info.version, peer)
+    return cfg, model
+
+
+def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None, checkpoint: Path | None,
+                peer: str | None, next_stages: list[str], device: torch.device, timeout_s: float,
+                name: str) -> LocalBlockStage | LocalARStage:
+    if kind == "ar":
+        if checkpoint is None or layers is None:
+            raise ConfigError("an autoregressive stage needs --checkpoint (an AR folder) and --layers LO:HI")
+        model = load_ar(checkpoint).model
+        nxt = FailoverStage([RemoteARStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
+        return LocalARStage(model, layers[0], layers[1], next=nxt, device=device, name=name)  # type: ignore[arg-type]
+    if block is None:
+        raise ConfigError("a block stage needs --block")
+    if (checkpoint is None) == (peer is None):
+        raise ConfigError("give exactly one of --checkpoint (a folder) or --peer (a live aggregator)")
+    cfg, model = block_from_aggregator(peer, block) if peer else load_one_block(checkpoint, block)  # type: ignore[arg-type]
+    is_last = block == cfg.n_blocks - 1
+    if is_last and next_stages:
+        raise ConfigError(f"block {block} is the last block: it takes no --next")
+    if not is_last and not next_stages:
+        raise ConfigError(f"block {block} needs --next (the stage, or stages, of block {block + 1})")
+    nxt = FailoverStage([RemoteBlockStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
+    return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name)
+
+
+def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,
+              stop: threading.Event | None = None) -> None:
+    stop = stop or threading.Event()
+    server, port, server_stop = serve_stage(stage, listen)
+    log.info("stage %s listening on %s:%d", stage.name, listen.rsplit(":", 1)[0], port)
+    if port_file is not None:
+        atomic_write(port_file, f"{port}\n".encode())
+    try:
+        stop.wait()
+    finally:
+        server_stop.set()
+        server.stop(grace=5.0).wait()
+        log.info("stage %s stopped", stage.name)

@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StateTensor(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SegmentRequest(_message.Message):
+    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    N_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    context: bytes
+    segment: int
+    k: int
+    n_steps: int
+    seed: int
+    temperature: float
+    z: StateTensor
+    want_logits: bool
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+
+class SegmentReply(_message.Message):
+    __slots__ = ("new_bytes", "logits", "route")
+    NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    new_bytes: bytes
+    logits: StateTensor
+    route: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, new_bytes: _Optional[bytes] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ARRequest(_message.Message):
+    __slots__ = ("request_id", "tokens", "step", "seed", "temperature", "start", "hidden", "reset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: bytes
+    step: int
+    seed: int
+    temperature: float
+    start: int
+    hidden: StateTensor
+    reset: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., step: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., start: _Optional[int] = ..., hidden: _Optional[_Union[StateTensor, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class ARReply(_message.Message):
+    __slots__ = ("new_bytes", "route")
+    NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    new_bytes: bytes
+    route: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    N_BYTES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    N_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    prompt: bytes
+    n_bytes: int
+    k: int
+    n_steps: int
+    seed: int
+    temperature: float
+    want_logits: bool
+    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("new_bytes", "traversals", "logits", "route")
+    NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAVERSALS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    new_bytes: bytes
+    traversals: int
+    logits: StateTensor
+    route: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, new_bytes: _Optional[bytes] = ..., traversals: _Optional[int] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StageInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config_json", "name")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    block: int
+    first_layer: int
+    n_layers: int
+    last: bool
+    fingerprint: str
+    config_json: str
+    name: str
+    def __init__(self, kind: _Optional[str] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...

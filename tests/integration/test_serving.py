@@ -1,0 +1,139 @@
+"""Serving over a chain of real stage processes: exact match with the local sampler, the
+autoregressive chain, failures with and without a spare, and bad input."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+
+from btnode.errors import InputError, PeerUnavailable
+from btnode.rpc.stages import generate_remote, tensor_to_pb
+from btnode.serve.driver import generate, generate_ar
+from btnode.serve.ar import local_ar_chain
+from btnode.serve.stages import local_chain
+from btnode.store.models import load_ar, load_blocks
+from btnode.v1 import serve_pb2 as pb
+from btnode.v1 import serve_pb2_grpc as pb_grpc
+from procs import CLI, start_stage
+
+SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32", "--segments", "1,8"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    subprocess.run(CLI + ["train-local", "--out", str(root / "blocks"), "--steps", "4", "--batch", "4", "--warmup", "1",
+                          *SHAPE], check=True, capture_output=True)
+    subprocess.run(CLI + ["train-ar", "--out", str(root / "ar"), "--steps", "4", "--batch", "4", "--warmup", "1",
+                          "--ar-layers", "3", *SHAPE], check=True, capture_output=True)
+    return root
+
+
+def chain(trained, tmp_path, processes, spare_for: int | None = None) -> dict[str, object]:
+    """Stages for blocks 2, 1, 0 (plus a spare for one block); returns their processes and addresses."""
+    ck = str(trained / "blocks")
+    out: dict[str, object] = {}
+    nxt: list[str] = []
+    for b in (2, 1, 0):
+        addrs = []
+        for copy in (["main", "spare"] if b == spare_for else ["main"]):
+            args = ["--block", str(b), "--checkpoint", ck] + (["--next", ",".join(nxt)] if nxt else [])
+            proc, addr = start_stage(tmp_path, f"b{b}-{copy}", *args)
+            processes.append(proc)
+            out[f"b{b}-{copy}"] = proc
+            addrs.append(addr)
+        nxt = addrs
+    out["entry"] = nxt[0]
+    return out
+
+
+def local(trained, prompt, **kw):
+    torch.set_num_threads(1)  # the stages run with one thread too: same kernels, same bits
+    cfg, blocks = load_blocks(trained / "blocks")
+    return list(generate(local_chain(blocks, torch.device("cpu")), cfg, 3, prompt, **kw))
+
+
+@pytest.mark.parametrize("k,temperature", [(8, 0.0), (1, 0.9)])
+def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k, temperature):
+    c = chain(trained, tmp_path, processes)
+    kw = dict(n_bytes=20, k=k, n_steps=7, seed=4, temperature=temperature, want_logits=True)
+    remote = list(generate_remote(c["entry"], b"Hello there", **kw))
+    ref = local(trained, b"Hello there", **kw)
+    assert b"".join(r.new_bytes for r in remote) == b"".join(r.new_bytes for r in ref)  # bit-identical bytes
+    assert len(remote) == -(-20 // k) and remote[-1].traversals == len(remote)  # one traversal per segment
+    for r, q in zip(remote, ref):
+        logits = torch.frombuffer(bytearray(r.logits.data), dtype=torch.float32).view(*r.logits.shape)
+        assert (logits - q.logits).abs().max().item() <= 1e-5  # stated tolerance; equal in practice
+    assert list(remote[0].route) == ["b0-main", "b1-main", "b2-main"]
+
+
+def test_the_autoregressive_chain_is_served_by_the_same_daemon(trained, tmp_path, processes):
+    ck = str(trained / "ar")
+    p2, a2 = start_stage(tmp_path, "ar2", "--model", "ar", "--checkpoint", ck, "--layers-range", "2:3")
+    p1, a1 = start_stage(tmp_path, "ar1", "--model", "ar", "--checkpoint", ck, "--layers-range", "1:2", "--next", a2)
+    p0, a0 = start_stage(tmp_path, "ar0", "--model", "ar", "--checkpoint", ck, "--layers-range", "0:1", "--next", a1)
+    processes.extend([p0, p1, p2])
+    remote = list(generate_remote(a0, b"Hello there", n_bytes=30, seed=1, temperature=0.0))
+    torch.set_num_threads(1)
+    model = load_ar(trained / "ar").model
+    ref = list(generate_ar(local_ar_chain(model, 3, torch.device("cpu")), model.cfg, b"Hello there", n_bytes=30,
+                           seed=1, temperature=0.0))
+    assert b"".join(r.new_bytes for r in remote) == b"".join(r.new_bytes for r in ref)
+    assert len(remote) == 30 and remote[-1].traversals == 30  # one traversal per byte
+    assert list(remote[0].route) == ["ar0", "ar1", "ar2"]
+
+
+def test_a_dead_stage_ends_the_request_with_unavailable_not_a_hang(trained, tmp_path, processes):
+    c = chain(trained, tmp_path, processes)
+    stream = generate_remote(c["entry"], b"Hello", n_bytes=300, k=1, seed=0)
+    next(stream)
+    c["b1-main"].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnavailable, match="no stage for the next block answered"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_spare_takes_over_from_the_failed_block_and_the_request_completes(trained, tmp_path, processes):
+    c = chain(trained, tmp_path, processes, spare_for=1)
+    replies = []
+    for i, r in enumerate(generate_remote(c["entry"], b"Hello", n_bytes=40, k=1, seed=2, temperature=0.7)):
+        replies.append(r)
+        if i == 5:
+            c["b1-main"].send_signal(signal.SIGKILL)
+    assert b"".join(r.new_bytes for r in replies) == b"".join(r.new_bytes for r in local(
+        trained, b"Hello", n_bytes=40, k=1, n_steps=7, seed=2, temperature=0.7))
+    assert list(replies[0].route)[1] == "b1-main" and list(replies[-1].route)[1] == "b1-spare"
+
+
+def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
+    c = chain(trained, tmp_path, processes)
+    with pytest.raises(InputError, match="at most 25 bytes"):
+        list(generate_remote(c["entry"], b"x" * 26, n_bytes=8, k=8))
+    with pytest.raises(InputError, match="K=4 was not trained"):
+        list(generate_remote(c["entry"], b"hi", n_bytes=8, k=4))
+    with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks"):
+        list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, n_steps=2))
+    # a malformed state tensor sent straight to the middle stage
+    channel = grpc.insecure_channel(_address(tmp_path, "b1-main"))
+    stub = pb_grpc.StageStub(channel)
+    good = dict(request_id="r", context=b"hi", segment=0, k=8, n_steps=7, seed=0, temperature=0.0)
+    for z in (tensor_to_pb(torch.zeros(8, 5)), pb.StateTensor(shape=[8, 32], data=b"\0" * 12),
+              tensor_to_pb(torch.full((8, 32), float("nan")))):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Forward(pb.SegmentRequest(z=z, **good), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.Forward(pb.SegmentRequest(z=tensor_to_pb(torch.zeros(8, 32)), **good), timeout=10).new_bytes
+    channel.close()
+    with pytest.raises(InputError, match="not the first stage"):
+        list(generate_remote(_address(tmp_path, "b1-main"), b"hi", n_bytes=8, k=8))
+
+
+def _address(tmp_path, name):
+    return f"127.0.0.1:{(tmp_path / f'{name}.port').read_text().strip()}"
