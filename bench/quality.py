@@ -25,10 +25,31 @@ from report import RESULTS, ROOT, measure, shown, update_section  # noqa: E402
 from btnode.model.config import ModelConfig  # noqa: E402  (no torch: this process must stay small)
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
-CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=128, segments=(1, 16))
-SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128",
-         "--segments", "1,16"]
 BATCH, LR = 32, 2e-3
+# default: the issue's CPU-sized comparison. serving: the model the serving benchmark runs, with
+# N = 256 so that a segment of K = 256 fits, trained on every K it serves.
+PROFILES = {
+    "default": dict(context=128, segments=(1, 16), budget=900.0, windows=512, out="bench-quality",
+                    result="quality.json", section="quality", full=True),
+    "serving": dict(context=256, segments=(1, 16, 64, 256), budget=600.0, windows=128, out="bench-quality-serving",
+                    result="quality_serving.json", section="quality-serving", full=False),
+}
+PROFILE = "default"
+CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=128, segments=(1, 16))
+SHAPE: list[str] = []
+
+
+def use_profile(name: str) -> dict:
+    global PROFILE, CFG, SHAPE
+    p = PROFILES[name]
+    PROFILE = name
+    CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=p["context"], segments=p["segments"])
+    SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", str(p["context"]),
+             "--segments", ",".join(map(str, p["segments"]))]
+    return p
+
+
+use_profile("default")
 
 
 def step_seconds(kind: str, n: int = 8) -> float:
@@ -36,7 +57,7 @@ def step_seconds(kind: str, n: int = 8) -> float:
 
     Runs in a child process: the orchestrator never loads torch, so that wait4's peak RSS of
     each child is not inflated by the parent's pages copied at fork."""
-    m = measure([sys.executable, __file__, "--calibrate", kind])
+    m = measure([sys.executable, __file__, "--profile", PROFILE, "--calibrate", kind])
     return float(m.stdout.strip().splitlines()[-1])
 
 
@@ -69,14 +90,19 @@ def calibrate(kind: str, n: int = 8) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=900.0, help="training seconds per model")
-    ap.add_argument("--windows", type=int, default=512, help="held-out windows for evaluation")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    ap.add_argument("--budget", type=float, help="training seconds per model (default: the profile's)")
+    ap.add_argument("--windows", type=int, help="held-out windows for evaluation (default: the profile's)")
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality")
+    ap.add_argument("--out", type=Path, help="run folder (default: runs/<profile's folder>)")
     ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
     ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    prof = use_profile(args.profile)
+    args.budget = args.budget or prof["budget"]
+    args.windows = args.windows or prof["windows"]
+    args.out = args.out or ROOT / "runs" / prof["out"]
     if args.calibrate:
         print(calibrate(args.calibrate))
         return
@@ -85,6 +111,8 @@ def main() -> None:
     # (equal optimizer steps per parameter owner), beside the equal-wall-clock runs.
     models = {"blocks": ("train-local", 0), ar_total: ("train-ar", CFG.n_blocks * CFG.n_layers),
               f"ar{CFG.n_layers}": ("train-ar", CFG.n_layers), f"{ar_total}-equal-steps": ("train-ar", CFG.n_blocks * CFG.n_layers)}
+    if not prof["full"]:
+        models = {name: models[name] for name in ("blocks", ar_total)}
     runs: dict[str, dict] = {}
     for name, (command, depth) in models.items():
         out = args.out / name
@@ -115,6 +143,8 @@ def main() -> None:
         runs[name]["eval"] = json.loads(ev.read_text())
         print(f"[quality] {name}: {m.wall_s:.0f} s, {tokens / m.wall_s:.0f} tokens/s", flush=True)
 
+    if not prof["full"]:
+        return report_serving_profile(args, prof, runs)
     probe = args.out / "rss"
     rss_block = measure([BTNODE, "train-local", "--out", str(probe / "block"), "--steps", "30", "--block", "0",
                          "--batch", str(BATCH), *SHAPE])
@@ -145,6 +175,38 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quality.json").write_text(json.dumps(res, indent=1) + "\n")
     update_section("quality", render(res, runs))
+
+
+def report_serving_profile(args: argparse.Namespace, prof: dict, runs: dict) -> None:
+    """SCE per K for the serving model (and its AR baseline's CE), read by bench/serving.py."""
+    blocks, ar_total = runs["blocks"]["eval"], f"ar{CFG.n_blocks * CFG.n_layers}"
+    seeds = args.seeds
+    res = {"config": {**CFG.to_dict(), "batch": BATCH, "lr": LR, "budget_s": args.budget, "windows": args.windows,
+                      "seeds": seeds, "n_steps": blocks["n_steps"]},
+           "sce": {k: {"sce1": v["sce1"], "sce8": v[f"sce{seeds}"]} for k, v in blocks["per_k"].items()},
+           "ar_total_ce": runs[ar_total]["eval"]["ce"], "unigram": blocks["unigram"],
+           "checkpoints": {"blocks": str(args.out / "blocks"), "ar": str(args.out / ar_total)},
+           "runs": {k: {kk: vv for kk, vv in v.items() if kk != "eval"} for k, v in runs.items()},
+           "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(res, indent=1))
+    if args.no_report:
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / prof["result"]).write_text(json.dumps(res, indent=1) + "\n")
+    c = res["config"]
+    lines = ["## Quality of the serving model (`bench/quality.py --profile serving`)", "",
+             f"Command: `.venv/bin/python bench/quality.py --profile serving` ({res['date']}). The model "
+             f"`bench/serving.py` runs: d={c['d_model']}, B={c['n_blocks']} × L={c['n_layers']}, N={c['context']} "
+             f"(so that K = 256 fits), K ∈ {c['segments']}, {c['budget_s']:.0f} s of training per model on 2 cores; "
+             f"{c['windows']} held-out windows, N_s = {c['n_steps']}, seeds 0..{seeds - 1}.", "",
+             "| model | K | SCE-1 | SCE-8 | steps | command |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for k, v in res["sce"].items():
+        lines.append(f"| blockwise | {k} | {v['sce1']:.4f} | {v['sce8']:.4f} | {runs['blocks']['steps']} | "
+                     f"`{runs['blocks']['command']}` |")
+    lines.append(f"| AR, {ar_total[2:]} layers (teacher-forced CE) | — | {res['ar_total_ce']:.4f} | | "
+                 f"{runs[ar_total]['steps']} | `{runs[ar_total]['command']}` |")
+    lines.append(f"| unigram entropy | | {res['unigram']:.4f} | | | |")
+    update_section(prof["section"], "\n".join(lines))
 
 
 def render(r: dict, runs: dict) -> str:
