@@ -203,9 +203,9 @@ def report_serving_profile(args: argparse.Namespace, prof: dict, runs: dict) -> 
     for k, v in res["sce"].items():
         lines.append(f"| blockwise | {k} | {v['sce1']:.4f} | {v['sce8']:.4f} | {runs['blocks']['steps']} | "
                      f"`{runs['blocks']['command']}` |")
-    lines.append(f"| AR, {ar_total[2:]} layers (teacher-forced CE) | — | {res['ar_total_ce']:.4f} | | "
-                 f"{runs[ar_total]['steps']} | `{runs[ar_total]['command']}` |")
-    lines.append(f"| unigram entropy | | {res['unigram']:.4f} | | | |")
+    lines += ["", f"The {ar_total[2:]}-layer autoregressive baseline served beside it: teacher-forced CE "
+              f"{res['ar_total_ce']:.4f} nats/byte after {runs[ar_total]['steps']} steps "
+              f"(`{runs[ar_total]['command']}`). Unigram entropy of the held-out file: {res['unigram']:.4f}."]
     update_section(prof["section"], "\n".join(lines))
 
 
