@@ -30,9 +30,9 @@ def root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEB
 
 
 def _register() -> None:
-    from btnode_cli import evaluate, generate, join, train
+    from btnode_cli import evaluate, generate, join, simulate, train
 
-    for module in (train, evaluate, generate, join):
+    for module in (train, evaluate, generate, join, simulate):
         module.register(app)
 
 

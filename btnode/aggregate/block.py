@@ -170,8 +170,13 @@ class BlockAggregator:
 
     # -- closing ----------------------------------------------------------------------------
     def tick(self) -> VersionInfo | None:
-        """Close the round if it is due; returns the newly published version, if any."""
+        """Close the round if it is due; returns the newly published version, if any. A round whose
+        deadline passed with nothing accepted starts its clock again, so that replicas which come
+        back together all get a full τ, rather than the first arrival closing the round alone."""
         with self.lock:
+            now = self.clock()
+            if not self.round.accepted and now >= self.round.deadline():
+                self.round.opened_at = now
             return self._maybe_close()
 
     def _maybe_close(self) -> VersionInfo | None:

@@ -5,7 +5,8 @@ on v−s … v−1, weighted down) is accepted while the round is open. One base
 just before the oldest accepted one is LATE: its round closed before it arrived. Anything older
 is STALE. The round closes at its deadline once `min_updates` are accepted, or earlier once every
 registered replica has reported and at least one update was accepted. With none accepted it
-stays open: a block never publishes a version nobody trained.
+stays open, and its clock starts again when the deadline passes (BlockAggregator.tick): a block
+never publishes a version nobody trained, and replicas that were all away get a full τ together.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.errors import ConfigError, ConfigMismatchError, UnknownBlock
+from btnode.codec.frames import ChunkData, FrameAssembler
+from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import JoinInfo
+from btnode.protocol import JoinInfo, Judgement, PushHeader
 from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_block
 from btnode.store.versions import VersionStore
@@ -75,6 +76,30 @@ class SwarmAggregator:
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
         log.info("worker %s left block %d", worker_id, block)
+
+    def push(self, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+        """Judge one pushed update: its header first (re-push, late, stale answered before any
+        payload), then every frame validated against the block's spec, then the round's rules.
+        A refused push is counted with its reason and raised; nothing of it is applied."""
+        try:
+            block = self.block(header.block)
+        except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
+            self.counters[("rejected", exc.reason)] += 1
+            raise
+        try:
+            early = block.precheck(header)
+            if early is not None:
+                return early
+            if header.codec not in self.acfg.update_codecs:
+                raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
+            asm = FrameAssembler.for_spec(block.spec, [header.codec])
+            for chunk in chunks:
+                asm.add(chunk)
+            delta = asm.finish()
+        except PeerInputError as exc:
+            block.reject(header, exc)
+            raise
+        return block.submit(header, delta)
 
     def tick(self) -> None:
         for agg in self.blocks.values():

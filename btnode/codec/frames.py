@@ -19,6 +19,7 @@ import zstandard
 from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.errors import MalformedInput, TooLarge
 
+FRAME_SLACK = 64 << 10  # zstd may grow incompressible data slightly
 CHUNK_BYTES = 1 << 20  # at most 1 MiB of payload per chunk
 ZSTD_LEVEL = 1
 DTYPE = "float32"  # the only decoded dtype blocks use
@@ -127,6 +128,12 @@ class FrameAssembler:
         self._received = 0
         self.wire_bytes = 0  # payload bytes received so far
         self._dctx = zstandard.ZstdDecompressor()
+
+    @classmethod
+    def for_spec(cls, spec: Spec, codecs: Iterable[Codec]) -> FrameAssembler:
+        """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
+        largest = max(raw_size(Codec.FP32, math.prod(s)) for s in spec.values())
+        return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:

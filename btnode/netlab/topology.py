@@ -1,10 +1,18 @@
-"""A chain of emulated hosts: h0 — r0 — h1 — r1 — … — h(n−1). Each router namespace r_i joins
-h_i and h_{i+1} with veth pairs, shapes both directions with `tc tbf` at `rate_mbit`, and sends
-every packet through a delay line of `delay_ms` (so one hop costs delay_ms one way).
+"""Emulated hosts joined by emulated WAN links. Each link i between hosts a and b is a router
+namespace r_i that joins them with veth pairs, shapes both directions with `tc tbf` at
+`rate_mbit`, and sends every packet through a delay line of `delay_ms` (so crossing a link costs
+delay_ms one way). Two shapes are built from it:
+
+- `Chain(n)`: h0 — r0 — h1 — r1 — … — h(n−1) (a serving chain: each host talks to the next);
+- `Star(n)`: h1 … h(n−1) each linked to the hub h0 (an aggregator and its workers).
 
     with Chain(4, delay_ms=20, rate_mbit=100) as lab:
         lab.popen(1, ["python", "-m", "http.server"])    # runs inside h1
         lab.address(1)                                    # where h0 reaches h1
+
+    with Star(4, delay_ms=20, rate_mbit=100) as lab:
+        lab.hub_address(2)                                # where h2 reaches h0
+        lab.set_link(2, up=False)                         # cut h2 off (and `up=True` to restore)
 
 Needs root, iproute2 and /dev/net/tun; `Chain.why_unavailable()` says why not when it cannot run.
 """
@@ -33,11 +41,15 @@ def _ip(*args: str, ns: str | None = None) -> None:
     _run("ip", *args, ns=ns)
 
 
-class Chain:
-    def __init__(self, n_hosts: int, *, delay_ms: float, rate_mbit: float, prefix: str | None = None):
-        if n_hosts < 2:
-            raise ValueError("a chain needs at least two hosts")
+class Lab:
+    """Hosts 0..n−1 and links between pairs of them; a host talks only to the hosts it links to."""
+
+    def __init__(self, n_hosts: int, links: Sequence[tuple[int, int]], *, delay_ms: float, rate_mbit: float,
+                 prefix: str | None = None):
+        if n_hosts < 2 or not links or any(not (0 <= a < n_hosts and 0 <= b < n_hosts and a != b) for a, b in links):
+            raise ValueError(f"a lab needs at least two hosts and valid links, got {n_hosts} hosts, links {links}")
         self.n = n_hosts
+        self.links = list(links)
         self.delay_ms = delay_ms
         self.rate_mbit = rate_mbit
         self.prefix = prefix or f"bt{uuid.uuid4().hex[:5]}"
@@ -69,16 +81,21 @@ class Chain:
     def router(self, i: int) -> str:
         return f"{self.prefix}r{i}"
 
-    def address(self, i: int) -> str:
-        """The address of host i (i ≥ 1) that host i − 1 connects to."""
-        return f"10.{200 + (i - 1) // 250}.{(i - 1) % 250}.6"
-
     def _link_addresses(self, i: int) -> tuple[str, str, str, str]:
         """Link i (h_i ↔ h_{i+1}): h_i side, router left, router right, h_{i+1} side (all /30)."""
         a, b = 200 + i // 250, i % 250
         return f"10.{a}.{b}.1", f"10.{a}.{b}.2", f"10.{a}.{b}.5", f"10.{a}.{b}.6"
 
-    def up(self) -> Chain:
+    def link_address(self, i: int, side: int) -> str:
+        """The address of link i's host on `side` (0: the link's first host, 1: its second)."""
+        return self._link_addresses(i)[0 if side == 0 else 3]
+
+    def set_link(self, i: int, *, up: bool) -> None:
+        """Take link i down (both veth pairs in its router) or bring it back: a cable pulled."""
+        for dev in ("lft", "rgt"):
+            _ip("link", "set", dev, "up" if up else "down", ns=self.router(i))
+
+    def up(self) -> Lab:
         try:
             self._build()
         except BaseException:
@@ -91,8 +108,8 @@ class Chain:
             _ip("netns", "add", self.host(i))
             self.created.append(self.host(i))
             _ip("link", "set", "lo", "up", ns=self.host(i))
-        for i in range(self.n - 1):
-            r, left, right = self.router(i), self.host(i), self.host(i + 1)
+        for i, (a, b) in enumerate(self.links):
+            r, left, right = self.router(i), self.host(a), self.host(b)
             _ip("netns", "add", r)
             self.created.append(r)
             _ip("link", "set", "lo", "up", ns=r)
@@ -139,8 +156,32 @@ class Chain:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.created.clear()
 
-    def __enter__(self) -> Chain:
+    def __enter__(self) -> Lab:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+class Chain(Lab):
+    def __init__(self, n_hosts: int, *, delay_ms: float, rate_mbit: float, prefix: str | None = None):
+        super().__init__(n_hosts, [(i, i + 1) for i in range(n_hosts - 1)], delay_ms=delay_ms, rate_mbit=rate_mbit,
+                         prefix=prefix)
+
+    def address(self, i: int) -> str:
+        """The address of host i (i ≥ 1) that host i − 1 connects to."""
+        return self.link_address(i - 1, 1)
+
+
+class Star(Lab):
+    def __init__(self, n_hosts: int, *, delay_ms: float, rate_mbit: float, prefix: str | None = None):
+        super().__init__(n_hosts, [(0, i) for i in range(1, n_hosts)], delay_ms=delay_ms, rate_mbit=rate_mbit,
+                         prefix=prefix)
+
+    def hub_address(self, i: int) -> str:
+        """The address of the hub h0 that host i (i ≥ 1) connects to."""
+        return self.link_address(i - 1, 0)
+
+    def link_of(self, i: int) -> int:
+        """The link that joins host i (i ≥ 1) to the hub."""
+        return i - 1

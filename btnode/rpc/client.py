@@ -3,18 +3,17 @@ a push that was judged by content (stale, invalid) comes back as a Judgement the
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import CHUNK_BYTES, Frame, FrameAssembler, iter_chunks
+from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
 from btnode.errors import MalformedInput, PeerInputError
 from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
 from btnode.rpc import convert
-from btnode.rpc.server import CHANNEL_OPTIONS, FRAME_SLACK
+from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.status import error_from_rpc
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
@@ -45,8 +44,7 @@ class SwarmClient:
     def _tensor_stream(self, what: str, call, spec: Mapping[str, tuple[int, ...]], codecs: list[Codec]) -> Pulled:
         """Read one info message then chunks, validating every frame against `spec`."""
         t0 = time.perf_counter()
-        largest = max(4 * math.prod(s) for s in spec.values())
-        asm = FrameAssembler(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES)
+        asm = FrameAssembler.for_spec(spec, codecs)
         info = None
         try:
             for msg in call:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,8 +21,8 @@ import zstandard
 
 from btnode.aggregate.block import ABORTED
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec, raw_size
-from btnode.codec.frames import CHUNK_BYTES, ZSTD_LEVEL, FrameAssembler, frame_from_raw, iter_chunks, lazy_frames
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ZSTD_LEVEL, ChunkData, frame_from_raw, iter_chunks, lazy_frames
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, PeerInputError
 from btnode.rpc import convert
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
@@ -33,7 +32,6 @@ from btnode.v1 import swarm_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20  # a 1 MiB chunk plus headers fits with room to spare
-FRAME_SLACK = 64 << 10  # zstd may grow incompressible data slightly
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -119,42 +117,30 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
+        first = next(request_iterator, None)
         try:
-            first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise MalformedInput("no_header", "a push must start with its header")
             header = convert.push_header_from_pb(first.header)
-            block = self.agg.block(header.block)
-        except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
+        except PeerInputError as exc:
             self.agg.counters[("rejected", exc.reason)] += 1
             log.warning("rejected push: %s", exc)
             raise
-        try:
-            early = block.precheck(header)
-            if early is not None:
-                return convert.judgement_to_pb(early)
-            if header.codec not in self.agg.acfg.update_codecs:
-                raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
-            largest = max(raw_size(Codec.FP32, math.prod(s)) for s in block.spec.values())
-            asm = FrameAssembler(block.spec, codecs=[header.codec], max_frame_bytes=largest + FRAME_SLACK,
-                                 max_chunk_bytes=CHUNK_BYTES)
+
+        def chunks() -> Iterator[ChunkData]:
             try:
                 for msg in request_iterator:
                     if msg.WhichOneof("kind") != "chunk":
                         raise MalformedInput("header", "a push carries one header, then chunks only")
-                    asm.add(convert.chunk_from_pb(msg.chunk))
+                    yield convert.chunk_from_pb(msg.chunk)
             except grpc.RpcError:  # the client went away mid-stream (killed, cancelled, network gone)
                 raise MalformedInput(ABORTED, "the client went away in the middle of the push") from None
             if not context.is_active():  # the stream may also just end when the connection drops
                 raise MalformedInput(ABORTED, "the client went away in the middle of the push")
-            delta = asm.finish()
-        except PeerInputError as exc:
-            block.reject(header, exc)
-            raise
-        t1 = time.perf_counter()
-        judged = block.submit(header, delta)
-        log.debug("push from %s: %d wire bytes received and validated in %.1f ms, judged %s in %.1f ms",
-                  header.worker_id, asm.wire_bytes, 1e3 * (t1 - t0), judged.outcome.value, 1e3 * (time.perf_counter() - t1))
+
+        judged = self.agg.push(header, chunks())
+        log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
+                  1e3 * (time.perf_counter() - t0))
         return convert.judgement_to_pb(judged)
 
     @_guard

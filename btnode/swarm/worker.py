@@ -3,6 +3,12 @@ train H local steps with a persistent inner AdamW, push the encoded delta (with 
 against its base version, wait for the next version on the server stream, apply the published
 delta and check its hash, falling back to a full pull when behind or on a mismatch.
 
+No idle waiting (issue #5): while the next version is on its way the worker keeps training from
+its local state (at most H steps). When the version arrives, that work is folded in:
+θ ← θ^{v+1} + (θ_now − θ_pushed), so the next update carries it and the next round needs only
+the remaining H − (steps done while waiting). If the pushed update was not accepted, nothing of it
+reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v).
+
 It talks to the aggregator only through an AggregatorLink, so the same loop runs over gRPC or
 in-process. Every transfer is counted (raw and wire bytes) for the benchmarks.
 """
@@ -24,7 +30,7 @@ import zstandard
 from btnode.codec.codecs import Codec, decode
 from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
 from btnode.data.windows import WindowSampler
-from btnode.errors import BtnodeError, MalformedInput, PeerUnavailable
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.model.targets import target_table
 from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, VersionInfo
@@ -49,6 +55,7 @@ class WorkerConfig:
     rounds: int | None = None  # stop after this many pushes (None: until stopped)
     wait_timeout_s: float = 600.0  # give up waiting for a version after this long
     push_retries: int = 5  # re-push (same update id) after UNAVAILABLE
+    train_while_waiting: bool = True  # keep training while the next version is on its way (folded in)
 
 
 @dataclass
@@ -60,7 +67,10 @@ class WorkerStats:
     bytes_pulled_wire: int = 0
     full_pulls: int = 0
     delta_fetches: int = 0
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # wall time inside training steps (utilisation = train_seconds / wall)
+    steps: int = 0
+    wait_steps: int = 0  # steps trained while waiting for a version, folded into the next update
+    folds: int = 0
     started: float = field(default_factory=time.perf_counter)
     losses: list[float] = field(default_factory=list)
     version: int = -1  # the version the worker holds now, and its hash
@@ -81,6 +91,9 @@ class BlockWorker:
         self.stats = WorkerStats()
         self._announced: queue.Queue[VersionInfo | BaseException] = queue.Queue()
         self._newest: VersionInfo | None = None
+        self._pending: list[float] = []  # CE of each step the next update will carry
+        self._pushed: list[float] = []  # ... and of the last pushed update's steps
+        self._fold_from: Tensors | None = None  # θ the carry is measured from while waiting
 
     # -- versions ----------------------------------------------------------------------------
     def _adopt(self, info: VersionInfo, params: Tensors) -> None:
@@ -133,15 +146,24 @@ class BlockWorker:
             stop.wait(1.0)
 
     def _wait_newer(self, version: int, stop: threading.Event) -> VersionInfo | None:
+        """Block until a version newer than `version` is announced; with train_while_waiting,
+        train one step at a time meanwhile (at most H), checking for the announcement between steps."""
         deadline = time.monotonic() + self.wcfg.wait_timeout_s
+        trained = 0
         while not stop.is_set():
             if self._newest is not None and self._newest.version > version:
                 return self._newest
+            busy = self._fold_from is not None and trained < self.wcfg.steps_per_round
             try:
-                item = self._announced.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+                item = (self._announced.get_nowait() if busy else
+                        self._announced.get(timeout=min(0.5, max(0.0, deadline - time.monotonic()))))
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     raise PeerUnavailable(f"no version after {version} within {self.wcfg.wait_timeout_s:.0f} s")
+                if busy:
+                    self.train_steps(1)
+                    self.stats.wait_steps += 1
+                    trained += 1
                 continue
             if isinstance(item, BaseException):
                 raise item
@@ -150,14 +172,63 @@ class BlockWorker:
         return None
 
     # -- rounds ------------------------------------------------------------------------------
-    def _train(self) -> tuple[float, int]:
+    def train_steps(self, n: int) -> None:
+        """Train n local steps; their CE joins the next update's."""
         t0 = time.perf_counter()
-        ces = []
-        for _ in range(self.wcfg.steps_per_round):
+        for _ in range(n):
             x = self.sampler.batch(self.tc.seed, self.wcfg.worker_id, self.trainer.step, self.tc.batch)
-            ces.append(self.trainer.train_step(x, self.wcfg.worker_id).ce)
+            self._pending.append(self.trainer.train_step(x, self.wcfg.worker_id).ce)
+        self.stats.steps += n
         self.stats.train_seconds += time.perf_counter() - t0
-        return sum(ces) / len(ces), self.wcfg.steps_per_round * self.tc.batch
+
+    def steps_due(self) -> int:
+        """Steps still to train before the next push (H minus what was folded in)."""
+        return max(0, self.wcfg.steps_per_round - len(self._pending))
+
+    def make_update(self) -> tuple[PushHeader, dict[str, bytes]]:
+        """The header and codec bytes of Δ = θ_local − θ^v (+ residual) over the pending steps."""
+        assert self.info is not None and self._pending
+        loss, samples = sum(self._pending) / len(self._pending), len(self._pending) * self.tc.batch
+        self.stats.losses.append(loss)
+        self._pushed, self._pending = self._pending, []
+        header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
+                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
+        return header, self._encode()
+
+    def pushed(self, j: Judgement) -> None:
+        """Record the answer to the last update and decide what the wait may fold in."""
+        self.stats.pushes += 1
+        self.stats.outcomes[j.outcome.value] = self.stats.outcomes.get(j.outcome.value, 0) + 1
+        accepted = j.outcome is Outcome.ACCEPTED
+        if not accepted:
+            self.residual = {}  # the delta was not applied: its rounding error means nothing
+        if not self.wcfg.train_while_waiting:
+            self._fold_from = None
+        elif accepted:
+            self._fold_from = self._params()
+        else:  # nothing of it reached the next version: fold all of it, its steps included
+            self._fold_from = dict(self.base)
+            self._pending = self._pushed + self._pending
+
+    def advance(self, target: VersionInfo) -> None:
+        """Move to `target` and fold in what was trained since the push (see the module doc)."""
+        carry = None
+        if self._fold_from is not None:
+            now = self._params()
+            carry = {n: now[n] - self._fold_from[n] for n in self.spec}
+            self._fold_from = None
+        if carry is None or not self._pending:
+            self._pending = []
+            carry = None
+        self._catch_up(target)
+        if carry is not None:
+            self.stats.folds += 1
+            with torch.no_grad():
+                for name, p in self.trainer.model.state_dict().items():
+                    p.add_(carry[name].to(p.device))
+
+    def _params(self) -> Tensors:
+        return {n: t.detach().cpu().clone() for n, t in self.trainer.model.state_dict().items()}
 
     def _encode(self) -> dict[str, bytes]:
         """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback)."""
@@ -179,47 +250,53 @@ class BlockWorker:
             self.stats.bytes_pushed_wire += frame.header.payload_bytes
             yield frame
 
-    def _push(self, raw: dict[str, bytes], loss: float, samples: int) -> Judgement:
-        assert self.info is not None
-        header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
-                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
+    def push(self, header: PushHeader, raw: dict[str, bytes]) -> Judgement:
+        """Push (re-pushing the same update id after UNAVAILABLE). A refusal (stale, or rejected by
+        validation) is an answer, not a failure: the worker drops the update and catches up."""
         for attempt in range(self.wcfg.push_retries + 1):
             try:
-                j = self.link.push(header, self._frames(raw))
-                break
+                return self.link.push(header, self._frames(raw))
+            except PeerInputError as exc:
+                outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
+                log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)
+                return Judgement(outcome=outcome, reason=str(exc), round_version=-1)
             except PeerUnavailable as exc:
                 if attempt == self.wcfg.push_retries:
                     raise
                 log.warning("push unavailable (%s); re-pushing the same update", exc)
                 time.sleep(min(5.0, 0.5 * 2**attempt))
-        self.stats.pushes += 1
-        self.stats.outcomes[j.outcome.value] = self.stats.outcomes.get(j.outcome.value, 0) + 1
-        return j
+        raise AssertionError("unreachable")
 
-    def run(self, stop: threading.Event | None = None) -> WorkerStats:
-        stop = stop or threading.Event()
+    def start(self) -> None:
+        """Join with the fingerprint and pull the block."""
         w = self.wcfg
         joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()))
         if w.codec not in joined.codecs:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self._pull()
+
+    def run(self, stop: threading.Event | None = None) -> WorkerStats:
+        stop = stop or threading.Event()
+        w = self.wcfg
+        self.start()
         watcher = threading.Thread(target=self._watch, args=(stop,), daemon=True, name="watch")
         watcher.start()
         log.info("worker %s: block %d at version %d", w.worker_id, w.block, self.info.version if self.info else -1)
         try:
             while not stop.is_set() and (w.rounds is None or self.stats.pushes < w.rounds):
-                loss, samples = self._train()
-                self.stats.losses.append(loss)
-                j = self._push(self._encode(), loss, samples)
-                assert self.info is not None
-                log.info("worker %s: block %d round %d: %s%s (CE %.4f)", w.worker_id, w.block, self.info.version,
-                         j.outcome.value, f": {j.reason}" if j.reason else "", loss)
-                if j.outcome is not Outcome.ACCEPTED:
-                    self.residual = {}  # the delta was not applied: its rounding error means nothing
-                newer = self._wait_newer(self.info.version, stop)
+                self.train_steps(self.steps_due())
+                header, raw = self.make_update()
+                j = self.push(header, raw)
+                self.pushed(j)
+                log.info("worker %s: block %d round %d: %s%s (CE %.4f, %d steps)", w.worker_id, w.block,
+                         header.base_version, j.outcome.value, f": {j.reason}" if j.reason else "", header.loss,
+                         int(header.samples) // self.tc.batch)
+                if w.rounds is not None and self.stats.pushes >= w.rounds:
+                    self._fold_from = None  # the last round: just adopt the version it makes
+                newer = self._wait_newer(header.base_version, stop)
                 if newer is None:
                     break
-                self._catch_up(newer)
+                self.advance(newer)
         finally:
             stop.set()
             try:

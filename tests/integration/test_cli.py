@@ -130,3 +130,15 @@ def test_bad_requests(trained):
     if not __import__("torch").cuda.is_available():
         fails("generate", "--checkpoint", str(trained), "--device", "cuda", "hi", match="no CUDA GPU")
     fails("generate", "--checkpoint", str(trained), "--device", "tpu", "hi", match="unknown device")
+
+
+def test_simulate_reports_ce_and_participation(tmp_path):
+    out = tmp_path / "sim.json"
+    p = run("simulate", "--participation", "0.5", "--rounds", "3", "--steps-per-round", "2", "--eval-windows", "8",
+            "--eval-init", "--json", str(out), *TINY)
+    assert "after 3 rounds: SCE-1" in p.stdout
+    res = json.loads(out.read_text())
+    assert res["attempts"] == 3 * 3 * 2 and 0 < res["absent"] < res["attempts"]
+    assert res["ce"] > 0 and res["ce_init"] > 0
+    fails("simulate", "--participation", "1.5", *TINY, match="participation")
+    fails("simulate", "--delay-dist", "pareto", *TINY, match="delay distribution")

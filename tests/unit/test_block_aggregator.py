@@ -163,3 +163,21 @@ def test_the_first_round_starts_its_clock_when_the_first_replica_registers(tmp_p
     assert agg.tick() is None  # τ counts from the first registration, not from start-up
     clock.t += 10.0
     assert agg.tick().closed_by == "deadline"
+
+
+def test_a_round_with_nothing_accepted_restarts_its_clock_at_the_deadline(tmp_path):
+    """Replicas that were all away come back together: both get a full τ, not just the first."""
+    clock = Clock()
+    agg = make(tmp_path, clock, round=RoundConfig(deadline_s=10.0))
+    for w in ("x", "y", "z"):
+        agg.register(w)
+    clock.t += 15.0  # the deadline passed and nobody pushed
+    assert agg.tick() is None and agg.round.deadline() == clock.t + 10.0
+    clock.t += 3.0
+    assert agg.submit(header("x", 0), delta(1.0)).outcome is Outcome.ACCEPTED
+    assert agg.info.version == 0  # before the restart this first arrival would have closed the round alone
+    clock.t += 3.0
+    assert agg.submit(header("y", 0), delta(2.0)).outcome is Outcome.ACCEPTED
+    clock.t += 5.0
+    info = agg.tick()
+    assert info is not None and info.accepted == 2 and info.closed_by == "deadline"

@@ -1,0 +1,55 @@
+"""`LocalLink`: an AggregatorLink that calls a SwarmAggregator in the same process.
+
+Pushes still go through the wire format (frames compressed by the worker, then chunked and
+validated by the aggregator's own FrameAssembler), so the only thing replaced is the network.
+Pulls hand over the tensors directly; their Transfer counts fp32 bytes (nothing is compressed
+in-process)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import decode
+from btnode.codec.frames import Frame, iter_chunks
+from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, Transfer, VersionInfo
+
+Spec = Mapping[str, tuple[int, ...]]
+
+
+class LocalLink:
+    def __init__(self, agg: SwarmAggregator):
+        self.agg = agg
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
+        return self.agg.join(worker_id, block, fingerprint, config_json)
+
+    def leave(self, worker_id: str, block: int) -> None:
+        self.agg.leave(worker_id, block)
+
+    def pull(self, block: int, worker_id: str, spec: Spec) -> Pulled:
+        info, params = self.agg.block(block).current()
+        size = sum(4 * math.prod(s) for s in spec.values())
+        return Pulled(info=info, tensors={n: params[n].clone() for n in spec}, transfer=Transfer(raw=size, wire=size))
+
+    def fetch_delta(self, block: int, version: int, spec: Spec) -> Pulled:
+        info, codec, raw = self.agg.block(block).delta(version)
+        size = sum(len(b) for b in raw.values())
+        return Pulled(info=info, tensors={n: decode(codec, raw[n], spec[n]) for n in spec},
+                      transfer=Transfer(raw=size, wire=size))
+
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+        return self.agg.push(header, iter_chunks(frames))
+
+    def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
+        agg = self.agg.block(block)
+        seen = -1
+        while True:
+            info = agg.wait_for(seen, timeout=1.0)
+            if info is not None:
+                seen = info.version
+                yield info
+
+    def close(self) -> None:
+        pass

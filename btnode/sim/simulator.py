@@ -1,0 +1,240 @@
+"""The virtual async simulator (design §6.5, issue #5).
+
+One process runs the daemon's own parts: a SwarmAggregator (rounds, validation, averaging,
+version store) and one BlockWorker per replica (training, codec with error feedback, catch-up,
+folding). Only two things are replaced: the network (a LocalLink, plus a sampled one-way delay
+per message) and the clock (a virtual clock that the aggregator reads and an event queue
+advances). Training is real; the time it takes is virtual: `step_time_s` per local step.
+
+Each replica makes `rounds` attempts. Before each it draws, from its own seeded stream, whether
+it takes part. If it does, it trains its steps and its update arrives after the compute time
+plus a sampled upload delay; once a newer version is published it hears of it after a sampled
+download delay, catches up and tries again. If it does not, it is away for one deadline τ (the
+machine is busy or offline: no compute, no update), then catches up with the newest version
+and tries again. Participation streams are nested across probabilities: the attempts a replica
+misses at p = 0.9 are a subset of those it misses at p = 0.42, so runs compare like for like.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.data.windows import eval_windows
+from btnode.errors import ConfigError
+from btnode.evaluation.metrics import sampler_ce
+from btnode.model.config import ModelConfig
+from btnode.model.noise import default_steps
+from btnode.protocol import Outcome
+from btnode.sim.link import LocalLink
+from btnode.store.models import init_block
+from btnode.swarm.worker import BlockWorker, WorkerConfig
+from btnode.train.config import TrainConfig
+
+DISTRIBUTIONS = ("fixed", "exp", "lognormal")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    participation: float = 1.0  # probability that a replica takes part in a given attempt
+    rounds: int = 20  # attempts per replica
+    replicas: int = 2  # per block
+    steps_per_round: int = 20  # H
+    step_time_s: float = 0.1  # virtual seconds per local step
+    delays_s: tuple[float, ...] = (0.02,)  # mean one-way delay per replica (cycled over replicas)
+    delay_dist: str = "exp"  # fixed | exp (exponential) | lognormal (σ = 0.5), with that mean
+    codec: Codec = Codec.INT8
+    train_while_waiting: bool = False
+    seed: int = 0  # participation and delay streams
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.participation <= 1:
+            raise ConfigError(f"participation must be in [0, 1], got {self.participation}")
+        if self.rounds < 1 or self.replicas < 1 or self.steps_per_round < 1 or self.step_time_s <= 0:
+            raise ConfigError("rounds, replicas and steps per round must be ≥ 1 and the step time > 0")
+        if not self.delays_s or any(d < 0 or not math.isfinite(d) for d in self.delays_s):
+            raise ConfigError(f"delays must be finite and ≥ 0, got {self.delays_s}")
+        if self.delay_dist not in DISTRIBUTIONS:
+            raise ConfigError(f"delay distribution must be one of {DISTRIBUTIONS}, got {self.delay_dist!r}")
+
+
+@dataclass
+class Replica:
+    worker: BlockWorker
+    mean_delay_s: float
+    turnout: random.Random  # participation draws
+    jitter: random.Random  # delay draws
+    attempts: int = 0
+    absent: int = 0
+    missed: list[int] = field(default_factory=list)  # the attempts it sat out
+    finished: bool = False
+    finished_at: float = 0.0
+    waiting_for: int | None = None  # base version of the update it waits on
+    waiting_since: float = 0.0
+    busy_s: float = 0.0  # virtual seconds spent training
+
+
+@dataclass
+class SimResult:
+    virtual_seconds: float
+    versions: dict[int, int]
+    outcomes: dict[str, int]
+    attempts: int
+    absent: int
+    utilisation: float  # virtual training time ÷ virtual time until it finished, averaged over replicas
+    closed_by: dict[str, int] = field(default_factory=dict)
+
+
+class Simulation:
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig, corpus: bytes,
+                 state_dir: Path, *, device: torch.device):
+        self.cfg, self.acfg, self.scfg = cfg, acfg, scfg
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now)
+        self.link = LocalLink(self.agg)
+        self.replicas: list[Replica] = []
+        for b, r in itertools.product(range(cfg.n_blocks), range(scfg.replicas)):
+            wid = f"b{b}r{r}"
+            wcfg = WorkerConfig(worker_id=wid, block=b, steps_per_round=scfg.steps_per_round, codec=scfg.codec,
+                                train_while_waiting=scfg.train_while_waiting)
+            mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
+            self.replicas.append(Replica(BlockWorker(cfg, tc, wcfg, self.link, corpus, device=device), mean,
+                                         random.Random(f"turnout/{scfg.seed}/{wid}"),
+                                         random.Random(f"delay/{scfg.seed}/{wid}")))
+        self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
+        self.closed_by: dict[str, int] = {}
+
+    # -- the event queue and the network ----------------------------------------------------------
+    def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._queue, (t, next(self._seq), fn, args))
+
+    def _delay(self, rep: Replica) -> float:
+        m, rng = rep.mean_delay_s, rep.jitter
+        if m == 0 or self.scfg.delay_dist == "fixed":
+            return m
+        if self.scfg.delay_dist == "exp":
+            return rng.expovariate(1 / m)
+        return m * math.exp(0.5 * rng.gauss(0, 1) - 0.125)  # lognormal with mean m
+
+    def _after_aggregator(self) -> None:
+        """Announce newly published versions (each waiting replica hears after its own delay) and
+        schedule the new round's deadline tick."""
+        for b, agg in self.agg.blocks.items():
+            if agg.info.version == self._published[b]:
+                continue
+            self._published[b] = agg.info.version
+            self.closed_by[agg.info.closed_by] = self.closed_by.get(agg.info.closed_by, 0) + 1
+            self._at(agg.round.deadline(), self._tick, b)
+            for rep in self.replicas:
+                if rep.worker.wcfg.block == b and rep.waiting_for is not None:
+                    self._at(self.now + self._delay(rep), self._hear, rep, rep.waiting_for)
+
+    # -- events ------------------------------------------------------------------------------
+    def _tick(self, b: int) -> None:
+        agg = self.agg.block(b)
+        version = agg.info.version
+        agg.tick()
+        active = any(r.worker.wcfg.block == b and not r.finished for r in self.replicas)
+        if agg.info.version == version and agg.round.deadline() > self.now and active:  # clock restarted
+            self._at(agg.round.deadline(), self._tick, b)
+        self._after_aggregator()
+
+    def _attempt(self, rep: Replica) -> None:
+        if rep.attempts >= self.scfg.rounds:
+            rep.finished, rep.finished_at = True, self.now
+            return
+        rep.attempts += 1
+        if rep.turnout.random() >= self.scfg.participation:
+            rep.absent += 1
+            rep.missed.append(rep.attempts)
+            self._at(self.now + self.acfg.round.deadline_s, self._come_back, rep)
+            return
+        w = rep.worker
+        steps = w.steps_due()
+        w.train_steps(steps)
+        rep.busy_s += steps * self.scfg.step_time_s
+        header, raw = w.make_update()
+        sent = self.now + steps * self.scfg.step_time_s
+        self._at(sent + self._delay(rep), self._arrive, rep, header, raw, sent)
+
+    def _arrive(self, rep: Replica, header, raw, sent: float) -> None:
+        rep.worker.pushed(rep.worker.push(header, raw))
+        rep.waiting_for, rep.waiting_since = header.base_version, sent  # it has waited since it sent
+        before = self._published[header.block]
+        self._after_aggregator()
+        if before > header.base_version:  # it was late: a newer version was already out
+            self._at(self.now + self._delay(rep), self._hear, rep, header.base_version)
+
+    def _hear(self, rep: Replica, base: int) -> None:
+        if rep.waiting_for != base:
+            return  # already heard of a newer version
+        w = rep.worker
+        if self.scfg.train_while_waiting and w.stats.pushes < self.scfg.rounds:
+            # what it would have trained while waiting, one step per step_time, at most H
+            n = min(self.scfg.steps_per_round, int((self.now - rep.waiting_since) / self.scfg.step_time_s))
+            w.train_steps(n)
+            w.stats.wait_steps += n
+            rep.busy_s += n * self.scfg.step_time_s
+        rep.waiting_for = None
+        w.advance(self.agg.block(w.wcfg.block).info)
+        self._attempt(rep)
+
+    def _come_back(self, rep: Replica) -> None:
+        w = rep.worker
+        newest = self.agg.block(w.wcfg.block).info
+        assert w.info is not None
+        if newest.version > w.info.version:
+            w.advance(newest)
+        self._attempt(rep)
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        for rep in self.replicas:
+            rep.worker.start()
+        for b, agg in self.agg.blocks.items():
+            self._at(agg.round.deadline(), self._tick, b)
+        for rep in self.replicas:
+            self._at(0.0, self._attempt, rep)
+        while self._queue:
+            t, _, fn, args = heapq.heappop(self._queue)
+            self.now = max(self.now, t)
+            fn(*args)
+        outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
+        for agg in self.agg.blocks.values():
+            for (outcome, _), n in agg.counters.items():
+                outcomes[outcome] = outcomes.get(outcome, 0) + n
+        return SimResult(virtual_seconds=max(r.finished_at for r in self.replicas), versions={b: a.info.version for b, a in self.agg.blocks.items()},
+                         outcomes=outcomes, attempts=sum(r.attempts for r in self.replicas),
+                         absent=sum(r.absent for r in self.replicas),
+                         utilisation=sum(r.busy_s / max(r.finished_at, 1e-9) for r in self.replicas) / len(self.replicas),
+                         closed_by=dict(self.closed_by))
+
+    def blocks(self) -> list[torch.nn.Module]:
+        """The published model: each block at its newest version."""
+        out = []
+        for b, agg in sorted(self.agg.blocks.items()):
+            blk = init_block(self.cfg, b, 0)
+            blk.load_state_dict(agg.current()[1])
+            out.append(blk)
+        return out
+
+
+def score(blocks: list[torch.nn.Module], test: bytes, windows: int, device: torch.device) -> float:
+    """SCE-1 at K = 1 (nats/byte) of a chain of blocks on `windows` held-out windows, N_s = 2B+1."""
+    cfg: ModelConfig = blocks[0].cfg  # type: ignore[assignment]
+    w = eval_windows(test, cfg.context, windows)
+    with torch.no_grad():
+        return sampler_ce([b.to(device) for b in blocks], w, k=1, seeds=[0], n_steps=default_steps(cfg),
+                          device=device).sce1
