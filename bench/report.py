@@ -13,6 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 RESULTS = ROOT / "bench" / "results"
+# The model shape the swarm benchmarks train (the project's default), and the tiny one of --quick runs
+SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128", "--segments", "1,16"]
+QUICK_SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32", "--segments", "1,8"]
 HEADER = "# Benchmarks\n\nEvery row names the command that produced it. Machine: see each section.\n"
 
 

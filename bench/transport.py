@@ -25,11 +25,9 @@ from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, update_section  # noqa: E402
+from report import RESULTS, ROOT, SHAPE, update_section  # noqa: E402
 
 CLI = [sys.executable, "-m", "btnode_cli.main"]
-SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128",
-         "--segments", "1,16"]
 CHUNK = 1 << 20
 
 

@@ -44,7 +44,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
     from btnode.codec.codecs import parse
     from btnode.data import corpus
     from btnode.errors import ConfigError
-    from btnode.sim.simulator import SimConfig, Simulation, score
+    from btnode.evaluation.metrics import sce1_k1 as score
+    from btnode.sim.simulator import SimConfig, Simulation
     from btnode.train.config import TrainConfig
     from btnode_cli.options import parse_ints
 

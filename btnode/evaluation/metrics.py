@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from btnode.data.windows import eval_windows
 from btnode.model.ar import ByteTransformer
 from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout
-from btnode.model.noise import sigma_grid
+from btnode.model.noise import default_steps, sigma_grid
 from btnode.model.sampler import sweep
 from btnode.model.targets import target_table
 from btnode.seeding import generator
@@ -94,3 +95,13 @@ def ar_ce(model: ByteTransformer, windows: torch.Tensor, *, device: torch.device
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tgt.reshape(-1), reduction="sum").item()
         count += tgt.numel()
     return total / count
+
+
+def sce1_k1(blocks: Sequence[DiffusionBlock], test: bytes, windows: int, device: torch.device) -> float:
+    """The one-number score the asynchrony benchmarks track: SCE-1 at K = 1 (nats/byte) with
+    N_s = 2B+1 on `windows` held-out windows spread evenly over `test`."""
+    cfg: ModelConfig = blocks[0].cfg
+    w = eval_windows(test, cfg.context, windows)
+    with torch.no_grad():
+        return sampler_ce([b.to(device) for b in blocks], w, k=1, seeds=[0], n_steps=default_steps(cfg),
+                          device=device).sce1

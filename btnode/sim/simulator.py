@@ -30,11 +30,8 @@ import torch
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
-from btnode.data.windows import eval_windows
 from btnode.errors import ConfigError
-from btnode.evaluation.metrics import sampler_ce
 from btnode.model.config import ModelConfig
-from btnode.model.noise import default_steps
 from btnode.protocol import Outcome
 from btnode.sim.link import LocalLink
 from btnode.store.models import init_block
@@ -230,11 +227,3 @@ class Simulation:
             out.append(blk)
         return out
 
-
-def score(blocks: list[torch.nn.Module], test: bytes, windows: int, device: torch.device) -> float:
-    """SCE-1 at K = 1 (nats/byte) of a chain of blocks on `windows` held-out windows, N_s = 2B+1."""
-    cfg: ModelConfig = blocks[0].cfg  # type: ignore[assignment]
-    w = eval_windows(test, cfg.context, windows)
-    with torch.no_grad():
-        return sampler_ce([b.to(device) for b in blocks], w, k=1, seeds=[0], n_steps=default_steps(cfg),
-                          device=device).sce1

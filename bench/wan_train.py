@@ -1,0 +1,196 @@
+"""WAN training benchmark (issue #5, design §6.5): a real swarm (the aggregator and 3 blocks × 2
+replicas, every node its own `btnode join` process) across emulated internet links, measured
+with and without training while waiting (no idle waiting), side by side in one run.
+
+Topology: a star of network namespaces. The aggregator runs in the hub h0; h1, h2 and h3 each
+run two workers (replicas of one block are on different hosts) and reach the hub over their own
+link of `--delay-ms` one way (40 ms round trip by default) at `--rate-mbit` (tbf), through the
+userspace delay line of btnode.netlab. Needs root.
+
+    .venv/bin/python bench/wan_train.py           # ~10 min on 2 cores
+    .venv/bin/python bench/wan_train.py --quick   # a smoke run
+
+Runs, in order, on the same lab:
+  idle     τ = --deadline,       workers wait idle for each version
+  overlap  τ = --deadline,       workers train while waiting and fold that work in
+  short-τ  τ = --short-deadline, workers train while waiting (how acceptance falls with τ)
+Reported per run: bytes moved (wire bytes pushed and pulled by the workers), the fraction of
+pushed updates accepted, each worker's utilisation (time inside training steps ÷ wall time of
+the worker process), and CE (SCE-1 at K = 1) against rounds from the versions the aggregator kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import QUICK_SHAPE, RESULTS, SHAPE, update_section  # noqa: E402
+
+CLI = [sys.executable, "-m", "btnode_cli.main"]
+PORT = 7070
+N_BLOCKS, REPLICAS = 3, 2
+
+
+def host_of(block: int, replica: int) -> int:
+    """Worker hosts 1..3; the two replicas of a block never share one."""
+    return 1 + (block + replica) % 3
+
+
+def wait_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text().strip()):
+        if proc.poll() is not None:
+            raise SystemExit(f"the aggregator exited with {proc.returncode}; see its log")
+        if time.monotonic() > deadline:
+            raise SystemExit("the aggregator did not start listening")
+        time.sleep(0.1)
+
+
+def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace, work: Path) -> dict:
+    d = work / name
+    d.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agg_log = open(d / "aggregator.log", "wb")
+    agg = lab.popen(0, [*CLI, "join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir",
+                        str(d / "state"), "--deadline", str(tau), "--keep", "100000", "--port-file",
+                        str(d / "port"), *args.shape], env=env, stdout=agg_log, stderr=subprocess.STDOUT)
+    wait_file(d / "port", agg, 120)
+    t0 = time.perf_counter()
+    workers = []
+    for b in range(N_BLOCKS):
+        for r in range(REPLICAS):
+            h = host_of(b, r)
+            cmd = [*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"{lab.hub_address(h)}:{PORT}",
+                   "--worker-id", f"b{b}r{r}", "--rounds", str(args.rounds), "--steps-per-round", str(args.h),
+                   "--batch", str(args.batch), "--warmup", "10", "--stats-file", str(d / f"b{b}r{r}.json"),
+                   "--train-while-waiting" if overlap else "--idle-while-waiting", *args.shape]
+            workers.append(lab.popen(h, cmd, env=env, stdout=open(d / f"b{b}r{r}.log", "wb"),
+                                     stderr=subprocess.STDOUT))
+    codes = [w.wait(timeout=args.timeout) for w in workers]
+    wall = time.perf_counter() - t0
+    agg.send_signal(signal.SIGTERM)
+    agg.wait(timeout=60)
+    if any(codes):
+        raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
+    stats = {f"b{b}r{r}": json.loads((d / f"b{b}r{r}.json").read_text())
+             for b in range(N_BLOCKS) for r in range(REPLICAS)}
+    pushes = sum(s["pushes"] for s in stats.values())
+    accepted = sum(s["outcomes"].get("accepted", 0) for s in stats.values())
+    util = {w: s["train_seconds"] / s["wall_seconds"] for w, s in stats.items()}
+    res = {"tau_s": tau, "train_while_waiting": overlap, "wall_s": wall,
+           "bytes_total": sum(s["bytes_pushed_wire"] + s["bytes_pulled_wire"] for s in stats.values()),
+           "bytes_pushed": sum(s["bytes_pushed_wire"] for s in stats.values()),
+           "bytes_pulled": sum(s["bytes_pulled_wire"] for s in stats.values()),
+           "pushes": pushes, "accepted": accepted, "accept_fraction": accepted / pushes,
+           "utilisation": statistics.mean(util.values()), "utilisation_per_worker": util,
+           "steps": sum(s["steps"] for s in stats.values()), "wait_steps": sum(s["wait_steps"] for s in stats.values()),
+           "outcomes": {o: sum(s["outcomes"].get(o, 0) for s in stats.values()) for o in ("accepted", "late", "stale",
+                                                                                          "rejected")}}
+    res["ce_by_round"] = ce_by_round(d / "state", args)
+    res["versions"] = max(r for r, _ in res["ce_by_round"])
+    res["ce_final"] = res["ce_by_round"][-1][1]
+    print(f"[wan] {name}: τ={tau:g} s, {wall:.0f} s, accepted {accepted}/{pushes}, utilisation "
+          f"{res['utilisation']:.3f}, {res['bytes_total'] / 1e6:.1f} MB, CE {res['ce_final']:.4f}", flush=True)
+    return res
+
+
+def ce_by_round(state: Path, args: argparse.Namespace) -> list[tuple[int, float]]:
+    """CE of the model with every block at version min(r, its newest), for r = 0, every, 2·every, …, last."""
+    import torch
+
+    from btnode.data import corpus
+    from btnode.evaluation.metrics import sce1_k1
+    from btnode.model.config import ModelConfig
+    from btnode.store.models import RUN_FILE, init_block
+    from btnode.store.versions import VersionStore
+
+    cfg = ModelConfig.from_dict(json.loads((state / RUN_FILE).read_text())["model"])
+    stores = [VersionStore(state, b, keep=100000) for b in range(cfg.n_blocks)]
+    newest = [max(s.versions()) for s in stores]
+    test = corpus.load(None).test
+    rounds = sorted({*range(0, max(newest) + 1, args.ce_every), max(newest)})
+    out = []
+    for r in rounds:
+        blocks = []
+        for b, s in enumerate(stores):
+            blk = init_block(cfg, b, 0)
+            blk.load_state_dict(s.load(min(r, newest[b])).params)
+            blocks.append(blk)
+        out.append((r, sce1_k1(blocks, test, args.windows, torch.device("cpu"))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--h", type=int, default=5, help="local steps per round")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--deadline", type=float, default=60.0, help="τ of the main runs (s)")
+    ap.add_argument("--short-deadline", type=float, default=1.0, help="τ of the short-τ run (s)")
+    ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--ce-every", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    args.shape = SHAPE
+    if args.quick:
+        args.rounds, args.h, args.batch, args.windows, args.ce_every = 2, 2, 4, 8, 1
+        args.shape = QUICK_SHAPE
+    from btnode.netlab.topology import Star
+
+    reason = Star.why_unavailable()
+    if reason:
+        raise SystemExit(f"bench/wan_train.py needs network namespaces: {reason}")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="btnode-wan-") as tmp, \
+            Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
+        for name, tau, overlap in (("idle", args.deadline, False), ("overlap", args.deadline, True),
+                                   ("short_tau", args.short_deadline, True)):
+            runs[name] = run_once(lab, name, tau, overlap, args, Path(tmp))
+    main_run = runs["overlap"]
+    out = {"wan_bytes_total": main_run["bytes_total"], "wan_accept_fraction": main_run["accept_fraction"],
+           "wan_ce_final": main_run["ce_final"], "wan_utilisation": main_run["utilisation"],
+           "wan_utilisation_idle": runs["idle"]["utilisation"],
+           "wan_accept_by_tau": {str(r["tau_s"]): r["accept_fraction"] for r in (runs["overlap"], runs["short_tau"])},
+           "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
+           "rounds": args.rounds, "h": args.h, "batch": args.batch, "quick": args.quick, "runs": runs}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ("wan_train_quick.json" if args.quick else "wan_train.json")).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+    if args.quick:
+        return
+    lines = ["## Training over an emulated WAN (`bench/wan_train.py`)", "",
+             f"Command: `.venv/bin/python bench/wan_train.py` (2 cores, root). The aggregator in a hub namespace, "
+             f"3 blocks × 2 replicas as 6 `btnode join --role worker` processes on 3 worker hosts, each host linked to "
+             f"the hub at {args.rate_mbit:g} Mbit/s (tbf) with {args.delay_ms:g} ms one way "
+             f"({2 * args.delay_ms:g} ms round trip, userspace delay line). d=128, L=2, N=128, H = {args.h} steps of "
+             f"batch {args.batch} per round, {args.rounds} rounds per worker, int8 updates, fp32 published deltas, "
+             f"1 torch thread per worker (6 workers share 2 cores).", "",
+             "| run | τ (s) | train while waiting | wall (s) | versions | accepted / pushed | utilisation | "
+             "MB moved | CE final |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in runs.items():
+        lines.append(f"| {name} | {r['tau_s']:g} | {'yes' if r['train_while_waiting'] else 'no'} | {r['wall_s']:.0f} | "
+                     f"{r['versions']} | {r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f}) | "
+                     f"{r['utilisation']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['ce_final']:.4f} |")
+    lines += ["", "CE (SCE-1, K = 1, nats/byte) against rounds (every block at that version):", "",
+              "| round | " + " | ".join(runs) + " |", "| ---: | " + " | ".join("---:" for _ in runs) + " |"]
+    table = {name: dict(r["ce_by_round"]) for name, r in runs.items()}
+    for rnd in sorted({k for t in table.values() for k in t}):
+        lines.append(f"| {rnd} | " + " | ".join(f"{t[rnd]:.4f}" if rnd in t else "" for t in table.values()) + " |")
+    update_section("wan-train", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
