@@ -37,7 +37,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          robust: Annotated[str, typer.Option("--robust", help="[aggregator] mean | trimmed | median.")] = "mean",
          publish_codec: Annotated[str, typer.Option("--publish-codec", help="[aggregator] Codec of published deltas.")] = "fp32",
          keep: Annotated[int, typer.Option("--keep", help="[aggregator] Versions kept on disk per block.")] = 3,
-         port_file: Annotated[Optional[Path], typer.Option("--port-file", help="[aggregator] Write the bound port here once serving.")] = None,
+         port_file: Annotated[Optional[Path], typer.Option("--port-file", help="Write the bound port here once serving.")] = None,
+         metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (default: off).")] = None,
          # worker
          block: Annotated[Optional[int], typer.Option("--block", help="[worker, stage] The block to train or serve.")] = None,
          peer: Annotated[Optional[str], typer.Option("--peer", help="[worker, stage] HOST:PORT of the aggregator.")] = None,
@@ -94,7 +95,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
                             next_stages=nexts, device=device(device_name), timeout_s=stage_timeout, name=name)
         stop = threading.Event()
         install_stop_signals(stop)
-        run_stage(stage, listen=listen, port_file=port_file, stop=stop)
+        run_stage(stage, listen=listen, port_file=port_file, metrics_listen=metrics_listen, stop=stop)
         return
     if role is Role.aggregator:
         from btnode.aggregate.averaging import OuterConfig
@@ -111,6 +112,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         stop = threading.Event()
         install_stop_signals(stop)
         run_aggregator(cfg, acfg, state_dir=state_dir, listen=listen, seed=seed, port_file=port_file, stop=stop,
+                       metrics_listen=metrics_listen,
                        blocks=list(parse_ints(own_blocks, "--blocks-owned")) if own_blocks else None)
         return
     import os
@@ -135,7 +137,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     stop = threading.Event()
     install_stop_signals(stop)
     stats = run_worker(cfg, tc, wcfg, peer=peer, corpus=corpus.load(data).train, device=device(device_name),
-                       stats_file=stats_file, stop=stop)
+                       stats_file=stats_file, metrics_listen=metrics_listen, stop=stop)
     log.info("worker %s done: %d pushes %s", wid, stats.pushes, stats.outcomes)
 
 

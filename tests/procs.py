@@ -93,3 +93,27 @@ def processes():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for servers that must be told their port up front)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 30.0) -> str:
+    """The text of http://127.0.0.1:port/metrics, retrying until the server answers."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

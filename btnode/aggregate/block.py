@@ -66,6 +66,7 @@ class BlockAggregator:
         self.residual: Tensors = {}
         self.registered: set[str] = set()
         self.counters: Counter = Counter()  # (outcome, reason) → count
+        self.rounds_closed: Counter = Counter()  # closed_by → count
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
         self._norms: deque[float] = deque(maxlen=50)
@@ -207,6 +208,7 @@ class BlockAggregator:
         self.params, self.info = params, info
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now))
+        self.rounds_closed[reason] += 1
         self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
         log.info("block %d: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
                  self.block, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)

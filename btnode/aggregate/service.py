@@ -15,7 +15,7 @@ from btnode.aggregate.block import AggregatorConfig, BlockAggregator
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import JoinInfo, Judgement, PushHeader
+from btnode.protocol import JoinInfo, Judgement, Meter, PushHeader
 from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_block
 from btnode.store.versions import VersionStore
@@ -38,6 +38,7 @@ class SwarmAggregator:
                                           VersionStore(state_dir, b, keep=acfg.keep), acfg, clock=clock)
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
+        self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
 
     def _check_state_dir(self, state_dir: Path) -> None:
         """A state folder belongs to one run: refuse to mix versions of different configurations."""
@@ -93,9 +94,13 @@ class SwarmAggregator:
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
             asm = FrameAssembler.for_spec(block.spec, [header.codec])
-            for chunk in chunks:
-                asm.add(chunk)
-            delta = asm.finish()
+            try:
+                for chunk in chunks:
+                    asm.add(chunk)
+                delta = asm.finish()
+            finally:
+                self.meter.count(("received", "wire"), asm.wire_bytes)
+                self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
         except PeerInputError as exc:
             block.reject(header, exc)
             raise

@@ -13,6 +13,8 @@ import torch
 from btnode.errors import CheckpointError, ConfigError
 from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
+from btnode.node.metrics import StageCollector, serve_metrics
+from btnode.protocol import Meter
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.stages import RemoteARStage, RemoteBlockStage, serve_stage
 from btnode.serve.ar import LocalARStage
@@ -63,9 +65,12 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
 
 
 def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,
-              stop: threading.Event | None = None) -> None:
+              metrics_listen: str | None = None, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
-    server, port, server_stop = serve_stage(stage, listen)
+    meter = Meter()
+    if metrics_listen:
+        serve_metrics(metrics_listen, StageCollector("ar" if isinstance(stage, LocalARStage) else "block", meter))
+    server, port, server_stop = serve_stage(stage, listen, meter=meter)
     log.info("stage %s listening on %s:%d", stage.name, listen.rsplit(":", 1)[0], port)
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())

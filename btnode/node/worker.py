@@ -13,6 +13,7 @@ import torch
 
 from btnode.errors import PeerUnavailable
 from btnode.model.config import ModelConfig
+from btnode.node.metrics import WorkerCollector, serve_metrics
 from btnode.rpc.client import SwarmClient
 from btnode.store.files import atomic_write
 from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
@@ -23,13 +24,17 @@ log = logging.getLogger(__name__)
 
 def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: bytes,
                device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
-               stop: threading.Event | None = None) -> WorkerStats:
+               metrics_listen: str | None = None, stop: threading.Event | None = None) -> WorkerStats:
     stop = stop or threading.Event()
     link = SwarmClient(peer)
+    current: list[BlockWorker] = []
+    if metrics_listen:
+        serve_metrics(metrics_listen, WorkerCollector(wcfg.block, lambda: current[-1].stats if current else None))
     try:
         deadline = time.monotonic() + connect_timeout_s
         while True:
             worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
+            current[:] = [worker]
             try:
                 stats = worker.run(stop)
                 break

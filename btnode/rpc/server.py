@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -22,8 +22,9 @@ import zstandard
 from btnode.aggregate.block import ABORTED
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ZSTD_LEVEL, ChunkData, frame_from_raw, iter_chunks, lazy_frames
+from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, iter_chunks, lazy_frames
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, PeerInputError
+from btnode.protocol import VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
@@ -99,20 +100,28 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @streaming
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
         info, params = self.agg.block(request.block).current()
-        yield pb.TensorStream(info=convert.info_to_pb(info))
-        for chunk in iter_chunks(lazy_frames(params, Codec.FP32)):
-            yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+        yield from self._send(info, lazy_frames(params, Codec.FP32), "pull")
 
     @_guard
     @streaming
     def FetchDelta(self, request: pb.FetchDeltaRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
         block = self.agg.block(request.block)
         info, codec, raw = block.delta(request.version)
-        yield pb.TensorStream(info=convert.info_to_pb(info))
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         frames = (frame_from_raw(n, block.spec[n], codec, raw[n], compressor) for n in block.spec)
-        for chunk in iter_chunks(frames):
-            yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+        yield from self._send(info, frames, "fetch_delta")
+
+    def _send(self, info: VersionInfo, frames: Iterable[Frame], what: str) -> Iterator[pb.TensorStream]:
+        """A version's info, then its frames in chunks, each counted as it goes out."""
+        t0 = time.perf_counter()
+        meter = self.agg.meter
+        yield pb.TensorStream(info=convert.info_to_pb(info))
+        for frame in frames:
+            meter.count(("sent", "raw"), frame.header.raw_bytes)
+            meter.count(("sent", "wire"), frame.header.payload_bytes)
+            for chunk in iter_chunks([frame]):
+                yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+        meter.observe(what, time.perf_counter() - t0)
 
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
@@ -139,6 +148,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                 raise MalformedInput(ABORTED, "the client went away in the middle of the push")
 
         judged = self.agg.push(header, chunks())
+        self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
         return convert.judgement_to_pb(judged)

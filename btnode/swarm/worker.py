@@ -33,7 +33,7 @@ from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.model.targets import target_table
-from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, VersionInfo
+from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
 from btnode.store.files import state_sha256
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
@@ -64,7 +64,10 @@ class WorkerStats:
     outcomes: dict[str, int] = field(default_factory=dict)
     bytes_pushed_raw: int = 0
     bytes_pushed_wire: int = 0
+    bytes_pulled_raw: int = 0
     bytes_pulled_wire: int = 0
+    push_seconds: float = 0.0  # summed over pushes (answer included)
+    pull_seconds: float = 0.0  # summed over full pulls and delta fetches
     full_pulls: int = 0
     delta_fetches: int = 0
     train_seconds: float = 0.0  # wall time inside training steps (utilisation = train_seconds / wall)
@@ -107,10 +110,15 @@ class BlockWorker:
     def _pull(self) -> None:
         pulled = self.link.pull(self.wcfg.block, self.wcfg.worker_id, self.spec)
         self.stats.full_pulls += 1
-        self.stats.bytes_pulled_wire += pulled.transfer.wire
+        self._count_pull(pulled.transfer)
         if state_sha256(pulled.tensors) != pulled.info.sha256:
             raise MalformedInput("checksum", f"pulled block {self.wcfg.block} v{pulled.info.version} fails its hash")
         self._adopt(pulled.info, pulled.tensors)
+
+    def _count_pull(self, t: Transfer) -> None:
+        self.stats.bytes_pulled_raw += t.raw
+        self.stats.bytes_pulled_wire += t.wire
+        self.stats.pull_seconds += t.seconds
 
     def _catch_up(self, target: VersionInfo) -> None:
         """Reach `target`: apply its delta when it builds on our base, else pull in full."""
@@ -119,7 +127,7 @@ class BlockWorker:
             try:
                 got = self.link.fetch_delta(self.wcfg.block, target.version, self.spec)
                 self.stats.delta_fetches += 1
-                self.stats.bytes_pulled_wire += got.transfer.wire
+                self._count_pull(got.transfer)
                 params = {n: self.base[n] + got.tensors[n] for n in self.base}  # exactly as the aggregator adds
                 if state_sha256(params) == target.sha256 == got.info.sha256:
                     self._adopt(target, params)
@@ -254,8 +262,11 @@ class BlockWorker:
         """Push (re-pushing the same update id after UNAVAILABLE). A refusal (stale, or rejected by
         validation) is an answer, not a failure: the worker drops the update and catches up."""
         for attempt in range(self.wcfg.push_retries + 1):
+            t0 = time.perf_counter()
             try:
-                return self.link.push(header, self._frames(raw))
+                j = self.link.push(header, self._frames(raw))
+                self.stats.push_seconds += time.perf_counter() - t0
+                return j
             except PeerInputError as exc:
                 outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
                 log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)

@@ -1,0 +1,181 @@
+"""Prometheus `/metrics` for every role (design §5, issue #6).
+
+Nothing in the domain code knows about Prometheus: the aggregator, the worker and the stage keep
+plain counters (their own counters and `protocol.Meter`s), and a collector here turns them into
+metric families at scrape time. Naming follows the Prometheus conventions: the `btnode_` prefix,
+base units (seconds, bytes), `_total` on counters, and low-cardinality labels (block, outcome,
+reason, closed_by, direction, form, chain).
+
+Durations are summaries (a `_count` and a `_sum`): `rate(x_sum[5m]) / rate(x_count[5m])` is the
+mean over the window. Histograms would give quantiles too; they are not needed yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from btnode import __version__
+from btnode.aggregate.service import SwarmAggregator
+from btnode.errors import ConfigError
+from btnode.protocol import Meter
+from btnode.swarm.worker import WorkerStats
+
+log = logging.getLogger(__name__)
+Family = CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily | InfoMetricFamily
+
+
+def build_info(role: str) -> Family:
+    info = InfoMetricFamily("btnode_build", "Version of btnode and of what it runs on.")
+    info.add_metric([], {"version": __version__, "role": role, "python": platform.python_version(),
+                         "torch": torch.__version__})
+    return info
+
+
+def transfer_families(counts: dict[tuple[str, ...], float]) -> Family:
+    fam = CounterMetricFamily("btnode_transfer_bytes", "Tensor bytes moved, by direction and form: raw is the "
+                              "codec's bytes before zstd, wire the compressed payload.", labels=["direction", "form"])
+    for direction in ("sent", "received"):
+        for form in ("raw", "wire"):
+            fam.add_metric([direction, form], counts.get((direction, form), 0))
+    return fam
+
+
+def duration_family(name: str, doc: str, durations: dict[str, tuple[int, float]], label: str,
+                    keys: tuple[str, ...]) -> Family:
+    fam = SummaryMetricFamily(name, doc, labels=[label])
+    for k in keys:
+        count, total = durations.get(k, (0, 0.0))
+        fam.add_metric([k], count_value=count, sum_value=total)
+    return fam
+
+
+class AggregatorCollector(Collector):
+    def __init__(self, agg: SwarmAggregator):
+        self.agg = agg
+
+    def collect(self) -> Iterator[Family]:
+        yield build_info("aggregator")
+        version = GaugeMetricFamily("btnode_block_version", "Newest published version per block.", labels=["block"])
+        replicas = GaugeMetricFamily("btnode_block_replicas", "Registered replicas per block.", labels=["block"])
+        loss = GaugeMetricFamily("btnode_block_train_loss", "Mean training CE (nats/byte) reported by the updates "
+                                 "of the block's last round.", labels=["block"])
+        age = GaugeMetricFamily("btnode_round_age_seconds", "Seconds since the open round's clock started.",
+                                labels=["block"])
+        accepted_open = GaugeMetricFamily("btnode_round_accepted_updates", "Updates accepted so far in the open "
+                                          "round.", labels=["block"])
+        rounds = CounterMetricFamily("btnode_rounds", "Rounds closed, by what closed them.", labels=["block", "closed_by"])
+        updates = CounterMetricFamily("btnode_updates", "Pushed updates by outcome (accepted, late, stale, "
+                                      "rejected) and reason.", labels=["block", "outcome", "reason"])
+        for b, block in sorted(self.agg.blocks.items()):
+            with block.lock:
+                lb = str(b)
+                version.add_metric([lb], block.info.version)
+                replicas.add_metric([lb], len(block.registered))
+                if block.recent:
+                    loss.add_metric([lb], block.recent[-1].info.mean_loss)
+                age.add_metric([lb], max(0.0, block.clock() - block.round.opened_at))
+                accepted_open.add_metric([lb], len(block.round.accepted))
+                for reason in ("deadline", "all_reported"):
+                    rounds.add_metric([lb, reason], block.rounds_closed.get(reason, 0))
+                for outcome in ("accepted", "late", "stale", "rejected"):  # present from the start, at 0
+                    if not any(o == outcome for o, _ in block.counters):
+                        updates.add_metric([lb, outcome, "none"], 0)
+                for (outcome, reason), n in sorted(block.counters.items()):
+                    updates.add_metric([lb, outcome, reason or "none"], n)
+        yield from (version, replicas, loss, age, accepted_open, rounds, updates)
+        events = CounterMetricFamily("btnode_swarm_events", "Swarm-wide events outside one block (joins, refused "
+                                     "joins, pushes for unknown blocks), by reason.", labels=["event", "reason"])
+        for (name, reason), n in sorted(self.agg.counters.items()):
+            events.add_metric([name, reason or "none"], n)
+        yield events
+        counts, durations = self.agg.meter.snapshot()
+        yield transfer_families(counts)
+        yield duration_family("btnode_rpc_duration_seconds", "Time to serve a push (receive, validate, judge), a "
+                              "full pull or a delta fetch.", durations, "call", ("push", "pull", "fetch_delta"))
+
+
+class WorkerCollector(Collector):
+    def __init__(self, block: int, stats: Callable[[], WorkerStats | None]):
+        self.block = block
+        self.stats = stats  # the running worker's stats (it is rebuilt when it reconnects)
+
+    def collect(self) -> Iterator[Family]:
+        yield build_info("worker")
+        s = self.stats()
+        if s is None:
+            return
+        lb = [str(self.block)]
+        pushes = CounterMetricFamily("btnode_worker_pushes", "Updates pushed, by the aggregator's answer.",
+                                     labels=["block", "outcome"])
+        for outcome in ("accepted", "late", "stale", "rejected"):
+            pushes.add_metric([*lb, outcome], s.outcomes.get(outcome, 0))
+        yield pushes
+        version = GaugeMetricFamily("btnode_worker_version", "The block version this worker holds.", labels=["block"])
+        version.add_metric(lb, s.version)
+        steps = CounterMetricFamily("btnode_worker_steps", "Local training steps.", labels=["block"])
+        steps.add_metric(lb, s.steps)
+        wait_steps = CounterMetricFamily("btnode_worker_wait_steps", "Local steps trained while waiting for a "
+                                         "version (folded into the next update).", labels=["block"])
+        wait_steps.add_metric(lb, s.wait_steps)
+        train = CounterMetricFamily("btnode_worker_train_seconds", "Wall time spent inside training steps.",
+                                    labels=["block"])
+        train.add_metric(lb, s.train_seconds)
+        wall = time.perf_counter() - s.started
+        util = GaugeMetricFamily("btnode_worker_utilisation_ratio", "Training time ÷ wall time since the worker "
+                                 "started (rate(train_seconds) gives it over a window).", labels=["block"])
+        util.add_metric(lb, s.train_seconds / wall if wall > 0 else 0.0)
+        yield from (version, steps, wait_steps, train, util)
+        if s.losses:
+            loss = GaugeMetricFamily("btnode_worker_train_loss", "Mean training CE (nats/byte) of the last pushed "
+                                     "update.", labels=["block"])
+            loss.add_metric(lb, s.losses[-1])
+            yield loss
+        yield transfer_families({("sent", "raw"): s.bytes_pushed_raw, ("sent", "wire"): s.bytes_pushed_wire,
+                                 ("received", "raw"): s.bytes_pulled_raw, ("received", "wire"): s.bytes_pulled_wire})
+        pulls = s.full_pulls + s.delta_fetches
+        yield duration_family("btnode_worker_rpc_duration_seconds", "Time a push (until its answer) or a pull "
+                              "took, seen by the worker.", {"push": (s.pushes, s.push_seconds),
+                                                            "pull": (pulls, s.pull_seconds)}, "call", ("push", "pull"))
+
+
+class StageCollector(Collector):
+    def __init__(self, chain: str, meter: Meter):
+        self.chain = chain
+        self.meter = meter
+
+    def collect(self) -> Iterator[Family]:
+        yield build_info("stage")
+        counts, durations = self.meter.snapshot()
+        c = self.chain
+        requests = CounterMetricFamily("btnode_serve_requests", "Generation requests that entered the chain "
+                                       "here, by outcome.", labels=["chain", "outcome"])
+        for outcome in ("ok", "error", "cancelled"):
+            requests.add_metric([c, outcome], counts.get(("request", c, outcome), 0))
+        generated = CounterMetricFamily("btnode_serve_generated_bytes", "Bytes generated for requests that "
+                                        "entered here (rate() of it is the served bytes/s).", labels=["chain"])
+        generated.add_metric([c], counts.get(("generated_bytes", c), 0))
+        yield from (requests, generated)
+        yield duration_family("btnode_serve_duration_seconds", "Latency of whole requests (entry stage) and of "
+                              "one stage's forward step.", durations, "call", ("request", "forward"))
+
+
+def serve_metrics(address: str, collector: Collector) -> int:
+    """Serve /metrics for `collector` on HOST:PORT (port 0 picks one); returns the bound port."""
+    host, _, port = address.rpartition(":")
+    try:
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(collector)
+        server, _ = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot serve metrics on {address!r}: {exc}") from None
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host or "0.0.0.0", bound)
+    return int(bound)
