@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BTNODE := $(VENV)/bin/btnode
 DEMO_DIR ?= runs/demo
 
-.PHONY: venv test test-fast demo proto bench-quality bench-transport clean
+.PHONY: venv tools test test-fast demo proto bench-quality bench-transport bench-serving bench-async bench-wan clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,19 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+# Real parts the tests drive: Prometheus and promtool (Debian's `prometheus`), systemd-analyze,
+# iproute2. Installed when missing and apt-get is there (as root); tests that need an absent tool
+# skip and say which.
+tools:
+	@if ! command -v promtool >/dev/null || ! command -v ip >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing prometheus, iproute2 (apt-get)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null \
+	      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null); \
+	  else echo "prometheus/iproute2 missing and cannot be installed here: their tests will skip"; fi; \
+	fi
+
+test: venv tools
 	$(VENV)/bin/ruff check btnode cli tests bench
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
@@ -45,6 +57,15 @@ bench-quality: venv
 
 bench-transport: venv
 	$(PY) bench/transport.py
+
+bench-serving: venv
+	$(PY) bench/serving.py
+
+bench-async: venv
+	$(PY) bench/async.py
+
+bench-wan: venv
+	$(PY) bench/wan_train.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -12,7 +14,8 @@ from btnode import __version__
 from btnode.errors import BtnodeError
 
 app = typer.Typer(help="BlockTrain: block-local decentralised training of a byte-level model.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  context_settings={"auto_envvar_prefix": "BTNODE"})
 
 
 def _version(value: bool) -> None:
@@ -22,17 +25,28 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEBUG level."),
+def root(ctx: typer.Context,
+         verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DEBUG level."),
+         config: Optional[Path] = typer.Option(None, "--config", envvar="BTNODE_CONFIG",
+                                               help="TOML settings file (flags and BTNODE_* variables override it)."),
+         log_format: str = typer.Option("auto", "--log-format",
+                                        help="auto (JSON lines under systemd, text otherwise), text or json."),
          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from btnode_cli import config as settings
+    from btnode_cli import logs
+
+    if log_format not in ("auto", "text", "json"):
+        raise typer.BadParameter("--log-format must be auto, text or json")
+    logs.configure(logging.DEBUG if verbose else logging.INFO, log_format)
+    if config is not None:
+        ctx.default_map = settings.default_map(ctx.command, ctx, config)
 
 
 def _register() -> None:
-    from btnode_cli import evaluate, generate, join, simulate, train
+    from btnode_cli import config, evaluate, generate, join, simulate, train
 
-    for module in (train, evaluate, generate, join, simulate):
+    for module in (train, evaluate, generate, join, simulate, config):
         module.register(app)
 
 

@@ -180,6 +180,12 @@ class BlockAggregator:
                 self.round.opened_at = now
             return self._maybe_close()
 
+    def drain(self) -> VersionInfo | None:
+        """Before a shutdown: publish the open round now if it accepted anything, so that no
+        update a worker was told was accepted is lost with the process."""
+        with self.lock:
+            return self._close("drain") if self.round.accepted else None
+
     def _maybe_close(self) -> VersionInfo | None:
         reason = self.round.close_reason(self.clock(), self.registered)
         return self._close(reason) if reason else None

@@ -15,7 +15,7 @@ from btnode.aggregate.block import AggregatorConfig, BlockAggregator
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import JoinInfo, Judgement, Meter, PushHeader
+from btnode.protocol import JoinInfo, Judgement, Meter, PushHeader, VersionInfo
 from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_block
 from btnode.store.versions import VersionStore
@@ -105,6 +105,10 @@ class SwarmAggregator:
             block.reject(header, exc)
             raise
         return block.submit(header, delta)
+
+    def drain(self) -> list[VersionInfo]:
+        """Publish every open round that accepted updates (see BlockAggregator.drain)."""
+        return [info for agg in self.blocks.values() if (info := agg.drain()) is not None]
 
     def tick(self) -> None:
         for agg in self.blocks.values():

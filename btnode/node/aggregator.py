@@ -11,6 +11,7 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, serve_metrics
+from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.server import serve
 from btnode.store.files import atomic_write
 
@@ -40,11 +41,19 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
              agg.fingerprint[:12])
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
+    notify("READY=1", f"STATUS=serving blocks {sorted(agg.blocks)} on port {port}")
+    alive = threading.Event()
+    start_watchdog(alive, stop)
     try:
         while not stop.is_set():
             agg.tick()
+            alive.set()
             stop.wait(TICK_S)
     finally:
+        notify("STOPPING=1", "STATUS=draining")
         server_stop.set()
-        server.stop(grace=5.0).wait()
+        server.stop(grace=5.0).wait()  # in-flight pushes finish (and are judged) first
+        for info in agg.drain():
+            log.info("drain: block %d published version %d with the round's accepted updates", info.block,
+                     info.version)
         log.info("aggregator stopped")

@@ -83,7 +83,7 @@ class AggregatorCollector(Collector):
                     loss.add_metric([lb], block.recent[-1].info.mean_loss)
                 age.add_metric([lb], max(0.0, block.clock() - block.round.opened_at))
                 accepted_open.add_metric([lb], len(block.round.accepted))
-                for reason in ("deadline", "all_reported"):
+                for reason in ("deadline", "all_reported", "drain"):
                     rounds.add_metric([lb, reason], block.rounds_closed.get(reason, 0))
                 for outcome in ("accepted", "late", "stale", "rejected"):  # present from the start, at 0
                     if not any(o == outcome for o, _ in block.counters):

@@ -14,6 +14,7 @@ from btnode.errors import CheckpointError, ConfigError
 from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import StageCollector, serve_metrics
+from btnode.node.systemd import notify, start_watchdog
 from btnode.protocol import Meter
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.stages import RemoteARStage, RemoteBlockStage, serve_stage
@@ -74,9 +75,12 @@ def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: 
     log.info("stage %s listening on %s:%d", stage.name, listen.rsplit(":", 1)[0], port)
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
+    notify("READY=1", f"STATUS=serving {stage.name} on port {port}")
+    start_watchdog(None, stop)
     try:
         stop.wait()
     finally:
+        notify("STOPPING=1")
         server_stop.set()
         server.stop(grace=5.0).wait()
         log.info("stage %s stopped", stage.name)

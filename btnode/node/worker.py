@@ -14,6 +14,7 @@ import torch
 from btnode.errors import PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import WorkerCollector, serve_metrics
+from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.client import SwarmClient
 from btnode.store.files import atomic_write
 from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
@@ -28,12 +29,16 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
     stop = stop or threading.Event()
     link = SwarmClient(peer)
     current: list[BlockWorker] = []
+    alive = threading.Event()
+    start_watchdog(alive, stop)
     if metrics_listen:
         serve_metrics(metrics_listen, WorkerCollector(wcfg.block, lambda: current[-1].stats if current else None))
     try:
         deadline = time.monotonic() + connect_timeout_s
         while True:
             worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
+            worker.heartbeat = alive.set
+            worker.on_ready = lambda: notify("READY=1", f"STATUS=training block {wcfg.block}")
             current[:] = [worker]
             try:
                 stats = worker.run(stop)
@@ -42,6 +47,7 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
                 if time.monotonic() > deadline or worker.stats.pushes:
                     raise
                 log.info("aggregator at %s not reachable yet (%s); retrying", peer, exc)
+                alive.set()  # waiting for the peer is not a hang
                 stop.wait(1.0)
     finally:
         link.close()

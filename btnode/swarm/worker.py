@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +97,9 @@ class BlockWorker:
         self._pending: list[float] = []  # CE of each step the next update will carry
         self._pushed: list[float] = []  # ... and of the last pushed update's steps
         self._fold_from: Tensors | None = None  # θ the carry is measured from while waiting
+        self._stop: threading.Event | None = None
+        self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
+        self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
 
     # -- versions ----------------------------------------------------------------------------
     def _adopt(self, info: VersionInfo, params: Tensors) -> None:
@@ -161,6 +164,7 @@ class BlockWorker:
         while not stop.is_set():
             if self._newest is not None and self._newest.version > version:
                 return self._newest
+            self.heartbeat()
             busy = self._fold_from is not None and trained < self.wcfg.steps_per_round
             try:
                 item = (self._announced.get_nowait() if busy else
@@ -184,9 +188,12 @@ class BlockWorker:
         """Train n local steps; their CE joins the next update's."""
         t0 = time.perf_counter()
         for _ in range(n):
+            if self._stop is not None and self._stop.is_set():
+                break  # draining: stop at a step boundary
             x = self.sampler.batch(self.tc.seed, self.wcfg.worker_id, self.trainer.step, self.tc.batch)
             self._pending.append(self.trainer.train_step(x, self.wcfg.worker_id).ce)
-        self.stats.steps += n
+            self.stats.steps += 1
+            self.heartbeat()
         self.stats.train_seconds += time.perf_counter() - t0
 
     def steps_due(self) -> int:
@@ -287,15 +294,20 @@ class BlockWorker:
         self._pull()
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
-        stop = stop or threading.Event()
+        stop = self._stop = stop or threading.Event()
         w = self.wcfg
         self.start()
+        self.on_ready()
         watcher = threading.Thread(target=self._watch, args=(stop,), daemon=True, name="watch")
         watcher.start()
         log.info("worker %s: block %d at version %d", w.worker_id, w.block, self.info.version if self.info else -1)
         try:
             while not stop.is_set() and (w.rounds is None or self.stats.pushes < w.rounds):
                 self.train_steps(self.steps_due())
+                if stop.is_set():  # a drain: nothing partial is pushed; leaving frees the round from waiting on us
+                    log.info("worker %s: stopping; abandoning the unfinished round (%d of %d steps)",
+                             w.worker_id, len(self._pending), w.steps_per_round)
+                    break
                 header, raw = self.make_update()
                 j = self.push(header, raw)
                 self.pushed(j)

@@ -19,7 +19,7 @@ from procs import TINY_SHAPE, free_port, scrape, start
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "btnode.json"
-NO_PROMTOOL = "promtool is not installed (Debian package `prometheus`; `make prometheus` or .ci/run installs it)"
+NO_PROMTOOL = "promtool is not installed (Debian package `prometheus`; `make tools` installs it)"
 
 
 def sample(text: str, name: str, **labels: str) -> float:

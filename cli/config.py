@@ -1,0 +1,139 @@
+"""Settings from a TOML file, the environment and flags, in rising order of precedence, and
+`btnode config show`, which prints the effective settings of a command with where each came from.
+
+The file has one table per command, keyed by flag names without the dashes, plus a shared
+[model] table for the swarm-wide shape, which every command that takes those flags reads:
+
+    [model]                     # swarm-wide: hashed into the run fingerprint
+    d-model = 128
+    blocks = 3
+
+    [join]
+    role = "worker"
+    peer = "aggregator.example.org:7070"
+    metrics-listen = "0.0.0.0:9701"
+
+Environment: BTNODE_<COMMAND>_<FLAG>, upper case, dashes as underscores, e.g.
+BTNODE_JOIN_PEER=agg:7070 or BTNODE_JOIN_D_MODEL=256 (click's auto_envvar_prefix). The file is
+--config PATH (before the command) or BTNODE_CONFIG. Under the hood the file becomes click's
+default_map, so click's own order applies: command line, then environment, then file, then default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from btnode.errors import ConfigError
+
+MODEL_TABLE = "model"
+SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed")  # the fingerprint's flags
+ENV_PREFIX = "BTNODE"
+
+
+# typer vendors its own click, so commands and parameters are handled by duck typing here.
+def _is_option(p: Any) -> bool:
+    return getattr(p, "param_type_name", "") == "option"
+
+
+def _flag_names(cmd: Any) -> dict[str, str]:
+    """flag name without dashes ("steps-per-round") → parameter name ("steps_per_round")."""
+    out = {}
+    for p in cmd.params:
+        if _is_option(p):
+            for opt in p.opts:
+                if opt.startswith("--"):
+                    out[opt[2:]] = p.name or ""
+        elif p.name:
+            out[p.name.replace("_", "-")] = p.name
+    return out
+
+
+def default_map(group: Any, ctx: Any, path: Path) -> dict[str, dict[str, Any]]:
+    """Read the TOML file into a click default_map; unknown tables or keys are errors."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"configuration file {path} is not valid TOML: {exc}") from None
+    commands = {name: group.get_command(ctx, name) for name in group.list_commands(ctx)}
+    unknown = sorted(set(doc) - set(commands) - {MODEL_TABLE})
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [{MODEL_TABLE}] or one of {sorted(commands)}")
+    for table, values in doc.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: {table!r} must be a table ([{table}]), not a single value")
+    model = doc.get(MODEL_TABLE, {})
+    bad = sorted(k for k in model if k.replace("-", "_") not in SWARM_WIDE)
+    if bad:
+        raise ConfigError(f"{path}: [{MODEL_TABLE}] takes only the swarm-wide shape "
+                          f"({', '.join(s.replace('_', '-') for s in SWARM_WIDE)}), not {bad}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, cmd in commands.items():
+        if cmd is None:
+            continue
+        flags = _flag_names(cmd)
+        section = doc.get(name, {})
+        wrong = sorted(k for k in section if k.replace("_", "-") not in flags)
+        if wrong:
+            raise ConfigError(f"{path}: [{name}] has unknown setting(s) {wrong}; `btnode {name} --help` lists them")
+        entry = {flags[k.replace("_", "-")]: _as_flag_value(v) for k, v in model.items() if k.replace("_", "-") in flags}
+        entry.update({flags[k.replace("_", "-")]: _as_flag_value(v) for k, v in section.items()})
+        if entry:
+            out[name] = entry
+    return out
+
+
+def _as_flag_value(v: Any) -> Any:
+    """TOML lists become the comma-separated form the flags take (segments = [1, 16] → "1,16")."""
+    return ",".join(str(x) for x in v) if isinstance(v, list) else v
+
+
+def show(ctx: typer.Context,
+         command: Annotated[str, typer.Argument(help="The command whose settings to show.")] = "join",
+         args: Annotated[Optional[list[str]], typer.Argument(help="Its flags, as you would run it (after --).")] = None) -> None:
+    """Print the effective settings of a command (file, environment and flags applied), where each
+    came from, which are swarm-wide, and the run fingerprint they make.
+
+        btnode --config /etc/btnode/btnode.toml config show join -- --role worker --block 2"""
+    from btnode_cli.options import model_config
+
+    root = ctx.find_root()
+    group = root.command
+    cmd = group.get_command(root, command)
+    if cmd is None:
+        raise ConfigError(f"no command {command!r}; one of {group.list_commands(root)}")
+    sub = cmd.make_context(command, list(args or []), parent=root, resilient_parsing=True)
+    rows = []
+    for p in cmd.params:
+        if not _is_option(p) or p.name is None or p.hidden:
+            continue
+        source = sub.get_parameter_source(p.name)
+        where = {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "file", "DEFAULT": "default"}.get(
+            source.name if source else "DEFAULT", "default")
+        flag = next((o for o in p.opts if o.startswith("--")), p.name)
+        value = sub.params.get(p.name)
+        rows.append((flag, "" if value is None else str(getattr(value, "value", value)), where,
+                     "swarm-wide" if p.name in SWARM_WIDE else ""))
+    width = max(len(r[0]) for r in rows)
+    vwidth = min(40, max(len(r[1]) for r in rows))
+    typer.echo(f"btnode {command}: effective settings (precedence: flag > env {ENV_PREFIX}_{command.upper()}_* > "
+               f"file > default)")
+    for flag, value, where, scope in rows:
+        typer.echo(f"  {flag:<{width}}  {value:<{vwidth}}  {where:<7}  {scope}".rstrip())
+    if all(name in sub.params for name in SWARM_WIDE):
+        p = sub.params
+        cfg = model_config(d_model=p["d_model"], heads=p["heads"], layers=p["layers"], blocks=p["blocks"],
+                           context=p["context"], segments=p["segments"], target_seed=p["target_seed"])
+        typer.echo(f"run fingerprint: {cfg.fingerprint()}")
+
+
+def register(app: typer.Typer) -> None:
+    config_app = typer.Typer(help="Inspect settings from the configuration file, the environment and flags.",
+                             no_args_is_help=True)
+    config_app.command("show", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(show)
+    app.add_typer(config_app, name="config")
