@@ -18,7 +18,8 @@ Warmup = Annotated[int, typer.Option("--warmup", help="Warmup steps.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue from the checkpoints in --out.")]
 Every = Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps of a model.")]
 StopAfter = Annotated[Optional[int], typer.Option("--stop-after", help="Stop (with a checkpoint) after this many steps; resume later.")]
-LogEvery = Annotated[int, typer.Option("--log-every", help="Log a progress line every N steps.")]
+LogEvery = Annotated[Optional[int], typer.Option(
+    "--log-every", help="Also log a progress line every N steps when not on a terminal (default: only at the end).")]
 
 
 def _train_config(steps: int, batch: int, lr: float, warmup: int, seed: int):
@@ -29,7 +30,7 @@ def _train_config(steps: int, batch: int, lr: float, warmup: int, seed: int):
 
 def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3, warmup: Warmup = 100,
                 seed: Seed = 0, data: Data = None, device_name: Device = "cpu", resume: Resume = False,
-                checkpoint_every: Every = 200, stop_after: StopAfter = None, log_every: LogEvery = 50,
+                checkpoint_every: Every = 200, stop_after: StopAfter = None, log_every: LogEvery = None,
                 d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
                 context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0,
                 block: Annotated[Optional[list[int]], typer.Option(
@@ -52,7 +53,7 @@ def train_ar(out: Out, ar_layers: Annotated[Optional[int], typer.Option(
                  "--ar-layers", help="Depth of the baseline (default B·L, the blockwise model's total depth).")] = None,
              steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3, warmup: Warmup = 100, seed: Seed = 0,
              data: Data = None, device_name: Device = "cpu", resume: Resume = False, checkpoint_every: Every = 200,
-             stop_after: StopAfter = None, log_every: LogEvery = 50, d_model: DModel = 128, heads: Heads = 4,
+             stop_after: StopAfter = None, log_every: LogEvery = None, d_model: DModel = 128, heads: Heads = 4,
              layers: Layers = 2, blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16",
              target_seed: TargetSeed = 0) -> None:
     """Train the autoregressive byte-transformer baseline on the same windows."""

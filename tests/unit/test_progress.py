@@ -1,0 +1,44 @@
+"""Progress output: a live line with rate and ETA on a terminal, quiet in logs otherwise."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from btnode.train.loops import Progress
+from btnode.train.trainers import StepStats
+from btnode_cli.progress import ProgressPrinter, duration
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def steps(printer: ProgressPrinter, total: int = 100) -> None:
+    for i in range(1, total + 1):
+        printer(Progress(name="block-0", step=i, total=total, stats=StepStats(loss=1.5, ce=2.0, k=1),
+                         elapsed=i * 0.1, tokens=i * 1000))
+
+
+def test_a_terminal_gets_one_rewritten_line_with_rate_and_eta():
+    out = Tty()
+    steps(ProgressPrinter(None, 1, stream=out, refresh_s=0.0))
+    text = out.getvalue()
+    assert text.count("\r") == 100 and text.endswith("\n") and text.count("\n") == 1
+    assert "10,000 bytes/s" in text and "ETA 9s" in text and "block-0 100/100" in text
+
+
+def test_a_log_file_stays_quiet_but_for_the_end(caplog):
+    caplog.set_level(logging.INFO, logger="btnode.train")
+    out = io.StringIO()
+    steps(ProgressPrinter(None, 1, stream=out))
+    assert out.getvalue() == ""
+    assert len(caplog.records) == 1 and "step 100/100" in caplog.records[0].getMessage()
+    caplog.clear()
+    steps(ProgressPrinter(25, 1, stream=out))
+    assert len(caplog.records) == 4
+
+
+def test_duration_format():
+    assert duration(5) == "5s" and duration(125) == "2m05s" and duration(3725) == "1h02m" and duration(float("nan")) == "?"
