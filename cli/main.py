@@ -44,9 +44,9 @@ def root(ctx: typer.Context,
 
 
 def _register() -> None:
-    from btnode_cli import config, evaluate, generate, join, simulate, train
+    from btnode_cli import config, evaluate, generate, join, ops, simulate, train
 
-    for module in (train, evaluate, generate, join, simulate, config):
+    for module in (train, evaluate, generate, join, simulate, ops, config):
         module.register(app)
 
 

@@ -3,6 +3,7 @@ a push that was judged by content (stale, invalid) comes back as a Judgement the
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -106,6 +107,29 @@ class SwarmClient:
 
     def status(self) -> pb.StatusReply:
         return self._call("status", self.stub.Status, pb.StatusRequest())
+
+    def status_dict(self) -> dict:
+        """Status as plain data (for `btnode status` and `btnode doctor`)."""
+        t0 = time.time()
+        st = self.status()
+        rtt = time.time() - t0
+
+        def info(v) -> dict:
+            i = convert.info_from_pb(v)
+            return {"version": i.version, "sha256": i.sha256, "accepted": i.accepted, "late": i.late,
+                    "stale": i.stale, "rejected": i.rejected, "closed_by": i.closed_by, "mean_loss": i.mean_loss}
+
+        return {
+            "fingerprint": st.fingerprint, "config": json.loads(st.config_json), "server_time_unix": st.server_time_unix,
+            "sent_at_unix": t0, "rtt_s": rtt,
+            "blocks": [{"block": b.block, **{k: v for k, v in info(b.current).items()
+                                             if k in ("version", "sha256")},
+                        "replicas": list(b.replicas), "round_age_s": b.round_age_s,
+                        "accepted_in_round": b.accepted_in_round,
+                        "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent]}
+                       for b in st.blocks],
+            "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
+        }
 
     def close(self) -> None:
         for call in list(self._watches):

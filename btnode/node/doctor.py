@@ -1,0 +1,123 @@
+"""`btnode doctor`: checks a host before it joins, each finding with a plain-language fix.
+
+Levels: OK, WARN (it will run, but something will hurt), FAIL (it will not work), SKIP (not
+asked for: no --peer, no --listen)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from btnode.errors import BtnodeError
+from btnode.model.config import ModelConfig
+from btnode.rpc.client import SwarmClient
+from btnode.train.plan import block_bytes
+
+MAX_SKEW_S = 2.0  # round deadlines are seconds to minutes; skew beyond this confuses logs and τ reasoning
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    level: str  # OK | WARN | FAIL | SKIP
+    detail: str
+    fix: str = ""
+
+
+def check_peer(cfg: ModelConfig, peer: str | None) -> list[Finding]:
+    if not peer:
+        return [Finding("peer", "SKIP", "no --peer given"),
+                Finding("clock skew", "SKIP", "needs --peer"), Finding("fingerprint", "SKIP", "needs --peer")]
+    client = SwarmClient(peer, timeout_s=10)
+    try:
+        st = client.status_dict()
+    except BtnodeError as exc:
+        return [Finding("peer", "FAIL", f"cannot reach the aggregator at {peer}: {exc}",
+                        "check the address and port, that the aggregator runs (systemctl status btnode-aggregator), "
+                        "and that no firewall blocks the port between the hosts"),
+                Finding("clock skew", "SKIP", "peer unreachable"), Finding("fingerprint", "SKIP", "peer unreachable")]
+    finally:
+        client.close()
+    out = [Finding("peer", "OK", f"aggregator at {peer} answers in {1e3 * st['rtt_s']:.0f} ms, owning blocks "
+                                 f"{[b['block'] for b in st['blocks']]}")]
+    skew = st["server_time_unix"] - (st["sent_at_unix"] + st["rtt_s"] / 2)
+    if abs(skew) > MAX_SKEW_S:
+        out.append(Finding("clock skew", "WARN", f"this host's clock is {-skew:+.1f} s off the aggregator's",
+                           "enable time synchronisation on both hosts (timedatectl set-ntp true, or chrony)"))
+    else:
+        out.append(Finding("clock skew", "OK", f"{-skew:+.3f} s against the aggregator (±{st['rtt_s'] / 2:.3f} s)"))
+    if st["fingerprint"] == cfg.fingerprint():
+        out.append(Finding("fingerprint", "OK", f"run fingerprint matches the swarm's ({cfg.fingerprint()[:12]}…)"))
+    else:
+        try:
+            theirs = ModelConfig.from_dict(st["config"])
+            diff = ", ".join(f"{k}: swarm {t!r}, here {o!r}" for k, o, t in cfg.diff(theirs)) or "fingerprint version"
+        except (BtnodeError, TypeError, ValueError, KeyError):
+            diff = "the swarm's settings could not be read"
+        out.append(Finding("fingerprint", "FAIL", f"this host's swarm-wide settings differ from the swarm's ({diff})",
+                           "use the swarm's model settings ([model] in btnode.toml, or the --d-model/--blocks/... "
+                           "flags); `btnode status --peer` shows them"))
+    return out
+
+
+def check_listen(listen: str | None) -> Finding:
+    if not listen:
+        return Finding("port", "SKIP", "no --listen given (a worker needs no open port)")
+    host, _, port = listen.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]") or "0.0.0.0", int(port)))
+    except (OSError, ValueError) as exc:
+        return Finding("port", "FAIL", f"cannot bind {listen}: {exc}",
+                       "another process holds the port (see `ss -ltnp`), or the address is not on this host; "
+                       "stop that process or choose another --listen")
+    return Finding("port", "OK", f"{listen} can be bound")
+
+
+def check_disk(cfg: ModelConfig, state_dir: Path, keep: int = 3) -> Finding:
+    where = state_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    usage = shutil.disk_usage(where)
+    # an aggregator keeps `keep` versions per block, each the parameters, the published delta and
+    # the outer state (≈ 3 × the block in fp32); double it for the temporary files of a write
+    need = 2 * keep * 3 * block_bytes(cfg)["fp32"] * cfg.n_blocks
+    detail = f"{usage.free / 2**30:.1f} GiB free under {where} (a full aggregator needs about {need / 2**20:.0f} MiB)"
+    if usage.free < need:
+        return Finding("disk", "FAIL", detail, "free space there, or point --state-dir at a larger disk")
+    if usage.free < 10 * need:
+        return Finding("disk", "WARN", detail, "little headroom: free space or move --state-dir before long runs")
+    return Finding("disk", "OK", detail)
+
+
+def check_torch(device: str) -> list[Finding]:
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    out = []
+    if threads > cores:
+        out.append(Finding("torch threads", "WARN", f"torch uses {threads} threads on {cores} cores",
+                           f"set OMP_NUM_THREADS={cores} (or fewer when several nodes share the host)"))
+    else:
+        out.append(Finding("torch threads", "OK", f"torch {torch.__version__}: {threads} threads on {cores} cores"))
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            out.append(Finding("device", "FAIL", f"--device {device} but CUDA is not available to torch",
+                               "install the CUDA build of torch and the NVIDIA driver, or use --device cpu"))
+        else:
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            out.append(Finding("device", "OK", f"CUDA devices: {json.dumps(names)}"))
+    else:
+        gpu = "a CUDA device is available (use --device cuda)" if torch.cuda.is_available() else "no CUDA device"
+        out.append(Finding("device", "OK", f"training on the CPU; {gpu}"))
+    return out
+
+
+def run_checks(cfg: ModelConfig, *, peer: str | None, listen: str | None, state_dir: Path,
+               device: str) -> list[Finding]:
+    return [*check_peer(cfg, peer), check_listen(listen), check_disk(cfg, state_dir), *check_torch(device)]

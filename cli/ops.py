@@ -1,0 +1,111 @@
+"""Operator commands: `btnode status` (the swarm as an aggregator sees it), `btnode doctor` (is
+this host ready to join?) and `btnode plan` (memory and traffic of a model shape)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from btnode_cli.options import Blocks, Context, Device, DModel, Heads, Layers, Segments, TargetSeed, model_config
+
+Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Recent rounds to show per block.")] = 5,
+           json_out: Json = False) -> None:
+    """Blocks, versions, replicas and the outcomes of the last rounds, from a live aggregator."""
+    from btnode.rpc.client import SwarmClient
+
+    client = SwarmClient(peer, timeout_s=15)
+    try:
+        st = client.status_dict()
+    finally:
+        client.close()
+    if json_out:
+        typer.echo(json.dumps(st, indent=1))
+        return
+    cfg = st["config"]
+    typer.echo(f"swarm at {peer}: fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} B={cfg['n_blocks']} "
+               f"L={cfg['n_layers']} N={cfg['context']} K={cfg['segments']}")
+    for b in st["blocks"]:
+        typer.echo(f"block {b['block']}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "
+                   f"[{', '.join(b['replicas'])}], round open {b['round_age_s']:.1f} s with {b['accepted_in_round']} "
+                   f"accepted")
+        for r in b["recent"][-rounds:]:
+            typer.echo(f"    v{r['version']}: {r['accepted']} accepted, {r['late']} late, {r['stale']} stale, "
+                       f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}")
+    refused = [c for c in st["counters"] if c["labels"].get("outcome") in ("rejected", "stale") and c["value"]]
+    for c in refused:
+        typer.echo(f"refused: block {c['labels'].get('block')} {c['labels']['outcome']} "
+                   f"({c['labels'].get('reason') or '-'}): {int(c['value'])}")
+
+
+def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT of the aggregator to join.")] = None,
+           listen: Annotated[Optional[str], typer.Option("--listen", help="HOST:PORT this node will serve on (aggregator, stage).")] = None,
+           state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
+           device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
+           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0,
+           json_out: Json = False) -> None:
+    """Check this host before it joins: peer reachable, port free, clock skew, disk, torch threads and
+    devices, and the run fingerprint against the swarm's. Each problem comes with a fix."""
+    from btnode.node.doctor import run_checks
+
+    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
+                       segments=segments, target_seed=target_seed)
+    findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=device_name)
+    if json_out:
+        typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
+    else:
+        for f in findings:
+            typer.echo(f"[{f.level:>4}] {f.check}: {f.detail}")
+            if f.fix:
+                typer.echo(f"       fix: {f.fix}")
+    if any(f.level == "FAIL" for f in findings):
+        raise typer.Exit(1)
+
+
+def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
+         d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, json_out: Json = False) -> None:
+    """Memory per worker (one block) against training the whole model end to end, and bytes per
+    round per codec, for a model shape. Activations are measured by running one real step."""
+    from btnode.train.plan import block_bytes, block_memory, end_to_end
+
+    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
+                       segments=segments, target_seed=target_seed)
+    t0 = time.perf_counter()
+    worker = block_memory(cfg, batch)
+    e2e = end_to_end(worker, cfg.n_blocks)
+    traffic = block_bytes(cfg)
+    if json_out:
+        typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": worker.to_dict(),
+                               "end_to_end": e2e.to_dict(), "block_bytes_by_codec": traffic}, indent=1))
+        return
+    typer.echo(f"model: d={cfg.d_model}, {cfg.n_heads} heads, L={cfg.n_layers} layers per block, B={cfg.n_blocks} "
+               f"blocks, N={cfg.context}; batch {batch} (fp32; activations measured in {time.perf_counter() - t0:.1f} s)")
+    typer.echo(f"{'':22}{'worker (1 block)':>18}{'end to end (B blocks)':>24}")
+    for label, key in (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("AdamW state", "adam_bytes"),
+                       ("activations", "activation_bytes"), ("total", "total_bytes")):
+        w, e = worker.to_dict()[key], e2e.to_dict()[key]
+        typer.echo(f"{label:22}{mib(w):>18}{mib(e):>24}")
+    typer.echo(f"{'parameter count':22}{worker.parameters:>18,}{e2e.parameters:>24,}")
+    typer.echo("bytes per round per worker, before zstd: the pushed update in the worker's --codec, plus the")
+    typer.echo("published delta pulled back in the aggregator's --publish-codec (fp32 by default):")
+    for codec, n in traffic.items():
+        typer.echo(f"  {codec:5} {mib(n):>12}")
+    typer.echo(f"  e.g. int8 updates with fp32 publishing: {mib(traffic['int8'] + traffic['fp32'])} per round")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)
+    app.command("doctor")(doctor)
+    app.command("plan")(plan)

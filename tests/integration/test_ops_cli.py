@@ -1,0 +1,88 @@
+"""`btnode status`, `btnode doctor` and `btnode plan` as real processes against a real aggregator."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames
+from btnode.model.config import ModelConfig
+from btnode.protocol import PushHeader
+from btnode.rpc.client import SwarmClient
+from btnode.store.models import init_block
+
+from procs import TINY_SHAPE
+
+BTNODE = str(Path(sys.executable).with_name("btnode"))
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+
+
+def btnode(*args: str) -> subprocess.CompletedProcess:
+    p = subprocess.run([BTNODE, *args], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p
+
+
+def test_plan_counts_the_parameters_of_a_real_block():
+    p = btnode("plan", "--json", "--batch", "8", "--d-model", "64", "--heads", "2", "--layers", "3", "--blocks", "4",
+               "--context", "64", "--segments", "1,8")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    cfg = ModelConfig(d_model=64, n_heads=2, n_layers=3, n_blocks=4, context=64, segments=(1, 8))
+    n = sum(t.numel() for t in init_block(cfg, 0, 0).parameters())
+    w, e = plan["worker"], plan["end_to_end"]
+    assert w["parameters"] == n and w["param_bytes"] == 4 * n and w["grad_bytes"] == 4 * n and w["adam_bytes"] == 8 * n
+    assert e["parameters"] == 4 * n and e["activation_bytes"] == 4 * w["activation_bytes"]
+    assert plan["block_bytes_by_codec"]["fp32"] == 4 * n
+    assert plan["block_bytes_by_codec"]["fp32"] / plan["block_bytes_by_codec"]["int8"] > 3.5
+    small = json.loads(btnode("plan", "--json", "--batch", "2", "--d-model", "64", "--heads", "2", "--layers", "3",
+                              "--blocks", "4", "--context", "64", "--segments", "1,8").stdout)
+    assert 0 < small["worker"]["activation_bytes"] < w["activation_bytes"]  # measured, and it grows with the batch
+    text = btnode("plan", "--d-model", "64", "--heads", "2").stdout
+    assert "AdamW state" in text and "end to end" in text and "int8" in text
+
+
+def test_status_and_doctor_against_a_live_aggregator(aggregator):
+    agg = aggregator("--deadline", "600")
+    client = SwarmClient(agg.address, timeout_s=30)
+    for w in ("a", "b"):
+        client.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
+    for w in ("a", "b"):
+        header = PushHeader(worker_id=w, block=0, base_version=0, samples=4.0, loss=3.25, codec=Codec.FP32,
+                            update_id=f"{w}-0")
+        client.push(header, encode_frames({n: torch.full(s, 0.01) for n, s in spec.items()}, Codec.FP32))
+    client.close()
+    p = btnode("status", "--peer", agg.address)
+    assert p.returncode == 0, p.stderr
+    assert "block 0: version 1" in p.stdout and "2 replicas [a, b]" in p.stdout
+    assert "v1: 2 accepted, 0 late, 0 stale, 0 rejected; closed by all_reported; loss 3.2500" in p.stdout
+    st = json.loads(btnode("status", "--peer", agg.address, "--json").stdout)
+    assert st["blocks"][0]["version"] == 1 and st["fingerprint"] == CFG.fingerprint()
+
+    ok = btnode("doctor", "--peer", agg.address, "--listen", "127.0.0.1:0", *TINY_SHAPE)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for check in ("peer", "clock skew", "fingerprint", "port", "disk", "torch threads", "device"):
+        assert f"] {check}:" in ok.stdout
+    assert "[FAIL]" not in ok.stdout
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        bad = btnode("doctor", "--peer", agg.address, "--listen", f"127.0.0.1:{port}", "--d-model", "64",
+                     *TINY_SHAPE[2:])
+    assert bad.returncode == 1
+    assert "[FAIL] fingerprint" in bad.stdout and "d_model: swarm 32, here 64" in bad.stdout
+    assert "[FAIL] port" in bad.stdout and "fix:" in bad.stdout
+
+
+def test_doctor_with_an_unreachable_peer_says_how_to_fix_it():
+    p = btnode("doctor", "--peer", "127.0.0.1:1")
+    assert p.returncode == 1 and "[FAIL] peer" in p.stdout and "fix: check the address" in p.stdout
