@@ -86,6 +86,12 @@ class PeerUnavailable(BtnodeError):
     exit_code = 7
 
 
+class Unauthenticated(BtnodeError):
+    """The peer refused us (UNAUTHENTICATED): missing or wrong swarm token. Not worth retrying."""
+
+    exit_code = 8
+
+
 class CacheMiss(PeerInputError):
     """A serving stage lacks the per-request cache a state builds on; resend from position 0
     (FAILED_PRECONDITION). Happens after a re-route to a spare, or an eviction."""

@@ -30,6 +30,8 @@ import typer
 from btnode.errors import ConfigError
 
 MODEL_TABLE = "model"
+SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
+SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
 SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed")  # the fingerprint's flags
 ENV_PREFIX = "BTNODE"
 
@@ -61,9 +63,10 @@ def default_map(group: Any, ctx: Any, path: Path) -> dict[str, dict[str, Any]]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"configuration file {path} is not valid TOML: {exc}") from None
     commands = {name: group.get_command(ctx, name) for name in group.list_commands(ctx)}
-    unknown = sorted(set(doc) - set(commands) - {MODEL_TABLE})
+    unknown = sorted(set(doc) - set(commands) - {MODEL_TABLE, SECURITY_TABLE})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [{MODEL_TABLE}] or one of {sorted(commands)}")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [{MODEL_TABLE}], [{SECURITY_TABLE}] or one of "
+                          f"{sorted(commands)}")
     for table, values in doc.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: {table!r} must be a table ([{table}]), not a single value")
@@ -86,6 +89,45 @@ def default_map(group: Any, ctx: Any, path: Path) -> dict[str, dict[str, Any]]:
         if entry:
             out[name] = entry
     return out
+
+
+def security_table(path: Path) -> dict[str, Any]:
+    """The [security] table (already validated as TOML by default_map)."""
+    table = tomllib.loads(path.read_text()).get(SECURITY_TABLE, {})
+    bad = sorted(set(table) - set(SECURITY_KEYS))
+    if bad:
+        raise ConfigError(f"{path}: [{SECURITY_TABLE}] has unknown setting(s) {bad}; it takes {list(SECURITY_KEYS)}")
+    return table
+
+
+def configure_security(ctx: Any, file: dict[str, Any], **given: Any) -> None:
+    """Flags and BTNODE_TLS_* / BTNODE_TOKEN_FILE beat the file's [security] table; the token itself
+    comes from BTNODE_TOKEN or the token file (never a flag: it would show in `ps`)."""
+    import os
+
+    from btnode.rpc.security import Security, configure
+
+    def pick(name: str) -> Any:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src.name in ("COMMANDLINE", "ENVIRONMENT"):
+            return given[name]
+        return file.get(name.replace("_", "-"), given[name])
+
+    token_file = pick("token_file")
+    token = os.environ.get("BTNODE_TOKEN", "")
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the token file {token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise ConfigError(f"the token file {token_file} is empty")
+    def path(name: str) -> Path | None:
+        value = pick(name)
+        return Path(value) if value else None
+
+    configure(Security(token=token, cert=path("tls_cert"), key=path("tls_key"), ca=path("tls_ca"),
+                       client_auth=bool(pick("tls_client_auth")), server_name=pick("tls_server_name") or ""))
 
 
 def _as_flag_value(v: Any) -> Any:

@@ -31,6 +31,17 @@ def root(ctx: typer.Context,
                                                help="TOML settings file (flags and BTNODE_* variables override it)."),
          log_format: str = typer.Option("auto", "--log-format",
                                         help="auto (JSON lines under systemd, text otherwise), text or json."),
+         token_file: Optional[Path] = typer.Option(None, "--token-file", envvar="BTNODE_TOKEN_FILE",
+                                                   help="File holding the swarm token (or set BTNODE_TOKEN)."),
+         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", envvar="BTNODE_TLS_CERT",
+                                                 help="This node's TLS certificate chain (PEM)."),
+         tls_key: Optional[Path] = typer.Option(None, "--tls-key", envvar="BTNODE_TLS_KEY", help="Its private key (PEM)."),
+         tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", envvar="BTNODE_TLS_CA",
+                                               help="CA certificate the swarm's certificates are checked against."),
+         tls_client_auth: bool = typer.Option(False, "--tls-client-auth", envvar="BTNODE_TLS_CLIENT_AUTH",
+                                              help="Servers: require client certificates (mutual TLS)."),
+         tls_server_name: str = typer.Option("", "--tls-server-name", envvar="BTNODE_TLS_SERVER_NAME",
+                                             help="Clients: the name the server's certificate must carry."),
          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     from btnode_cli import config as settings
@@ -39,8 +50,12 @@ def root(ctx: typer.Context,
     if log_format not in ("auto", "text", "json"):
         raise typer.BadParameter("--log-format must be auto, text or json")
     logs.configure(logging.DEBUG if verbose else logging.INFO, log_format)
+    file_security: dict = {}
     if config is not None:
         ctx.default_map = settings.default_map(ctx.command, ctx, config)
+        file_security = settings.security_table(config)
+    settings.configure_security(ctx, file_security, token_file=token_file, tls_cert=tls_cert, tls_key=tls_key,
+                                tls_ca=tls_ca, tls_client_auth=tls_client_auth, tls_server_name=tls_server_name)
 
 
 def _register() -> None:

@@ -14,6 +14,7 @@ from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
 from btnode.errors import MalformedInput, PeerInputError
 from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
 from btnode.rpc import convert
+from btnode.rpc.security import Security, channel
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.status import error_from_rpc
 from btnode.v1 import swarm_pb2 as pb
@@ -21,10 +22,10 @@ from btnode.v1 import swarm_pb2_grpc as pb_grpc
 
 
 class SwarmClient:
-    def __init__(self, address: str, *, timeout_s: float = 120.0):
+    def __init__(self, address: str, *, timeout_s: float = 120.0, security: Security | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel(address, CHANNEL_OPTIONS, security)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self._watches: list[grpc.Future] = []
 

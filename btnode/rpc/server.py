@@ -23,9 +23,10 @@ from btnode.aggregate.block import ABORTED
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, iter_chunks, lazy_frames
-from btnode.errors import BtnodeError, ConfigError, MalformedInput, PeerInputError
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError
 from btnode.protocol import VersionInfo
 from btnode.rpc import convert
+from btnode.rpc.security import Security, bind, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
@@ -189,18 +190,15 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
 
 
-def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64) -> tuple[grpc.Server, int, threading.Event]:
+def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64,
+          security: Security | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event)."""
     stop = threading.Event()
+    refused = lambda: agg.counters.update([("unauthenticated", "token")])  # noqa: E731
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4)
+                         options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
+                         interceptors=interceptors(security, refused))
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
+    port = bind(server, address, security)
     server.start()
     return server, port, stop
-

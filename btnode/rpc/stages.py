@@ -15,9 +15,11 @@ from concurrent import futures
 import grpc
 import torch
 
-from btnode.errors import ConfigError, InputError, MalformedInput
+from btnode.errors import InputError, MalformedInput
 from btnode.model.noise import default_steps
 from btnode.protocol import Meter
+from btnode.rpc import security
+from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, _guard, streaming
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
@@ -149,7 +151,7 @@ class RemoteBlockStage:
     def __init__(self, address: str, *, timeout_s: float = 60.0):
         self.address = self.name = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.StageStub(self.channel)
 
     def forward(self, state: SegmentState) -> SegmentResult:
@@ -178,7 +180,7 @@ def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_st
                     temperature: float = 0.0, want_logits: bool = False,
                     timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
     """Stream a request's segments from the chain whose first stage is at `entry`."""
-    channel = grpc.insecure_channel(entry, options=CHANNEL_OPTIONS)
+    channel = security.channel(entry, CHANNEL_OPTIONS)
     try:
         call = pb_grpc.StageStub(channel).Generate(
             pb.GenerateRequest(prompt=prompt, n_bytes=n_bytes, k=k, n_steps=n_steps, seed=seed,
@@ -192,7 +194,7 @@ def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_st
 
 
 def stage_info(address: str, timeout_s: float = 10.0) -> pb.StageInfo:
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    channel = security.channel(address, CHANNEL_OPTIONS)
     try:
         return pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=timeout_s)
     except grpc.RpcError as err:
@@ -205,13 +207,8 @@ def serve_stage(stage: LocalBlockStage | LocalARStage, address: str, *, max_work
                 meter: Meter | None = None) -> tuple[grpc.Server, int, threading.Event]:
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage"),
-                         options=SERVER_OPTIONS)
+                         options=SERVER_OPTIONS, interceptors=interceptors())
     pb_grpc.add_StageServicer_to_server(StageServicer(stage, stop, meter), server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
+    port = bind(server, address)
     server.start()
     return server, port, stop

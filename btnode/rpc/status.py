@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, InputError,
-                           MalformedInput, PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, UnknownBlock)
+                           MalformedInput, PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
 
 REASON_KEY = "btnode-reason"
 
@@ -50,6 +50,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
     message = f"{what}: {details}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return PeerUnavailable(message)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(f"{message} (check the swarm token: BTNODE_TOKEN or --token-file)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if reason == "InputError":
             return InputError(message)
