@@ -77,6 +77,46 @@ def _guard(method: Callable) -> Callable:
     return unary
 
 
+class DecodeGuard(grpc.ServerInterceptor):
+    """Parses requests itself, so that bytes which are not the expected message get
+    INVALID_ARGUMENT and a reason, as other bad input does. (gRPC's own deserialisation answers
+    INTERNAL, "Exception deserializing request!", which reads as a server bug.)"""
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse_raw = handler.request_deserializer
+
+        def parse(data: bytes) -> Any:
+            try:
+                return parse_raw(data)
+            except Exception:  # noqa: BLE001 - protobuf raises DecodeError, and others on odd input
+                raise MalformedInput("decode", f"{details.method}: the request is not a valid message") from None
+
+        def unary_in(request: bytes, context: grpc.ServicerContext, fn: Callable) -> Any:
+            try:
+                req = parse(request)
+            except MalformedInput as exc:
+                _abort(context, exc)
+            return fn(req, context)
+
+        def stream_in(requests: Iterator[bytes], context: grpc.ServicerContext, fn: Callable) -> Any:
+            return fn(map(parse, requests), context)
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(lambda r, c: unary_in(r, c, handler.unary_unary),
+                                                       response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(lambda r, c: unary_in(r, c, handler.unary_stream),
+                                                        response_serializer=handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(lambda r, c: stream_in(r, c, handler.stream_unary),
+                                                        response_serializer=handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(lambda r, c: stream_in(r, c, handler.stream_stream),
+                                                     response_serializer=handler.response_serializer)
+
+
 def streaming(method: Callable) -> Callable:
     method.streaming = True  # type: ignore[attr-defined]
     return method
@@ -127,8 +167,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
-        first = next(request_iterator, None)
         try:
+            first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise MalformedInput("no_header", "a push must start with its header")
             header = convert.push_header_from_pb(first.header)
@@ -197,7 +237,7 @@ def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64,
     refused = lambda: agg.counters.update([("unauthenticated", "token")])  # noqa: E731
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
-                         interceptors=interceptors(security, refused))
+                         interceptors=[*interceptors(security, refused), DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
     port = bind(server, address, security)
     server.start()

@@ -20,7 +20,7 @@ from btnode.model.noise import default_steps
 from btnode.protocol import Meter
 from btnode.rpc import security
 from btnode.rpc.security import bind, interceptors
-from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, _guard, streaming
+from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
 from btnode.serve.ar import ARState, LocalARStage
@@ -207,7 +207,7 @@ def serve_stage(stage: LocalBlockStage | LocalARStage, address: str, *, max_work
                 meter: Meter | None = None) -> tuple[grpc.Server, int, threading.Event]:
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage"),
-                         options=SERVER_OPTIONS, interceptors=interceptors())
+                         options=SERVER_OPTIONS, interceptors=[*interceptors(), DecodeGuard()])
     pb_grpc.add_StageServicer_to_server(StageServicer(stage, stop, meter), server)
     port = bind(server, address)
     server.start()

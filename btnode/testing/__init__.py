@@ -1,0 +1,1 @@
+"""Test tooling that ships with the package: fuzzers shared by tests/ and bench/."""

@@ -1,0 +1,271 @@
+"""Fuzzing of what peers send (issue #7): frame decoding, and every RPC handler of the aggregator
+and of a stage, with random and mutated messages. Shared by tests/ (a few hundred cases, driven
+by hypothesis) and bench/fuzz.py (tens of thousands). Every case is a seed: `Case(seed)` rebuilds
+the same input, so a failure is reproduced from one number.
+
+The oracle:
+- frames: FrameAssembler either returns tensors that match the spec exactly or raises a
+  PeerInputError; any other exception is a crash;
+- RPCs: every call ends OK or with a status code a refusal may have (INVALID_ARGUMENT,
+  RESOURCE_EXHAUSTED, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, DEADLINE_EXCEEDED for streams
+  we stop waiting on); INTERNAL or UNKNOWN means a handler raised something unplanned: a crash.
+  Afterwards the node still answers, and no block moved past version 0 unless valid updates were
+  accepted (`Target.model_changed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, iter_chunks
+from btnode.errors import PeerInputError
+from btnode.model.config import ModelConfig
+from btnode.rpc import convert
+from btnode.rpc.server import CHANNEL_OPTIONS, serve
+from btnode.rpc.stages import serve_stage
+from btnode.serve.stages import LocalBlockStage
+from btnode.store.files import state_sha256
+from btnode.store.models import init_block
+from btnode.v1 import serve_pb2, swarm_pb2
+
+CFG = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, segments=(1, 4))
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED}
+SWARM = "/btnode.v1.Swarm/"
+STAGE = "/btnode.v1.Stage/"
+
+
+def _spec(block: int = 0) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in init_block(CFG, block, 0).state_dict().items()}
+
+
+def valid_chunks(rng: random.Random, block: int = 0, codec: Codec | None = None,
+                 chunk_bytes: int | None = None) -> list[ChunkData]:
+    codec = codec or rng.choice(list(Codec))
+    tensors = {n: torch.randn(s, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * 0.01
+               for n, s in _spec(block).items()}
+    return list(iter_chunks(encode_frames(tensors, codec), chunk_bytes or rng.choice([64, 512, 4096, 1 << 20])))
+
+
+def _junk(rng: random.Random, n: int | None = None) -> bytes:
+    return rng.randbytes(rng.choice([0, 1, 7, 64, 1000]) if n is None else n)
+
+
+def mutate_header(rng: random.Random, h: FrameHeader, names: list[str]) -> FrameHeader:
+    choice = rng.randrange(8)
+    if choice == 0:
+        return replace(h, name=rng.choice([*names, "", "x" * 300, "layers.0.evil", h.name + "\0"]))
+    if choice == 1:
+        dims = rng.choice([(), (0,), (-1, 4), (2**40,), tuple(rng.randrange(1, 50) for _ in range(rng.randrange(1, 4)))])
+        return replace(h, shape=dims)
+    if choice == 2:
+        return replace(h, codec=rng.choice(list(Codec)))
+    if choice == 3:
+        return replace(h, raw_bytes=rng.choice([0, 1, h.raw_bytes - 1, h.raw_bytes + 1, 2**40]))
+    if choice == 4:
+        return replace(h, payload_bytes=rng.choice([0, 1, h.payload_bytes - 1, h.payload_bytes + 1, 2**40]))
+    if choice == 5:
+        return replace(h, sha256=rng.choice([b"", _junk(rng, 32), hashlib.sha256(b"x").digest()]))
+    if choice == 6:
+        return replace(h, dtype=rng.choice(["float16", "int8", "", "float32 "]))
+    return h
+
+
+def mutate_chunks(rng: random.Random, chunks: list[ChunkData], names: list[str]) -> list[ChunkData]:
+    out = list(chunks)
+    for _ in range(rng.randrange(1, 4)):
+        if not out:
+            out.append(ChunkData(None, _junk(rng)))
+            continue
+        i = rng.randrange(len(out))
+        c = out[i]
+        op = rng.randrange(10)
+        if op == 0 and c.header is not None:
+            out[i] = ChunkData(mutate_header(rng, c.header, names), c.data)
+        elif op == 1 and c.data:  # flip bytes of the payload
+            data = bytearray(c.data)
+            for _ in range(rng.randrange(1, 8)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            out[i] = ChunkData(c.header, bytes(data))
+        elif op == 2:  # truncate the stream
+            out = out[:i]
+        elif op == 3:  # drop a chunk
+            del out[i]
+        elif op == 4:  # duplicate a chunk
+            out.insert(i, c)
+        elif op == 5:  # swap two chunks
+            j = rng.randrange(len(out))
+            out[i], out[j] = out[j], out[i]
+        elif op == 6:  # junk appended to a payload
+            out[i] = ChunkData(c.header, c.data + _junk(rng))
+        elif op == 7:  # a header on a continuation chunk, or none on a first chunk
+            out[i] = ChunkData(None if c.header is not None else out[0].header, c.data)
+        elif op == 8:  # an oversized chunk
+            out[i] = ChunkData(c.header, _junk(rng, rng.choice([1 << 20, (1 << 20) + 1, 3 << 20])))
+        else:  # a frame of NaN or Inf with an honest header and checksum
+            bad = {n: torch.full(s, rng.choice([float("nan"), float("inf")])) for n, s in _spec().items()}
+            name = rng.choice(list(bad))
+            out[i:i + 1] = list(iter_chunks(encode_frames({name: bad[name]}, rng.choice(list(Codec)))))
+    return out
+
+
+def fuzz_frames(seed: int) -> str:
+    """One frame-decoding case; returns "ok", "refused" or raises (a crash)."""
+    rng = random.Random(seed)
+    spec = _spec()
+    chunks = valid_chunks(rng)
+    if rng.random() < 0.9:
+        chunks = mutate_chunks(rng, chunks, list(spec))
+    asm = FrameAssembler.for_spec(spec, list(Codec))
+    try:
+        for c in chunks:
+            asm.add(c)
+        got = asm.finish()
+    except PeerInputError:
+        return "refused"
+    assert set(got) == set(spec) and all(tuple(got[n].shape) == spec[n] for n in spec), "accepted a wrong tensor set"
+    assert all(bool(torch.isfinite(t).all()) for t in got.values()), "accepted NaN/Inf"
+    return "ok"
+
+
+@dataclass
+class Target:
+    """A live aggregator (two replicas of block 0 registered, τ long) and a live stage, on loopback."""
+
+    address: str
+    stage_address: str
+    agg: SwarmAggregator
+    initial: dict[int, str]
+    close: Callable[[], None]
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stage_channel = grpc.insecure_channel(self.stage_address, options=CHANNEL_OPTIONS)
+
+    def model_changed(self) -> bool:
+        """True if some block left version 0 although no update was ever accepted."""
+        accepted = sum(n for b in self.agg.blocks.values() for (o, _), n in b.counters.items() if o == "accepted")
+        moved = any(state_sha256(b.current()[1]) != self.initial[i] for i, b in self.agg.blocks.items())
+        return moved and accepted == 0
+
+    def shutdown(self) -> None:
+        self.channel.close()
+        self.stage_channel.close()
+        self.close()
+
+
+def start_target(state_dir: Path) -> Target:
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=3600)), state_dir)
+    for w in ("a", "b"):
+        agg.block(0).register(w)
+    server, port, stop = serve(agg, "127.0.0.1:0")
+    stage = LocalBlockStage(init_block(CFG, 1, 0), 1, CFG.n_blocks, next=None, device=torch.device("cpu"))
+    sserver, sport, sstop = serve_stage(stage, "127.0.0.1:0")
+
+    def close() -> None:
+        stop.set()
+        sstop.set()
+        server.stop(0).wait()
+        sserver.stop(0).wait()
+
+    initial = {b: state_sha256(a.current()[1]) for b, a in agg.blocks.items()}
+    return Target(f"127.0.0.1:{port}", f"127.0.0.1:{sport}", agg, initial, close)
+
+
+def _push_messages(rng: random.Random) -> list[bytes]:
+    header = swarm_pb2.PushHeader(worker_id=rng.choice(["a", "b", "", "z" * 200]), block=rng.choice([0, 0, 1, 7]),
+                                  base_version=rng.choice([0, 0, 1, 2**63]), samples=rng.choice([1.0, 0.0, -1.0,
+                                                                                                   float("nan"), 1e308]),
+                                  loss=rng.choice([1.0, float("inf")]), codec=rng.choice([1, 2, 3, 0, 99]),
+                                  update_id=f"u{rng.randrange(2**32)}")
+    msgs = [swarm_pb2.PushMessage(header=header).SerializeToString()]
+    chunks = mutate_chunks(rng, valid_chunks(rng, codec=Codec.INT8, chunk_bytes=rng.choice([256, 1 << 20])),
+                           list(_spec()))
+    msgs += [swarm_pb2.PushMessage(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
+    if rng.random() < 0.2:
+        msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
+    if rng.random() < 0.1:
+        msgs = msgs[1:]  # no header
+    return msgs
+
+
+def _random_request(rng: random.Random, message: type) -> bytes:
+    """A well-formed message with random field values, or random bytes, or a mutated encoding."""
+    roll = rng.random()
+    if roll < 0.3:
+        return _junk(rng)
+    msg = message()
+    for f in message.DESCRIPTOR.fields:
+        if f.message_type is not None or f.is_repeated:
+            continue
+        kind = f.cpp_type
+        try:
+            if kind in (f.CPPTYPE_INT32, f.CPPTYPE_INT64, f.CPPTYPE_UINT32, f.CPPTYPE_UINT64, f.CPPTYPE_ENUM):
+                limit = 2**31 - 1 if kind in (f.CPPTYPE_INT32, f.CPPTYPE_ENUM) else 2**32 - 1 if kind == f.CPPTYPE_UINT32 else 2**62
+                setattr(msg, f.name, rng.choice([0, 1, 2, 3, limit]))
+            elif kind in (f.CPPTYPE_FLOAT, f.CPPTYPE_DOUBLE):
+                setattr(msg, f.name, rng.choice([0.0, 1.0, -1.0, float("nan"), float("inf"), 1e30]))
+            elif kind == f.CPPTYPE_BOOL:
+                setattr(msg, f.name, rng.random() < 0.5)
+            elif kind == f.CPPTYPE_STRING:
+                setattr(msg, f.name, _junk(rng) if f.type == f.TYPE_BYTES else rng.choice(["", "a", "é" * 50, "b" * 5000]))
+        except (ValueError, TypeError):
+            pass
+    data = bytearray(msg.SerializeToString())
+    if roll > 0.8 and data:
+        data[rng.randrange(len(data))] ^= 0xFF
+    return bytes(data)
+
+
+SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.LeaveRequest, "unary"),
+               "Status": (swarm_pb2.StatusRequest, "unary"), "Pull": (swarm_pb2.PullRequest, "stream"),
+               "FetchDelta": (swarm_pb2.FetchDeltaRequest, "stream"), "Watch": (swarm_pb2.WatchRequest, "stream"),
+               "Push": (None, "push")}
+STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
+               "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
+_lock = threading.Lock()
+
+
+def fuzz_rpc(target: Target, seed: int) -> str:
+    """One RPC case against the live target; returns the status code name, raises on a crash."""
+    rng = random.Random(seed)
+    stage = rng.random() < 0.3
+    calls = STAGE_CALLS if stage else SWARM_CALLS
+    name = rng.choice(sorted(calls))
+    message, kind = calls[name]
+    channel = target.stage_channel if stage else target.channel
+    method = (STAGE if stage else SWARM) + name
+    ident = lambda b: b  # noqa: E731  (raw bytes on the wire)
+    try:
+        if kind == "unary":
+            channel.unary_unary(method, request_serializer=ident, response_deserializer=ident)(
+                _random_request(rng, message), timeout=10)
+        elif kind == "stream":
+            call = channel.unary_stream(method, request_serializer=ident, response_deserializer=ident)(
+                _random_request(rng, message), timeout=0.5 if name == "Watch" else 10)
+            for i, _ in enumerate(call):
+                if i > 200:
+                    call.cancel()
+                    break
+        else:
+            channel.stream_unary(method, request_serializer=ident, response_deserializer=ident)(
+                iter(_push_messages(rng)), timeout=10)
+        return "OK"
+    except grpc.RpcError as err:
+        code = err.code()
+        if code in REFUSALS or code == grpc.StatusCode.CANCELLED:
+            return code.name
+        raise AssertionError(f"{method} seed {seed}: {code.name}: {err.details()}") from None

@@ -1,0 +1,43 @@
+"""Fuzzing in CI (a few hundred cases; bench/fuzz.py runs tens of thousands): frame decoding and
+every RPC handler of a live aggregator and stage, with random and mutated messages. Hypothesis
+draws the case seeds; each seed rebuilds its input (btnode/testing/fuzz.py), so a failure names
+the one number that reproduces it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from btnode.rpc.client import SwarmClient
+from btnode.testing.fuzz import fuzz_frames, fuzz_rpc, start_target
+
+SEEDS = st.integers(min_value=0, max_value=2**63)
+
+
+@given(SEEDS)
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_frame_decoding_accepts_only_whole_valid_blocks(seed):
+    assert fuzz_frames(seed) in ("ok", "refused")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    t = start_target(tmp_path_factory.mktemp("fuzz"))
+    yield t
+    t.shutdown()
+
+
+@given(SEEDS)
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_rpc_handlers_refuse_with_a_status_and_never_crash(target, seed):
+    fuzz_rpc(target, seed)
+
+
+def test_after_the_fuzzing_the_node_serves_and_no_model_changed(target):
+    for seed in range(100):
+        fuzz_rpc(target, seed)
+    client = SwarmClient(target.address, timeout_s=10)
+    assert client.status().fingerprint  # still answering
+    client.close()
+    assert not target.model_changed()
