@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
+from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
 from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.codec.codecs import Codec, decode
 from btnode.codec.frames import encode_raw
@@ -190,8 +190,35 @@ class BlockAggregator:
         reason = self.round.close_reason(self.clock(), self.registered)
         return self._close(reason) if reason else None
 
+    def _screen(self, ups: list[Update]) -> list[Update]:
+        """Robust mode, with at least 3 updates: before combining, drop an update whose norm is
+        over max_norm_ratio × the round's median norm, or which points against the round's
+        coordinate-wise median (negative cosine): scaled or sign-flipped updates. Their senders were
+        told ACCEPTED on arrival (the round could not judge them alone); they are counted as
+        rejected here, with the reason, in the counters and metrics."""
+        if self.cfg.outer.robust == "mean" or len(ups) < 3:
+            return ups
+        norms = [self._norm(u.delta) for u in ups]
+        ref = statistics.median(norms)
+        med = median([u.delta for u in ups])
+        med_norm = self._norm(med)
+        kept = []
+        for u, norm in zip(ups, norms):
+            cos = sum(float((u.delta[n] * med[n]).sum()) for n in med) / max(norm * med_norm, 1e-30)
+            why = ("norm" if ref > 0 and norm > self.cfg.max_norm_ratio * ref else
+                   "direction" if cos < 0 else "")
+            if why:
+                self.counters[(Outcome.REJECTED.value, f"{why}_at_close")] += 1
+                self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+                log.warning("block %d round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
+                            "cosine %.3f with the median update)", self.block, self.round.version, u.worker_id, why,
+                            norm, ref, cos)
+            else:
+                kept.append(u)
+        return kept or ups
+
     def _close(self, reason: str) -> VersionInfo:
-        ups = sorted(self.round.accepted.values(), key=lambda u: u.worker_id)
+        ups = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
         mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
         step = self.outer.step(mean)
         codec = self.cfg.publish_codec
@@ -203,9 +230,11 @@ class BlockAggregator:
             self.residual = {n: step[n] - decoded[n] for n in step}
         params = {n: self.params[n] + decoded[n] for n in self.params}
         counts = self.round.counts
+        dropped = len(self.round.accepted) - len(ups)  # by the robust screen
         info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
-                           sha256=state_sha256(params), delta_codec=codec, accepted=counts[Outcome.ACCEPTED],
-                           late=counts[Outcome.LATE], stale=counts[Outcome.STALE], rejected=counts[Outcome.REJECTED],
+                           sha256=state_sha256(params), delta_codec=codec, accepted=len(ups),
+                           late=counts[Outcome.LATE], stale=counts[Outcome.STALE],
+                           rejected=counts[Outcome.REJECTED] + dropped,
                            mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
         outer_state = {**self.outer.state_dict(), **{EF_PREFIX + n: r for n, r in self.residual.items()}}
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
