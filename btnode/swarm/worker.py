@@ -41,6 +41,7 @@ from btnode.train.trainers import BlockTrainer
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
+RECONNECTED = object()  # put on the announcement queue when the watch stream comes back
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,12 @@ class BlockWorker:
         self.info: VersionInfo | None = None
         self.residual: Tensors = {}
         self.stats = WorkerStats()
-        self._announced: queue.Queue[VersionInfo | BaseException] = queue.Queue()
+        self._announced: queue.Queue[object] = queue.Queue()
         self._newest: VersionInfo | None = None
         self._pending: list[float] = []  # CE of each step the next update will carry
         self._pushed: list[float] = []  # ... and of the last pushed update's steps
         self._fold_from: Tensors | None = None  # θ the carry is measured from while waiting
+        self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
         self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
@@ -143,13 +145,20 @@ class BlockWorker:
 
     def _watch(self, stop: threading.Event) -> None:
         """Feed announcements from the server stream into a queue; reconnect when it breaks."""
+        streams = 0
         while not stop.is_set():
             try:
+                first = True
                 for info in self.link.watch(self.wcfg.block, self.wcfg.worker_id):
+                    if first and streams:
+                        self._announced.put(RECONNECTED)  # the aggregator may have restarted
+                    first = False
                     self._announced.put(info)
                     if stop.is_set():
                         return
+                streams += 1
             except PeerUnavailable as exc:
+                streams += 1
                 log.warning("watch stream lost (%s); reconnecting", exc)
             except BaseException as exc:  # noqa: BLE001 - handed to the main loop
                 self._announced.put(exc)
@@ -177,11 +186,26 @@ class BlockWorker:
                     self.stats.wait_steps += 1
                     trained += 1
                 continue
+            if item is RECONNECTED:
+                self._repush(version)
+                continue
             if isinstance(item, BaseException):
                 raise item
             if self._newest is None or item.version > self._newest.version:
                 self._newest = item
         return None
+
+    def _repush(self, version: int) -> None:
+        """After the announcement stream reconnects while we wait on the round of `version`, push
+        the same update again (same update id). If the aggregator only lost the connection, it
+        answers as before; if it restarted and lost its open round, the update is judged again
+        rather than silently lost."""
+        if self._last_update is None or self._last_update[0].base_version != version:
+            return
+        header, raw = self._last_update
+        j = self.push(header, raw)
+        log.info("worker %s: re-pushed update %s after reconnecting: %s%s", self.wcfg.worker_id, header.update_id[:8],
+                 j.outcome.value, f" ({j.reason})" if j.reason else "")
 
     # -- rounds ------------------------------------------------------------------------------
     def train_steps(self, n: int) -> None:
@@ -208,7 +232,8 @@ class BlockWorker:
         self._pushed, self._pending = self._pending, []
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
-        return header, self._encode()
+        self._last_update = (header, self._encode())
+        return self._last_update
 
     def pushed(self, j: Judgement) -> None:
         """Record the answer to the last update and decide what the wait may fold in."""

@@ -1,0 +1,180 @@
+"""Soak run (issue #7): a local swarm (aggregator + 3 blocks × 2 replicas, each its own process on
+loopback) trains for --minutes while a random worker is killed with SIGKILL and restarted about
+every 30 s, and the aggregator is killed with SIGKILL and restarted a few times. Reports the
+versions reached, the fraction of updates accepted (summed from the round records of every stored
+version, so that restarts lose nothing), the number of stored versions whose hash does not
+verify (must be 0), and RSS over time. Writes bench/results/soak.json and a BENCHMARKS.md row.
+
+    .venv/bin/python bench/soak.py                 # 10 minutes
+    .venv/bin/python bench/soak.py --minutes 1     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import QUICK_SHAPE, RESULTS, update_section  # noqa: E402
+
+CLI = [sys.executable, "-m", "btnode_cli.main"]
+WORKERS = [(b, r) for b in range(3) for r in range(2)]
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--worker-kill-every", type=float, default=30.0, help="mean seconds between worker kills")
+    ap.add_argument("--aggregator-kills", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    duration = args.minutes * 60
+    agg_kills = sorted(rng.uniform(0.15, 0.85) * duration for _ in range(args.aggregator_kills))
+    with tempfile.TemporaryDirectory(prefix="btnode-soak-") as tmp:
+        work = Path(tmp)
+        state = work / "state"
+        logs = work / "logs"
+        logs.mkdir()
+
+        def start_aggregator() -> subprocess.Popen:
+            return subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}",
+                                     "--state-dir", str(state), "--deadline", "10", "--keep", "100000", *QUICK_SHAPE],
+                                    env=env, stdout=open(logs / "aggregator.log", "ab"), stderr=subprocess.STDOUT)
+
+        def start_worker(b: int, r: int) -> subprocess.Popen:
+            return subprocess.Popen([*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
+                                     "--worker-id", f"b{b}r{r}", "--steps-per-round", "5", "--batch", "8",
+                                     "--warmup", "10", *QUICK_SHAPE], env=env,
+                                    stdout=open(logs / f"b{b}r{r}.log", "ab"), stderr=subprocess.STDOUT)
+
+        agg = start_aggregator()
+        time.sleep(3)
+        workers = {w: start_worker(*w) for w in WORKERS}
+        events: list[dict] = []
+        samples: list[dict] = []
+        t0 = time.monotonic()
+        next_worker_kill = rng.expovariate(1 / args.worker_kill_every)
+        next_sample = 0.0
+        try:
+            while (now := time.monotonic() - t0) < duration:
+                if agg_kills and now >= agg_kills[0]:
+                    agg_kills.pop(0)
+                    agg.send_signal(signal.SIGKILL)
+                    agg.wait()
+                    events.append({"t": now, "event": "kill -9 aggregator"})
+                    agg = start_aggregator()
+                if now >= next_worker_kill:
+                    w = rng.choice(WORKERS)
+                    workers[w].send_signal(signal.SIGKILL)
+                    workers[w].wait()
+                    events.append({"t": now, "event": f"kill -9 worker b{w[0]}r{w[1]}"})
+                    workers[w] = start_worker(*w)
+                    next_worker_kill = now + rng.expovariate(1 / args.worker_kill_every)
+                for w, p in list(workers.items()):  # a worker that gave up (e.g. aggregator away too long)
+                    if p.poll() is not None:
+                        events.append({"t": now, "event": f"worker b{w[0]}r{w[1]} exited {p.returncode}; restarted"})
+                        workers[w] = start_worker(*w)
+                if agg.poll() is not None:
+                    events.append({"t": now, "event": f"aggregator exited {agg.returncode}; restarted"})
+                    agg = start_aggregator()
+                if now >= next_sample:
+                    samples.append({"t": round(now, 1), "aggregator_mb": rss_mb(agg.pid),
+                                    "workers_mb": [rss_mb(p.pid) for p in workers.values()]})
+                    next_sample = now + 15
+                time.sleep(0.2)
+        finally:
+            for p in [*workers.values(), agg]:
+                p.send_signal(signal.SIGTERM)
+            for p in [*workers.values(), agg]:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        result = audit(state)
+    wall = time.monotonic() - t0
+    agg_series = [s["aggregator_mb"] for s in samples if s["t"] >= 60]
+    worker_series = [max(s["workers_mb"]) for s in samples if s["t"] >= 60]
+    out = {"minutes": wall / 60, **result, "events": events, "rss": samples,
+           "rss_growth_mb": max(0.0, (agg_series[-1] - min(agg_series)) if agg_series else 0.0),
+           "worker_rss_max_mb": max(worker_series) if worker_series else None,
+           "aggregator_rss_max_mb": max(agg_series) if agg_series else None,
+           "worker_kills": sum("worker" in e["event"] and "kill" in e["event"] for e in events),
+           "aggregator_kills": sum(e["event"] == "kill -9 aggregator" for e in events)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    quick = args.minutes < 10
+    (RESULTS / ("soak_quick.json" if quick else "soak.json")).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k not in ("events", "rss")}, indent=1))
+    if not quick:
+        update_section("soak", "\n".join([
+            "## Soak run (`bench/soak.py`)", "",
+            "Command: `.venv/bin/python bench/soak.py` (2 cores). A local swarm (aggregator + 3 blocks × 2 replicas, "
+            "tiny model d=32, H = 5, τ = 10 s) on loopback; a random worker killed with SIGKILL and restarted about "
+            "every 30 s, the aggregator killed with SIGKILL and restarted at random times. Accepted fraction: summed "
+            "over the round records of every stored version. RSS: the aggregator's, sampled every 15 s after the "
+            "first minute; growth = last sample − lowest sample (restarts reset it).", "",
+            "| minutes | worker kills | aggregator kills | versions (min over blocks) | accepted fraction | "
+            "versions failing their hash | aggregator RSS growth (MB) | aggregator / worker RSS max (MB) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            f"| {out['minutes']:.1f} | {out['worker_kills']} | {out['aggregator_kills']} | {out['versions_min']} | "
+            f"{out['accept_fraction']:.3f} | {out['corrupt_versions']} | {out['rss_growth_mb']:.1f} | "
+            f"{out['aggregator_rss_max_mb']:.0f} / {out['worker_rss_max_mb']:.0f} |"]))
+
+
+def audit(state: Path) -> dict:
+    """Every stored version of every block: does it verify? And the round records' outcome counts."""
+    from btnode.errors import BtnodeError
+    from btnode.store.files import state_sha256
+    from btnode.store.versions import VersionStore
+
+    newest, corrupt, checked = [], 0, 0
+    counts = {"accepted": 0, "late": 0, "stale": 0, "rejected": 0}
+    for b in range(3):
+        store = VersionStore(state, b, keep=100000)
+        versions = store.versions()
+        newest.append(max(versions) if versions else 0)
+        for v in versions:
+            checked += 1
+            try:
+                stored = store.load(v)
+                ok = state_sha256(stored.params) == stored.meta["info"]["sha256"]
+            except (BtnodeError, OSError, KeyError, ValueError):
+                ok = False
+            corrupt += not ok
+            if ok and v > 0:
+                for k in counts:
+                    counts[k] += stored.meta["info"][k]
+    total = sum(counts.values())
+    return {"versions_min": min(newest), "versions": newest, "versions_checked": checked, "corrupt_versions": corrupt,
+            "outcomes": counts, "accept_fraction": counts["accepted"] / total if total else 0.0}
+
+
+if __name__ == "__main__":
+    main()
