@@ -37,6 +37,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          robust: Annotated[str, typer.Option("--robust", help="[aggregator] mean | trimmed | median.")] = "mean",
          publish_codec: Annotated[str, typer.Option("--publish-codec", help="[aggregator] Codec of published deltas.")] = "fp32",
          keep: Annotated[int, typer.Option("--keep", help="[aggregator] Versions kept on disk per block.")] = 3,
+         max_streams_per_peer: Annotated[int, typer.Option("--max-streams-per-peer", help="[aggregator] Concurrent Push/Pull/FetchDelta streams one IP may hold.")] = 8,
+         max_joins_per_minute: Annotated[int, typer.Option("--max-joins-per-minute", help="[aggregator] Join attempts one IP may make per minute.")] = 30,
          port_file: Annotated[Optional[Path], typer.Option("--port-file", help="Write the bound port here once serving.")] = None,
          metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (default: off).")] = None,
          # worker
@@ -102,6 +104,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         from btnode.aggregate.block import AggregatorConfig
         from btnode.aggregate.rounds import RoundConfig
         from btnode.node.aggregator import install_stop_signals, run_aggregator
+        from btnode.rpc.limits import PeerLimits
         import threading
 
         if state_dir is None:
@@ -113,6 +116,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         install_stop_signals(stop)
         run_aggregator(cfg, acfg, state_dir=state_dir, listen=listen, seed=seed, port_file=port_file, stop=stop,
                        metrics_listen=metrics_listen,
+                       limits=PeerLimits(max_streams=max_streams_per_peer, joins_per_minute=max_joins_per_minute),
                        blocks=list(parse_ints(own_blocks, "--blocks-owned")) if own_blocks else None)
         return
     import os

@@ -12,6 +12,7 @@ from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.systemd import notify, start_watchdog
+from btnode.rpc.limits import PeerLimits
 from btnode.rpc.server import serve
 from btnode.store.files import atomic_write
 
@@ -30,12 +31,13 @@ def install_stop_signals(stop: threading.Event) -> None:
 
 def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path, listen: str,
                    blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
-                   metrics_listen: str | None = None, stop: threading.Event | None = None) -> None:
+                   metrics_listen: str | None = None, limits: PeerLimits | None = None,
+                   stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed)
     if metrics_listen:
         serve_metrics(metrics_listen, AggregatorCollector(agg))
-    server, port, server_stop = serve(agg, listen)
+    server, port, server_stop = serve(agg, listen, limits=limits)
     host = listen.rsplit(":", 1)[0]
     log.info("aggregator for blocks %s listening on %s:%d (fingerprint %s…)", sorted(agg.blocks), host, port,
              agg.fingerprint[:12])

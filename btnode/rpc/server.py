@@ -26,6 +26,7 @@ from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, it
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError
 from btnode.protocol import VersionInfo
 from btnode.rpc import convert
+from btnode.rpc.limits import PeerLimiter, PeerLimits
 from btnode.rpc.security import Security, bind, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
@@ -230,14 +231,19 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
 
 
-def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64,
-          security: Security | None = None) -> tuple[grpc.Server, int, threading.Event]:
-    """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event)."""
+def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
+          limits: PeerLimits | None = None) -> tuple[grpc.Server, int, threading.Event]:
+    """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event).
+
+    Past `max_workers` − 4 calls in progress, gRPC itself answers RESOURCE_EXHAUSTED: with the
+    per-peer limits that bounds the memory held by pushes being received."""
     stop = threading.Event()
     refused = lambda: agg.counters.update([("unauthenticated", "token")])  # noqa: E731
+    limited = lambda reason: agg.counters.update([("limited", reason)])  # noqa: E731
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
-                         interceptors=[*interceptors(security, refused), DecodeGuard()])
+                         interceptors=[*interceptors(security, refused), PeerLimiter(limits or PeerLimits(), limited),
+                                       DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
     port = bind(server, address, security)
     server.start()

@@ -1,0 +1,160 @@
+"""Per-peer limits over real gRPC: concurrent transfer streams, join attempts per minute, and the
+aggregator's memory while 50 pushes are in flight at once (a real process; RSS from /proc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames, iter_chunks
+from btnode.errors import TooLarge
+from btnode.model.config import ModelConfig
+from btnode.protocol import PushHeader
+from btnode.rpc import convert
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.limits import PeerLimits, peer_host
+from btnode.rpc.server import CHANNEL_OPTIONS, serve
+from btnode.store.models import init_block
+from btnode.v1 import swarm_pb2 as pb
+from btnode.v1 import swarm_pb2_grpc as pb_grpc
+
+from conftest import CFG
+from procs import CLI, free_port
+
+import grpc
+
+
+def held_push(address: str, cfg: ModelConfig, worker: str, release: threading.Event, results: queue.Queue) -> None:
+    """A push that sends its header and every chunk, then holds the stream open until `release`."""
+    spec = {n: tuple(t.shape) for n, t in init_block(cfg, 0, 0).state_dict().items()}
+    header = PushHeader(worker_id=worker, block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.INT8,
+                        update_id=f"{worker}-u")
+    chunks = list(iter_chunks(encode_frames({n: 1e-3 * torch.ones(s) for n, s in spec.items()}, Codec.INT8)))
+
+    def messages():
+        yield pb.PushMessage(header=convert.push_header_to_pb(header))
+        for c in chunks:
+            yield pb.PushMessage(chunk=convert.chunk_to_pb(c))
+        results.put(("sent", worker))
+        release.wait()
+
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        reply = pb_grpc.SwarmStub(channel).Push(messages(), timeout=120)
+        results.put(("ok", reply.outcome))
+    except grpc.RpcError as err:
+        results.put(("refused", err.code()))
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def limited(tmp_path):
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_streams=2, joins_per_minute=3))
+    yield f"127.0.0.1:{port}", agg
+    server.stop(0).wait()
+
+
+def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
+    address, agg = limited
+    release, results = threading.Event(), queue.Queue()
+    threads = [threading.Thread(target=held_push, args=(address, CFG, f"w{i}", release, results)) for i in range(3)]
+    for t in threads[:2]:
+        t.start()
+    assert {results.get(timeout=30)[0] for _ in range(2)} == {"sent"}  # both streams are open, on the server
+    threads[2].start()
+    outcome = results.get(timeout=30)
+    assert outcome == ("refused", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert agg.counters[("limited", "transfer_streams")] == 1
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert [results.get(timeout=5)[0] for _ in range(2)] == ["ok", "ok"]
+    again = queue.Queue()
+    done = threading.Event()
+    done.set()
+    held_push(address, CFG, "w9", done, again)  # slots were released
+    assert [again.get()[0], again.get()[0]] == ["sent", "ok"]
+
+
+def test_joins_per_minute_are_limited_per_peer(limited):
+    address, agg = limited
+    c = SwarmClient(address, timeout_s=10)
+    for i in range(3):
+        c.join(f"w{i}", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    with pytest.raises(TooLarge, match="join rate"):
+        c.join("w3", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    c.close()
+    assert agg.counters[("limited", "join_rate")] == 1
+
+
+def test_peer_host_parsing():
+    assert peer_host("ipv4:10.1.2.3:5555") == "10.1.2.3"
+    assert peer_host("ipv6:[::1]:5555") == "::1"
+    assert peer_host("unix:/tmp/x") == "unix:/tmp/x"
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
+    """The default model (3.2 MB of fp32 per block); 50 pushes each send a whole int8 update and hold
+    their stream open, so the aggregator holds 50 received updates at once."""
+    cfg = ModelConfig()  # d=128, L=2: the swarm's default block
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
+                             str(tmp_path / "s"), "--max-streams-per-peer", "64"],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(tmp_path / "agg.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        c = SwarmClient(address, timeout_s=5)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c.status()
+                break
+            except Exception:  # noqa: BLE001 - starting
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        c.close()
+        idle = rss_mb(proc.pid)
+        release, results = threading.Event(), queue.Queue()
+        threads = [threading.Thread(target=held_push, args=(address, cfg, f"w{i}", release, results))
+                   for i in range(50)]
+        for t in threads:
+            t.start()
+        sent = [results.get(timeout=120) for _ in range(50)]
+        assert all(kind == "sent" for kind, _ in sent)
+        time.sleep(1.0)  # the last chunks reach the server
+        peak = rss_mb(proc.pid)
+        release.set()
+        for t in threads:
+            t.join(timeout=60)
+        outcomes = [results.get(timeout=10) for _ in range(50)]
+        assert all(kind == "ok" for kind, _ in outcomes), outcomes[:3]
+        block_mb = 4 * sum(t.numel() for t in init_block(cfg, 0, 0).parameters()) / 2**20
+        growth = peak - idle
+        print(f"aggregator RSS: idle {idle:.0f} MB, 50 pushes in flight {peak:.0f} MB (+{growth:.0f} MB; "
+              f"block {block_mb:.1f} MB fp32)")
+        # each held push: its decoded fp32 delta + its int8 codec bytes + the compressed chunks ≈ 1.6 blocks
+        assert growth < 50 * 3 * block_mb + 150, growth
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
