@@ -95,6 +95,13 @@ class Lab:
         for dev in ("lft", "rgt"):
             _ip("link", "set", dev, "up" if up else "down", ns=self.router(i))
 
+    def set_blackhole(self, i: int, *, on: bool) -> None:
+        """Silently drop everything crossing link i (both ends stay up, nothing is told): a path
+        that just stops delivering, which only timeouts and deadlines can notice."""
+        h_left, _, _, h_right = self._link_addresses(i)
+        for addr in (h_left, h_right):
+            _ip("route", "add" if on else "del", "blackhole", f"{addr}/32", ns=self.router(i))
+
     def up(self) -> Lab:
         try:
             self._build()
