@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, update_section  # noqa: E402
+from report import RESULTS, Progress, update_section  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +34,7 @@ def main() -> None:
     outcomes: dict[str, Counter] = {"frames": Counter(), "rpc": Counter()}
     crashes: list[dict] = []
     t0 = time.perf_counter()
+    progress = Progress(args.cases, "fuzz")
     with tempfile.TemporaryDirectory(prefix="btnode-fuzz-") as tmp:
         target = start_target(Path(tmp))
         try:
@@ -44,6 +45,7 @@ def main() -> None:
                     outcomes[kind][fuzz_frames(seed) if kind == "frames" else fuzz_rpc(target, seed)] += 1
                 except Exception as exc:  # noqa: BLE001 - a crash is the finding
                     crashes.append({"kind": kind, "seed": seed, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                progress(i + 1)
                 if (i + 1) % 1000 == 0:
                     print(f"[fuzz] {i + 1}/{args.cases} cases, {len(crashes)} crashes", flush=True)
             client = SwarmClient(target.address, timeout_s=10)
@@ -57,7 +59,7 @@ def main() -> None:
            "model_changed_without_accepted_update": changed, "seconds": seconds,
            "outcomes": {k: dict(v) for k, v in outcomes.items()}, "first_seed": args.first_seed}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fuzz.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / ("fuzz.json" if args.cases >= 10_000 else "fuzz_quick.json")).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "crash_cases"}, indent=1))
     if args.cases >= 10_000:
         f, r = outcomes["frames"], outcomes["rpc"]

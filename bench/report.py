@@ -60,3 +60,30 @@ def update_section(name: str, markdown: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     BENCHMARKS.write_text(text)
+
+
+class Progress:
+    """A live "done/total, rate, ETA" line for long benchmark loops on a terminal; silent when stderr
+    is not one (a log file), where the benchmark's own result lines are what matters."""
+
+    def __init__(self, total: int, label: str, unit: str = "cases"):
+        import sys
+
+        self.total, self.label, self.unit = total, label, unit
+        self.stream = sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._shown = 0.0
+
+    def __call__(self, done: int) -> None:
+        if not self.tty:
+            return
+        now = time.perf_counter()
+        if done < self.total and now - self._shown < 0.5:
+            return
+        self._shown = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        end = "\n" if done >= self.total else ""
+        self.stream.write(f"\r\033[K[{self.label}] {done}/{self.total} {self.unit}, {rate:,.1f}/s, ETA {eta:,.0f} s{end}")
+        self.stream.flush()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, update_section  # noqa: E402
+from report import QUICK_SHAPE, RESULTS, Progress, update_section  # noqa: E402
 
 CLI = [sys.executable, "-m", "btnode_cli.main"]
 WORKERS = [(b, r) for b in range(3) for r in range(2)]
@@ -83,6 +83,7 @@ def main() -> None:
         t0 = time.monotonic()
         next_worker_kill = rng.expovariate(1 / args.worker_kill_every)
         next_sample = 0.0
+        progress = Progress(int(duration), "soak", "s")
         try:
             while (now := time.monotonic() - t0) < duration:
                 if agg_kills and now >= agg_kills[0]:
@@ -109,6 +110,7 @@ def main() -> None:
                     samples.append({"t": round(now, 1), "aggregator_mb": rss_mb(agg.pid),
                                     "workers_mb": [rss_mb(p.pid) for p in workers.values()]})
                     next_sample = now + 15
+                progress(int(now))
                 time.sleep(0.2)
         finally:
             for p in [*workers.values(), agg]:
