@@ -32,11 +32,12 @@ def simulate(p: float, seed: int, args: argparse.Namespace, out: Path, eval_init
            "--steps-per-round", str(args.h), "--step-time", "0.1", "--delay-ms", "20", "--delay-dist", "exp",
            "--batch", str(args.batch), "--eval-windows", str(args.windows), "--sim-seed", str(seed),
            "--json", str(out), *(["--eval-init"] if eval_init else []), *args.shape]
-    print(f"[async] {shown(cmd)}", flush=True)
+    display = shown(cmd).replace(str(out), out.name)  # the temporary folder is gone afterwards
+    print(f"[async] {display}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"simulate failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text()), shown(cmd)
+    return json.loads(out.read_text()), display
 
 
 def main() -> None:
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=2, help="participation streams per level below 100 %%")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="only rewrite the report from bench/results/async.json")
     args = ap.parse_args()
     args.shape = SHAPE
     if args.quick:
@@ -54,8 +56,14 @@ def main() -> None:
         args.shape = QUICK_SHAPE
     runs: dict[str, list[dict]] = {}
     ce_init = None
+    if args.reuse:
+        old = json.loads((RESULTS / "async.json").read_text())
+        runs, ce_init = old["runs"], old["ce_init"]
+        for rs in runs.values():
+            for r in rs:
+                r["command"] = " ".join(a if not a.startswith("/tmp/") else Path(a).name for a in r["command"].split())
     with tempfile.TemporaryDirectory(prefix="btnode-async-") as tmp:
-        for name, p in LEVELS:
+        for name, p in LEVELS if not args.reuse else ():
             runs[name] = []
             for seed in range(1 if p == 1.0 else args.seeds):
                 res, cmd = simulate(p, seed, args, Path(tmp) / f"{name}-{seed}.json", eval_init=ce_init is None)
