@@ -49,6 +49,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          codec: Annotated[str, typer.Option("--codec", help="[worker] Update codec: fp32, bf16 or int8.")] = "int8",
          no_error_feedback: Annotated[bool, typer.Option("--no-error-feedback", help="[worker] Drop the codec's rounding error.")] = False,
          train_while_waiting: Annotated[bool, typer.Option("--train-while-waiting/--idle-while-waiting", help="[worker] Keep training while the next version is on its way, and fold that work into the next update.")] = True,
+         schedule_by_version: Annotated[bool, typer.Option("--schedule-by-version/--schedule-by-own-steps", help="[worker] Inner LR schedule position: at least version × H (catch up after an absence), or its own step count.")] = True,
          rounds: Annotated[Optional[int], typer.Option("--rounds", help="[worker] Stop after this many pushes.")] = None,
          batch: Annotated[int, typer.Option("--batch", help="[worker] Windows per step.")] = 32,
          lr: Annotated[float, typer.Option("--lr", help="[worker] Inner AdamW peak learning rate.")] = 2e-3,
@@ -137,7 +138,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     total = schedule_steps or (rounds * steps_per_round if rounds else 100_000)
     tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed)
     wcfg = WorkerConfig(worker_id=wid, block=block, steps_per_round=steps_per_round, codec=update_codec,
-                        error_feedback=not no_error_feedback, rounds=rounds, train_while_waiting=train_while_waiting)
+                        error_feedback=not no_error_feedback, rounds=rounds, train_while_waiting=train_while_waiting,
+                        schedule_by_version=schedule_by_version)
     stop = threading.Event()
     install_stop_signals(stop)
     stats = run_worker(cfg, tc, wcfg, peer=peer, corpus=corpus.load(data).train, device=device(device_name),

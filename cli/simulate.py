@@ -26,6 +26,7 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
              max_staleness: Annotated[int, typer.Option("--max-staleness", help="Accept updates this many versions old (weighted down).")] = 0,
              codec: Annotated[str, typer.Option("--codec", help="Update codec: fp32, bf16 or int8.")] = "int8",
              train_while_waiting: Annotated[bool, typer.Option("--train-while-waiting/--idle-while-waiting", help="Replicas keep training while they wait for a version.")] = False,
+             schedule_by_version: Annotated[bool, typer.Option("--schedule-by-version/--schedule-by-own-steps", help="Inner LR schedule position: at least version × H, or each replica's own step count.")] = True,
              sim_seed: Annotated[int, typer.Option("--sim-seed", help="Seed of the participation and delay streams.")] = 0,
              batch: Annotated[int, typer.Option("--batch", help="Windows per step.")] = 32,
              lr: Annotated[float, typer.Option("--lr", help="Inner AdamW peak learning rate.")] = 2e-3,
@@ -57,7 +58,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
         raise ConfigError(str(exc)) from None
     scfg = SimConfig(participation=participation, rounds=rounds, replicas=replicas, steps_per_round=steps_per_round,
                      step_time_s=step_time, delays_s=tuple(d / 1e3 for d in parse_ints(delay_ms, "--delay-ms")),
-                     delay_dist=delay_dist, codec=update_codec, train_while_waiting=train_while_waiting, seed=sim_seed)
+                     delay_dist=delay_dist, codec=update_codec, train_while_waiting=train_while_waiting, seed=sim_seed,
+                     schedule_by_version=schedule_by_version)
     tau = deadline or 1.5 * steps_per_round * step_time
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=tau, max_staleness=max_staleness))
     total = rounds * steps_per_round

@@ -52,6 +52,7 @@ class SimConfig:
     delay_dist: str = "exp"  # fixed | exp (exponential) | lognormal (σ = 0.5), with that mean
     codec: Codec = Codec.INT8
     train_while_waiting: bool = False
+    schedule_by_version: bool = True  # see WorkerConfig
     seed: int = 0  # participation and delay streams
 
     def __post_init__(self) -> None:
@@ -105,7 +106,8 @@ class Simulation:
         for b, r in itertools.product(range(cfg.n_blocks), range(scfg.replicas)):
             wid = f"b{b}r{r}"
             wcfg = WorkerConfig(worker_id=wid, block=b, steps_per_round=scfg.steps_per_round, codec=scfg.codec,
-                                train_while_waiting=scfg.train_while_waiting)
+                                train_while_waiting=scfg.train_while_waiting,
+                                schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
             self.replicas.append(Replica(BlockWorker(cfg, tc, wcfg, self.link, corpus, device=device), mean,
                                          random.Random(f"turnout/{scfg.seed}/{wid}"),

@@ -57,6 +57,7 @@ class WorkerConfig:
     wait_timeout_s: float = 600.0  # give up waiting for a version after this long
     push_retries: int = 5  # re-push (same update id) after UNAVAILABLE
     train_while_waiting: bool = True  # keep training while the next version is on its way (folded in)
+    schedule_by_version: bool = True  # inner LR schedule position ≥ version × H (see _adopt)
 
 
 @dataclass
@@ -108,6 +109,10 @@ class BlockWorker:
         """Make θ^version the base and the model's parameters; the inner optimizer state stays."""
         self.info, self.base = info, {n: t.clone() for n, t in params.items()}
         self.stats.version, self.stats.sha256 = info.version, state_sha256(params)
+        if self.wcfg.schedule_by_version:
+            # the inner LR schedule follows the swarm's progress: a replica that was away (or joins
+            # late) continues at version × H, not where its own step count left it
+            self.trainer.step = max(self.trainer.step, info.version * self.wcfg.steps_per_round)
         with torch.no_grad():
             for name, p in self.trainer.model.state_dict().items():
                 p.copy_(params[name])

@@ -114,3 +114,19 @@ def test_threaded_replicas_train_while_a_slow_peer_holds_the_round(tmp_path, ove
         assert fast.stats.wait_steps == 0 and fast.stats.folds == 0
     for w in (fast, slow):
         assert w.stats.sha256 == agg.block(0).store.load(w.stats.version).meta["info"]["sha256"]
+
+
+@pytest.mark.parametrize("by_version", [True, False])
+def test_a_late_replica_joins_the_schedule_where_the_swarm_is(tmp_path, by_version):
+    agg, (w,) = make(tmp_path)
+    w.start()
+    for _ in range(3):  # the only replica: each push publishes a version
+        w.train_steps(w.steps_due())
+        w.pushed(w.push(*w.make_update()))
+        w.advance(agg.block(0).info)
+    late = BlockWorker(CFG, TC, WorkerConfig(worker_id="late", block=0, steps_per_round=H, codec=Codec.FP32,
+                                             schedule_by_version=by_version), LocalLink(agg), CORPUS,
+                       device=torch.device("cpu"))
+    late.start()
+    assert late.trainer.step == (3 * H if by_version else 0)
+    assert w.trainer.step == 3 * H  # in lockstep own steps and version × H agree
