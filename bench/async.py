@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2, help="participation streams per level below 100 %%")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="only rewrite the report from bench/results/async.json")
+    ap.add_argument("--levels", nargs="*", help="run only these levels (lockstep, p90, p42), keeping the others "
+                                                "from bench/results/async.json")
     args = ap.parse_args()
     args.shape = SHAPE
     if args.quick:
@@ -56,14 +58,17 @@ def main() -> None:
         args.shape = QUICK_SHAPE
     runs: dict[str, list[dict]] = {}
     ce_init = None
-    if args.reuse:
+    if args.reuse or args.levels:
         old = json.loads((RESULTS / "async.json").read_text())
         runs, ce_init = old["runs"], old["ce_init"]
+        runs = {k: v for k, v in runs.items() if not args.levels or k not in args.levels}
         for rs in runs.values():
             for r in rs:
                 r["command"] = " ".join(a if not a.startswith("/tmp/") else Path(a).name for a in r["command"].split())
     with tempfile.TemporaryDirectory(prefix="btnode-async-") as tmp:
         for name, p in LEVELS if not args.reuse else ():
+            if args.levels and name not in args.levels:
+                continue
             runs[name] = []
             for seed in range(1 if p == 1.0 else args.seeds):
                 res, cmd = simulate(p, seed, args, Path(tmp) / f"{name}-{seed}.json", eval_init=ce_init is None)
@@ -71,6 +76,7 @@ def main() -> None:
                 res["command"] = cmd
                 runs[name].append(res)
                 print(f"[async] {name} seed {seed}: CE {res['ce']:.4f}, versions {res['versions']}", flush=True)
+    runs = {name: runs[name] for name, _ in LEVELS if name in runs}
     out = {f"ce_{name}": statistics.mean(r["ce"] for r in rs) for name, rs in runs.items()}
     out.update(ce_init=ce_init, rounds=args.rounds, h=args.h, quick=args.quick, runs=runs)
     out["p90_minus_lockstep"] = out["ce_p90"] - out["ce_lockstep"]

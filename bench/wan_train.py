@@ -55,7 +55,8 @@ def wait_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace, work: Path) -> dict:
+def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace, work: Path,
+             workers_: list[tuple[int, int]] | None = None) -> dict:
     d = work / name
     d.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -66,23 +67,22 @@ def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace
     wait_file(d / "port", agg, 120)
     t0 = time.perf_counter()
     workers = []
-    for b in range(N_BLOCKS):
-        for r in range(REPLICAS):
-            h = host_of(b, r)
-            cmd = [*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"{lab.hub_address(h)}:{PORT}",
-                   "--worker-id", f"b{b}r{r}", "--rounds", str(args.rounds), "--steps-per-round", str(args.h),
-                   "--batch", str(args.batch), "--warmup", "10", "--stats-file", str(d / f"b{b}r{r}.json"),
-                   "--train-while-waiting" if overlap else "--idle-while-waiting", *args.shape]
-            workers.append(lab.popen(h, cmd, env=env, stdout=open(d / f"b{b}r{r}.log", "wb"),
-                                     stderr=subprocess.STDOUT))
+    chosen = workers_ or [(b, r) for b in range(N_BLOCKS) for r in range(REPLICAS)]
+    for b, r in chosen:
+        h = host_of(b, r)
+        cmd = [*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"{lab.hub_address(h)}:{PORT}",
+               "--worker-id", f"b{b}r{r}", "--rounds", str(args.rounds), "--steps-per-round", str(args.h),
+               "--batch", str(args.batch), "--warmup", "10", "--stats-file", str(d / f"b{b}r{r}.json"),
+               "--train-while-waiting" if overlap else "--idle-while-waiting", *args.shape]
+        workers.append(lab.popen(h, cmd, env=env, stdout=open(d / f"b{b}r{r}.log", "wb"),
+                                 stderr=subprocess.STDOUT))
     codes = [w.wait(timeout=args.timeout) for w in workers]
     wall = time.perf_counter() - t0
     agg.send_signal(signal.SIGTERM)
     agg.wait(timeout=60)
     if any(codes):
         raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
-    stats = {f"b{b}r{r}": json.loads((d / f"b{b}r{r}.json").read_text())
-             for b in range(N_BLOCKS) for r in range(REPLICAS)}
+    stats = {f"b{b}r{r}": json.loads((d / f"b{b}r{r}.json").read_text()) for b, r in chosen}
     pushes = sum(s["pushes"] for s in stats.values())
     accepted = sum(s["outcomes"].get("accepted", 0) for s in stats.values())
     util = {w: s["train_seconds"] / s["wall_seconds"] for w, s in stats.items()}
@@ -116,8 +116,9 @@ def ce_by_round(state: Path, args: argparse.Namespace) -> list[tuple[int, float]
     cfg = ModelConfig.from_dict(json.loads((state / RUN_FILE).read_text())["model"])
     stores = [VersionStore(state, b, keep=100000) for b in range(cfg.n_blocks)]
     newest = [max(s.versions()) for s in stores]
+    trained = [b for b in range(cfg.n_blocks) if newest[b] > 0]
     test = corpus.load(None).test
-    rounds = sorted({*range(0, max(newest) + 1, args.ce_every), max(newest)})
+    rounds = sorted({*range(0, max(newest[b] for b in trained) + 1, args.ce_every), max(newest)})
     out = []
     for r in rounds:
         blocks = []
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ce-every", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", help="run only these runs, keeping the others from bench/results/wan_train.json")
     args = ap.parse_args()
     args.shape = SHAPE
     if args.quick:
@@ -155,13 +157,24 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory(prefix="btnode-wan-") as tmp, \
             Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
-        for name, tau, overlap in (("idle", args.deadline, False), ("overlap", args.deadline, True),
-                                   ("short_tau", args.short_deadline, True)):
-            runs[name] = run_once(lab, name, tau, overlap, args, Path(tmp))
+        plan = [("idle", args.deadline, False, None), ("overlap", args.deadline, True, None),
+                ("short_tau", args.short_deadline, True, None),
+                # one worker per host for blocks 0 and 1: no two workers share a core, so waiting
+                # shows as lost compute instead of handing the CPU to another worker
+                ("idle_2w", args.deadline, False, [(0, 0), (1, 0)]), ("overlap_2w", args.deadline, True, [(0, 0), (1, 0)])]
+        if args.only:
+            previous = json.loads((RESULTS / "wan_train.json").read_text())["runs"]
+            runs.update({k: v for k, v in previous.items() if k not in args.only})
+        for name, tau, overlap, who in plan:
+            if not args.only or name in args.only:
+                runs[name] = run_once(lab, name, tau, overlap, args, Path(tmp), who)
+        runs = {name: runs[name] for name, *_ in plan if name in runs}
     main_run = runs["overlap"]
     out = {"wan_bytes_total": main_run["bytes_total"], "wan_accept_fraction": main_run["accept_fraction"],
            "wan_ce_final": main_run["ce_final"], "wan_utilisation": main_run["utilisation"],
            "wan_utilisation_idle": runs["idle"]["utilisation"],
+           **({"wan_utilisation_2w": runs["overlap_2w"]["utilisation"],
+               "wan_utilisation_2w_idle": runs["idle_2w"]["utilisation"]} if "overlap_2w" in runs else {}),
            "wan_accept_by_tau": {str(r["tau_s"]): r["accept_fraction"] for r in (runs["overlap"], runs["short_tau"])},
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "rounds": args.rounds, "h": args.h, "batch": args.batch, "quick": args.quick, "runs": runs}
@@ -176,7 +189,8 @@ def main() -> None:
              f"the hub at {args.rate_mbit:g} Mbit/s (tbf) with {args.delay_ms:g} ms one way "
              f"({2 * args.delay_ms:g} ms round trip, userspace delay line). d=128, L=2, N=128, H = {args.h} steps of "
              f"batch {args.batch} per round, {args.rounds} rounds per worker, int8 updates, fp32 published deltas, "
-             f"1 torch thread per worker (6 workers share 2 cores).", "",
+             f"1 torch thread per worker (6 workers share 2 cores; the *_2w runs have one worker each for blocks 0 and 1, "
+             f"so no two workers share a core).", "",
              "| run | τ (s) | train while waiting | wall (s) | versions | accepted / pushed | utilisation | "
              "MB moved | CE final |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
