@@ -3,8 +3,9 @@ train H local steps with a persistent inner AdamW, push the encoded delta (with 
 against its base version, wait for the next version on the server stream, apply the published
 delta and check its hash, falling back to a full pull when behind or on a mismatch.
 
-No idle waiting (issue #5): while the next version is on its way the worker keeps training from
-its local state (at most H steps). When the version arrives, that work is folded in:
+No idle waiting (issue #5): the exchange of a round (push the update, wait for the next version,
+fetch it) runs in a background thread, and meanwhile the worker keeps training from its local
+state (at most H steps). When the version arrives, that work is folded in:
 θ ← θ^{v+1} + (θ_now − θ_pushed), so the next update carries it and the next round needs only
 the remaining H − (steps done while waiting). If the pushed update was not accepted, nothing of it
 reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v).
@@ -117,21 +118,25 @@ class BlockWorker:
             for name, p in self.trainer.model.state_dict().items():
                 p.copy_(params[name])
 
-    def _pull(self) -> None:
+    def _fetch_full(self) -> tuple[VersionInfo, Tensors]:
         pulled = self.link.pull(self.wcfg.block, self.wcfg.worker_id, self.spec)
         self.stats.full_pulls += 1
         self._count_pull(pulled.transfer)
         if state_sha256(pulled.tensors) != pulled.info.sha256:
             raise MalformedInput("checksum", f"pulled block {self.wcfg.block} v{pulled.info.version} fails its hash")
-        self._adopt(pulled.info, pulled.tensors)
+        return pulled.info, pulled.tensors
+
+    def _pull(self) -> None:
+        self._adopt(*self._fetch_full())
 
     def _count_pull(self, t: Transfer) -> None:
         self.stats.bytes_pulled_raw += t.raw
         self.stats.bytes_pulled_wire += t.wire
         self.stats.pull_seconds += t.seconds
 
-    def _catch_up(self, target: VersionInfo) -> None:
-        """Reach `target`: apply its delta when it builds on our base, else pull in full."""
+    def _fetch(self, target: VersionInfo) -> tuple[VersionInfo, Tensors]:
+        """θ of `target`, hash-checked: its delta added to our base when it builds on it, else a full
+        pull. Touches neither the model nor the base, so it may run while the model trains."""
         assert self.info is not None
         if target.base_version == self.info.version:
             try:
@@ -140,13 +145,16 @@ class BlockWorker:
                 self._count_pull(got.transfer)
                 params = {n: self.base[n] + got.tensors[n] for n in self.base}  # exactly as the aggregator adds
                 if state_sha256(params) == target.sha256 == got.info.sha256:
-                    self._adopt(target, params)
-                    return
+                    return target, params
                 log.warning("block %d v%d: delta result fails the published hash; pulling in full",
                             self.wcfg.block, target.version)
             except BtnodeError as exc:
                 log.warning("block %d v%d: delta unavailable (%s); pulling in full", self.wcfg.block, target.version, exc)
-        self._pull()
+        return self._fetch_full()
+
+    def _catch_up(self, target: VersionInfo) -> None:
+        """Reach `target`: apply its delta when it builds on our base, else pull in full."""
+        self._adopt(*self._fetch(target))
 
     def _watch(self, stop: threading.Event) -> None:
         """Feed announcements from the server stream into a queue; reconnect when it breaks."""
@@ -171,25 +179,16 @@ class BlockWorker:
             stop.wait(1.0)
 
     def _wait_newer(self, version: int, stop: threading.Event) -> VersionInfo | None:
-        """Block until a version newer than `version` is announced; with train_while_waiting,
-        train one step at a time meanwhile (at most H), checking for the announcement between steps."""
+        """Block until a version newer than `version` is announced (None if stopped first)."""
         deadline = time.monotonic() + self.wcfg.wait_timeout_s
-        trained = 0
         while not stop.is_set():
             if self._newest is not None and self._newest.version > version:
                 return self._newest
-            self.heartbeat()
-            busy = self._fold_from is not None and trained < self.wcfg.steps_per_round
             try:
-                item = (self._announced.get_nowait() if busy else
-                        self._announced.get(timeout=min(0.5, max(0.0, deadline - time.monotonic()))))
+                item = self._announced.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     raise PeerUnavailable(f"no version after {version} within {self.wcfg.wait_timeout_s:.0f} s")
-                if busy:
-                    self.train_steps(1)
-                    self.stats.wait_steps += 1
-                    trained += 1
                 continue
             if item is RECONNECTED:
                 self._repush(version)
@@ -240,8 +239,9 @@ class BlockWorker:
         self._last_update = (header, self._encode())
         return self._last_update
 
-    def pushed(self, j: Judgement) -> None:
-        """Record the answer to the last update and decide what the wait may fold in."""
+    def pushed(self, j: Judgement, at_push: Tensors | None = None) -> None:
+        """Record the answer to the last update and decide what the wait may fold in. `at_push` is θ
+        when the update was made (default: now), for when training went on during the push."""
         self.stats.pushes += 1
         self.stats.outcomes[j.outcome.value] = self.stats.outcomes.get(j.outcome.value, 0) + 1
         accepted = j.outcome is Outcome.ACCEPTED
@@ -250,13 +250,14 @@ class BlockWorker:
         if not self.wcfg.train_while_waiting:
             self._fold_from = None
         elif accepted:
-            self._fold_from = self._params()
+            self._fold_from = at_push if at_push is not None else self._params()
         else:  # nothing of it reached the next version: fold all of it, its steps included
             self._fold_from = dict(self.base)
             self._pending = self._pushed + self._pending
 
-    def advance(self, target: VersionInfo) -> None:
-        """Move to `target` and fold in what was trained since the push (see the module doc)."""
+    def advance(self, target: VersionInfo, fetched: tuple[VersionInfo, Tensors] | None = None) -> None:
+        """Move to `target` (or to an already `fetched` version) and fold in what was trained since
+        the push (see the module doc)."""
         carry = None
         if self._fold_from is not None:
             now = self._params()
@@ -265,7 +266,10 @@ class BlockWorker:
         if carry is None or not self._pending:
             self._pending = []
             carry = None
-        self._catch_up(target)
+        if fetched is not None:
+            self._adopt(*fetched)
+        else:
+            self._catch_up(target)
         if carry is not None:
             self.stats.folds += 1
             with torch.no_grad():
@@ -315,6 +319,42 @@ class BlockWorker:
                 time.sleep(min(5.0, 0.5 * 2**attempt))
         raise AssertionError("unreachable")
 
+    def _exchange(self, header: PushHeader, raw: dict[str, bytes], stop: threading.Event, *,
+                  overlap: bool) -> tuple[Judgement, VersionInfo | None, tuple[VersionInfo, Tensors] | None]:
+        """Push the update, wait for the next version and fetch it, in a background thread; with
+        `overlap`, keep training here meanwhile (at most H steps), to be folded in by advance()."""
+        at_push = self._params() if overlap else None
+        box: dict[str, object] = {}
+
+        def talk() -> None:
+            try:
+                box["judgement"] = self.push(header, raw)
+                newer = self._wait_newer(header.base_version, stop)
+                box["newer"] = newer
+                box["fetched"] = self._fetch(newer) if newer is not None else None
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=talk, daemon=True, name="exchange")
+        thread.start()
+        trained = 0
+        while thread.is_alive():
+            if overlap and trained < self.wcfg.steps_per_round and not stop.is_set():
+                self.train_steps(1)
+                self.stats.wait_steps += 1
+                trained += 1
+            else:
+                self.heartbeat()
+                thread.join(0.05)
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        j = box["judgement"]
+        assert isinstance(j, Judgement)
+        self.pushed(j, at_push)
+        if not overlap:
+            self._fold_from = None
+        return j, box.get("newer"), box.get("fetched")  # type: ignore[return-value]
+
     def start(self) -> None:
         """Join with the fingerprint and pull the block."""
         w = self.wcfg
@@ -339,17 +379,14 @@ class BlockWorker:
                              w.worker_id, len(self._pending), w.steps_per_round)
                     break
                 header, raw = self.make_update()
-                j = self.push(header, raw)
-                self.pushed(j)
+                last = w.rounds is not None and self.stats.pushes + 1 >= w.rounds
+                j, newer, fetched = self._exchange(header, raw, stop, overlap=w.train_while_waiting and not last)
                 log.info("worker %s: block %d round %d: %s%s (CE %.4f, %d steps)", w.worker_id, w.block,
                          header.base_version, j.outcome.value, f": {j.reason}" if j.reason else "", header.loss,
                          int(header.samples) // self.tc.batch)
-                if w.rounds is not None and self.stats.pushes >= w.rounds:
-                    self._fold_from = None  # the last round: just adopt the version it makes
-                newer = self._wait_newer(header.base_version, stop)
                 if newer is None:
                     break
-                self.advance(newer)
+                self.advance(newer, fetched)
         finally:
             stop.set()
             try:
