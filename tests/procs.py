@@ -117,3 +117,16 @@ def scrape(port: int, timeout: float = 30.0) -> str:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+    """Signal every process still running, then wait for each, killing any that outlasts `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

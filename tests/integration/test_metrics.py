@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import TINY_SHAPE, free_port, scrape, start
+from procs import TINY_SHAPE, free_port, scrape, start, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "btnode.json"
@@ -68,13 +68,7 @@ def swarm(tmp_path_factory):
             time.sleep(0.5)
         yield ports, d
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def test_each_role_exports_its_metrics(swarm):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 
 from btnode.netlab.topology import Star
 
-from procs import TINY_SHAPE
+from procs import TINY_SHAPE, stop_all
 
 REASON = Star.why_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable here: {REASON}")
@@ -89,11 +88,4 @@ def test_a_partitioned_worker_is_left_behind_then_catches_up(tmp_path, cut):
             log = (tmp_path / "w2.log").read_text()
             assert "Traceback" not in log
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(procs)
