@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ from btnode.train.trainers import BlockTrainer
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
+T = TypeVar("T")
 RECONNECTED = object()  # put on the announcement queue when the watch stream comes back
 
 
@@ -56,7 +58,7 @@ class WorkerConfig:
     error_feedback: bool = True  # carry the codec's rounding error into the next update
     rounds: int | None = None  # stop after this many pushes (None: until stopped)
     wait_timeout_s: float = 600.0  # give up waiting for a version after this long
-    push_retries: int = 5  # re-push (same update id) after UNAVAILABLE
+    outage_s: float = 600.0  # keep retrying a push or fetch through UNAVAILABLE this long (same update id)
     train_while_waiting: bool = True  # keep training while the next version is on its way (folded in)
     schedule_by_version: bool = True  # inner LR schedule position ≥ version × H (see _adopt)
 
@@ -299,25 +301,37 @@ class BlockWorker:
             self.stats.bytes_pushed_wire += frame.header.payload_bytes
             yield frame
 
-    def push(self, header: PushHeader, raw: dict[str, bytes]) -> Judgement:
-        """Push (re-pushing the same update id after UNAVAILABLE). A refusal (stale, or rejected by
-        validation) is an answer, not a failure: the worker drops the update and catches up."""
-        for attempt in range(self.wcfg.push_retries + 1):
-            t0 = time.perf_counter()
+    def _through_outage(self, what: str, fn: Callable[[], T]) -> T:
+        """fn(), retried with backoff while the aggregator is unreachable, for up to outage_s (a
+        restart, a network partition); then the UNAVAILABLE is raised."""
+        start, attempt = time.monotonic(), 0
+        while True:
             try:
-                j = self.link.push(header, self._frames(raw))
-                self.stats.push_seconds += time.perf_counter() - t0
-                return j
-            except PeerInputError as exc:
-                outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
-                log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)
-                return Judgement(outcome=outcome, reason=str(exc), round_version=-1)
+                return fn()
             except PeerUnavailable as exc:
-                if attempt == self.wcfg.push_retries:
+                stopping = self._stop is not None and self._stop.is_set()
+                if stopping or time.monotonic() - start > self.wcfg.outage_s:
                     raise
-                log.warning("push unavailable (%s); re-pushing the same update", exc)
+                log.warning("%s unavailable (%s); retrying", what, exc)
+                self.heartbeat()
                 time.sleep(min(5.0, 0.5 * 2**attempt))
-        raise AssertionError("unreachable")
+                attempt += 1
+
+    def push(self, header: PushHeader, raw: dict[str, bytes]) -> Judgement:
+        """Push (re-pushing the same update id through UNAVAILABLE). A refusal (stale, or rejected
+        by validation) is an answer, not a failure: the worker drops the update and catches up."""
+        def once() -> Judgement:
+            t0 = time.perf_counter()
+            j = self.link.push(header, self._frames(raw))
+            self.stats.push_seconds += time.perf_counter() - t0
+            return j
+
+        try:
+            return self._through_outage("push", once)
+        except PeerInputError as exc:
+            outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
+            log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)
+            return Judgement(outcome=outcome, reason=str(exc), round_version=-1)
 
     def _exchange(self, header: PushHeader, raw: dict[str, bytes], stop: threading.Event, *,
                   overlap: bool) -> tuple[Judgement, VersionInfo | None, tuple[VersionInfo, Tensors] | None]:
@@ -331,7 +345,8 @@ class BlockWorker:
                 box["judgement"] = self.push(header, raw)
                 newer = self._wait_newer(header.base_version, stop)
                 box["newer"] = newer
-                box["fetched"] = self._fetch(newer) if newer is not None else None
+                box["fetched"] = (self._through_outage("fetch", lambda: self._fetch(newer))
+                                  if newer is not None else None)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
                 box["error"] = exc
 
