@@ -21,6 +21,7 @@ default_map, so click's own order applies: command line, then environment, then 
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -103,8 +104,6 @@ def security_table(path: Path) -> dict[str, Any]:
 def configure_security(ctx: Any, file: dict[str, Any], **given: Any) -> None:
     """Flags and BTNODE_TLS_* / BTNODE_TOKEN_FILE beat the file's [security] table; the token itself
     comes from BTNODE_TOKEN or the token file (never a flag: it would show in `ps`)."""
-    import os
-
     from btnode.rpc.security import Security, configure
 
     def pick(name: str) -> Any:

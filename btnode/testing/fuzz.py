@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -236,7 +235,6 @@ SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.Lea
                "Push": (None, "push")}
 STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
-_lock = threading.Lock()
 
 
 def fuzz_rpc(target: Target, seed: int) -> str:
