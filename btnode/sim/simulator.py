@@ -18,6 +18,7 @@ misses at p = 0.9 are a subset of those it misses at p = 0.42, so runs compare l
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 import itertools
 import math
 import random
@@ -113,7 +114,6 @@ class Simulation:
                                          random.Random(f"turnout/{scfg.seed}/{wid}"),
                                          random.Random(f"delay/{scfg.seed}/{wid}")))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
-        self.closed_by: dict[str, int] = {}
 
     # -- the event queue and the network ----------------------------------------------------------
     def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
@@ -134,7 +134,6 @@ class Simulation:
             if agg.info.version == self._published[b]:
                 continue
             self._published[b] = agg.info.version
-            self.closed_by[agg.info.closed_by] = self.closed_by.get(agg.info.closed_by, 0) + 1
             self._at(agg.round.deadline(), self._tick, b)
             for rep in self.replicas:
                 if rep.worker.wcfg.block == b and rep.waiting_for is not None:
@@ -218,7 +217,7 @@ class Simulation:
                          outcomes=outcomes, attempts=sum(r.attempts for r in self.replicas),
                          absent=sum(r.absent for r in self.replicas),
                          utilisation=sum(r.busy_s / max(r.finished_at, 1e-9) for r in self.replicas) / len(self.replicas),
-                         closed_by=dict(self.closed_by))
+                         closed_by=dict(sum((a.rounds_closed for a in self.agg.blocks.values()), Counter())))
 
     def blocks(self) -> list[torch.nn.Module]:
         """The published model: each block at its newest version."""
