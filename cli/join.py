@@ -153,6 +153,7 @@ def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregato
           steps_per_round: Annotated[int, typer.Option("--steps-per-round", help="H: local steps per update.")] = 50,
           codec: Annotated[str, typer.Option("--codec", help="Update codec: fp32, bf16 or int8.")] = "int8",
           deadline: Annotated[float, typer.Option("--deadline", help="τ in seconds.")] = 60.0,
+          keep: Annotated[int, typer.Option("--keep", help="Versions the aggregator keeps per block.")] = 3,
           batch: Annotated[int, typer.Option("--batch", help="Windows per step.")] = 32,
           lr: Annotated[float, typer.Option("--lr", help="Inner learning rate.")] = 2e-3,
           threads: Annotated[int, typer.Option("--threads", help="Torch threads per worker.")] = 1,
@@ -169,7 +170,7 @@ def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregato
              "--context", str(context), "--segments", segments, "--target-seed", str(target_seed), "--seed", str(seed)]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     result = run_swarm(state_dir=state_dir, n_blocks=blocks, replicas=replicas, rounds=rounds, shape_args=shape,
-                       aggregator_args=["--deadline", str(deadline), "--min-updates", "1"],
+                       aggregator_args=["--deadline", str(deadline), "--min-updates", "1", "--keep", str(keep)],
                        worker_args=["--steps-per-round", str(steps_per_round), "--codec", codec, "--batch", str(batch),
                                     "--lr", str(lr)],
                        echo=typer.echo)

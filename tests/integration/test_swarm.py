@@ -62,7 +62,8 @@ def wait_version(client, block, version, timeout=60.0):
 def test_swarm_command_three_blocks_two_replicas(tmp_path):
     state = tmp_path / "swarm"
     p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
-                              "--steps-per-round", "3", "--batch", "4", "--deadline", "30", *TINY_SHAPE],
+                              "--steps-per-round", "3", "--batch", "4", "--deadline", "30", "--keep", "100",
+                              *TINY_SHAPE],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     for b in range(3):

@@ -75,9 +75,11 @@ def test_a_partitioned_worker_is_left_behind_then_catches_up(tmp_path, cut):
             # closed with w1 alone: by the deadline while w2 is still registered (a silent path), or by
             # w1 reporting once w2's broken Watch stream has deregistered it (a pulled cable)
             assert alone and all(r["accepted"] == 1 for r in alone), alone
-            if cut == "blackhole":  # the round open at the cut, or a later one, waited for w2 until τ
-                during = [r for r in st["recent"] if r["version"] > at_cut]
-                assert any(r["closed_by"] == "deadline" for r in during), [r["closed_by"] for r in during]
+            # Not asserted: *how* those rounds closed. With the path blackholed they close by the
+            # deadline while w2 is still registered, but in one CI run out of four w2's Watch
+            # stream ended (and deregistered it) before the first of them, so every round closed by
+            # w1 reporting; closing at the deadline with a silent replica is tested in
+            # tests/integration/test_swarm.py and tests/unit/test_block_aggregator.py.
             time.sleep(6)  # cut off for longer than the deadline, several times over
             if cut == "link-down":
                 lab.set_link(lab.link_of(2), up=True)
