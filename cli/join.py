@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (Blocks, Context, Data, Device, DModel, Heads, Layers, Seed, Segments, TargetSeed,
-                                device, model_config, parse_ints)
+from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
+                                TargetSeed, device, model_config, parse_ints, shares)
 
 log = logging.getLogger("btnode.cli")
 
@@ -62,6 +62,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          stage_model: Annotated[str, typer.Option("--model", help="[stage] block (one-sweep chain) or ar (the autoregressive baseline).")] = "block",
          ar_layers: Annotated[Optional[str], typer.Option("--layers-range", help="[stage, --model ar] Layers LO:HI of the AR model this stage holds.")] = None,
          stage_timeout: Annotated[float, typer.Option("--stage-timeout", help="[stage] Seconds to wait for the next stage before trying a spare.")] = 60.0,
+         k1_share: K1Share = None, ctx_share: CtxShare = None,
          data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
          segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
@@ -136,7 +137,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         raise ConfigError(f"--block {block} out of range for {cfg.n_blocks} blocks")
     wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     total = schedule_steps or (rounds * steps_per_round if rounds else 100_000)
-    tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed)
+    tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed,
+                     **shares(k1_share, ctx_share))
     wcfg = WorkerConfig(worker_id=wid, block=block, steps_per_round=steps_per_round, codec=update_codec,
                         error_feedback=not no_error_feedback, rounds=rounds, train_while_waiting=train_while_waiting,
                         schedule_by_version=schedule_by_version)

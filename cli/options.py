@@ -14,6 +14,20 @@ Data = Annotated[Optional[Path], typer.Option(
     "--data", help="Corpus: a file (training corpus) or a folder with wiki.{train,valid,test}.raw. "
                    "Default: the bundled WikiText-2 copy.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for initialisation, windows, σ and noise.")]
+K1Share = Annotated[Optional[float], typer.Option(
+    "--k1-share", help="Probability of a K=1 batch (default 0.9; the rest spread over the other trained K).")]
+CtxShare = Annotated[Optional[float], typer.Option(
+    "--ctx-share", help="Share of samples trained as the block's context readout, z = 0 at σ_hi (default 0.25).")]
+
+
+def shares(k1_share: float | None, ctx_share: float | None) -> dict:
+    """TrainConfig keyword arguments for the flags given; absent flags keep TrainConfig's defaults."""
+    out: dict = {}
+    if k1_share is not None:
+        out["k1_share"] = k1_share
+    if ctx_share is not None:
+        out["ctx_share"] = ctx_share
+    return out
 DModel = Annotated[int, typer.Option("--d-model", help="Model width d (swarm-wide).")]
 Heads = Annotated[int, typer.Option("--heads", help="Attention heads (swarm-wide).")]
 Layers = Annotated[int, typer.Option("--layers", help="Layers per block L (swarm-wide).")]

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (Blocks, Context, Data, Device, DModel, Heads, Layers, Seed, Segments, TargetSeed,
-                                device, model_config)
+from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
+                                TargetSeed, device, model_config, shares)
 
 
 def simulate(participation: Annotated[float, typer.Option("--participation", help="Probability that a replica takes part in each attempt.")] = 1.0,
@@ -34,6 +34,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
              eval_windows: Annotated[int, typer.Option("--eval-windows", help="Held-out windows for the CE (SCE-1 at K=1).")] = 64,
              eval_init: Annotated[bool, typer.Option("--eval-init", help="Also score the initial model.")] = False,
              state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Aggregator state (default: a temporary folder).")] = None,
+             keep: Annotated[int, typer.Option("--keep", help="Versions the aggregator keeps per block (for learning curves).")] = 3,
+             k1_share: K1Share = None, ctx_share: CtxShare = None,
              json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
              data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
              d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
@@ -61,9 +63,10 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
                      delay_dist=delay_dist, codec=update_codec, train_while_waiting=train_while_waiting, seed=sim_seed,
                      schedule_by_version=schedule_by_version)
     tau = deadline or 1.5 * steps_per_round * step_time
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=tau, max_staleness=max_staleness))
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=tau, max_staleness=max_staleness), keep=keep)
     total = rounds * steps_per_round
-    tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed)
+    tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed,
+                     **shares(k1_share, ctx_share))
     data_ = corpus.load(data)
     dev = device(device_name)
     with tempfile.TemporaryDirectory(prefix="btnode-sim-") as tmp:

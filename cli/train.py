@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (Blocks, Context, Data, Device, DModel, Heads, Layers, Seed, Segments, TargetSeed,
-                                device, model_config)
+from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
+                                TargetSeed, device, model_config, shares)
 
 Out = Annotated[Path, typer.Option("--out", help="Checkpoint folder (created if missing).")]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps per model (length of the LR schedule).")]
@@ -22,10 +22,10 @@ LogEvery = Annotated[Optional[int], typer.Option(
     "--log-every", help="Also log a progress line every N steps when not on a terminal (default: only at the end).")]
 
 
-def _train_config(steps: int, batch: int, lr: float, warmup: int, seed: int):
+def _train_config(steps: int, batch: int, lr: float, warmup: int, seed: int, **extra: float):
     from btnode.train.config import TrainConfig
 
-    return TrainConfig(steps=steps, batch=batch, lr=lr, warmup=warmup, seed=seed)
+    return TrainConfig(steps=steps, batch=batch, lr=lr, warmup=warmup, seed=seed, **extra)
 
 
 def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3, warmup: Warmup = 100,
@@ -33,6 +33,7 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
                 checkpoint_every: Every = 200, stop_after: StopAfter = None, log_every: LogEvery = None,
                 d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
                 context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0,
+                k1_share: K1Share = None, ctx_share: CtxShare = None,
                 block: Annotated[Optional[list[int]], typer.Option(
                     "--block", help="Train only this block (repeatable). Default: all B blocks.")] = None) -> None:
     """Train all B blocks in one process, each with its own optimizer; one checkpoint per block."""
@@ -42,7 +43,7 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed)
-    tc = _train_config(steps, batch, lr, warmup, seed)
+    tc = _train_config(steps, batch, lr, warmup, seed, **shares(k1_share, ctx_share))
     train_blocks(cfg, tc, corpus.load(data).train, out, device=device(device_name), resume=resume, blocks=block,
                  checkpoint_every=checkpoint_every, stop_after=stop_after,
                  on_step=ProgressPrinter(log_every, cfg.n_blocks))

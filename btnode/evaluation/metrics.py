@@ -18,7 +18,7 @@ from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout
 from btnode.model.noise import default_steps, sigma_grid
-from btnode.model.sampler import sweep
+from btnode.model.sampler import context_logits, pool, sweep
 from btnode.model.targets import target_table
 from btnode.seeding import generator
 
@@ -48,8 +48,9 @@ def _noise(seed: int, window_ids: torch.Tensor, t: int, d: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sampler_ce(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, k: int, seeds: Sequence[int],
-               n_steps: int, device: torch.device, batch: int = 64) -> SamplerCE:
-    """SCE over `windows` (W, N+1) for segment length k, seeds[0] alone and all seeds averaged."""
+               n_steps: int, device: torch.device, batch: int = 64, readout: str = "last") -> SamplerCE:
+    """SCE over `windows` (W, N+1) for segment length k, seeds[0] alone and all seeds averaged.
+    `readout` as in `sweep`; the seed-independent context readouts of "pool" are computed once."""
     cfg: ModelConfig = blocks[0].cfg
     n = cfg.context
     if windows.shape[1] != n + 1:
@@ -67,10 +68,14 @@ def sampler_ce(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, k: in
         ids = torch.arange(lo, lo + len(w))
         tgt = w[:, 1:][:, layout.positions]  # (Wb, T)
         caches = [blk.encode_context(w[:, :-1]) for blk in blocks]
+        ctx = [context_logits(blk, c, layout) for blk, c in zip(blocks, caches)] if readout == "pool" else []
         q = torch.zeros(len(w), len(layout.positions), cfg.vocab, device=device, dtype=torch.float64)
         for j, seed in enumerate(seeds):
             z = grid[0] * _noise(seed, ids, len(layout.positions), cfg.d_model).to(device)
-            p = torch.softmax(sweep(blocks, caches, z, grid, layout, table).double(), dim=-1)
+            logits = sweep(blocks, caches, z, grid, layout, table, readout="last")
+            if readout == "pool":  # the same pooling sweep(readout="pool") does
+                logits = pool([*ctx, logits])
+            p = torch.softmax(logits.double(), dim=-1)
             if j == 0:
                 nll1 += -torch.log(p.gather(-1, tgt[..., None]).clamp_min(1e-300)).sum().cpu()
             q += p
@@ -79,6 +84,45 @@ def sampler_ce(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, k: in
         count += tgt.numel()
     return SamplerCE(k=k, n_steps=n_steps, seeds=tuple(seeds), sce1=float(nll1) / count, sce=float(nll) / count,
                      positions=count)
+
+
+@dataclass(frozen=True)
+class BlockAlone:
+    """Block b read on its own, on the same windows and rows as the chain (K = 1)."""
+
+    block: int
+    noise: float  # SCE-S of one evaluation from pure noise at σ_hi, probabilities averaged over seeds
+    context: float  # CE of its context readout (z = 0 at σ_hi; deterministic)
+
+    @property
+    def best(self) -> float:
+        return min(self.noise, self.context)
+
+
+@torch.no_grad()
+def blocks_alone(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, seeds: Sequence[int],
+                 device: torch.device, batch: int = 64) -> list[BlockAlone]:
+    """Each block read alone at K = 1, both ways; the chain composes only if it beats the best."""
+    cfg: ModelConfig = blocks[0].cfg
+    layout = eval_layout(cfg.context, 1).to(device)
+    noise = [torch.zeros((), dtype=torch.float64) for _ in blocks]
+    ctx = [torch.zeros((), dtype=torch.float64) for _ in blocks]
+    count = 0
+    for lo in range(0, len(windows), batch):
+        w = windows[lo:lo + batch].to(device)
+        ids = torch.arange(lo, lo + len(w))
+        tgt = w[:, 1:][:, layout.positions][..., None]
+        sigma = torch.full((len(w),), cfg.sigma_hi, device=device)
+        zs = [cfg.sigma_hi * _noise(seed, ids, len(layout.positions), cfg.d_model).to(device) for seed in seeds]
+        for b, blk in enumerate(blocks):
+            blk.eval()
+            cache = blk.encode_context(w[:, :-1])
+            q = sum(torch.softmax(blk.denoise(z, sigma, cache, layout).double(), -1) for z in zs) / len(zs)
+            noise[b] += -torch.log(q.gather(-1, tgt).clamp_min(1e-300)).sum().cpu()
+            p = torch.log_softmax(context_logits(blk, cache, layout).double(), -1)
+            ctx[b] += -p.gather(-1, tgt).sum().cpu()
+        count += tgt.numel()
+    return [BlockAlone(b, float(noise[b]) / count, float(ctx[b]) / count) for b in range(len(blocks))]
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from btnode.model.layout import Layout
 from btnode.model.noise import route
 
 Denoiser = Callable[[torch.Tensor, float], torch.Tensor]  # (z, σ) → logits
+READOUTS = ("pool", "last")  # the first is the default; see `sweep`
 
 
 def euler_update(z: torch.Tensor, logits: torch.Tensor, table: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
@@ -54,11 +55,55 @@ def block_denoiser(block: DiffusionBlock, cache: ContextCache, layout: Layout) -
 
 
 @torch.no_grad()
+def sweep_trace(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: torch.Tensor,
+                grid: Sequence[float], layout: Layout, table: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Every evaluation of one sweep, in grid order: (block index, logits). The last entry is the
+    plain readout at σ_lo; the others are what pooled readouts combine."""
+    trace: list[tuple[int, torch.Tensor]] = []
+    for b, (block, cache, span) in enumerate(zip(blocks, caches, spans(len(blocks), len(grid)))):
+        denoise = block_denoiser(block, cache, layout)
+
+        def recorded(z: torch.Tensor, sigma: float, denoise: Denoiser = denoise, b: int = b) -> torch.Tensor:
+            logits = denoise(z, sigma)
+            trace.append((b, logits))
+            return logits
+
+        z, _ = run_span(recorded, z, grid, span, table)
+    return trace
+
+
+def context_logits(block: DiffusionBlock, cache: ContextCache, layout: Layout) -> torch.Tensor:
+    """The block's own reading of the context: its prediction from the null state (z = 0) at σ_hi,
+    what a block trained with `TrainConfig.ctx_share` learns. Deterministic: no noise enters."""
+    sigma = torch.full((cache.batch,), block.cfg.sigma_hi, device=cache.out.device)
+    z = torch.zeros(cache.batch, layout.positions.numel(), block.cfg.d_model, device=cache.out.device)
+    return block.denoise(z, sigma, cache, layout)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def pool(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Log-linear pooling with equal weights: mean of log-probabilities (a valid logit vector)."""
+    return torch.stack([log_probs(p) for p in parts]).mean(0)
+
+
+@torch.no_grad()
 def sweep(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: torch.Tensor,
-          grid: Sequence[float], layout: Layout, table: torch.Tensor) -> torch.Tensor:
-    """One full sweep from state z at grid[0] to output logits; every block runs its span."""
+          grid: Sequence[float], layout: Layout, table: torch.Tensor, readout: str = "last") -> torch.Tensor:
+    """One full sweep from state z at grid[0] to output logits; every block runs its span.
+
+    readout "last": the last evaluation at σ_lo (the design's readout). "pool": the last evaluation
+    pooled with every block's `context_logits`, so that the chain is at least an ensemble of its
+    blocks; each stage adds its own block's term, so pooling costs no extra traversal.
+    """
+    if readout not in READOUTS:
+        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
     logits = None
     for block, cache, span in zip(blocks, caches, spans(len(blocks), len(grid))):
         z, logits = run_span(block_denoiser(block, cache, layout), z, grid, span, table)
     assert logits is not None, "the last block must evaluate the last grid point"
+    if readout == "pool":
+        return pool([*(context_logits(b, c, layout) for b, c in zip(blocks, caches)), logits])
     return logits

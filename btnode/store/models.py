@@ -94,13 +94,15 @@ def load_block(folder: Path, block: int, expected: ModelConfig | None = None, wi
     return loaded
 
 
-def load_blocks(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
+def load_blocks(folder: Path, version: int | None = None) -> tuple[ModelConfig, list[DiffusionBlock]]:
     """All B blocks of a run, checked to share one configuration: from a train-local folder, or
-    the newest complete versions in an aggregator's state folder."""
+    the newest complete versions (or version `version` of every block) in an aggregator's state folder."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     if (folder / RUN_FILE).exists():
-        return _load_newest_versions(folder)
+        return _load_newest_versions(folder, version)
+    if version is not None:
+        raise CheckpointError(f"{folder} is a train-local folder; --version needs an aggregator state folder")
     first = load_block(folder, 0)
     blocks = [first.model]
     for b in range(1, first.cfg.n_blocks):
@@ -108,13 +110,17 @@ def load_blocks(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
     return first.cfg, blocks  # type: ignore[return-value]
 
 
-def _load_newest_versions(folder: Path) -> tuple[ModelConfig, list[DiffusionBlock]]:
+def _load_newest_versions(folder: Path, version: int | None = None) -> tuple[ModelConfig, list[DiffusionBlock]]:
     cfg = _run_config(folder)
-    return cfg, [_newest_version(folder, cfg, b) for b in range(cfg.n_blocks)]
+    return cfg, [_newest_version(folder, cfg, b, version) for b in range(cfg.n_blocks)]
 
 
-def _newest_version(folder: Path, cfg: ModelConfig, b: int) -> DiffusionBlock:
-    stored = VersionStore(folder, b).latest()
+def _newest_version(folder: Path, cfg: ModelConfig, b: int, version: int | None = None) -> DiffusionBlock:
+    store = VersionStore(folder, b)
+    if version is not None and version not in store.versions():
+        raise CheckpointError(f"aggregator state {folder} holds no version {version} of block {b} "
+                              f"(it keeps {store.versions()})")
+    stored = store.latest() if version is None else store.load(version)
     if stored is None:
         raise CheckpointError(f"aggregator state {folder} holds no complete version of block {b}")
     if files.state_sha256(stored.params) != stored.meta.get("info", {}).get("sha256"):

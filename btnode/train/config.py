@@ -20,11 +20,28 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     seed: int = 0  # keys windows, σ, noise and initialisation
+    # Probability of a K = 1 batch (the rest spread evenly over the other trained K); None: every K
+    # equally often. 0.9 by default: K = 16 batches cost K = 1 quality (issue #10, BENCHMARKS.md notes).
+    k1_share: float | None = 0.9
+    # Share of samples trained as the block's context readout (the null state z = 0 at σ_hi), which
+    # the pooled readout uses: every block learns to read the context on its own (issue #10).
+    ctx_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps < 1 or self.warmup < 0 or self.lr <= 0:
             raise ConfigError(f"invalid training settings: batch={self.batch}, steps={self.steps}, "
                               f"warmup={self.warmup}, lr={self.lr}")
+        if self.k1_share is not None and not 0 <= self.k1_share <= 1:
+            raise ConfigError(f"k1_share must be in [0, 1], got {self.k1_share}")
+        if not 0 <= self.ctx_share < 1:
+            raise ConfigError(f"ctx_share must be in [0, 1), got {self.ctx_share}")
+
+    def segment_weights(self, segments: tuple[int, ...]) -> list[float]:
+        """Sampling weight of each trained K (segments are sorted, so K = 1 comes first)."""
+        if self.k1_share is None or len(segments) == 1:
+            return [1.0] * len(segments)
+        rest = (1 - self.k1_share) / (len(segments) - 1)
+        return [self.k1_share] + [rest] * (len(segments) - 1)
 
     def lr_at(self, step: int) -> float:
         """Learning rate for 0-based `step`: linear warmup, then cosine to lr * min_lr_ratio."""

@@ -72,13 +72,23 @@ class BlockTrainer(_Trainer):
         cfg = self.cfg
         b, n = x.shape[0], x.shape[1] - 1
         g = generator("block-step", self.tc.seed, worker, self.block, self.step)
-        k = cfg.segments[int(torch.randint(len(cfg.segments), (), generator=g))]
+        if self.tc.k1_share is None:  # the original draw, kept so that existing runs replay bit-exactly
+            k = cfg.segments[int(torch.randint(len(cfg.segments), (), generator=g))]
+        else:
+            weights = torch.tensor(self.tc.segment_weights(cfg.segments), dtype=torch.float64)
+            k = cfg.segments[int(torch.multinomial(weights, 1, generator=g))]
         phase = int(torch.randint(k, (), generator=g))
         sigma = sample_sigma(cfg, self.block, b, g)
         eps = torch.randn(b, n, cfg.d_model, generator=g)
-        x, sigma, eps = x.to(self.device), sigma.to(self.device), eps.to(self.device)
+        keep = torch.ones(b)
+        if self.tc.ctx_share > 0:  # drawn only when used, so that runs without it replay bit-exactly
+            null = torch.rand(b, generator=g) < self.tc.ctx_share
+            sigma = torch.where(null, torch.tensor(cfg.sigma_hi), sigma)
+            keep = (~null).float()
+        x, sigma, eps, keep = x.to(self.device), sigma.to(self.device), eps.to(self.device), keep.to(self.device)
         ctx, tgt = x[:, :-1], x[:, 1:]
-        z = self.table[tgt] + sigma[:, None, None] * eps  # (B, N, C)
+        # (B, N, C); a context-readout sample gets the null state z = 0 (no noise, no target)
+        z = keep[:, None, None] * (self.table[tgt] + sigma[:, None, None] * eps)
         layout = window_layout(n, k, phase).to(self.device)
         self.model.train()
         logits = self.model(ctx, z, sigma, layout)

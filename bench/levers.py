@@ -1,0 +1,157 @@
+"""Model levers (issue #10): train the B blocks, each on its own for a fixed number of its own steps,
+and score every readout of the same sweeps on the **tuning slice** (never the held-out test file):
+
+- `last`: today's readout, the softmax of the last evaluation at σ_lo;
+- `pool_prob` / `pool_logp`: the mean probability / mean log-probability of every evaluation of the
+  sweep (the chain pooling its blocks' own predictions);
+- `alone_b`: block b read alone, once, from pure noise at σ_hi;
+- `self_b`: block b run alone over the whole grid with the `pool_logp` readout, so that a gain of
+  pooling that is only self-ensembling over grid points is not credited to composition.
+
+Each is SCE-1 (seed 0) and SCE-S (probabilities averaged over S seeds). Optionally the AR
+baselines train for the same number of steps on the same windows. One JSON line per run is
+appended to bench/results/levers.jsonl, so that every tried lever keeps its number.
+
+    .venv/bin/python bench/levers.py --name base --steps 800
+    .venv/bin/python bench/levers.py --name k1-75 --steps 800 --k1-share 0.75
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from btnode.data import corpus
+from btnode.data.windows import WindowSampler, eval_windows
+from btnode.evaluation.metrics import _noise, ar_ce
+from btnode.model.config import ModelConfig
+from btnode.model.layout import eval_layout
+from btnode.model.noise import default_steps, sigma_grid
+from btnode.model.sampler import sweep_trace
+from btnode.model.targets import target_table
+from btnode.store.models import init_ar, init_block
+from btnode.train.config import TrainConfig
+from btnode.train.trainers import ARTrainer, BlockTrainer
+
+RESULTS = Path(__file__).resolve().parent / "results" / "levers.jsonl"
+
+
+def nll(q: torch.Tensor, tgt: torch.Tensor) -> float:
+    return float(-torch.log(q.gather(-1, tgt[..., None]).clamp_min(1e-300)).sum())
+
+
+@torch.no_grad()
+def readouts(blocks: list, windows: torch.Tensor, seeds: int, n_steps: int, self_sweeps: bool) -> dict[str, float]:
+    cfg: ModelConfig = blocks[0].cfg
+    for b in blocks:
+        b.eval()
+    table, grid = target_table(cfg), sigma_grid(cfg, n_steps)
+    layout = eval_layout(cfg.context, 1)
+    sums: dict[str, float] = {}
+    count = 0
+
+    def add(name: str, q: torch.Tensor, tgt: torch.Tensor) -> None:
+        sums[name] = sums.get(name, 0.0) + nll(q, tgt)
+
+    for lo in range(0, len(windows), 64):
+        w = windows[lo:lo + 64]
+        ids = torch.arange(lo, lo + len(w))
+        tgt = w[:, 1:][:, layout.positions]
+        caches = [b.encode_context(w[:, :-1]) for b in blocks]
+        acc: dict[str, torch.Tensor] = {}
+        for j in range(seeds):
+            z0 = grid[0] * _noise(j, ids, len(layout.positions), cfg.d_model)
+            runs = {"chain": sweep_trace(blocks, caches, z0, grid, layout, table)}
+            if self_sweeps:
+                for b in range(len(blocks)):
+                    runs[f"self_{b}"] = sweep_trace([blocks[b]] * len(blocks), [caches[b]] * len(blocks), z0, grid,
+                                                    layout, table)
+            probs = {}
+            for name, trace in runs.items():
+                logp = torch.stack([torch.log_softmax(lg.double(), -1) for _, lg in trace])  # (E, W, T, V)
+                if name == "chain":
+                    probs["last"] = logp[-1].exp()
+                    probs["pool_prob"] = logp.exp().mean(0)
+                    probs["pool_logp"] = torch.softmax(logp.mean(0), -1)
+                    firsts = [next(i for i, (b, _) in enumerate(trace) if b == k) for k in range(len(blocks))]
+                    probs["pool_first_logp"] = torch.softmax(logp[firsts].mean(0), -1)
+                else:
+                    probs[name] = torch.softmax(logp.mean(0), -1)
+            sig = torch.full((len(w),), grid[0])
+            ctx_logp = []
+            for b, blk in enumerate(blocks):
+                probs[f"alone_{b}"] = torch.softmax(blk.denoise(z0, sig, caches[b], layout).double(), -1)
+                ctx_logp.append(torch.log_softmax(blk.denoise(torch.zeros_like(z0), sig, caches[b], layout).double(), -1))
+                probs[f"ctx_{b}"] = ctx_logp[-1].exp()
+            probs["pool_ctx"] = torch.softmax(torch.stack(ctx_logp).mean(0), -1)
+            probs["pool_ctx_prob"] = torch.stack(ctx_logp).exp().mean(0)
+            last = torch.log_softmax(runs["chain"][-1][1].double(), -1)
+            probs["pool_ctx_last"] = torch.softmax(torch.stack([*ctx_logp, last]).mean(0), -1)
+            for name, p in probs.items():
+                if j == 0:
+                    add(name + "@1", p, tgt)
+                acc[name] = acc.get(name, 0) + p / seeds
+        for name, q in acc.items():
+            add(name + f"@{seeds}", q, tgt)
+        count += tgt.numel()
+    return {k: v / count for k, v in sums.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--steps", type=int, default=800, help="optimizer steps per block (and per AR model)")
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--segments", default="1,16")
+    ap.add_argument("--k1-share", type=float)
+    ap.add_argument("--ctx-share", type=float, default=0.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--windows", type=int, default=256)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--ar", default="", help="comma-separated AR depths to train for the same steps, e.g. 2,6")
+    ap.add_argument("--self-sweeps", action="store_true", help="also run each block alone over the whole grid")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, n_blocks=args.blocks,
+                      context=args.context, segments=tuple(int(k) for k in args.segments.split(",")))
+    tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=max(10, args.steps // 20),
+                     weight_decay=args.weight_decay, k1_share=args.k1_share,
+                     ctx_share=args.ctx_share)
+    data = corpus.bundled()
+    sampler = WindowSampler(data.train, cfg.context)
+    table = target_table(cfg)
+    t0 = time.perf_counter()
+    blocks = []
+    for b in range(cfg.n_blocks):
+        tr = BlockTrainer(init_block(cfg, b, 0), tc, block=b, table=table, device=torch.device("cpu"))
+        for step in range(args.steps):
+            tr.train_step(sampler.batch(tc.seed, b, step, tc.batch), b)
+        blocks.append(tr.model)
+    train_s = time.perf_counter() - t0
+    windows = eval_windows(data.tune, cfg.context, args.windows)
+    res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps)
+    for depth in filter(None, args.ar.split(",")):
+        tr = ARTrainer(init_ar(cfg, int(depth), 0), tc, torch.device("cpu"))
+        for step in range(args.steps):
+            tr.train_step(sampler.batch(tc.seed, 0, step, tc.batch))
+        res[f"ar{depth}"] = ar_ce(tr.model, windows, device=torch.device("cpu"))
+    row = {"name": args.name, "note": args.note, "args": vars(args), "train_s": round(train_s, 1),
+           "date": time.strftime("%Y-%m-%d %H:%M"), **{k: round(v, 4) for k, v in res.items()}}
+    print(json.dumps(row), flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
