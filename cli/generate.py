@@ -19,6 +19,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
+             readout: Annotated[str, typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone.")] = "pool",
              device_name: Device = "cpu") -> None:
     """Print the prompt's continuation, segment by segment, as the sweeps complete."""
     from btnode.errors import InputError
@@ -36,7 +37,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
         from btnode.rpc.stages import generate_remote
 
         for reply in generate_remote(entry, prompt.encode(), n_bytes=n_bytes, k=segment or 0, n_steps=steps or 0,
-                                     seed=seed, temperature=temperature):
+                                     seed=seed, temperature=temperature, readout=readout):
             out.write(reply.new_bytes)
             out.flush()
         out.write(b"\n")
@@ -46,7 +47,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
     cfg, blocks = load_blocks(checkpoint)
     k = segment if segment is not None else max(cfg.segments)
     for piece in run(local_chain(blocks, dev), cfg, cfg.n_blocks, prompt.encode(), n_bytes=n_bytes, k=k,
-                     n_steps=steps or default_steps(cfg), seed=seed, temperature=temperature):
+                     n_steps=steps or default_steps(cfg), seed=seed, temperature=temperature,
+                     readout=readout):
         out.write(piece.new_bytes)
         out.flush()
     out.write(b"\n")

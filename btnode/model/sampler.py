@@ -85,8 +85,12 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def pool(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Log-linear pooling with equal weights: mean of log-probabilities (a valid logit vector)."""
-    return torch.stack([log_probs(p) for p in parts]).mean(0)
+    """Log-linear pooling with equal weights: mean of log-probabilities (a valid logit vector).
+    Summed in order and divided once, exactly as the serving stages accumulate it hop by hop."""
+    total = log_probs(parts[0])
+    for p in parts[1:]:
+        total = total + log_probs(p)
+    return total / len(parts)
 
 
 @torch.no_grad()

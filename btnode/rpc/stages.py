@@ -52,12 +52,18 @@ def tensor_from_pb(m: pb.StateTensor, what: str) -> torch.Tensor:
 def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
     return SegmentState(request_id=r.request_id, context=bytes(r.context), segment=r.segment, k=r.k,
                         n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
-                        z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits)
+                        z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits,
+                        readout=r.readout or "last",
+                        pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None)
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
-    return pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
-                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits)
+    req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
+                            seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
+                            readout=s.readout)
+    if s.pool is not None:
+        req.pool.CopyFrom(tensor_to_pb(s.pool))
+    return req
 
 
 def _result_to_pb(r: SegmentResult) -> pb.SegmentReply:
@@ -125,7 +131,8 @@ class StageServicer(pb_grpc.StageServicer):
             k = request.k or max(cfg.segments)
             results = driver.generate(s, cfg, s.n_blocks, bytes(request.prompt), n_bytes=request.n_bytes, k=k,
                                       n_steps=request.n_steps or default_steps(cfg), seed=request.seed,
-                                      temperature=request.temperature, want_logits=request.want_logits)
+                                      temperature=request.temperature, want_logits=request.want_logits,
+                                      readout=request.readout or "pool")
         chain = "ar" if self.is_ar else "block"
         t0 = time.perf_counter()
         try:
@@ -177,14 +184,15 @@ class RemoteARStage(RemoteBlockStage):
 
 
 def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_steps: int = 0, seed: int = 0,
-                    temperature: float = 0.0, want_logits: bool = False,
+                    temperature: float = 0.0, want_logits: bool = False, readout: str = "",
                     timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
     """Stream a request's segments from the chain whose first stage is at `entry`."""
     channel = security.channel(entry, CHANNEL_OPTIONS)
     try:
         call = pb_grpc.StageStub(channel).Generate(
             pb.GenerateRequest(prompt=prompt, n_bytes=n_bytes, k=k, n_steps=n_steps, seed=seed,
-                               temperature=temperature, want_logits=want_logits), timeout=timeout_s)
+                               temperature=temperature, want_logits=want_logits, readout=readout),
+            timeout=timeout_s)
         try:
             yield from call
         except grpc.RpcError as err:

@@ -16,10 +16,11 @@ from btnode.serve.stages import (EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentSta
 
 
 def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_bytes: int, k: int, n_steps: int,
-             seed: int, temperature: float, want_logits: bool = False,
+             seed: int, temperature: float, want_logits: bool = False, readout: str = "pool",
              request_id: str | None = None) -> Iterator[SegmentResult]:
-    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes."""
-    check_request(cfg, n_blocks, prompt, k, n_steps)
+    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. `readout`
+    as in sampler.sweep: "pool" (the default) costs no extra traversal, only (K, V) more per hop."""
+    check_request(cfg, n_blocks, prompt, k, n_steps, readout)
     if n_bytes < 1:
         raise InputError(f"asked for {n_bytes} bytes")
     rid = request_id or uuid.uuid4().hex
@@ -28,7 +29,8 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_
     while produced < n_bytes:
         state = SegmentState(request_id=rid, context=bytes(text[-max_prompt(cfg.context, k):]), segment=segment, k=k,
                              n_steps=n_steps, seed=seed, temperature=temperature,
-                             z=initial_state(cfg, seed, segment, k, n_steps), want_logits=want_logits)
+                             z=initial_state(cfg, seed, segment, k, n_steps), want_logits=want_logits,
+                             readout=readout)
         result = first.forward(state)
         if len(result.new_bytes) != k:
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")

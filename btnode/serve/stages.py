@@ -20,7 +20,7 @@ from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import generation_layout
 from btnode.model.noise import sigma_grid
-from btnode.model.sampler import block_denoiser, run_span, spans
+from btnode.model.sampler import READOUTS, block_denoiser, context_logits, log_probs, run_span, spans
 from btnode.model.targets import target_table
 from btnode.seeding import generator
 
@@ -41,12 +41,14 @@ class SegmentState:
     temperature: float
     z: torch.Tensor  # (K, d) float32
     want_logits: bool = False
+    readout: str = "last"  # "pool": every stage adds its block's context readout (sampler.sweep)
+    pool: torch.Tensor | None = None  # readout "pool": Σ log-probs of the earlier blocks' readouts, (K, V)
 
 
 @dataclass
 class SegmentResult:
     new_bytes: bytes
-    logits: torch.Tensor | None = None  # (K, V) of the last grid point, when asked for
+    logits: torch.Tensor | None = None  # (K, V) the bytes were sampled from (pooled or last), when asked for
     route: list[str] = field(default_factory=list)  # the stages that ran this segment, in order
 
 
@@ -61,8 +63,11 @@ def max_prompt(context: int, k: int) -> int:
     return context - k + 1
 
 
-def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_steps: int) -> None:
+def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_steps: int,
+                  readout: str = "last") -> None:
     """InputError for a request no chain of this model can serve as asked."""
+    if readout not in READOUTS:
+        raise InputError(f"readout must be one of {list(READOUTS)}, got {readout!r}")
     if k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
     if n_steps < 2 or any(not span for span in spans(n_blocks, n_steps)):
@@ -104,7 +109,7 @@ class LocalBlockStage:
 
     def validate(self, s: SegmentState) -> None:
         """Checks on a state from a peer: request settings first, then the tensor itself."""
-        check_request(self.cfg, self.n_blocks, s.context, s.k, s.n_steps)
+        check_request(self.cfg, self.n_blocks, s.context, s.k, s.n_steps, s.readout)
         if not s.context:
             raise InputError("a segment needs at least one byte of context")
         if tuple(s.z.shape) != (s.k, self.cfg.d_model) or s.z.dtype != torch.float32:
@@ -114,6 +119,17 @@ class LocalBlockStage:
             raise MalformedInput("nonfinite", "state tensor contains NaN or Inf")
         if not 0 <= s.temperature < 1e4 or not math.isfinite(s.temperature):
             raise InputError(f"temperature must be ≥ 0, got {s.temperature}")
+        wants_pool = s.readout == "pool" and self.index > 0
+        if (s.pool is not None) != wants_pool:
+            raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the pooled log-probs are "
+                                          f"{'missing' if wants_pool else 'unexpected'}")
+        if s.pool is not None:
+            if tuple(s.pool.shape) != (s.k, self.cfg.vocab) or s.pool.dtype != torch.float32:
+                raise MalformedInput("state", f"pooled log-probs are {s.pool.dtype} {tuple(s.pool.shape)}, expected "
+                                              f"float32 ({s.k}, {self.cfg.vocab})")
+            # a sum of log-probabilities: finite and ≤ 0 (a peer cannot push mass above certainty)
+            if not bool(torch.isfinite(s.pool).all()) or bool((s.pool > 0).any()):
+                raise MalformedInput("nonfinite", "pooled log-probs must be finite and ≤ 0")
 
     @torch.no_grad()
     def forward(self, s: SegmentState) -> SegmentResult:
@@ -124,11 +140,17 @@ class LocalBlockStage:
         cache = self.block.encode_context(x)  # once per segment, reused by every step of the span
         layout = generation_layout(len(s.context), s.k).to(self.device)
         z, logits = run_span(block_denoiser(self.block, cache, layout), s.z.to(self.device)[None], grid, span, self.table)
+        pooled = None
+        if s.readout == "pool":  # the same sum, in the same order, as sampler.pool
+            own = log_probs(context_logits(self.block, cache, layout))[0]
+            pooled = own if s.pool is None else s.pool.to(self.device) + own
         if logits is None:
             assert self.next is not None
-            result = self.next.forward(dataclasses.replace(s, z=z[0].cpu()))
+            result = self.next.forward(dataclasses.replace(s, z=z[0].cpu(), pool=None if pooled is None else pooled.cpu()))
             result.route.insert(0, self.name)
             return result
+        if pooled is not None:
+            logits = ((pooled + log_probs(logits[0])) / (self.n_blocks + 1))[None]
         ids = sample_bytes(logits[0], s.temperature, generator("gen-sample", s.seed, s.segment))
         return SegmentResult(new_bytes=bytes(ids.tolist()), logits=logits[0].cpu() if s.want_logits else None,
                              route=[self.name])

@@ -15,7 +15,7 @@ class StateTensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SegmentRequest(_message.Message):
-    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits")
+    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class SegmentRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     Z_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    READOUT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: bytes
     segment: int
@@ -34,7 +36,9 @@ class SegmentRequest(_message.Message):
     temperature: float
     z: StateTensor
     want_logits: bool
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+    readout: str
+    pool: StateTensor
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
     __slots__ = ("new_bytes", "logits", "route")
@@ -75,7 +79,7 @@ class ARReply(_message.Message):
     def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits")
+    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_BYTES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    READOUT_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     n_bytes: int
     k: int
@@ -90,7 +95,8 @@ class GenerateRequest(_message.Message):
     seed: int
     temperature: float
     want_logits: bool
-    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+    readout: str
+    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("new_bytes", "traversals", "logits", "route")

@@ -58,10 +58,10 @@ def local(trained, prompt, **kw):
     return list(generate(local_chain(blocks, torch.device("cpu")), cfg, 3, prompt, **kw))
 
 
-@pytest.mark.parametrize("k,temperature", [(8, 0.0), (1, 0.9)])
-def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k, temperature):
+@pytest.mark.parametrize("k,temperature,readout", [(8, 0.0, "pool"), (1, 0.9, "pool"), (8, 0.9, "last")])
+def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k, temperature, readout):
     c = chain(trained, tmp_path, processes)
-    kw = dict(n_bytes=20, k=k, n_steps=7, seed=4, temperature=temperature, want_logits=True)
+    kw = dict(n_bytes=20, k=k, n_steps=7, seed=4, temperature=temperature, want_logits=True, readout=readout)
     remote = list(generate_remote(c["entry"], b"Hello there", **kw))
     ref = local(trained, b"Hello there", **kw)
     assert b"".join(r.new_bytes for r in remote) == b"".join(r.new_bytes for r in ref)  # bit-identical bytes
@@ -120,6 +120,8 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
         list(generate_remote(c["entry"], b"hi", n_bytes=8, k=4))
     with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks"):
         list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, n_steps=2))
+    with pytest.raises(InputError, match="readout must be one of"):
+        list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, readout="mean"))
     # a malformed state tensor sent straight to the middle stage
     channel = grpc.insecure_channel(_address(tmp_path, "b1-main"))
     stub = pb_grpc.StageStub(channel)
@@ -129,7 +131,17 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
         with pytest.raises(grpc.RpcError) as err:
             stub.Forward(pb.SegmentRequest(z=z, **good), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert stub.Forward(pb.SegmentRequest(z=tensor_to_pb(torch.zeros(8, 32)), **good), timeout=10).new_bytes
+    zero = tensor_to_pb(torch.zeros(8, 32))
+    # the pooled readout's accumulator: missing, misshapen, or above certainty (log-prob > 0)
+    for extra in (dict(readout="pool"), dict(readout="pool", pool=tensor_to_pb(torch.zeros(8, 7))),
+                  dict(readout="pool", pool=tensor_to_pb(torch.full((8, 256), 3.0))),
+                  dict(readout="last", pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout="mean")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Forward(pb.SegmentRequest(z=zero, **good, **extra), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, extra
+    assert stub.Forward(pb.SegmentRequest(z=zero, **good), timeout=10).new_bytes
+    assert stub.Forward(pb.SegmentRequest(z=zero, readout="pool", pool=tensor_to_pb(torch.full((8, 256), -5.5)),
+                                          **good), timeout=10).new_bytes
     channel.close()
     with pytest.raises(InputError, match="not the first stage"):
         list(generate_remote(_address(tmp_path, "b1-main"), b"hi", n_bytes=8, k=8))

@@ -1,16 +1,18 @@
 """The one-sweep sampler: Euler on expected embeddings, routed by index, every block called."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from btnode.errors import InputError
+from btnode.errors import InputError, MalformedInput
 from btnode.model.block import DiffusionBlock
 from btnode.model.layout import generation_layout
 from btnode.model.noise import sigma_grid
-from btnode.model.sampler import run_span, spans, sweep
+from btnode.model.sampler import context_logits, pool, run_span, spans, sweep
 from btnode.model.targets import target_table
 from btnode.serve.driver import generate as drive
-from btnode.serve.stages import initial_state, local_chain
+from btnode.serve.stages import SegmentState, initial_state, local_chain
 
 
 def test_oracle_denoiser_lands_each_euler_step_on_the_noised_target(tiny_cfg):
@@ -78,18 +80,56 @@ def test_generate_is_seeded_and_checks_its_request(tiny_cfg):
         generate(blocks, b"hi", seed=0, **{**kw, "n_steps": 2})
 
 
-def test_the_stage_chain_equals_the_plain_sweep(tiny_cfg):
-    """Stages running their spans one after another give exactly the sweep's logits and bytes."""
+@pytest.mark.parametrize("readout", ["last", "pool"])
+def test_the_stage_chain_equals_the_plain_sweep(tiny_cfg, readout):
+    """Stages running their spans one after another give exactly the sweep's logits and bytes,
+    pooled readout included (each stage adds its block's term to what the previous one sent)."""
     torch.manual_seed(1)
     blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
     prompt, k, n_steps, seed = b"a prompt", 8, 7, 11
     first = local_chain(blocks, torch.device("cpu"))
     res = next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=8, k=k, n_steps=n_steps, seed=seed, temperature=0.0,
-                          want_logits=True)))
+                          want_logits=True, readout=readout)))
     grid = sigma_grid(tiny_cfg, n_steps)
     x = torch.tensor(list(prompt))[None]
     z = initial_state(tiny_cfg, seed, 0, k, n_steps)[None]
     logits = sweep(blocks, [b.encode_context(x) for b in blocks], z, grid, generation_layout(len(prompt), k),
-                   target_table(tiny_cfg))[0]
+                   target_table(tiny_cfg), readout=readout)[0]
     assert torch.equal(res.logits, logits) and res.new_bytes == bytes(logits.argmax(-1).tolist())
     assert res.route == ["block-0", "block-1", "block-2"]
+
+
+def test_pooled_readout_is_the_mean_log_probability_of_the_context_readouts_and_the_last(tiny_cfg):
+    torch.manual_seed(2)
+    blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
+    x = torch.randint(0, 256, (2, 6))
+    caches = [b.encode_context(x) for b in blocks]
+    layout = generation_layout(6, 8)
+    grid = sigma_grid(tiny_cfg, 7)
+    z = grid[0] * torch.randn(2, 8, tiny_cfg.d_model)
+    table = target_table(tiny_cfg)
+    last = sweep(blocks, caches, z, grid, layout, table, readout="last")
+    ctx = [context_logits(b, c, layout) for b, c in zip(blocks, caches)]
+    pooled = sweep(blocks, caches, z, grid, layout, table, readout="pool")
+    want = torch.stack([torch.log_softmax(t, -1) for t in (*ctx, last)]).mean(0)
+    assert torch.allclose(pooled, want, atol=1e-5) and torch.equal(pooled, pool([*ctx, last]))
+    # the context readout never sees the noise: another z, the same readout
+    assert torch.equal(ctx[0], context_logits(blocks[0], caches[0], layout))
+    with pytest.raises(ValueError, match="readout must be one of"):
+        sweep(blocks, caches, z, grid, layout, table, readout="mean")
+
+
+def test_a_stage_refuses_a_pooled_state_it_cannot_trust(tiny_cfg):
+    blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
+    second = local_chain(blocks, torch.device("cpu")).next
+    base = SegmentState(request_id="r", context=b"hi", segment=0, k=8, n_steps=7, seed=0, temperature=0.0,
+                        z=torch.zeros(8, tiny_cfg.d_model), readout="pool")
+    for pooled, match in ((None, "missing"), (torch.zeros(8, 3), "expected float32"),
+                          (torch.full((8, 256), float("nan")), "finite"), (torch.full((8, 256), 2.0), "finite")):
+        with pytest.raises(MalformedInput, match=match):
+            second.forward(dataclasses.replace(base, pool=pooled))
+    with pytest.raises(MalformedInput, match="unexpected"):
+        second.forward(dataclasses.replace(base, readout="last", pool=torch.zeros(8, 256)))
+    with pytest.raises(InputError, match="readout must be one of"):
+        second.forward(dataclasses.replace(base, readout="avg"))
+    assert len(second.forward(dataclasses.replace(base, pool=torch.full((8, 256), -5.5))).new_bytes) == 8
