@@ -52,6 +52,19 @@ def test_eval_reports_sce_per_k(trained, tmp_path):
     res = json.loads(out.read_text())
     assert set(res["per_k"]) == {"1", "8"} and res["per_k"]["8"]["positions"] == 4 * 16
     assert 0 < res["per_k"]["1"]["sce2"] < 10
+    # composition beside every chain number: each block alone, the best one, and the difference
+    assert [a["block"] for a in res["alone"]] == [0, 1, 2] and res["readout"] == "pool"
+    best = min(res["alone"], key=lambda a: a["best"])
+    assert res["best_block"] == {"block": best["block"], "ce": best["best"]}
+    assert all(a["best"] == min(a["noise_sce2"], a["context"]) for a in res["alone"])
+    assert res["chain_minus_best_block"] == pytest.approx(res["per_k"]["1"]["sce2"] - best["best"])
+    assert "its best block (block" in p.stdout
+    run("eval", "--checkpoint", str(trained), "--windows", "4", "--seeds", "2", "--readout", "last", "--no-alone",
+        "--json", str(out))
+    last = json.loads(out.read_text())
+    assert "alone" not in last and last["per_k"]["1"]["sce2"] != res["per_k"]["1"]["sce2"]
+    fails("eval", "--checkpoint", str(trained), "--readout", "mean", match="--readout must be one of")
+    fails("eval", "--checkpoint", str(trained), "--version", "1", match="needs an aggregator state folder")
 
 
 def test_generate_prints_the_requested_bytes(trained):
@@ -141,4 +154,25 @@ def test_simulate_reports_ce_and_participation(tmp_path):
     assert res["attempts"] == 3 * 3 * 2 and 0 < res["absent"] < res["attempts"]
     assert res["ce"] > 0 and res["ce_init"] > 0
     fails("simulate", "--participation", "1.5", *TINY, match="participation")
+
+
+def test_simulate_keeps_versions_that_eval_reads_back(tmp_path):
+    """A learning curve from one swarm run: --keep holds every version, eval --version scores each."""
+    state = tmp_path / "state"
+    run("simulate", "--rounds", "3", "--steps-per-round", "2", "--eval-windows", "4", "--state-dir", str(state),
+        "--keep", "10", *TINY)
+    scores = {}
+    for v in (1, 3):
+        out = tmp_path / f"v{v}.json"
+        run("eval", "--checkpoint", str(state), "--version", str(v), "--windows", "4", "--seeds", "1",
+            "--segments", "1", "--no-alone", "--json", str(out))
+        res = json.loads(out.read_text())
+        scores[v] = res["per_k"]["1"]["sce1"]
+        assert res["version"] == v
+    assert scores[1] != scores[3]  # two different models were read
+    newest = tmp_path / "newest.json"
+    run("eval", "--checkpoint", str(state), "--windows", "4", "--seeds", "1", "--segments", "1", "--no-alone",
+        "--json", str(newest))
+    assert json.loads(newest.read_text())["per_k"]["1"]["sce1"] == scores[3]
+    fails("eval", "--checkpoint", str(state), "--version", "7", match="holds no version 7")
     fails("simulate", "--delay-dist", "pareto", *TINY, match="delay distribution")

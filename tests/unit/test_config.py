@@ -32,3 +32,15 @@ def test_roundtrip_through_dict():
     cfg = ModelConfig(segments=(16, 1, 4))
     assert cfg.segments == (1, 4, 16)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_k_mix_and_context_share_settings():
+    from btnode.train.config import TrainConfig
+
+    assert TrainConfig(k1_share=0.9).segment_weights((1, 16)) == [0.9, pytest.approx(0.1)]
+    assert TrainConfig(k1_share=0.7).segment_weights((1, 4, 16)) == [0.7, pytest.approx(0.15), pytest.approx(0.15)]
+    assert TrainConfig(k1_share=None).segment_weights((1, 16)) == [1.0, 1.0]
+    assert TrainConfig(k1_share=0.5).segment_weights((1,)) == [1.0]
+    for bad in (dict(k1_share=1.5), dict(k1_share=-0.1), dict(ctx_share=1.0), dict(ctx_share=-0.5)):
+        with pytest.raises(ConfigError):
+            TrainConfig(**bad)

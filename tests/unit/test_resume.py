@@ -50,3 +50,49 @@ def test_blocks_train_independently(tmp_path, tiny_cfg):
     a = load_block(tmp_path / "all", 1).model.state_dict()
     b = load_block(tmp_path / "one", 1).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Seen(Exception):
+    pass
+
+
+def _draws(tiny_cfg, tc, monkeypatch, n=400):
+    """(K, rows trained as the null state) of each of n steps' batches, without training."""
+    from btnode.model.targets import target_table
+    from btnode.store.models import init_block
+    from btnode.train import trainers
+
+    seen = []
+    from btnode.model.layout import window_layout as real
+
+    def layout(n_, k, phase):
+        seen.append([k])
+        return real(n_, k, phase)
+
+    monkeypatch.setattr(trainers, "window_layout", layout)
+
+    def model(ctx, z, sigma, layout):
+        seen[-1].append(int((z.abs().sum((1, 2)) == 0).sum()))
+        raise _Seen
+
+    tr = trainers.BlockTrainer(init_block(tiny_cfg, 0, 0), tc, block=0, table=target_table(tiny_cfg),
+                               device=torch.device("cpu"))
+    tr.model.forward = model  # records the batch, then stops the step before any update
+    x = torch.randint(0, 256, (8, tiny_cfg.context + 1))
+    for step in range(n):
+        tr.step = step
+        try:
+            tr.train_step(x, 0)
+        except _Seen:
+            pass
+    return seen
+
+
+def test_the_k_mix_and_the_null_state_share_are_what_the_config_asks(tiny_cfg, monkeypatch):
+    seen = _draws(tiny_cfg, TrainConfig(batch=8, k1_share=0.8, ctx_share=0.25), monkeypatch)
+    ks = [k for k, _ in seen]
+    assert 0.72 < ks.count(1) / len(ks) < 0.88 and ks.count(8) and ks.count(16)  # 0.8 / 0.1 / 0.1
+    assert 0.2 < sum(z for _, z in seen) / (8 * len(seen)) < 0.3
+    assert seen == _draws(tiny_cfg, TrainConfig(batch=8, k1_share=0.8, ctx_share=0.25), monkeypatch)  # seeded
+    plain = _draws(tiny_cfg, TrainConfig(batch=8, k1_share=None, ctx_share=0.0), monkeypatch)
+    assert all(z == 0 for _, z in plain) and 0.25 < [k for k, _ in plain].count(1) / len(plain) < 0.42

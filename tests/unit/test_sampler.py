@@ -133,3 +133,32 @@ def test_a_stage_refuses_a_pooled_state_it_cannot_trust(tiny_cfg):
     with pytest.raises(InputError, match="readout must be one of"):
         second.forward(dataclasses.replace(base, readout="avg"))
     assert len(second.forward(dataclasses.replace(base, pool=torch.full((8, 256), -5.5))).new_bytes) == 8
+
+
+def test_blocks_alone_reads_each_block_on_the_chains_rows(tiny_cfg):
+    """Block b alone: the noise reading averages probabilities over seeds of one evaluation at σ_hi,
+    the context reading is the CE of its z = 0 readout; both independent of batching and of the
+    other blocks."""
+    from btnode.evaluation.metrics import _noise, blocks_alone
+    from btnode.model.layout import eval_layout
+
+    torch.manual_seed(3)
+    blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
+    w = torch.randint(0, 256, (5, tiny_cfg.context + 1))
+    reads = blocks_alone(blocks, w, seeds=[0, 1], device=torch.device("cpu"), batch=2)
+    assert [r.block for r in reads] == [0, 1, 2]
+    assert reads == blocks_alone(blocks, w, seeds=[0, 1], device=torch.device("cpu"), batch=64)
+    assert blocks_alone(blocks[1:2], w, seeds=[0, 1], device=torch.device("cpu"))[0].noise == pytest.approx(reads[1].noise)
+    layout = eval_layout(tiny_cfg.context, 1)
+    b = blocks[2]
+    cache = b.encode_context(w[:, :-1])
+    tgt = w[:, 1:][:, layout.positions]
+    sigma = torch.full((5,), tiny_cfg.sigma_hi)
+    q = sum(torch.softmax(b.denoise(tiny_cfg.sigma_hi * _noise(s, torch.arange(5), len(layout.positions),
+                                                                tiny_cfg.d_model), sigma, cache, layout).double(), -1)
+            for s in (0, 1)) / 2
+    want = -torch.log(q.gather(-1, tgt[..., None])).mean()
+    assert reads[2].noise == pytest.approx(float(want), rel=1e-9)
+    ctx = torch.log_softmax(context_logits(b, cache, layout).double(), -1).gather(-1, tgt[..., None])
+    assert reads[2].context == pytest.approx(-float(ctx.mean()), rel=1e-9)
+    assert reads[2].best == min(reads[2].noise, reads[2].context)
