@@ -135,6 +135,7 @@ def test_a_stage_refuses_a_pooled_state_it_cannot_trust(tiny_cfg):
     assert len(second.forward(dataclasses.replace(base, pool=torch.full((8, 256), -5.5))).new_bytes) == 8
 
 
+@torch.no_grad()
 def test_blocks_alone_reads_each_block_on_the_chains_rows(tiny_cfg):
     """Block b alone: the noise reading averages probabilities over seeds of one evaluation at σ_hi,
     the context reading is the CE of its z = 0 readout; both independent of batching and of the
