@@ -125,13 +125,22 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
     points, wall, rss = [], 0.0, 0.0
     for i, div in enumerate(fractions):
         stop = max(1, steps // div)
+        done = out / f"stage-{stop}.json"
+        if args.reuse and done.exists():  # a stage trained and scored before an interruption
+            point = json.loads(done.read_text())
+            wall, rss = wall + point["wall_s"], max(rss, point["max_rss_mb"])
+            points.append(point)
+            print(f"[quality] {name}: reusing stage {stop}/{steps}", flush=True)
+            continue
         cmd = [*base, "--out", str(out), "--steps", str(steps), "--stop-after", str(stop), "--batch", str(BATCH),
                "--lr", str(LR), "--warmup", str(warmup), "--checkpoint-every", str(steps), "--log-every",
                str(max(1, steps // 10)), *SHAPE, *(["--resume"] if i else [])]
         m = measure(cmd)
         wall, rss = wall + m.wall_s, max(rss, m.max_rss_mb)
         ev = evaluate(out, out / f"eval-{stop}.json", args, k1_only=div != 1)
-        points.append({"steps": stop, "budget_s": stop * per_step, "eval": ev})
+        points.append({"steps": stop, "budget_s": stop * per_step, "eval": ev, "wall_s": m.wall_s,
+                       "max_rss_mb": m.max_rss_mb})
+        done.write_text(json.dumps(points[-1], indent=1))
         print(f"[quality] {name}: {stop}/{steps} steps ({stop * per_step:.0f} s per worker), "
               f"{headline(ev, args.seeds):.4f} nats/byte", flush=True)
     run = {"steps": steps, "per_step_s": per_step, "wall_s": wall, "max_rss_mb": rss, "points": points,
@@ -182,8 +191,15 @@ def headline(ev: dict, seeds: int) -> float:
 def run_default(args: argparse.Namespace) -> None:
     B, L = CFG.n_blocks, CFG.n_layers
     ar_total, ar_block = f"ar{B * L}", f"ar{L}"
-    t_block = step_seconds("blocks") / B  # one block's step, measured with all B side by side
-    t_ar = {ar_total: step_seconds(ar_total), ar_block: step_seconds(ar_block)}
+    calib = args.out / "calibration.json"  # kept, so that a resumed run (--reuse) keeps its step counts
+    if args.reuse and calib.exists():
+        saved_times = json.loads(calib.read_text())
+        t_block, t_ar = saved_times["block"], saved_times["ar"]
+    else:
+        t_block = step_seconds("blocks") / B  # one block's step, measured with all B side by side
+        t_ar = {ar_total: step_seconds(ar_total), ar_block: step_seconds(ar_block)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        calib.write_text(json.dumps({"block": t_block, "ar": t_ar}, indent=1))
     print(f"[quality] step times: block {t_block:.3f} s, {ar_total} {t_ar[ar_total]:.3f} s, "
           f"{ar_block} {t_ar[ar_block]:.3f} s", flush=True)
     T, Ts = args.budget, args.swarm_budget
