@@ -96,6 +96,9 @@ class AggregatorLink(Protocol):
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 
+    def cancel_watches(self, worker_id: str) -> None:
+        """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""
+
     def close(self) -> None: ...
 
 

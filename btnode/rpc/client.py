@@ -27,7 +27,7 @@ class SwarmClient:
         self.timeout_s = timeout_s
         self.channel = channel(address, CHANNEL_OPTIONS, security)
         self.stub = pb_grpc.SwarmStub(self.channel)
-        self._watches: list[grpc.Future] = []
+        self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
@@ -96,15 +96,15 @@ class SwarmClient:
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""
         call = self.stub.Watch(pb.WatchRequest(block=block, worker_id=worker_id))
-        self._watches.append(call)
+        self._watches.append((worker_id, call))
         try:
             for msg in call:
                 yield convert.info_from_pb(msg)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"watch at {self.address}") from None
         finally:
-            if call in self._watches:
-                self._watches.remove(call)
+            if (worker_id, call) in self._watches:
+                self._watches.remove((worker_id, call))
 
     def status(self) -> pb.StatusReply:
         return self._call("status", self.stub.Status, pb.StatusRequest())
@@ -132,9 +132,13 @@ class SwarmClient:
             "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
         }
 
+    def cancel_watches(self, worker_id: str | None = None) -> None:
+        for wid, call in list(self._watches):
+            if worker_id is None or wid == worker_id:
+                call.cancel()
+
     def close(self) -> None:
-        for call in list(self._watches):
-            call.cancel()
+        self.cancel_watches()
         self.channel.close()
 
 

@@ -21,6 +21,7 @@ Spec = Mapping[str, tuple[int, ...]]
 class LocalLink:
     def __init__(self, agg: SwarmAggregator):
         self.agg = agg
+        self._ended: set[str] = set()  # workers whose watch streams were cancelled
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
         return self.agg.join(worker_id, block, fingerprint, config_json)
@@ -45,11 +46,15 @@ class LocalLink:
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         agg = self.agg.block(block)
         seen = -1
-        while True:
+        self._ended.discard(worker_id)
+        while worker_id not in self._ended:
             info = agg.wait_for(seen, timeout=1.0)
             if info is not None:
                 seen = info.version
                 yield info
+
+    def cancel_watches(self, worker_id: str) -> None:
+        self._ended.add(worker_id)  # its watch loop returns within a second
 
     def close(self) -> None:
         pass

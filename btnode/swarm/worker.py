@@ -173,6 +173,8 @@ class BlockWorker:
                         return
                 streams += 1
             except PeerUnavailable as exc:
+                if stop.is_set():  # cancelled by run() on the way out
+                    return
                 streams += 1
                 log.warning("watch stream lost (%s); reconnecting", exc)
             except BaseException as exc:  # noqa: BLE001 - handed to the main loop
@@ -408,4 +410,8 @@ class BlockWorker:
                 self.link.leave(w.worker_id, w.block)
             except BtnodeError:
                 pass
+            # End the watch stream and wait for its thread: a daemon thread still inside gRPC when
+            # the interpreter exits aborts the process ("terminate called without an active exception").
+            self.link.cancel_watches(w.worker_id)
+            watcher.join(timeout=10.0)
         return self.stats
