@@ -51,7 +51,7 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
                    f"on {len(w)} windows (unigram entropy {result['unigram']:.4f})")
     else:
         cfg, blocks = load_blocks(checkpoint, version)
-        blocks = [b.to(dev) for b in blocks]
+        blocks = [b.to(dev) for b in blocks[:cfg.n_blocks]]  # scoring never runs the tail blocks
         ks = parse_ints(segments, "--segments") if segments else cfg.segments
         bad = [k for k in ks if k not in cfg.segments]
         if bad:

@@ -133,8 +133,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
     if block is None or peer is None:
         raise ConfigError("a worker needs --block and --peer")
-    if not 0 <= block < cfg.n_blocks:
-        raise ConfigError(f"--block {block} out of range for {cfg.n_blocks} blocks")
+    if not 0 <= block < cfg.total_blocks:
+        raise ConfigError(f"--block {block} out of range for {cfg.total_blocks} blocks")
     wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     total = schedule_steps or (rounds * steps_per_round if rounds else 100_000)
     tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed,

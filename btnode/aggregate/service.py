@@ -29,9 +29,9 @@ class SwarmAggregator:
         self.cfg = cfg
         self.acfg = acfg
         self.fingerprint = cfg.fingerprint()
-        owned = sorted(set(range(cfg.n_blocks) if blocks is None else blocks))
-        if not owned or any(not 0 <= b < cfg.n_blocks for b in owned):
-            raise ConfigError(f"blocks {owned} out of range for n_blocks={cfg.n_blocks}")
+        owned = sorted(set(range(cfg.total_blocks) if blocks is None else blocks))
+        if not owned or any(not 0 <= b < cfg.total_blocks for b in owned):
+            raise ConfigError(f"blocks {owned} out of range for {cfg.total_blocks} blocks")
         state_dir.mkdir(parents=True, exist_ok=True)
         self._check_state_dir(state_dir)
         self.blocks = {b: BlockAggregator(b, init_block(cfg, b, seed).state_dict(),

@@ -18,6 +18,9 @@ from btnode.errors import ConfigError, ConfigMismatchError
 FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code changes
 
 
+_TAIL_FIELDS = ("tail_blocks", "sigma_gen")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 256  # byte-level: one class per byte value
@@ -35,6 +38,19 @@ class ModelConfig:
     sigma_data: float = 0.5  # EDM's σ_d, used by c_in and the loss weight λ(σ)
     target_seed: int = 0  # seed of the fixed unit-norm target table E
     segments: tuple[int, ...] = field(default=(1, 16))  # segment lengths K trained (and servable)
+    # Tail blocks (issue #11): blocks B … B+T−1 train on [sigma_gen, sigma_lo], below the scoring chain's
+    # last noise level, so that generation can continue past σ_lo and commit a segment jointly. They are
+    # ordinary blocks (own σ interval, own workers and stage); K = 1 scoring never runs them.
+    tail_blocks: int = 0
+    sigma_gen: float = 0.1
+
+    @property
+    def total_blocks(self) -> int:
+        """Every block a swarm trains: the B scoring blocks and the T tail blocks."""
+        return self.n_blocks + self.tail_blocks
+
+    def is_tail(self, block: int) -> bool:
+        return self.n_blocks <= block < self.total_blocks
 
     def __post_init__(self) -> None:
         problems = []
@@ -48,6 +64,8 @@ class ModelConfig:
             problems.append(f"context must be ≥ 2 bytes, got {self.context}")
         if not 0 < self.sigma_lo < self.sigma_hi:
             problems.append(f"need 0 < sigma_lo < sigma_hi, got {self.sigma_lo}, {self.sigma_hi}")
+        if self.tail_blocks < 0 or (self.tail_blocks and not 0 < self.sigma_gen < self.sigma_lo):
+            problems.append(f"need tail_blocks ≥ 0 and 0 < sigma_gen < sigma_lo, got {self.tail_blocks}, {self.sigma_gen}")
         if self.p_std <= 0 or self.gamma < 0 or self.sigma_data <= 0:
             problems.append("p_std and sigma_data must be > 0 and gamma ≥ 0")
         segs = tuple(self.segments)
@@ -66,6 +84,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["segments"] = list(self.segments)
+        if self.tail_blocks == 0:  # a model without a tail keeps the fingerprint it had before tails existed
+            for name in _TAIL_FIELDS:
+                del d[name]
         return d
 
     @classmethod
@@ -87,7 +108,7 @@ class ModelConfig:
 
     def diff(self, other: ModelConfig) -> list[tuple[str, object, object]]:
         """(field, ours, theirs) for every swarm-wide field that differs."""
-        a, b = self.to_dict(), other.to_dict()
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
         return [(k, a[k], b[k]) for k in a if a[k] != b[k]]
 
     def require_same(self, other: ModelConfig, what: str) -> None:

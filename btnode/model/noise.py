@@ -38,14 +38,33 @@ def partition(cfg: ModelConfig) -> list[float]:
     return [cfg.sigma_hi, *inner, cfg.sigma_lo]  # exact ends, no round-trip error
 
 
+def _span_q_fraction(cfg: ModelConfig, top: float, bottom: float, frac: float) -> float:
+    q_top, q_bottom = _q(cfg, top), _q(cfg, bottom)
+    return q_top - frac * (q_top - q_bottom)
+
+
+def tail_partition(cfg: ModelConfig) -> list[float]:
+    """Boundaries of the tail blocks, σ_lo = t_0 > t_1 > … > t_T = σ_gen (equal training mass each);
+    tail block j (block B + j) owns [t_{j+1}, t_j]. Empty without a tail."""
+    T = cfg.tail_blocks
+    if T == 0:
+        return []
+    inner = [_sigma_at(cfg, _span_q_fraction(cfg, cfg.sigma_lo, cfg.sigma_gen, k / T)) for k in range(1, T)]
+    return [cfg.sigma_lo, *inner, cfg.sigma_gen]
+
+
 def train_interval(cfg: ModelConfig, block: int) -> tuple[float, float]:
-    """(lo, hi) of the σ values block `block` trains on: its cell widened by α_b = (s_b/s_{b+1})^γ."""
-    if not 0 <= block < cfg.n_blocks:
-        raise ValueError(f"block {block} out of range for {cfg.n_blocks} blocks")
-    s = partition(cfg)
-    hi, lo = s[block], s[block + 1]
+    """(lo, hi) of the σ values block `block` trains on: its cell widened by α_b = (s_b/s_{b+1})^γ.
+    Scoring blocks stay inside [σ_lo, σ_hi]; tail blocks inside [σ_gen, σ_lo]."""
+    if not 0 <= block < cfg.total_blocks:
+        raise ValueError(f"block {block} out of range for {cfg.total_blocks} blocks")
+    if cfg.is_tail(block):
+        s, j, floor, ceil = tail_partition(cfg), block - cfg.n_blocks, cfg.sigma_gen, cfg.sigma_lo
+    else:
+        s, j, floor, ceil = partition(cfg), block, cfg.sigma_lo, cfg.sigma_hi
+    hi, lo = s[j], s[j + 1]
     alpha = (hi / lo) ** cfg.gamma
-    return max(cfg.sigma_lo, lo / alpha), min(cfg.sigma_hi, hi * alpha)
+    return max(floor, lo / alpha), min(ceil, hi * alpha)
 
 
 def sample_sigma(cfg: ModelConfig, block: int, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -78,6 +97,30 @@ def sigma_grid(cfg: ModelConfig, n_steps: int) -> list[float]:
         raise ValueError(f"the sampler needs at least 2 grid points, got {n_steps}")
     inner = [_sigma_at(cfg, _q_at_fraction(cfg, i / (n_steps - 1))) for i in range(1, n_steps - 1)]
     return [cfg.sigma_hi, *inner, cfg.sigma_lo]
+
+
+def tail_grid(cfg: ModelConfig, n_tail: int) -> list[float]:
+    """The n_tail grid points generation adds below σ_lo, equally spaced in Φ-space down to σ_gen
+    (σ_lo itself is the scoring chain's last point and is not repeated)."""
+    if n_tail < 0 or (n_tail and not cfg.tail_blocks):
+        raise ValueError(f"{n_tail} tail steps for a model with {cfg.tail_blocks} tail blocks")
+    inner = [_sigma_at(cfg, _span_q_fraction(cfg, cfg.sigma_lo, cfg.sigma_gen, i / n_tail)) for i in range(1, n_tail)]
+    return [*inner, cfg.sigma_gen] if n_tail else []
+
+
+def generation_grid(cfg: ModelConfig, n_steps: int, n_tail: int = 0) -> list[float]:
+    """The scoring grid (n_steps points, σ_hi … σ_lo) followed by n_tail points below σ_lo."""
+    return sigma_grid(cfg, n_steps) + tail_grid(cfg, n_tail)
+
+
+def generation_route(cfg: ModelConfig, n_steps: int, n_tail: int = 0) -> list[int]:
+    """Owner of every point of `generation_grid`: the scoring route, then the tail blocks' route."""
+    owners = route(cfg.n_blocks, n_steps)
+    if n_tail:
+        if n_tail < cfg.tail_blocks:
+            raise ValueError(f"{n_tail} tail steps cannot visit all {cfg.tail_blocks} tail blocks")
+        owners += [cfg.n_blocks + min(cfg.tail_blocks - 1, (i * cfg.tail_blocks) // n_tail) for i in range(n_tail)]
+    return owners
 
 
 def route(n_blocks: int, n_steps: int) -> list[int]:

@@ -13,7 +13,8 @@ import torch
 
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.layout import Layout
-from btnode.model.noise import route
+from btnode.model.config import ModelConfig
+from btnode.model.noise import generation_grid, generation_route, route
 
 Denoiser = Callable[[torch.Tensor, float], torch.Tensor]  # (z, σ) → logits
 READOUTS = ("pool", "last")  # the first is the default; see `sweep`
@@ -43,8 +44,18 @@ def run_span(denoise: Denoiser, z: torch.Tensor, grid: Sequence[float], steps: S
 
 def spans(n_blocks: int, n_steps: int) -> list[list[int]]:
     """The grid indices each block runs, in chain order: spans(3, 7) = [[0, 1], [2, 3], [4, 5, 6]]."""
-    owner = route(n_blocks, n_steps)
-    return [[i for i, b in enumerate(owner) if b == block] for block in range(n_blocks)]
+    return spans_of(route(n_blocks, n_steps))
+
+
+def spans_of(owner: Sequence[int]) -> list[list[int]]:
+    """Grid indices per block from the owner of every grid point (blocks 0 … max owner)."""
+    return [[i for i, b in enumerate(owner) if b == block] for block in range(max(owner) + 1)]
+
+
+def generation_spans(cfg: ModelConfig, n_steps: int, n_tail: int = 0) -> list[list[int]]:
+    """The grid indices each block of a generation sweep runs: the scoring blocks' spans, then
+    (with n_tail > 0) the tail blocks' spans over the points below σ_lo."""
+    return spans_of(generation_route(cfg, n_steps, n_tail))
 
 
 def block_denoiser(block: DiffusionBlock, cache: ContextCache, layout: Layout) -> Denoiser:
@@ -110,4 +121,22 @@ def sweep(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: t
     assert logits is not None, "the last block must evaluate the last grid point"
     if readout == "pool":
         return pool([*(context_logits(b, c, layout) for b, c in zip(blocks, caches)), logits])
+    return logits
+
+
+@torch.no_grad()
+def generation_sweep(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: torch.Tensor,
+                     n_steps: int, n_tail: int, layout: Layout, table: torch.Tensor) -> torch.Tensor:
+    """A sweep that continues below σ_lo through the tail blocks (blocks[B:]) and returns the last
+    evaluation at σ_gen: the joint sample of a segment. No pooling: the pooled readout averages
+    per-position context marginals, which is what the tail exists to go beyond."""
+    cfg = blocks[0].cfg
+    grid = generation_grid(cfg, n_steps, n_tail)
+    parts = generation_spans(cfg, n_steps, n_tail)
+    if len(blocks) != len(parts):
+        raise ValueError(f"a sweep with {n_tail} tail steps runs {len(parts)} blocks, got {len(blocks)}")
+    logits = None
+    for block, cache, span in zip(blocks, caches, parts):
+        z, logits = run_span(block_denoiser(block, cache, layout), z, grid, span, table)
+    assert logits is not None
     return logits

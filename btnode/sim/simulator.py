@@ -104,7 +104,7 @@ class Simulation:
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now)
         self.link = LocalLink(self.agg)
         self.replicas: list[Replica] = []
-        for b, r in itertools.product(range(cfg.n_blocks), range(scfg.replicas)):
+        for b, r in itertools.product(range(cfg.total_blocks), range(scfg.replicas)):
             wid = f"b{b}r{r}"
             wcfg = WorkerConfig(worker_id=wid, block=b, steps_per_round=scfg.steps_per_round, codec=scfg.codec,
                                 train_while_waiting=scfg.train_while_waiting,

@@ -95,8 +95,9 @@ def load_block(folder: Path, block: int, expected: ModelConfig | None = None, wi
 
 
 def load_blocks(folder: Path, version: int | None = None) -> tuple[ModelConfig, list[DiffusionBlock]]:
-    """All B blocks of a run, checked to share one configuration: from a train-local folder, or
-    the newest complete versions (or version `version` of every block) in an aggregator's state folder."""
+    """All blocks of a run (the B scoring blocks, then any tail blocks), checked to share one
+    configuration: from a train-local folder, or the newest complete versions (or version `version`
+    of every block) in an aggregator's state folder. Scoring uses blocks[:cfg.n_blocks]."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     if (folder / RUN_FILE).exists():
@@ -105,14 +106,14 @@ def load_blocks(folder: Path, version: int | None = None) -> tuple[ModelConfig, 
         raise CheckpointError(f"{folder} is a train-local folder; --version needs an aggregator state folder")
     first = load_block(folder, 0)
     blocks = [first.model]
-    for b in range(1, first.cfg.n_blocks):
+    for b in range(1, first.cfg.total_blocks):
         blocks.append(load_block(folder, b, expected=first.cfg).model)
     return first.cfg, blocks  # type: ignore[return-value]
 
 
 def _load_newest_versions(folder: Path, version: int | None = None) -> tuple[ModelConfig, list[DiffusionBlock]]:
     cfg = _run_config(folder)
-    return cfg, [_newest_version(folder, cfg, b, version) for b in range(cfg.n_blocks)]
+    return cfg, [_newest_version(folder, cfg, b, version) for b in range(cfg.total_blocks)]
 
 
 def _newest_version(folder: Path, cfg: ModelConfig, b: int, version: int | None = None) -> DiffusionBlock:
@@ -137,8 +138,8 @@ def load_one_block(folder: Path, block: int) -> tuple[ModelConfig, DiffusionBloc
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     if (folder / RUN_FILE).exists():
         cfg = _run_config(folder)
-        if not 0 <= block < cfg.n_blocks:
-            raise CheckpointError(f"{folder} holds blocks 0…{cfg.n_blocks - 1}, not block {block}")
+        if not 0 <= block < cfg.total_blocks:
+            raise CheckpointError(f"{folder} holds blocks 0…{cfg.total_blocks - 1}, not block {block}")
         return cfg, _newest_version(folder, cfg, block)
     loaded = load_block(folder, block)
     return loaded.cfg, loaded.model  # type: ignore[return-value]

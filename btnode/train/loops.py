@@ -79,9 +79,9 @@ def _run(trainers: Sequence[tuple[str, _Trainer, int, dict[str, Any]]], sampler:
 def train_blocks(cfg: ModelConfig, tc: TrainConfig, corpus: bytes, folder: Path, *, device: torch.device,
                  blocks: Sequence[int] | None = None, resume: bool = False, checkpoint_every: int = 200,
                  stop_after: int | None = None, on_step: ProgressFn | None = None) -> None:
-    blocks = list(range(cfg.n_blocks)) if blocks is None else list(blocks)
-    if any(not 0 <= b < cfg.n_blocks for b in blocks):
-        raise ConfigError(f"blocks {blocks} out of range for n_blocks={cfg.n_blocks}")
+    blocks = list(range(cfg.total_blocks)) if blocks is None else list(blocks)
+    if any(not 0 <= b < cfg.total_blocks for b in blocks):
+        raise ConfigError(f"blocks {blocks} out of range for {cfg.total_blocks} blocks")
     sampler = WindowSampler(corpus, cfg.context)
     folder.mkdir(parents=True, exist_ok=True)
     table, meta = target_table(cfg), model_meta(cfg)

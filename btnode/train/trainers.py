@@ -67,21 +67,31 @@ class BlockTrainer(_Trainer):
         self.block = block
         self.table = table.to(device)
 
+    def segment_weights(self) -> list[float]:
+        """Sampling weight of each trained K. A tail block exists to commit multi-byte segments
+        jointly, and a K = 1 segment has nothing to commit jointly, so tail blocks train on K > 1
+        only (every K > 1 equally often); a model trained only on K = 1 trains its tail on K = 1."""
+        segs = self.cfg.segments
+        if self.cfg.is_tail(self.block) and len(segs) > 1:
+            return [0.0] + [1.0] * (len(segs) - 1)
+        return self.tc.segment_weights(segs)
+
     def train_step(self, x: torch.Tensor, worker: int) -> StepStats:
         """x: (B, N+1) byte windows."""
         cfg = self.cfg
         b, n = x.shape[0], x.shape[1] - 1
         g = generator("block-step", self.tc.seed, worker, self.block, self.step)
-        if self.tc.k1_share is None:  # the original draw, kept so that existing runs replay bit-exactly
+        tail = cfg.is_tail(self.block)
+        if self.tc.k1_share is None and not tail:  # the original draw, kept so that existing runs replay bit-exactly
             k = cfg.segments[int(torch.randint(len(cfg.segments), (), generator=g))]
         else:
-            weights = torch.tensor(self.tc.segment_weights(cfg.segments), dtype=torch.float64)
+            weights = torch.tensor(self.segment_weights(), dtype=torch.float64)
             k = cfg.segments[int(torch.multinomial(weights, 1, generator=g))]
         phase = int(torch.randint(k, (), generator=g))
         sigma = sample_sigma(cfg, self.block, b, g)
         eps = torch.randn(b, n, cfg.d_model, generator=g)
         keep = torch.ones(b)
-        if self.tc.ctx_share > 0:  # drawn only when used, so that runs without it replay bit-exactly
+        if self.tc.ctx_share > 0 and not tail:  # drawn only when used, so that runs without it replay bit-exactly
             null = torch.rand(b, generator=g) < self.tc.ctx_share
             sigma = torch.where(null, torch.tensor(cfg.sigma_hi), sigma)
             keep = (~null).float()

@@ -44,3 +44,22 @@ def test_k_mix_and_context_share_settings():
     for bad in (dict(k1_share=1.5), dict(k1_share=-0.1), dict(ctx_share=1.0), dict(ctx_share=-0.5)):
         with pytest.raises(ConfigError):
             TrainConfig(**bad)
+
+
+def test_a_model_without_tail_keeps_its_fingerprint_and_a_tail_changes_it():
+    # the fingerprint of a tail-less model is the one it had before tail blocks existed
+    assert ModelConfig().fingerprint() == ModelConfig(tail_blocks=0, sigma_gen=0.2).fingerprint()
+    assert "tail_blocks" not in ModelConfig().to_dict()
+    tailed = ModelConfig(tail_blocks=1)
+    assert tailed.fingerprint() != ModelConfig().fingerprint()
+    assert tailed.fingerprint() != ModelConfig(tail_blocks=1, sigma_gen=0.2).fingerprint()
+    assert ModelConfig.from_dict(tailed.to_dict()) == tailed
+    assert [f for f, _, _ in ModelConfig().diff(tailed)] == ["tail_blocks"]
+    assert tailed.total_blocks == 4 and tailed.is_tail(3) and not tailed.is_tail(2)
+
+
+@pytest.mark.parametrize("bad", [dict(tail_blocks=-1), dict(tail_blocks=1, sigma_gen=1.0),
+                                 dict(tail_blocks=1, sigma_gen=0.0)])
+def test_invalid_tails_are_refused(bad):
+    with pytest.raises(ConfigError):
+        ModelConfig(**bad)

@@ -72,3 +72,33 @@ def test_route_by_index_calls_every_block_in_order(n_blocks, n_steps):
 
 def test_route_for_three_blocks_seven_points():
     assert noise.route(3, 7) == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_tail_blocks_train_below_sigma_lo_with_equal_mass():
+    cfg = ModelConfig(n_blocks=3, tail_blocks=2, sigma_gen=0.1)
+    t = noise.tail_partition(cfg)
+    assert t[0] == cfg.sigma_lo and t[-1] == cfg.sigma_gen and t == sorted(t, reverse=True)
+    q = [noise._q(cfg, s) for s in t]
+    assert q[0] - q[1] == pytest.approx(q[1] - q[2], rel=1e-9)
+    lo3, hi3 = noise.train_interval(cfg, 3)
+    lo4, hi4 = noise.train_interval(cfg, 4)
+    assert hi3 == cfg.sigma_lo and lo4 == cfg.sigma_gen and lo3 < t[1] < hi4  # widened cells overlap
+    g = torch.Generator().manual_seed(0)
+    s = noise.sample_sigma(cfg, 4, 4096, g)
+    assert float(s.min()) >= lo4 - 1e-6 and float(s.max()) <= hi4 + 1e-6
+    with pytest.raises(ValueError):
+        noise.train_interval(cfg, 5)
+    assert noise.tail_partition(ModelConfig()) == []
+
+
+def test_generation_grid_continues_below_sigma_lo_and_routes_to_the_tail():
+    cfg = ModelConfig(n_blocks=3, tail_blocks=2, sigma_gen=0.1)
+    grid = noise.generation_grid(cfg, 7, 4)
+    assert grid[:7] == noise.sigma_grid(cfg, 7) and grid[-1] == cfg.sigma_gen and len(grid) == 11
+    assert grid == sorted(grid, reverse=True) and len(set(grid)) == len(grid)
+    assert noise.generation_route(cfg, 7, 4) == [0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4]
+    assert noise.generation_route(cfg, 7, 0) == noise.route(3, 7)
+    with pytest.raises(ValueError):
+        noise.generation_route(cfg, 7, 1)  # one tail step cannot visit two tail blocks
+    with pytest.raises(ValueError):
+        noise.tail_grid(ModelConfig(), 3)  # no tail blocks

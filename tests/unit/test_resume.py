@@ -56,7 +56,7 @@ class _Seen(Exception):
     pass
 
 
-def _draws(tiny_cfg, tc, monkeypatch, n=400):
+def _draws(tiny_cfg, tc, monkeypatch, n=400, block=0):
     """(K, rows trained as the null state) of each of n steps' batches, without training."""
     from btnode.model.targets import target_table
     from btnode.store.models import init_block
@@ -75,7 +75,7 @@ def _draws(tiny_cfg, tc, monkeypatch, n=400):
         seen[-1].append(int((z.abs().sum((1, 2)) == 0).sum()))
         raise _Seen
 
-    tr = trainers.BlockTrainer(init_block(tiny_cfg, 0, 0), tc, block=0, table=target_table(tiny_cfg),
+    tr = trainers.BlockTrainer(init_block(tiny_cfg, block, 0), tc, block=block, table=target_table(tiny_cfg),
                                device=torch.device("cpu"))
     tr.model.forward = model  # records the batch, then stops the step before any update
     x = torch.randint(0, 256, (8, tiny_cfg.context + 1))
@@ -96,3 +96,13 @@ def test_the_k_mix_and_the_null_state_share_are_what_the_config_asks(tiny_cfg, m
     assert seen == _draws(tiny_cfg, TrainConfig(batch=8, k1_share=0.8, ctx_share=0.25), monkeypatch)  # seeded
     plain = _draws(tiny_cfg, TrainConfig(batch=8, k1_share=None, ctx_share=0.0), monkeypatch)
     assert all(z == 0 for _, z in plain) and 0.25 < [k for k, _ in plain].count(1) / len(plain) < 0.42
+
+
+def test_a_tail_block_trains_multi_byte_segments_only_and_never_the_null_state(tiny_cfg, monkeypatch):
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_cfg, tail_blocks=1)
+    seen = _draws(cfg, TrainConfig(batch=8, k1_share=0.9, ctx_share=0.25), monkeypatch, n=200, block=3)
+    ks = [k for k, _ in seen]
+    assert 1 not in ks and 0.35 < ks.count(8) / len(ks) < 0.65  # K = 8 and 16 equally often
+    assert all(z == 0 for _, z in seen)

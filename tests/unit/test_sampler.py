@@ -163,3 +163,25 @@ def test_blocks_alone_reads_each_block_on_the_chains_rows(tiny_cfg):
     ctx = torch.log_softmax(context_logits(b, cache, layout).double(), -1).gather(-1, tgt[..., None])
     assert reads[2].context == pytest.approx(-float(ctx.mean()), rel=1e-9)
     assert reads[2].best == min(reads[2].noise, reads[2].context)
+
+
+def test_a_generation_sweep_with_a_tail_runs_the_tail_below_sigma_lo(tiny_cfg):
+    from btnode.model.noise import generation_grid
+    from btnode.model.sampler import generation_sweep
+
+    cfg = dataclasses.replace(tiny_cfg, tail_blocks=2, sigma_gen=0.1)
+    blocks = [RecordingBlock(cfg).eval() for _ in range(cfg.total_blocks)]
+    ctx = torch.randint(0, 256, (1, 5))
+    caches = [b.encode_context(ctx) for b in blocks]
+    layout, table = generation_layout(5, 4), target_table(cfg)
+    z = cfg.sigma_hi * torch.randn(1, 4, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    grid = generation_grid(cfg, 7, 4)
+    logits = generation_sweep(blocks, caches, z, 7, 4, layout, table)
+    assert [s for b in blocks for s in b.sigmas] == [pytest.approx(s) for s in grid]
+    assert blocks[-1].sigmas[-1] == pytest.approx(cfg.sigma_gen) and len(blocks[-1].sigmas) == 2
+    # without tail steps the same call is the plain sweep's "last" readout over the scoring blocks
+    plain = sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, generation_grid(cfg, 7), layout, table)
+    assert torch.equal(generation_sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, 7, 0, layout, table), plain)
+    assert logits.shape == plain.shape
+    with pytest.raises(ValueError):
+        generation_sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, 7, 4, layout, table)  # tail blocks missing
