@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BTNODE := $(VENV)/bin/btnode
 DEMO_DIR ?= runs/demo
 
-.PHONY: venv tools test test-fast demo proto bench-quality bench-transport bench-serving bench-async bench-wan clean
+.PHONY: venv tools test test-fast demo proto bench-quality bench-transport bench-serving bench-async bench-wan bench-judge clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # Real parts the tests drive: Prometheus and promtool (Debian's `prometheus`), systemd-analyze,
-# iproute2. Installed when missing and apt-get is there (as root); tests that need an absent tool
-# skip and say which.
+# iproute2; and Debian's `wamerican` word list, which `btnode judge` reads for its word rate.
+# Installed when missing and apt-get is there (as root); tests that need an absent tool skip and say
+# which, and the judge names the fallback list it used.
 tools:
 	@if ! command -v promtool >/dev/null || ! command -v ip >/dev/null; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -28,6 +29,13 @@ tools:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null \
 	      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null); \
 	  else echo "prometheus/iproute2 missing and cannot be installed here: their tests will skip"; fi; \
+	fi
+	@if [ ! -f /usr/share/dict/american-english ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing wamerican (apt-get): the judge's English word list"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wamerican >/dev/null \
+	      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wamerican >/dev/null); \
+	  else echo "wamerican missing and cannot be installed here: btnode judge falls back to the corpus's frequent words"; fi; \
 	fi
 
 test: venv tools
@@ -66,6 +74,9 @@ bench-async: venv
 
 bench-wan: venv
 	$(PY) bench/wan_train.py
+
+bench-judge: venv tools
+	$(PY) bench/judge.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

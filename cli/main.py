@@ -59,9 +59,9 @@ def root(ctx: typer.Context,
 
 
 def _register() -> None:
-    from btnode_cli import config, evaluate, generate, join, ops, simulate, train
+    from btnode_cli import config, evaluate, generate, join, judge, ops, simulate, train
 
-    for module in (train, evaluate, generate, join, simulate, ops, config):
+    for module in (train, evaluate, judge, generate, join, simulate, ops, config):
         module.register(app)
 
 
