@@ -33,7 +33,8 @@ from btnode.errors import ConfigError
 MODEL_TABLE = "model"
 SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
 SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
-SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed")  # the fingerprint's flags
+SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",  # the fingerprint's flags
+              "tail_blocks", "sigma_gen")
 ENV_PREFIX = "BTNODE"
 
 
@@ -169,7 +170,8 @@ def show(ctx: typer.Context,
     if all(name in sub.params for name in SWARM_WIDE):
         p = sub.params
         cfg = model_config(d_model=p["d_model"], heads=p["heads"], layers=p["layers"], blocks=p["blocks"],
-                           context=p["context"], segments=p["segments"], target_seed=p["target_seed"])
+                           context=p["context"], segments=p["segments"], target_seed=p["target_seed"],
+                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"])
         typer.echo(f"run fingerprint: {cfg.fingerprint()}")
 
 

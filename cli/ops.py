@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import Blocks, Context, Device, DModel, Heads, Layers, Segments, TargetSeed, model_config
+from btnode_cli.options import (Blocks, Context, Device, DModel, Heads, Layers, Segments, SigmaGen, TailBlocks, TargetSeed,
+                                model_config)
 
 Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -53,14 +54,15 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
            listen: Annotated[Optional[str], typer.Option("--listen", help="HOST:PORT this node will serve on (aggregator, stage).")] = None,
            state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
            device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
-           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0,
+           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
            json_out: Json = False) -> None:
     """Check this host before it joins: peer reachable, port free, clock skew, disk, torch threads and
     devices, and the run fingerprint against the swarm's. Each problem comes with a fix."""
     from btnode.node.doctor import run_checks
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed)
+                       segments=segments, target_seed=target_seed,
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
     findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=device_name)
     if json_out:
         typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
@@ -75,13 +77,14 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
 def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0, json_out: Json = False) -> None:
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, json_out: Json = False) -> None:
     """Memory per worker (one block) against training the whole model end to end, and bytes per
     round per codec, for a model shape. Activations are measured by running one real step."""
     from btnode.train.plan import block_bytes, block_memory, end_to_end
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed)
+                       segments=segments, target_seed=target_seed,
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
     t0 = time.perf_counter()
     worker = block_memory(cfg, batch)
     e2e = end_to_end(worker, cfg.n_blocks)

@@ -35,6 +35,8 @@ Blocks = Annotated[int, typer.Option("--blocks", help="Number of blocks B (swarm
 Context = Annotated[int, typer.Option("--context", help="Context length N in bytes (swarm-wide).")]
 Segments = Annotated[str, typer.Option("--segments", help="Comma-separated segment lengths K to train (swarm-wide); must include 1.")]
 TargetSeed = Annotated[int, typer.Option("--target-seed", help="Seed of the fixed target table E (swarm-wide).")]
+TailBlocks = Annotated[int, typer.Option("--tail-blocks", help="T: tail blocks trained below σ_lo for joint multi-byte generation (swarm-wide; default 0).")]
+SigmaGen = Annotated[float, typer.Option("--sigma-gen", help="σ the tail blocks end at (swarm-wide; used only with --tail-blocks).")]
 
 
 def parse_ints(text: str, what: str) -> tuple[int, ...]:
@@ -48,11 +50,12 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context: int, segments: str,
-                 target_seed: int):  # -> ModelConfig (import deferred)
+                 target_seed: int, tail_blocks: int = 0, sigma_gen: float = 0.1):  # -> ModelConfig (import deferred)
     from btnode.model.config import ModelConfig
 
     return ModelConfig(d_model=d_model, n_heads=heads, n_layers=layers, n_blocks=blocks, context=context,
-                       segments=parse_ints(segments, "--segments"), target_seed=target_seed)
+                       segments=parse_ints(segments, "--segments"), target_seed=target_seed, tail_blocks=tail_blocks,
+                       sigma_gen=sigma_gen)
 
 
 def device(name: str):  # -> torch.device

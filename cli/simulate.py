@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
-                                TargetSeed, device, model_config, shares)
+                                SigmaGen, TailBlocks, TargetSeed, device, model_config, shares)
 
 
 def simulate(participation: Annotated[float, typer.Option("--participation", help="Probability that a replica takes part in each attempt.")] = 1.0,
@@ -39,7 +39,7 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
              json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
              data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
              d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-             segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+             segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
     """Train B blocks × replicas on a virtual clock with seeded participation and delays, then score
     the published model (SCE-1 at K = 1, nats/byte) on held-out windows."""
     from btnode.aggregate.block import AggregatorConfig
@@ -53,7 +53,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
     from btnode_cli.options import parse_ints
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed)
+                       segments=segments, target_seed=target_seed,
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
     try:
         update_codec = parse(codec)
     except ValueError as exc:
