@@ -37,6 +37,8 @@ DEFAULT_RESULTS = RESULTS / "judge.json"
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=1800.0, help="Training wall-clock seconds (default 1800).")
+    ap.add_argument("--steps", type=int, help="Optimizer steps, instead of measuring the step time (for a machine "
+                                              "busy with other work; the budget is then only reported).")
     ap.add_argument("--d-model", type=int, default=192)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--layers", type=int, default=8, help="Depth of the judge.")
@@ -123,9 +125,13 @@ def train(args: argparse.Namespace, steps: int) -> tuple[list[dict], dict]:
 def main() -> None:
     args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
-    per_step = step_seconds(args)
-    steps = max(1, int(args.budget / per_step))
-    print(f"[judge] step {per_step:.3f} s: {steps} steps for {args.budget:.0f} s", flush=True)
+    if args.steps:  # a fixed schedule: the run is step-based, so a loaded machine only slows it down
+        per_step, steps = args.budget / args.steps, args.steps
+        print(f"[judge] {steps} steps given (budget {args.budget:.0f} s ⇒ {per_step:.3f} s per step assumed)", flush=True)
+    else:
+        per_step = step_seconds(args)
+        steps = max(1, int(args.budget / per_step))
+        print(f"[judge] step {per_step:.3f} s: {steps} steps for {args.budget:.0f} s", flush=True)
     stages, chosen = train(args, steps)
     ev_cmd = [BTNODE, "eval", "--checkpoint", str(args.out), "--windows", str(args.windows), "--device", args.device,
               "--json", str(args.out / "eval.json")]
