@@ -1,4 +1,6 @@
-"""`btnode generate`: text from a local checkpoint, one sampler sweep per segment of K bytes."""
+"""`btnode generate`: text from a local checkpoint or a serving chain: one sampler sweep per
+segment of K bytes, or for an AR checkpoint one traversal per byte (with --draft, speculative
+decoding: up to G + 1 bytes per traversal, the same bytes)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from btnode_cli.options import Device, device
 
 
 def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Empty: start after a newline.")] = "",
-             checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Block checkpoint folder (runs the chain here).")] = None,
+             checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Block or AR checkpoint folder (runs the chain here).")] = None,
              entry: Annotated[Optional[str], typer.Option("--entry", help="HOST:PORT of a serving chain's first stage.")] = None,
              n_bytes: Annotated[int, typer.Option("--bytes", help="New bytes to generate.")] = 256,
              segment: Annotated[Optional[int], typer.Option("--segment", help="K: bytes per sweep (default: largest trained).")] = None,
@@ -20,30 +22,44 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
              readout: Annotated[str, typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone.")] = "pool",
+             draft: Annotated[Optional[Path], typer.Option("--draft", help="[AR --checkpoint] Checkpoint of a small AR draft model: speculative decoding.")] = None,
+             draft_len: Annotated[Optional[int], typer.Option("--draft-len", help="[AR] G: draft bytes verified per traversal (default 8 with --draft; with --entry, asks the entry's draft).")] = None,
              device_name: Device = "cpu") -> None:
     """Print the prompt's continuation, segment by segment, as the sweeps complete."""
     from btnode.errors import InputError
     from btnode.model.noise import default_steps
     from btnode.serve.driver import generate as run
     from btnode.serve.stages import local_chain
-    from btnode.store.models import load_blocks
+    from btnode.store.models import kind_of, load_blocks
 
     if (checkpoint is None) == (entry is None):
         raise InputError("give --checkpoint DIR (run here) or --entry HOST:PORT (a serving chain)")
     if n_bytes < 1 or temperature < 0:
         raise InputError("--bytes must be ≥ 1 and --temperature ≥ 0")
+    if draft is not None and entry is not None:
+        raise InputError("--draft is for a local --checkpoint; a chain drafts with its entry's model (--draft-len G)")
+    g = draft_len if draft_len is not None else (8 if draft is not None else 0)
     out = sys.stdout.buffer
     if entry is not None:
         from btnode.rpc.stages import generate_remote
 
+        reply = None
         for reply in generate_remote(entry, prompt.encode(), n_bytes=n_bytes, k=segment or 0, n_steps=steps or 0,
-                                     seed=seed, temperature=temperature, readout=readout):
+                                     seed=seed, temperature=temperature, readout=readout, draft=g):
             out.write(reply.new_bytes)
             out.flush()
         out.write(b"\n")
         out.flush()
+        if g and reply is not None:
+            _report_draft(n_bytes, reply.traversals, reply.drafted, reply.accepted)
         return
     dev = device(device_name)
+    if checkpoint.is_dir() and kind_of(checkpoint) == "ar":  # type: ignore[union-attr]
+        _generate_ar(checkpoint, draft, g, prompt.encode(), n_bytes=n_bytes, seed=seed,  # type: ignore[arg-type]
+                     temperature=temperature, dev=dev)
+        return
+    if draft is not None or g:
+        raise InputError("--draft and --draft-len are for an AR checkpoint or chain")
     cfg, blocks = load_blocks(checkpoint)
     k = segment if segment is not None else max(cfg.segments)
     for piece in run(local_chain(blocks, dev), cfg, cfg.n_blocks, prompt.encode(), n_bytes=n_bytes, k=k,
@@ -53,6 +69,34 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
         out.flush()
     out.write(b"\n")
     out.flush()
+
+
+def _generate_ar(checkpoint: Path, draft: Path | None, g: int, prompt: bytes, *, n_bytes: int, seed: int,
+                 temperature: float, dev) -> None:
+    from btnode.serve.ar import local_ar_chain
+    from btnode.serve.draft import ARDrafter
+    from btnode.serve.driver import generate_ar
+    from btnode.store.models import load_ar
+
+    model = load_ar(checkpoint).model
+    drafter = ARDrafter(load_ar(draft).model, device=dev) if draft is not None else None  # type: ignore[arg-type]
+    out = sys.stdout.buffer
+    traversals = drafted = accepted = 0
+    chain = local_ar_chain(model, 1, dev, drafter=drafter)  # type: ignore[arg-type]
+    for piece in generate_ar(chain, model.cfg, prompt, n_bytes=n_bytes, seed=seed,  # type: ignore[arg-type]
+                             temperature=temperature, draft=drafter, draft_len=g):
+        out.write(piece.new_bytes)
+        out.flush()
+        traversals, drafted, accepted = traversals + 1, drafted + piece.drafted, accepted + len(piece.new_bytes) - 1
+    out.write(b"\n")
+    out.flush()
+    if g:
+        _report_draft(n_bytes, traversals, drafted, accepted)
+
+
+def _report_draft(n_bytes: int, traversals: int, drafted: int, accepted: int) -> None:
+    typer.echo(f"{n_bytes} bytes in {traversals} traversals: {n_bytes / max(traversals, 1):.2f} bytes per traversal; "
+               f"{accepted} of {drafted} draft bytes accepted", err=True)
 
 
 def register(app: typer.Typer) -> None:

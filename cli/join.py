@@ -62,6 +62,10 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          stage_model: Annotated[str, typer.Option("--model", help="[stage] block (one-sweep chain) or ar (the autoregressive baseline).")] = "block",
          ar_layers: Annotated[Optional[str], typer.Option("--layers-range", help="[stage, --model ar] Layers LO:HI of the AR model this stage holds.")] = None,
          stage_timeout: Annotated[float, typer.Option("--stage-timeout", help="[stage] Seconds to wait for the next stage before trying a spare.")] = 60.0,
+         context_cache_mb: Annotated[float, typer.Option("--context-cache-mb", help="[stage, block] Memory for per-request clean-stream caches (0 = off: every segment rebuilds its window).")] = 256.0,
+         context_cache_entries: Annotated[int, typer.Option("--context-cache-entries", help="[stage, block] Requests whose caches are kept (least recently used go first).")] = 1024,
+         draft: Annotated[Optional[Path], typer.Option("--draft", help="[stage, --model ar, first stage] AR checkpoint folder of a small draft model: lets requests ask for speculative decoding.")] = None,
+         kv_cache_mb: Annotated[float, typer.Option("--kv-cache-mb", help="[stage, --model ar] Memory for per-request KV caches, all requests together (least recently used go first).")] = 256.0,
          k1_share: K1Share = None, ctx_share: CtxShare = None,
          data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
@@ -84,6 +88,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
         from btnode.node.aggregator import install_stop_signals
         from btnode.node.stage import build_stage, run_stage
+        from btnode.serve.context_cache import ContextCacheConfig
 
         layers_range = None
         if ar_layers:
@@ -95,8 +100,10 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
             raise ConfigError(f"--model must be block or ar, got {stage_model!r}")
         nexts = [a.strip() for a in next_stage.split(",") if a.strip()] if next_stage else []
         name = worker_id or (f"block-{block}" if stage_model == "block" else f"ar-{ar_layers}")
+        contexts = ContextCacheConfig(max_bytes=int(context_cache_mb * 2**20), max_entries=context_cache_entries)
         stage = build_stage(kind=stage_model, block=block, layers=layers_range, checkpoint=checkpoint, peer=peer,
-                            next_stages=nexts, device=device(device_name), timeout_s=stage_timeout, name=name)
+                            next_stages=nexts, device=device(device_name), timeout_s=stage_timeout, name=name,
+                            context_cache=contexts, draft=draft, kv_bytes=int(kv_cache_mb * 2**20))
         stop = threading.Event()
         install_stop_signals(stop)
         run_stage(stage, listen=listen, port_file=port_file, metrics_listen=metrics_listen, stop=stop)

@@ -54,9 +54,14 @@ class BlockLayer(nn.Module):
         shift, scale = self.clean_mod[0], self.clean_mod[1]
         return self.attn.heads(modulate(F.layer_norm(hc, hc.shape[-1:]), shift, scale))
 
-    def clean_advance(self, hc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def clean_advance(self, hc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask None: q and k cover the same positions (plain causal); else (Tq, Tk) bool, for new
+        rows whose keys extend a cached prefix (`DiffusionBlock.extend_context`)."""
         _, _, gate1, shift2, scale2, gate2 = self.clean_mod.unbind(0)
-        hc = hc + (1 + gate1) * self.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None
+             else F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        hc = hc + (1 + gate1) * self.attn.merge(y)
         x = modulate(F.layer_norm(hc, hc.shape[-1:]), shift2, scale2)
         return hc + (1 + gate2) * self.mlp(x)
 
@@ -121,6 +126,23 @@ class DiffusionBlock(nn.Module):
             kv.append((k, v))
             hc = layer.clean_advance(hc, q, k, v)
         return ContextCache(kv=kv, out=hc, n_clean=tc)
+
+    def extend_context(self, cache: ContextCache, new: torch.Tensor) -> ContextCache:
+        """new: (B, Tn) byte ids at clean positions n_clean … n_clean + Tn − 1 → the cache of the
+        longer context (a new object; `cache` is left as it was). Equal to `encode_context` of the
+        whole context up to float rounding: a chunked encoding is its own canonical form."""
+        b, tn = new.shape
+        t0 = cache.n_clean
+        assert b == cache.batch and tn >= 1 and t0 + tn <= self.cfg.context, (b, cache.batch, t0, tn)
+        hc = self.byte_emb(new) + self.clean_pos.weight[t0:t0 + tn]  # (B, Tn, C)
+        mask = torch.ones(tn, t0 + tn, dtype=torch.bool, device=new.device).tril(diagonal=t0)  # row i sees j ≤ t0 + i
+        kv = []
+        for layer, (kp, vp) in zip(self.layers, cache.kv):
+            q, k, v = layer.clean_qkv(hc)
+            k, v = torch.cat([kp, k], dim=2), torch.cat([vp, v], dim=2)  # (B, H, t0 + Tn, hd)
+            kv.append((k, v))
+            hc = layer.clean_advance(hc, q, k, v, mask)
+        return ContextCache(kv=kv, out=torch.cat([cache.out, hc], dim=1), n_clean=t0 + tn)
 
     def denoise(self, z: torch.Tensor, sigma: torch.Tensor, cache: ContextCache, layout: Layout) -> torch.Tensor:
         """z: (B, Tn, C) noisy states at layout.positions; sigma: (B,) → logits (B, Tn, V)."""

@@ -19,6 +19,9 @@ from btnode.protocol import Meter
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.stages import RemoteARStage, RemoteBlockStage, serve_stage
 from btnode.serve.ar import LocalARStage
+from btnode.serve.context_cache import ContextCacheConfig
+from btnode.serve.draft import ARDrafter
+from btnode.serve.kvcache import KV_BUDGET_BYTES
 from btnode.serve.stages import FailoverStage, LocalBlockStage
 from btnode.store.files import atomic_write, state_sha256
 from btnode.store.models import load_ar, load_one_block
@@ -44,13 +47,23 @@ def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, Diffusion
 
 def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None, checkpoint: Path | None,
                 peer: str | None, next_stages: list[str], device: torch.device, timeout_s: float,
-                name: str) -> LocalBlockStage | LocalARStage:
+                name: str, context_cache: ContextCacheConfig = ContextCacheConfig(), draft: Path | None = None,
+                kv_bytes: int = KV_BUDGET_BYTES) -> LocalBlockStage | LocalARStage:
+    if draft is not None and kind != "ar":
+        raise ConfigError("--draft (speculative decoding) is for the first stage of an AR chain (--model ar)")
     if kind == "ar":
         if checkpoint is None or layers is None:
             raise ConfigError("an autoregressive stage needs --checkpoint (an AR folder) and --layers LO:HI")
         model = load_ar(checkpoint).model
+        drafter = None
+        if draft is not None:
+            if layers[0] != 0:
+                raise ConfigError("--draft belongs on the first stage of the AR chain (--layers-range 0:HI)")
+            drafter = ARDrafter(load_ar(draft).model, device=device, kv_bytes=kv_bytes)  # type: ignore[arg-type]
+            log.info("entry %s drafts with %s (%d layers)", name, draft, drafter.model.n_layers)
         nxt = FailoverStage([RemoteARStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
-        return LocalARStage(model, layers[0], layers[1], next=nxt, device=device, name=name)  # type: ignore[arg-type]
+        return LocalARStage(model, layers[0], layers[1], next=nxt, device=device, name=name,  # type: ignore[arg-type]
+                            drafter=drafter, kv_bytes=kv_bytes)
     if block is None:
         raise ConfigError("a block stage needs --block")
     if (checkpoint is None) == (peer is None):
@@ -62,7 +75,7 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
     if not is_last and not next_stages:
         raise ConfigError(f"block {block} needs --next (the stage, or stages, of block {block + 1})")
     nxt = FailoverStage([RemoteBlockStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
-    return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name)
+    return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name, context_cache=context_cache)
 
 
 def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,

@@ -23,7 +23,7 @@ from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
-from btnode.serve.ar import ARState, LocalARStage
+from btnode.serve.ar import ARResult, ARState, LocalARStage
 from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
 from btnode.v1 import serve_pb2 as pb
 from btnode.v1 import serve_pb2_grpc as pb_grpc
@@ -54,13 +54,14 @@ def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
                         n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
                         z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits,
                         readout=r.readout or "last",
-                        pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None)
+                        pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
+                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache)
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
-                            readout=s.readout)
+                            readout=s.readout, first_chunk=s.first_chunk, final=s.final, no_cache=not s.use_cache)
     if s.pool is not None:
         req.pool.CopyFrom(tensor_to_pb(s.pool))
     return req
@@ -110,7 +111,7 @@ class StageServicer(pb_grpc.StageServicer):
         hidden = tensor_from_pb(request.hidden, "hidden state") if request.HasField("hidden") else None
         state = ARState(request_id=request.request_id, tokens=bytes(request.tokens), step=request.step,
                         seed=request.seed, temperature=request.temperature, start=request.start, hidden=hidden,
-                        reset=request.reset)
+                        reset=request.reset, draft=bytes(request.draft))
         t0 = time.perf_counter()
         result = self.stage.forward(state)  # type: ignore[arg-type]
         self.meter.observe("forward", time.perf_counter() - t0)
@@ -120,11 +121,16 @@ class StageServicer(pb_grpc.StageServicer):
     @streaming
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateReply]:
         s, cfg = self.stage, self.stage.cfg
+        if request.draft and not self.is_ar:
+            raise InputError("a draft (speculative decoding) is for the autoregressive chain; this is a block chain")
         if isinstance(s, LocalARStage):
             if not s.first:
                 raise InputError(f"{s.name} is not the first stage of its chain; send requests to the entry")
+            if request.draft and s.drafter is None:
+                raise InputError(f"{s.name} has no draft model, so it cannot decode speculatively "
+                                 f"(draft={request.draft}); start the entry with --draft CHECKPOINT, or ask with draft=0")
             results = driver.generate_ar(s, cfg, bytes(request.prompt), n_bytes=request.n_bytes, seed=request.seed,
-                                         temperature=request.temperature)
+                                         temperature=request.temperature, draft=s.drafter, draft_len=request.draft)
         else:
             if s.index != 0:
                 raise InputError(f"{s.name} is not the first stage of its chain; send requests to the entry")
@@ -132,15 +138,19 @@ class StageServicer(pb_grpc.StageServicer):
             results = driver.generate(s, cfg, s.n_blocks, bytes(request.prompt), n_bytes=request.n_bytes, k=k,
                                       n_steps=request.n_steps or default_steps(cfg), seed=request.seed,
                                       temperature=request.temperature, want_logits=request.want_logits,
-                                      readout=request.readout or "pool")
+                                      readout=request.readout or "pool", use_cache=not request.no_cache)
         chain = "ar" if self.is_ar else "block"
         t0 = time.perf_counter()
+        drafted = accepted = 0
         try:
             for i, r in enumerate(results, start=1):
                 if not context.is_active() or self.stop.is_set():
                     self.meter.count(("request", chain, "cancelled"))
                     return
                 reply = pb.GenerateReply(new_bytes=r.new_bytes, traversals=i, route=r.route)
+                if isinstance(r, ARResult):  # accepted bytes per traversal = bytes / traversals − 1
+                    drafted, accepted = drafted + r.drafted, accepted + len(r.new_bytes) - 1
+                    reply.drafted, reply.accepted = drafted, accepted
                 if r.logits is not None:
                     reply.logits.CopyFrom(tensor_to_pb(r.logits))
                 self.meter.count(("generated_bytes", chain), len(r.new_bytes))
@@ -174,7 +184,7 @@ class RemoteBlockStage:
 class RemoteARStage(RemoteBlockStage):
     def forward(self, state: ARState) -> SegmentResult:  # type: ignore[override]
         req = pb.ARRequest(request_id=state.request_id, tokens=state.tokens, step=state.step, seed=state.seed,
-                           temperature=state.temperature, start=state.start, reset=state.reset)
+                           temperature=state.temperature, start=state.start, reset=state.reset, draft=state.draft)
         if state.hidden is not None:
             req.hidden.CopyFrom(tensor_to_pb(state.hidden))
         try:
@@ -185,13 +195,15 @@ class RemoteARStage(RemoteBlockStage):
 
 def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_steps: int = 0, seed: int = 0,
                     temperature: float = 0.0, want_logits: bool = False, readout: str = "",
-                    timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
-    """Stream a request's segments from the chain whose first stage is at `entry`."""
+                    no_cache: bool = False, draft: int = 0, timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
+    """Stream a request's segments from the chain whose first stage is at `entry`; `draft` = G > 0
+    asks an AR chain's entry for speculative decoding (one reply per traversal, 1…G+1 bytes each)."""
     channel = security.channel(entry, CHANNEL_OPTIONS)
     try:
         call = pb_grpc.StageStub(channel).Generate(
             pb.GenerateRequest(prompt=prompt, n_bytes=n_bytes, k=k, n_steps=n_steps, seed=seed,
-                               temperature=temperature, want_logits=want_logits, readout=readout),
+                               temperature=temperature, want_logits=want_logits, readout=readout, no_cache=no_cache,
+                               draft=draft),
             timeout=timeout_s)
         try:
             yield from call

@@ -16,16 +16,20 @@ from typing import Protocol
 import torch
 
 from btnode.errors import InputError, MalformedInput, PeerUnavailable
-from btnode.model.block import DiffusionBlock
+from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import generation_layout
-from btnode.model.noise import sigma_grid
-from btnode.model.sampler import READOUTS, block_denoiser, context_logits, log_probs, run_span, spans
+from btnode.model.noise import generation_grid, sigma_grid
+from btnode.model.sampler import (READOUTS, block_denoiser, context_logits, generation_spans, log_probs, run_span,
+                                   spans)
 from btnode.model.targets import target_table
 from btnode.seeding import generator
+from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, ContextCacheStore, check_chunks,
+                                        encode_window)
 
 log = logging.getLogger(__name__)
 EMPTY_PROMPT_CONTEXT = b"\n"  # WikiText paragraphs start after a newline
+MAX_STEPS = 256  # sampler grid points per segment: far above the default 2B + 1, and a bound on a request's work
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,10 @@ class SegmentState:
     want_logits: bool = False
     readout: str = "last"  # "pool": every stage adds its block's context readout (sampler.sweep)
     pool: torch.Tensor | None = None  # readout "pool": Σ log-probs of the earlier blocks' readouts, (K, V)
+    first_chunk: int = 0  # bytes of the window's first chunk, the rest being whole segments of K; 0: the window
+    final: bool = False  # the request's last segment: stages drop its context cache after it
+    use_cache: bool = True  # False: rebuild the clean stream from the window (same bits; for benchmarks)
+    n_tail: int = 0  # grid points below σ_lo, run by the tail blocks (0: the sweep ends at σ_lo)
 
 
 @dataclass
@@ -64,12 +72,23 @@ def max_prompt(context: int, k: int) -> int:
 
 
 def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_steps: int,
-                  readout: str = "last") -> None:
+                  readout: str = "last", n_tail: int = 0) -> None:
     """InputError for a request no chain of this model can serve as asked."""
     if readout not in READOUTS:
         raise InputError(f"readout must be one of {list(READOUTS)}, got {readout!r}")
+    if n_tail:
+        if not cfg.tail_blocks:
+            raise InputError(f"{n_tail} tail steps asked, but this model has no tail blocks")
+        if not cfg.tail_blocks <= n_tail <= MAX_STEPS:
+            raise InputError(f"{n_tail} tail steps cannot visit the {cfg.tail_blocks} tail blocks within "
+                             f"{MAX_STEPS} steps; use {cfg.tail_blocks} … {MAX_STEPS}")
+        if readout == "pool":
+            raise InputError("the pooled readout averages per-position marginals at σ_lo; a sweep through the "
+                             "tail reads its last evaluation (readout \"last\")")
     if k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
+    if n_steps > MAX_STEPS:
+        raise InputError(f"{n_steps} sampler steps per segment is more than a stage runs (at most {MAX_STEPS})")
     if n_steps < 2 or any(not span for span in spans(n_blocks, n_steps)):
         raise InputError(f"{n_steps} sampler steps cannot visit all {n_blocks} blocks; use at least {n_blocks}")
     limit = max_prompt(cfg.context, k)
@@ -86,6 +105,12 @@ def sample_bytes(logits: torch.Tensor, temperature: float, g: torch.Generator) -
     return torch.multinomial(probs, 1, generator=g)[:, 0]
 
 
+def default_readout(n_tail: int) -> str:
+    """"pool" for a sweep that ends at σ_lo (the chain is then at least an ensemble of its blocks),
+    "last" through the tail (its last evaluation is the joint sample)."""
+    return "last" if n_tail else "pool"
+
+
 def initial_state(cfg: ModelConfig, seed: int, segment: int, k: int, n_steps: int) -> torch.Tensor:
     """z at σ_hi for one segment: fresh noise keyed by (seed, segment), the same on every host."""
     grid = sigma_grid(cfg, n_steps)
@@ -93,10 +118,13 @@ def initial_state(cfg: ModelConfig, seed: int, segment: int, k: int, n_steps: in
 
 
 class LocalBlockStage:
-    """Block `index` of the chain, running here. `next` is None for the last block."""
+    """Block `index` of the chain, running here. `next` is None for the last block. With tail blocks
+    the chain goes on past the last scoring block (B − 1), which then has a `next` (the first tail
+    block) that only requests with tail steps reach; a tail block is reached only by those."""
 
     def __init__(self, block: DiffusionBlock, index: int, n_blocks: int, *, next: Stage | None = None,
-                 device: torch.device = torch.device("cpu"), name: str | None = None):
+                 device: torch.device = torch.device("cpu"), name: str | None = None,
+                 context_cache: ContextCacheConfig = ContextCacheConfig()):
         self.block = block.to(device).eval()
         self.cfg: ModelConfig = block.cfg
         self.index, self.n_blocks = index, n_blocks
@@ -104,14 +132,25 @@ class LocalBlockStage:
         self.device = device
         self.table = target_table(self.cfg).to(device)
         self.name = name or f"block-{index}"
-        if (next is None) != (index == n_blocks - 1):
-            raise ValueError(f"block {index} of {n_blocks}: only the last block has no next stage")
+        self.contexts = ContextCacheStore(context_cache)  # per request: this block's clean stream of its window
+        last = self.cfg.total_blocks - 1 if index >= n_blocks - 1 else n_blocks - 1
+        if next is None and index != n_blocks - 1 and index != last or next is not None and index == last:
+            raise ValueError(f"block {index} of {n_blocks} (+{self.cfg.tail_blocks} tail): only the last block "
+                             "has no next stage")
 
     def validate(self, s: SegmentState) -> None:
         """Checks on a state from a peer: request settings first, then the tensor itself."""
-        check_request(self.cfg, self.n_blocks, s.context, s.k, s.n_steps, s.readout)
+        check_request(self.cfg, self.n_blocks, s.context, s.k, s.n_steps, s.readout, s.n_tail)
+        if (self.index >= self.n_blocks) != bool(s.n_tail) and self.index != self.n_blocks - 1:
+            raise InputError(f"tail block {self.index} runs only requests with tail steps"
+                             if self.index >= self.n_blocks else "unreachable")
+        if s.n_tail and self.index == self.n_blocks - 1 and self.next is None:
+            raise InputError("this chain has no tail stage: ask for 0 tail steps")
         if not s.context:
             raise InputError("a segment needs at least one byte of context")
+        if len(s.request_id) > MAX_REQUEST_ID:
+            raise InputError(f"request id of {len(s.request_id)} characters; at most {MAX_REQUEST_ID}")
+        check_chunks(len(s.context), s.first_chunk or len(s.context), s.k)
         if tuple(s.z.shape) != (s.k, self.cfg.d_model) or s.z.dtype != torch.float32:
             raise MalformedInput("state", f"state tensor is {s.z.dtype} {tuple(s.z.shape)}, expected float32 "
                                           f"({s.k}, {self.cfg.d_model})")
@@ -131,13 +170,25 @@ class LocalBlockStage:
             if not bool(torch.isfinite(s.pool).all()) or bool((s.pool > 0).any()):
                 raise MalformedInput("nonfinite", "pooled log-probs must be finite and ≤ 0")
 
+    def context(self, s: SegmentState) -> ContextCache:
+        """The clean stream of s.context in its canonical chunks: the cached prefix extended by the
+        chunks it lacks (normally the previous segment's bytes), or every chunk replayed."""
+        first = s.first_chunk or len(s.context)
+        keep = self.contexts.enabled and s.use_cache and bool(s.request_id)
+        prefix = self.contexts.lookup(s.request_id, s.context, first, s.k) if keep else None
+        cache = encode_window(self.block, s.context, first, s.k, self.device, prefix)
+        if keep and s.final:
+            self.contexts.drop(s.request_id)
+        elif keep:
+            self.contexts.store(s.request_id, s.context, first, s.k, cache)
+        return cache
+
     @torch.no_grad()
     def forward(self, s: SegmentState) -> SegmentResult:
         self.validate(s)
-        grid = sigma_grid(self.cfg, s.n_steps)
-        span = spans(self.n_blocks, s.n_steps)[self.index]
-        x = torch.tensor(list(s.context), dtype=torch.long, device=self.device)[None]
-        cache = self.block.encode_context(x)  # once per segment, reused by every step of the span
+        grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
+        span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
+        cache = self.context(s)  # reused by every step of the span
         layout = generation_layout(len(s.context), s.k).to(self.device)
         z, logits = run_span(block_denoiser(self.block, cache, layout), s.z.to(self.device)[None], grid, span, self.table)
         pooled = None
@@ -182,10 +233,15 @@ class FailoverStage:
         raise PeerUnavailable("no stage for the next block answered: " + "; ".join(errors))
 
 
-def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device) -> LocalBlockStage:
-    """All blocks in this process, linked: returns the first stage."""
+def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device,
+                context_cache: ContextCacheConfig = ContextCacheConfig()) -> LocalBlockStage:
+    """All blocks in this process, linked: returns the first stage. `blocks` are the B scoring
+    blocks, or all B + T blocks of a model with a tail."""
+    cfg = blocks[0].cfg
+    if len(blocks) not in (cfg.n_blocks, cfg.total_blocks):
+        raise ValueError(f"a chain of {len(blocks)} blocks for a model of {cfg.n_blocks} (+{cfg.tail_blocks} tail)")
     nxt: Stage | None = None
     for index in reversed(range(len(blocks))):
-        nxt = LocalBlockStage(blocks[index], index, len(blocks), next=nxt, device=device)
+        nxt = LocalBlockStage(blocks[index], index, cfg.n_blocks, next=nxt, device=device, context_cache=context_cache)
     assert isinstance(nxt, LocalBlockStage)
     return nxt

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62tnode/v1/serve.proto\x12\tbtnode.v1\"*\n\x0bStateTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xf4\x01\n\x0eSegmentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x02 \x01(\x0c\x12\x0f\n\x07segment\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x0f\n\x07n_steps\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0btemperature\x18\x07 \x01(\x01\x12!\n\x01z\x18\x08 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\x13\n\x0bwant_logits\x18\t \x01(\x08\x12\x0f\n\x07readout\x18\n \x01(\t\x12$\n\x04pool\x18\x0b \x01(\x0b\x32\x16.btnode.v1.StateTensor\"X\n\x0cSegmentReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12&\n\x06logits\x18\x02 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05route\x18\x03 \x03(\t\"\xa6\x01\n\tARRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\r\n\x05start\x18\x06 \x01(\r\x12&\n\x06hidden\x18\x07 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05reset\x18\x08 \x01(\x08\"+\n\x07\x41RReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12\r\n\x05route\x18\x02 \x03(\t\"\x97\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12\x0f\n\x07n_bytes\x18\x02 \x01(\r\x12\t\n\x01k\x18\x03 \x01(\r\x12\x0f\n\x07n_steps\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\x13\n\x0bwant_logits\x18\x07 \x01(\x08\x12\x0f\n\x07readout\x18\x08 \x01(\t\"m\n\rGenerateReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12\x12\n\ntraversals\x18\x02 \x01(\r\x12&\n\x06logits\x18\x03 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05route\x18\x04 \x03(\t\"\x12\n\x10StageInfoRequest\"\x95\x01\n\tStageInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x10\n\x08n_layers\x18\x04 \x01(\r\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\x12\x0c\n\x04name\x18\x08 \x01(\t2\xfc\x01\n\x05Stage\x12\x42\n\x08Generate\x12\x1a.btnode.v1.GenerateRequest\x1a\x18.btnode.v1.GenerateReply0\x01\x12=\n\x07\x46orward\x12\x19.btnode.v1.SegmentRequest\x1a\x17.btnode.v1.SegmentReply\x12\x35\n\tForwardAR\x12\x14.btnode.v1.ARRequest\x1a\x12.btnode.v1.ARReply\x12\x39\n\x04Info\x12\x1b.btnode.v1.StageInfoRequest\x1a\x14.btnode.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62tnode/v1/serve.proto\x12\tbtnode.v1\"*\n\x0bStateTensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xaa\x02\n\x0eSegmentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x02 \x01(\x0c\x12\x0f\n\x07segment\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x0f\n\x07n_steps\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0btemperature\x18\x07 \x01(\x01\x12!\n\x01z\x18\x08 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\x13\n\x0bwant_logits\x18\t \x01(\x08\x12\x0f\n\x07readout\x18\n \x01(\t\x12$\n\x04pool\x18\x0b \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\x13\n\x0b\x66irst_chunk\x18\x0c \x01(\r\x12\r\n\x05\x66inal\x18\r \x01(\x08\x12\x10\n\x08no_cache\x18\x0e \x01(\x08\"X\n\x0cSegmentReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12&\n\x06logits\x18\x02 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05route\x18\x03 \x03(\t\"\xb5\x01\n\tARRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\r\n\x05start\x18\x06 \x01(\r\x12&\n\x06hidden\x18\x07 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\r\n\x05\x64raft\x18\t \x01(\x0c\"+\n\x07\x41RReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12\r\n\x05route\x18\x02 \x03(\t\"\xb8\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12\x0f\n\x07n_bytes\x18\x02 \x01(\r\x12\t\n\x01k\x18\x03 \x01(\r\x12\x0f\n\x07n_steps\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\x13\n\x0bwant_logits\x18\x07 \x01(\x08\x12\x0f\n\x07readout\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\r\x12\x10\n\x08no_cache\x18\x0b \x01(\x08\"\x90\x01\n\rGenerateReply\x12\x11\n\tnew_bytes\x18\x01 \x01(\x0c\x12\x12\n\ntraversals\x18\x02 \x01(\r\x12&\n\x06logits\x18\x03 \x01(\x0b\x32\x16.btnode.v1.StateTensor\x12\r\n\x05route\x18\x04 \x03(\t\x12\x0f\n\x07\x64rafted\x18\t \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\n \x01(\r\"\x12\n\x10StageInfoRequest\"\x95\x01\n\tStageInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x10\n\x08n_layers\x18\x04 \x01(\r\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\x12\x0c\n\x04name\x18\x08 \x01(\t2\xfc\x01\n\x05Stage\x12\x42\n\x08Generate\x12\x1a.btnode.v1.GenerateRequest\x1a\x18.btnode.v1.GenerateReply0\x01\x12=\n\x07\x46orward\x12\x19.btnode.v1.SegmentRequest\x1a\x17.btnode.v1.SegmentReply\x12\x35\n\tForwardAR\x12\x14.btnode.v1.ARRequest\x1a\x12.btnode.v1.ARReply\x12\x39\n\x04Info\x12\x1b.btnode.v1.StageInfoRequest\x1a\x14.btnode.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATETENSOR']._serialized_start=36
   _globals['_STATETENSOR']._serialized_end=78
   _globals['_SEGMENTREQUEST']._serialized_start=81
-  _globals['_SEGMENTREQUEST']._serialized_end=325
-  _globals['_SEGMENTREPLY']._serialized_start=327
-  _globals['_SEGMENTREPLY']._serialized_end=415
-  _globals['_ARREQUEST']._serialized_start=418
-  _globals['_ARREQUEST']._serialized_end=584
-  _globals['_ARREPLY']._serialized_start=586
-  _globals['_ARREPLY']._serialized_end=629
-  _globals['_GENERATEREQUEST']._serialized_start=632
-  _globals['_GENERATEREQUEST']._serialized_end=783
-  _globals['_GENERATEREPLY']._serialized_start=785
-  _globals['_GENERATEREPLY']._serialized_end=894
-  _globals['_STAGEINFOREQUEST']._serialized_start=896
-  _globals['_STAGEINFOREQUEST']._serialized_end=914
-  _globals['_STAGEINFO']._serialized_start=917
-  _globals['_STAGEINFO']._serialized_end=1066
-  _globals['_STAGE']._serialized_start=1069
-  _globals['_STAGE']._serialized_end=1321
+  _globals['_SEGMENTREQUEST']._serialized_end=379
+  _globals['_SEGMENTREPLY']._serialized_start=381
+  _globals['_SEGMENTREPLY']._serialized_end=469
+  _globals['_ARREQUEST']._serialized_start=472
+  _globals['_ARREQUEST']._serialized_end=653
+  _globals['_ARREPLY']._serialized_start=655
+  _globals['_ARREPLY']._serialized_end=698
+  _globals['_GENERATEREQUEST']._serialized_start=701
+  _globals['_GENERATEREQUEST']._serialized_end=885
+  _globals['_GENERATEREPLY']._serialized_start=888
+  _globals['_GENERATEREPLY']._serialized_end=1032
+  _globals['_STAGEINFOREQUEST']._serialized_start=1034
+  _globals['_STAGEINFOREQUEST']._serialized_end=1052
+  _globals['_STAGEINFO']._serialized_start=1055
+  _globals['_STAGEINFO']._serialized_end=1204
+  _globals['_STAGE']._serialized_start=1207
+  _globals['_STAGE']._serialized_end=1459
 # @@protoc_insertion_point(module_scope)

@@ -15,7 +15,7 @@ class StateTensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SegmentRequest(_message.Message):
-    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool")
+    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool", "first_chunk", "final", "no_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class SegmentRequest(_message.Message):
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     READOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: bytes
     segment: int
@@ -38,7 +41,10 @@ class SegmentRequest(_message.Message):
     want_logits: bool
     readout: str
     pool: StateTensor
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ...) -> None: ...
+    first_chunk: int
+    final: bool
+    no_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
     __slots__ = ("new_bytes", "logits", "route")
@@ -51,7 +57,7 @@ class SegmentReply(_message.Message):
     def __init__(self, new_bytes: _Optional[bytes] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ARRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "step", "seed", "temperature", "start", "hidden", "reset")
+    __slots__ = ("request_id", "tokens", "step", "seed", "temperature", "start", "hidden", "reset", "draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +66,7 @@ class ARRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: bytes
     step: int
@@ -68,7 +75,8 @@ class ARRequest(_message.Message):
     start: int
     hidden: StateTensor
     reset: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., step: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., start: _Optional[int] = ..., hidden: _Optional[_Union[StateTensor, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    draft: bytes
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., step: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., start: _Optional[int] = ..., hidden: _Optional[_Union[StateTensor, _Mapping]] = ..., reset: _Optional[bool] = ..., draft: _Optional[bytes] = ...) -> None: ...
 
 class ARReply(_message.Message):
     __slots__ = ("new_bytes", "route")
@@ -79,7 +87,7 @@ class ARReply(_message.Message):
     def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout")
+    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout", "draft", "no_cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_BYTES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +96,8 @@ class GenerateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     READOUT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     n_bytes: int
     k: int
@@ -96,19 +106,25 @@ class GenerateRequest(_message.Message):
     temperature: float
     want_logits: bool
     readout: str
-    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ...) -> None: ...
+    draft: int
+    no_cache: bool
+    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., draft: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("new_bytes", "traversals", "logits", "route")
+    __slots__ = ("new_bytes", "traversals", "logits", "route", "drafted", "accepted")
     NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAVERSALS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     new_bytes: bytes
     traversals: int
     logits: StateTensor
     route: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_bytes: _Optional[bytes] = ..., traversals: _Optional[int] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
+    drafted: int
+    accepted: int
+    def __init__(self, new_bytes: _Optional[bytes] = ..., traversals: _Optional[int] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class StageInfoRequest(_message.Message):
     __slots__ = ()

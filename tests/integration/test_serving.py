@@ -34,8 +34,10 @@ def trained(tmp_path_factory):
     return root
 
 
-def chain(trained, tmp_path, processes, spare_for: int | None = None) -> dict[str, object]:
-    """Stages for blocks 2, 1, 0 (plus a spare for one block); returns their processes and addresses."""
+def chain(trained, tmp_path, processes, spare_for: int | None = None,
+          stage_args: dict[int, list[str]] | None = None) -> dict[str, object]:
+    """Stages for blocks 2, 1, 0 (plus a spare for one block, and extra flags per block); returns
+    their processes and addresses."""
     ck = str(trained / "blocks")
     out: dict[str, object] = {}
     nxt: list[str] = []
@@ -43,6 +45,7 @@ def chain(trained, tmp_path, processes, spare_for: int | None = None) -> dict[st
         addrs = []
         for copy in (["main", "spare"] if b == spare_for else ["main"]):
             args = ["--block", str(b), "--checkpoint", ck] + (["--next", ",".join(nxt)] if nxt else [])
+            args += (stage_args or {}).get(b, [])
             proc, addr = start_stage(tmp_path, f"b{b}-{copy}", *args)
             processes.append(proc)
             out[f"b{b}-{copy}"] = proc
@@ -70,6 +73,24 @@ def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k,
         logits = torch.frombuffer(bytearray(r.logits.data), dtype=torch.float32).view(*r.logits.shape)
         assert (logits - q.logits).abs().max().item() <= 1e-5  # stated tolerance; equal in practice
     assert list(remote[0].route) == ["b0-main", "b1-main", "b2-main"]
+
+
+def test_context_caches_change_no_bit_across_window_restarts(trained, tmp_path, processes):
+    """Stages cache their clean stream per request (block 1 here with the cache off): the same bytes
+    and logits as every stage rebuilding it, and as the local sampler, over several window restarts."""
+    c = chain(trained, tmp_path, processes, stage_args={1: ["--context-cache-mb", "0"]})
+    for k in (1, 8):
+        kw = dict(n_bytes=48, k=k, n_steps=7, seed=3, temperature=1.0, want_logits=True)
+        cached = list(generate_remote(c["entry"], b"Hello there", **kw))
+        rebuilt = list(generate_remote(c["entry"], b"Hello there", no_cache=True, **kw))
+        ref = local(trained, b"Hello there", **kw)
+        assert len(b"Hello there") + 48 - k > 32 - k + 1  # the window restarts at least once
+        for r in (rebuilt, cached):
+            assert b"".join(x.new_bytes for x in r) == b"".join(x.new_bytes for x in ref)
+        for a, b, q in zip(cached, rebuilt, ref, strict=True):
+            assert a.logits == b.logits  # bit for bit
+            logits = torch.frombuffer(bytearray(a.logits.data), dtype=torch.float32).view(*a.logits.shape)
+            assert (logits - q.logits).abs().max().item() <= 1e-5
 
 
 def test_the_autoregressive_chain_is_served_by_the_same_daemon(trained, tmp_path, processes):
@@ -101,6 +122,8 @@ def test_a_dead_stage_ends_the_request_with_unavailable_not_a_hang(trained, tmp_
 
 
 def test_a_spare_takes_over_from_the_failed_block_and_the_request_completes(trained, tmp_path, processes):
+    """The spare starts with no context cache and rebuilds it from the window; 5 + 40 bytes at K = 1
+    also restart the window once."""
     c = chain(trained, tmp_path, processes, spare_for=1)
     replies = []
     for i, r in enumerate(generate_remote(c["entry"], b"Hello", n_bytes=40, k=1, seed=2, temperature=0.7)):
@@ -122,6 +145,8 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
         list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, n_steps=2))
     with pytest.raises(InputError, match="readout must be one of"):
         list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, readout="mean"))
+    with pytest.raises(InputError, match="at most 256"):
+        list(generate_remote(c["entry"], b"hi", n_bytes=8, k=8, n_steps=10**9))
     # a malformed state tensor sent straight to the middle stage
     channel = grpc.insecure_channel(_address(tmp_path, "b1-main"))
     stub = pb_grpc.StageStub(channel)
@@ -135,9 +160,11 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
     # the pooled readout's accumulator: missing, misshapen, or above certainty (log-prob > 0)
     for extra in (dict(readout="pool"), dict(readout="pool", pool=tensor_to_pb(torch.zeros(8, 7))),
                   dict(readout="pool", pool=tensor_to_pb(torch.full((8, 256), 3.0))),
-                  dict(readout="last", pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout="mean")):
+                  dict(readout="last", pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout="mean"),
+                  # the window's first chunk: longer than the window, or not whole segments after it
+                  dict(first_chunk=3), dict(first_chunk=1), dict(n_steps=257), dict(request_id="r" * 129)):
         with pytest.raises(grpc.RpcError) as err:
-            stub.Forward(pb.SegmentRequest(z=zero, **good, **extra), timeout=10)
+            stub.Forward(pb.SegmentRequest(z=zero, **{**good, **extra}), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, extra
     assert stub.Forward(pb.SegmentRequest(z=zero, **good), timeout=10).new_bytes
     assert stub.Forward(pb.SegmentRequest(z=zero, readout="pool", pool=tensor_to_pb(torch.full((8, 256), -5.5)),
