@@ -21,7 +21,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
-             readout: Annotated[str, typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone.")] = "pool",
+             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone (default: pool, or last with --tail-steps).")] = None,
+             tail_steps: Annotated[int, typer.Option("--tail-steps", help="Grid points below σ_lo run by the tail blocks (a model trained with --tail-blocks): joint multi-byte segments, still one sweep each.")] = 0,
              draft: Annotated[Optional[Path], typer.Option("--draft", help="[AR --checkpoint] Checkpoint of a small AR draft model: speculative decoding.")] = None,
              draft_len: Annotated[Optional[int], typer.Option("--draft-len", help="[AR] G: draft bytes verified per traversal (default 8 with --draft; with --entry, asks the entry's draft).")] = None,
              device_name: Device = "cpu") -> None:
@@ -45,7 +46,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
 
         reply = None
         for reply in generate_remote(entry, prompt.encode(), n_bytes=n_bytes, k=segment or 0, n_steps=steps or 0,
-                                     seed=seed, temperature=temperature, readout=readout, draft=g):
+                                     seed=seed, temperature=temperature, readout=readout or "", draft=g,
+                                     n_tail=tail_steps):
             out.write(reply.new_bytes)
             out.flush()
         out.write(b"\n")
@@ -61,10 +63,12 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
     if draft is not None or g:
         raise InputError("--draft and --draft-len are for an AR checkpoint or chain")
     cfg, blocks = load_blocks(checkpoint)
+    if not tail_steps:
+        blocks = blocks[:cfg.n_blocks]  # a sweep that ends at σ_lo never reaches the tail
     k = segment if segment is not None else max(cfg.segments)
     for piece in run(local_chain(blocks, dev), cfg, cfg.n_blocks, prompt.encode(), n_bytes=n_bytes, k=k,
                      n_steps=steps or default_steps(cfg), seed=seed, temperature=temperature,
-                     readout=readout):
+                     readout=readout, n_tail=tail_steps):
         out.write(piece.new_bytes)
         out.flush()
     out.write(b"\n")

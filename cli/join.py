@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
-                                TargetSeed, device, model_config, parse_ints, shares)
+                                SigmaGen, TailBlocks, TargetSeed, device, model_config, parse_ints, shares)
 
 log = logging.getLogger("btnode.cli")
 
@@ -69,7 +69,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          k1_share: K1Share = None, ctx_share: CtxShare = None,
          data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
     """Run a swarm node until stopped (SIGTERM/SIGINT) or, for a worker, until --rounds are done.
 
     A stage serves one block of the one-sweep chain (or, with --model ar, a slice of the
@@ -78,7 +78,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     from btnode.errors import ConfigError
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed)
+                       segments=segments, target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen)
     try:
         update_codec, pub_codec = parse(codec), parse(publish_codec)
     except ValueError as exc:
@@ -167,18 +167,19 @@ def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregato
           lr: Annotated[float, typer.Option("--lr", help="Inner learning rate.")] = 2e-3,
           threads: Annotated[int, typer.Option("--threads", help="Torch threads per worker.")] = 1,
           seed: Seed = 0, d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
-          context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0) -> None:
+          context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
     """Start an aggregator and B × R workers as separate processes on loopback and train for --rounds."""
     import os
 
     from btnode.node.swarm import run_swarm
 
-    model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context, segments=segments,
-                 target_seed=target_seed)  # validate before starting anything
+    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context, segments=segments,
+                       target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen)  # validate first
     shape = ["--d-model", str(d_model), "--heads", str(heads), "--layers", str(layers), "--blocks", str(blocks),
-             "--context", str(context), "--segments", segments, "--target-seed", str(target_seed), "--seed", str(seed)]
+             "--context", str(context), "--segments", segments, "--target-seed", str(target_seed), "--seed", str(seed),
+             "--tail-blocks", str(tail_blocks), "--sigma-gen", str(sigma_gen)]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    result = run_swarm(state_dir=state_dir, n_blocks=blocks, replicas=replicas, rounds=rounds, shape_args=shape,
+    result = run_swarm(state_dir=state_dir, n_blocks=cfg.total_blocks, replicas=replicas, rounds=rounds, shape_args=shape,
                        aggregator_args=["--deadline", str(deadline), "--min-updates", "1", "--keep", str(keep)],
                        worker_args=["--steps-per-round", str(steps_per_round), "--codec", codec, "--batch", str(batch),
                                     "--lr", str(lr)],

@@ -69,10 +69,11 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
     if (checkpoint is None) == (peer is None):
         raise ConfigError("give exactly one of --checkpoint (a folder) or --peer (a live aggregator)")
     cfg, model = block_from_aggregator(peer, block) if peer else load_one_block(checkpoint, block)  # type: ignore[arg-type]
-    is_last = block == cfg.n_blocks - 1
+    is_last = block == cfg.total_blocks - 1
+    may_end = is_last or block == cfg.n_blocks - 1  # the last scoring block ends sweeps without tail steps
     if is_last and next_stages:
         raise ConfigError(f"block {block} is the last block: it takes no --next")
-    if not is_last and not next_stages:
+    if not may_end and not next_stages:
         raise ConfigError(f"block {block} needs --next (the stage, or stages, of block {block + 1})")
     nxt = FailoverStage([RemoteBlockStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
     return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name, context_cache=context_cache)

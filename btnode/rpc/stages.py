@@ -24,7 +24,7 @@ from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _gua
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
 from btnode.serve.ar import ARResult, ARState, LocalARStage
-from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
+from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, default_readout
 from btnode.v1 import serve_pb2 as pb
 from btnode.v1 import serve_pb2_grpc as pb_grpc
 
@@ -55,13 +55,14 @@ def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
                         z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits,
                         readout=r.readout or "last",
                         pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
-                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache)
+                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache, n_tail=r.n_tail)
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
-                            readout=s.readout, first_chunk=s.first_chunk, final=s.final, no_cache=not s.use_cache)
+                            readout=s.readout, first_chunk=s.first_chunk, final=s.final, no_cache=not s.use_cache,
+                            n_tail=s.n_tail)
     if s.pool is not None:
         req.pool.CopyFrom(tensor_to_pb(s.pool))
     return req
@@ -138,7 +139,8 @@ class StageServicer(pb_grpc.StageServicer):
             results = driver.generate(s, cfg, s.n_blocks, bytes(request.prompt), n_bytes=request.n_bytes, k=k,
                                       n_steps=request.n_steps or default_steps(cfg), seed=request.seed,
                                       temperature=request.temperature, want_logits=request.want_logits,
-                                      readout=request.readout or "pool", use_cache=not request.no_cache)
+                                      readout=request.readout or default_readout(request.n_tail),
+                                      use_cache=not request.no_cache, n_tail=request.n_tail)
         chain = "ar" if self.is_ar else "block"
         t0 = time.perf_counter()
         drafted = accepted = 0
@@ -195,7 +197,8 @@ class RemoteARStage(RemoteBlockStage):
 
 def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_steps: int = 0, seed: int = 0,
                     temperature: float = 0.0, want_logits: bool = False, readout: str = "",
-                    no_cache: bool = False, draft: int = 0, timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
+                    no_cache: bool = False, draft: int = 0, n_tail: int = 0,
+                    timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
     """Stream a request's segments from the chain whose first stage is at `entry`; `draft` = G > 0
     asks an AR chain's entry for speculative decoding (one reply per traversal, 1…G+1 bytes each)."""
     channel = security.channel(entry, CHANNEL_OPTIONS)
@@ -203,7 +206,7 @@ def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_st
         call = pb_grpc.StageStub(channel).Generate(
             pb.GenerateRequest(prompt=prompt, n_bytes=n_bytes, k=k, n_steps=n_steps, seed=seed,
                                temperature=temperature, want_logits=want_logits, readout=readout, no_cache=no_cache,
-                               draft=draft),
+                               draft=draft, n_tail=n_tail),
             timeout=timeout_s)
         try:
             yield from call

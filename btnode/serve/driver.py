@@ -18,18 +18,20 @@ from btnode.model.config import ModelConfig
 from btnode.serve.ar import ARResult, ARState, ARStage, check_ar_request, check_draft_len, check_temperature
 from btnode.serve.context_cache import MAX_REQUEST_ID
 from btnode.serve.draft import ARDrafter
-from btnode.serve.stages import (EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, check_request, initial_state,
-                                 max_prompt)
+from btnode.serve.stages import (EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, check_request,
+                                 default_readout, initial_state, max_prompt)
 from btnode.serve.window import keep_bytes, window_start
 
 
 def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_bytes: int, k: int, n_steps: int,
-             seed: int, temperature: float, want_logits: bool = False, readout: str = "pool",
-             request_id: str | None = None, use_cache: bool = True) -> Iterator[SegmentResult]:
+             seed: int, temperature: float, want_logits: bool = False, readout: str | None = None,
+             request_id: str | None = None, use_cache: bool = True, n_tail: int = 0) -> Iterator[SegmentResult]:
     """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. `readout`
     as in sampler.sweep: "pool" (the default) costs no extra traversal, only (K, V) more per hop.
-    use_cache=False makes every stage rebuild its clean stream (the same bytes, slower)."""
-    check_request(cfg, n_blocks, prompt, k, n_steps, readout)
+    use_cache=False makes every stage rebuild its clean stream (the same bytes, slower). n_tail > 0
+    continues each sweep below σ_lo through the tail stages (readout "last"), still one traversal."""
+    readout = readout or default_readout(n_tail)
+    check_request(cfg, n_blocks, prompt, k, n_steps, readout, n_tail)
     if n_bytes < 1:
         raise InputError(f"asked for {n_bytes} bytes")
     if request_id is not None and len(request_id) > MAX_REQUEST_ID:
@@ -48,7 +50,7 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_
                              n_steps=n_steps, seed=seed, temperature=temperature,
                              z=initial_state(cfg, seed, segment, k, n_steps), want_logits=want_logits,
                              readout=readout, first_chunk=chunk, final=produced + k >= n_bytes,
-                             use_cache=use_cache)
+                             use_cache=use_cache, n_tail=n_tail)
         result = first.forward(state)
         if len(result.new_bytes) != k:
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")

@@ -141,9 +141,8 @@ class LocalBlockStage:
     def validate(self, s: SegmentState) -> None:
         """Checks on a state from a peer: request settings first, then the tensor itself."""
         check_request(self.cfg, self.n_blocks, s.context, s.k, s.n_steps, s.readout, s.n_tail)
-        if (self.index >= self.n_blocks) != bool(s.n_tail) and self.index != self.n_blocks - 1:
-            raise InputError(f"tail block {self.index} runs only requests with tail steps"
-                             if self.index >= self.n_blocks else "unreachable")
+        if self.index >= self.n_blocks and not s.n_tail:
+            raise InputError(f"tail block {self.index} runs only requests with tail steps")
         if s.n_tail and self.index == self.n_blocks - 1 and self.next is None:
             raise InputError("this chain has no tail stage: ask for 0 tail steps")
         if not s.context:

@@ -15,7 +15,7 @@ class StateTensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SegmentRequest(_message.Message):
-    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool", "first_chunk", "final", "no_cache")
+    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool", "first_chunk", "final", "no_cache", "n_tail")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class SegmentRequest(_message.Message):
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    N_TAIL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: bytes
     segment: int
@@ -44,7 +45,8 @@ class SegmentRequest(_message.Message):
     first_chunk: int
     final: bool
     no_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    n_tail: int
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
     __slots__ = ("new_bytes", "logits", "route")
@@ -87,7 +89,7 @@ class ARReply(_message.Message):
     def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout", "draft", "no_cache")
+    __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout", "draft", "no_cache", "n_tail")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_BYTES_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class GenerateRequest(_message.Message):
     READOUT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    N_TAIL_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     n_bytes: int
     k: int
@@ -108,7 +111,8 @@ class GenerateRequest(_message.Message):
     readout: str
     draft: int
     no_cache: bool
-    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., draft: _Optional[int] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    n_tail: int
+    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., draft: _Optional[int] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("new_bytes", "traversals", "logits", "route", "drafted", "accepted")

@@ -185,3 +185,39 @@ def test_a_generation_sweep_with_a_tail_runs_the_tail_below_sigma_lo(tiny_cfg):
     assert logits.shape == plain.shape
     with pytest.raises(ValueError):
         generation_sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, 7, 4, layout, table)  # tail blocks missing
+
+
+def test_a_chain_with_a_tail_stage_equals_the_generation_sweep_and_checks_tail_requests(tiny_cfg):
+    """The tail is one more stage: a request with tail steps goes through it (one traversal, the
+    tail's last evaluation read out); one without ends at the last scoring block as before."""
+    from btnode.model.sampler import generation_sweep
+
+    cfg = dataclasses.replace(tiny_cfg, tail_blocks=1, sigma_gen=0.1)
+    torch.manual_seed(2)
+    blocks = [DiffusionBlock(cfg).eval() for _ in range(cfg.total_blocks)]
+    first = local_chain(blocks, torch.device("cpu"))
+    prompt, k, seed = b"a prompt", 8, 5
+    res = next(iter(drive(first, cfg, cfg.n_blocks, prompt, n_bytes=8, k=k, n_steps=7, n_tail=4, seed=seed,
+                          temperature=0.0, want_logits=True)))
+    x = torch.tensor(list(prompt))[None]
+    z = initial_state(cfg, seed, 0, k, 7)[None]
+    logits = generation_sweep(blocks, [b.encode_context(x) for b in blocks], z, 7, 4, generation_layout(len(prompt), k),
+                              target_table(cfg))[0]
+    assert torch.equal(res.logits, logits) and res.route == ["block-0", "block-1", "block-2", "block-3"]
+    plain = next(iter(drive(first, cfg, cfg.n_blocks, prompt, n_bytes=8, k=k, n_steps=7, seed=seed, temperature=0.0)))
+    assert plain.route == ["block-0", "block-1", "block-2"]  # no tail steps: the tail stage is not visited
+    kw = dict(n_bytes=8, k=k, n_steps=7, seed=0, temperature=0.0)
+    with pytest.raises(InputError, match="through the tail reads its last evaluation"):
+        next(iter(drive(first, cfg, cfg.n_blocks, prompt, n_tail=4, readout="pool", **kw)))
+    with pytest.raises(InputError, match="at most|cannot visit"):
+        next(iter(drive(first, cfg, cfg.n_blocks, prompt, n_tail=10_000, **kw)))
+    with pytest.raises(InputError, match="no tail blocks"):
+        next(iter(drive(local_chain(blocks[:3], torch.device("cpu")), tiny_cfg, 3, prompt, n_tail=4, **kw)))
+    chain_without_tail = local_chain([DiffusionBlock(cfg).eval() for _ in range(cfg.n_blocks)], torch.device("cpu"))
+    with pytest.raises(InputError, match="no tail stage"):
+        next(iter(drive(chain_without_tail, cfg, cfg.n_blocks, prompt, n_tail=4, **kw)))
+    tail_stage = first.next.next.next
+    state = SegmentState(request_id="r", context=prompt, segment=0, k=k, n_steps=7, seed=0, temperature=0.0,
+                         z=torch.zeros(k, cfg.d_model))
+    with pytest.raises(InputError, match="tail block 3 runs only requests with tail steps"):
+        tail_stage.forward(state)
