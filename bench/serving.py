@@ -1,13 +1,23 @@
-"""Serving benchmark (issue #4, design §4 and §6.6): the one-sweep chain of 3 block stages at
-K ∈ {1, 16, 64, 256} against the autoregressive baseline split over 3 stages of the same daemon,
-generating 256 new bytes, over loopback and over an emulated WAN of 20 ms one-way per hop at
-100 Mbit/s (network namespaces, tbf, userspace delay line; needs root).
+"""Serving frontier (issue #11): every serving mode's speed over an emulated WAN and loopback against
+the quality of what it serves, judged as text.
 
-    .venv/bin/python bench/quality.py --profile serving   # first: trains the model served here
-    .venv/bin/python bench/serving.py                     # ~10 min on 2 cores
+Modes: the one-sweep block chain at every trained K ∈ {1, 4, 16, 64} and N_s ∈ --n-steps, with
+and without tail steps (when the model has a tail and K > 1); the autoregressive chain plain and
+with speculative decoding (a small AR draft at the entry); and the real continuations (the
+reference row). The served models are trained as deployed: one worker per block, each with the
+AR model's per-worker budget (see BENCHMARKS.md for the run that made them).
 
-Latency is the wall time of a whole request seen by the client (median of --reps after a
-warm-up); bytes/s = new bytes / latency; traversals = chain traversals the request took.
+    .venv/bin/python bench/judge.py                           # the judge (once)
+    .venv/bin/python bench/tail.py --main BLOCKS --judge runs/judge --served runs/served   # blocks + tail
+    .venv/bin/python bench/serving.py --blocks runs/served --ar AR6 --draft AR2   # ~25 min on 2 cores
+
+Quality: each mode continues every fixed judge prompt (64 bytes, 256 new bytes, temperature 1;
+greedy separately) through the serving code itself, in one process (`serve.driver` over local
+stages: the same bytes a remote chain returns, as tests/integration/test_serving*.py check), and
+`btnode.evaluation.judge` scores them. Speed: the chains run as `btnode join --role stage` processes,
+three hosts in a row (h1…h3; a tail stage shares h3 with block 2, a machine holding two blocks), the
+client on h0; each hop of the WAN is 20 ms one way at 100 Mbit/s (namespaces, tbf, delay line).
+bytes/s = new bytes / wall time over --speed-prompts requests after a warm-up.
 """
 
 from __future__ import annotations
@@ -22,159 +32,336 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, update_section  # noqa: E402
+from report import RESULTS, ROOT, shown, update_section  # noqa: E402
 
 CLI = [sys.executable, "-m", "btnode_cli.main"]
-KS = (1, 16, 64, 256)
 N_BYTES = 256
 BLOCK_PORT, AR_PORT = 7100, 7200  # + stage index, inside each host's namespace
+DRAFT_LEN = 8
 
 
-def client(entry_block: str, entry_ar: str, reps: int, n_bytes: int, ks: list[int]) -> dict:
-    """Runs where the requests come from (inside h0 on the emulated WAN)."""
-    from btnode.rpc.stages import generate_remote
-
-    def one(entry: str, k: int) -> tuple[float, float, int]:
-        t0 = time.perf_counter()
-        first = None
-        last = None
-        for reply in generate_remote(entry, b"", n_bytes=n_bytes, k=k, seed=0, temperature=0.0):
-            first = first or time.perf_counter() - t0
-            last = reply
-        assert last is not None
-        return time.perf_counter() - t0, first or 0.0, last.traversals
-
-    out: dict = {}
-    for name, entry, k in [*((f"k{k}", entry_block, k) for k in ks), ("ar", entry_ar, 0)]:
-        one(entry, k)  # warm-up
-        runs = [one(entry, k) for _ in range(reps)]
-        lat = statistics.median(r[0] for r in runs)
-        out[name] = {"latency_s": lat, "first_segment_s": statistics.median(r[1] for r in runs),
-                     "bytes_per_s": n_bytes / lat, "traversals": runs[0][2], "latencies": [r[0] for r in runs]}
-        print(f"[serving] {name}: {lat:.3f} s, {n_bytes / lat:.1f} bytes/s, {runs[0][2]} traversals", flush=True)
+def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int) -> list[dict]:
+    out = []
+    for k in ks:
+        if k not in cfg.segments:
+            continue
+        for ns in n_steps:
+            out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0})
+            if cfg.tail_blocks and k > 1 and tail_steps:
+                out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps})
+    out.append({"mode": "ar", "k": 1, "n_steps": 0, "n_tail": 0})
+    out.append({"mode": "ar_spec", "k": 1, "n_steps": 0, "n_tail": 0, "draft": DRAFT_LEN})
     return out
 
 
-def start_chains(checkpoints: dict, launch, address, workdir: Path) -> list[subprocess.Popen]:
-    """Block stages and AR stages at positions 0..2; launch(i, cmd, log) runs cmd on position i's host."""
+def label(m: dict) -> str:
+    if m["mode"] == "blockwise":
+        return f"blockwise K={m['k']} N_s={m['n_steps']}" + (f" tail={m['n_tail']}" if m["n_tail"] else "")
+    return "AR speculative G=%d" % m["draft"] if m["mode"] == "ar_spec" else "AR plain"
+
+
+# --- quality: the serving code in one process --------------------------------------------------------
+
+
+def continuations(m: dict, prompts: list[bytes], models: dict, temperature: float) -> tuple[list[bytes], dict]:
+    """The bytes this mode serves after each prompt (seed i for prompt i), and traversal counts."""
+    import torch
+
+    from btnode.serve.ar import local_ar_chain
+    from btnode.serve.draft import ARDrafter
+    from btnode.serve.driver import generate, generate_ar
+    from btnode.serve.stages import local_chain
+
+    dev = torch.device("cpu")
+    texts, traversals, drafted = [], 0, 0
+    if m["mode"] == "blockwise":
+        cfg, blocks = models["blocks"]
+        chain = local_chain(blocks if m["n_tail"] else blocks[:cfg.n_blocks], dev)
+        for i, p in enumerate(prompts):
+            parts = list(generate(chain, cfg, cfg.n_blocks, p, n_bytes=N_BYTES, k=m["k"], n_steps=m["n_steps"],
+                                  n_tail=m["n_tail"], seed=i, temperature=temperature))
+            texts.append(b"".join(r.new_bytes for r in parts))
+            traversals += len(parts)
+        return texts, {"traversals": traversals}
+    ar = models["ar"]
+    drafter = ARDrafter(models["draft"], device=dev) if m["mode"] == "ar_spec" else None
+    chain = local_ar_chain(ar, 3, dev, drafter=drafter)
+    for i, p in enumerate(prompts):
+        parts = list(generate_ar(chain, ar.cfg, p, n_bytes=N_BYTES, seed=i, temperature=temperature,
+                                 draft=drafter, draft_len=m.get("draft", 0)))
+        texts.append(b"".join(r.new_bytes for r in parts))
+        traversals += len(parts)
+        drafted += sum(r.drafted for r in parts)
+    return texts, {"traversals": traversals, "drafted": drafted}
+
+
+def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict]:
+    """judge scores per mode label and temperature, the real text's, and generation counts."""
+    from btnode.data import corpus
+    from btnode.evaluation import judge as J
+    from btnode.store.models import load_ar, load_blocks
+
+    data = corpus.bundled()
+    judge = load_ar(args.judge).model.eval()
+    words = J.english_words(fallback_corpus=data.train)
+    prompts = J.fixed_prompts(data.test, args.prompts)
+    models = {"blocks": load_blocks(args.blocks), "ar": load_ar(args.ar).model.eval(),
+              "draft": load_ar(args.draft).model.eval()}
+
+    def score(pairs: list) -> dict:
+        return J.score_samples(judge, pairs, words=words).to_dict(per_sample=False)
+
+    real = score([(p.prompt, p.reference[:N_BYTES]) for p in prompts])
+    out: dict = {}
+    for m in all_modes:
+        for temperature in (1.0, 0.0):
+            t0 = time.perf_counter()
+            texts, counts = continuations(m, [p.prompt for p in prompts], models, temperature)
+            s = score([(p.prompt, t) for p, t in zip(prompts, texts)])
+            s.update(counts, gen_s=time.perf_counter() - t0, sample=texts[0].decode("utf-8", "replace")[:160],
+                     traversals_per_byte=counts["traversals"] / (N_BYTES * len(prompts)))
+            out[(label(m), temperature)] = (s, texts)
+            print(f"[serving] {label(m)} T={temperature:g}: judge CE {s['judge_ce']:.3f}, distinct4 "
+                  f"{s['distinct4']:.3f}, repeat {s['repeat_frac']:.3f}, words {s['word_rate']:.3f} "
+                  f"({s['gen_s']:.0f} s)", flush=True)
+    for temperature in (1.0, 0.0):  # the check that makes the speculative row's quality the plain row's
+        plain, spec = out[("AR plain", temperature)][1], out[(f"AR speculative G={DRAFT_LEN}", temperature)][1]
+        if plain != spec:
+            raise SystemExit(f"speculative decoding served other bytes than plain decoding at T={temperature}")
+    return {k: v[0] for k, v in out.items()}, real
+
+
+# --- speed: real stage processes over loopback and the emulated WAN ---------------------------------
+
+
+def client(entries: dict, modes_json: str, n_prompts: int) -> dict:
+    """Runs where the requests come from (inside h0 on the emulated WAN)."""
+    from btnode.data import corpus
+    from btnode.evaluation import judge as J
+    from btnode.rpc.stages import generate_remote
+
+    prompts = [p.prompt for p in J.fixed_prompts(corpus.bundled().test, max(n_prompts, 1))][:n_prompts]
+    out = {}
+    for m in json.loads(modes_json):
+        entry = entries["ar" if m["mode"].startswith("ar") else "block"]
+        kw = dict(k=m["k"] if m["mode"] == "blockwise" else 0, n_steps=m["n_steps"], n_tail=m["n_tail"],
+                  draft=m.get("draft", 0), temperature=1.0)
+        list(generate_remote(entry, prompts[0], n_bytes=32, seed=99, **kw))  # warm-up
+        wall, traversals, accepted, total = [], 0, 0, 0
+        for i, p in enumerate(prompts):
+            t0 = time.perf_counter()
+            last = None
+            for last in generate_remote(entry, p, n_bytes=N_BYTES, seed=i, **kw):
+                total += len(last.new_bytes)
+            wall.append(time.perf_counter() - t0)
+            traversals += last.traversals if last else 0
+            accepted += last.accepted if last else 0
+        out[label(m)] = {"bytes_per_s": total / sum(wall), "traversals_per_byte": traversals / total,
+                         "bytes_per_traversal": total / traversals, "latency_s": statistics.median(wall),
+                         "accepted": accepted}
+        print(f"[serving] {label(m)}: {out[label(m)]['bytes_per_s']:.1f} bytes/s, "
+              f"{out[label(m)]['traversals_per_byte']:.3f} traversals/byte", file=sys.stderr, flush=True)
+    return out
+
+
+def start_chains(args: argparse.Namespace, tail: bool, launch, address, workdir: Path) -> list[subprocess.Popen]:
+    """Block stages 0..2 (+ the tail stage beside block 2) and AR stages 0..2 (draft at the entry);
+    launch(pos, cmd, log) runs cmd on position pos's host."""
     procs = []
+    specs = []
+    tail_port = BLOCK_PORT + 3
     for pos in (2, 1, 0):
-        nxt_b = [] if pos == 2 else ["--next", f"{address(pos + 1)}:{BLOCK_PORT + pos + 1}"]
+        nxt_b = (["--next", f"{address(pos)}:{tail_port}"] if tail else []) if pos == 2 else \
+            ["--next", f"{address(pos + 1)}:{BLOCK_PORT + pos + 1}"]
         nxt_a = [] if pos == 2 else ["--next", f"{address(pos + 1)}:{AR_PORT + pos + 1}"]
-        for kind, port, extra in (("block", BLOCK_PORT, ["--block", str(pos), "--checkpoint", checkpoints["blocks"]] + nxt_b),
-                                  ("ar", AR_PORT, ["--model", "ar", "--checkpoint", checkpoints["ar"],
-                                                   "--layers-range", f"{2 * pos}:{2 * pos + 2}"] + nxt_a)):
-            pf = workdir / f"{kind}{pos}.port"
-            pf.unlink(missing_ok=True)
-            cmd = CLI + ["join", "--role", "stage", "--listen", f"0.0.0.0:{port + pos}", "--port-file", str(pf),
-                         "--worker-id", f"{kind}{pos}", *extra]
-            procs.append(launch(pos, cmd, workdir / f"{kind}{pos}.log"))
-            deadline = time.monotonic() + 120
-            while not pf.exists():
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"stage {kind}{pos} did not start; see {workdir}/{kind}{pos}.log")
-                time.sleep(0.1)
+        if pos == 2 and tail:
+            specs.append((pos, "tail", tail_port, ["--block", "3", "--checkpoint", str(args.blocks)]))
+        specs.append((pos, f"block{pos}", BLOCK_PORT + pos, ["--block", str(pos), "--checkpoint", str(args.blocks)] + nxt_b))
+        specs.append((pos, f"ar{pos}", AR_PORT + pos, ["--model", "ar", "--checkpoint", str(args.ar), "--layers-range",
+                                                       f"{2 * pos}:{2 * pos + 2}"] + nxt_a
+                      + (["--draft", str(args.draft)] if pos == 0 else [])))
+    for pos, name, port, extra in specs:
+        pf = workdir / f"{name}.port"
+        pf.unlink(missing_ok=True)
+        cmd = CLI + ["join", "--role", "stage", "--listen", f"0.0.0.0:{port}", "--port-file", str(pf),
+                     "--worker-id", name, *extra]
+        procs.append(launch(pos, cmd, workdir / f"{name}.log"))
+        deadline = time.monotonic() + 180
+        while not pf.exists():
+            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"stage {name} did not start; see {workdir}/{name}.log")
+            time.sleep(0.1)
     return procs
 
 
-def run_link(link: str, checkpoints: dict, reps: int, ks: list[int], workdir: Path) -> dict:
+def run_link(args: argparse.Namespace, link: str, all_modes: list[dict], tail: bool, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
-    client_cmd = [sys.executable, __file__, "--client", "--reps", str(reps), "--ks", ",".join(map(str, ks))]
-    if link == "loopback":
-        procs = start_chains(checkpoints, lambda pos, cmd, log: subprocess.Popen(cmd, stdout=open(log, "w"),
-                                                                                stderr=subprocess.STDOUT),
-                             lambda pos: "127.0.0.1", workdir)
+    cmd = [sys.executable, __file__, "--client", "--speed-prompts", str(args.speed_prompts), "--modes-json",
+           json.dumps(all_modes)]
+
+    def finish(procs: list[subprocess.Popen], run: list[str]) -> dict:
         try:
-            out = subprocess.run(client_cmd + ["--entry-block", f"127.0.0.1:{BLOCK_PORT}", "--entry-ar",
-                                               f"127.0.0.1:{AR_PORT}"], check=True, capture_output=True, text=True)
+            done = subprocess.run(run, check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            raise SystemExit(f"the {link} client failed:\n{exc.stderr[-3000:]}") from None
         finally:
             for p in procs:
                 p.terminate()
                 p.wait()
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if link == "loopback":
+        procs = start_chains(args, tail, lambda pos, c, log: subprocess.Popen(c, stdout=open(log, "w"),
+                                                                              stderr=subprocess.STDOUT),
+                             lambda pos: "127.0.0.1", workdir)
+        return finish(procs, cmd + ["--entry-block", f"127.0.0.1:{BLOCK_PORT}", "--entry-ar", f"127.0.0.1:{AR_PORT}"])
     from btnode.netlab.topology import Chain
 
     reason = Chain.why_unavailable()
     if reason:
         raise SystemExit(f"cannot emulate the WAN here: {reason}")
     with Chain(4, delay_ms=20, rate_mbit=100) as lab:  # h0 = client, h1..h3 = stage positions 0..2
-        procs = start_chains(checkpoints, lambda pos, cmd, log: lab.popen(pos + 1, cmd, stdout=open(log, "w"),
-                                                                          stderr=subprocess.STDOUT),
+        procs = start_chains(args, tail, lambda pos, c, log: lab.popen(pos + 1, c, stdout=open(log, "w"),
+                                                                       stderr=subprocess.STDOUT),
                              lambda pos: lab.address(pos + 1), workdir)
-        try:
-            out = subprocess.run(["ip", "netns", "exec", lab.host(0), *client_cmd, "--entry-block",
-                                  f"{lab.address(1)}:{BLOCK_PORT}", "--entry-ar", f"{lab.address(1)}:{AR_PORT}"],
-                                 check=True, capture_output=True, text=True)
-        finally:
-            for p in procs:
-                p.terminate()
-                p.wait()
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        return finish(procs, ["ip", "netns", "exec", lab.host(0), *cmd, "--entry-block",
+                              f"{lab.address(1)}:{BLOCK_PORT}", "--entry-ar", f"{lab.address(1)}:{AR_PORT}"])
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def frontier(all_modes: list[dict], q: dict, real: dict, links: dict) -> list[dict]:
+    rows = [{"mode": "real", "k": 0, "n_steps": 0, "n_tail": 0, "link": "none", "bytes_per_s": None,
+             "traversals_per_byte": None, **{k: real[k] for k in ("judge_ce", "distinct4", "repeat_frac", "word_rate")}}]
+    for m in all_modes:
+        s = q[(label(m), 1.0)]
+        for link, res in links.items():
+            r = res[label(m)]
+            rows.append({"mode": m["mode"], "k": m["k"], "n_steps": m["n_steps"], "n_tail": m["n_tail"], "link": link,
+                         "label": label(m), "bytes_per_s": r["bytes_per_s"],
+                         "traversals_per_byte": r["traversals_per_byte"], "judge_ce": s["judge_ce"],
+                         "distinct4": s["distinct4"], "repeat_frac": s["repeat_frac"], "word_rate": s["word_rate"]})
+    return rows
+
+
+def summary(rows: list[dict], real: dict) -> dict:
+    wan = [r for r in rows if r["link"] == "wan"] or [r for r in rows if r["link"] == "loopback"]
+    ar = next(r for r in wan if r["mode"] == "ar")
+    spec = next(r for r in wan if r["mode"] == "ar_spec")
+    ok = [r for r in wan if r["mode"] == "blockwise" and r["judge_ce"] <= ar["judge_ce"] + 0.10
+          and r["distinct4"] >= 0.9 * real["distinct4"]]
+    best = max(ok, key=lambda r: r["bytes_per_s"]) if ok else None
+    return {"judge_ce_real": real["judge_ce"], "judge_ce_ar": ar["judge_ce"], "wan_bytes_per_s_ar": ar["bytes_per_s"],
+            "wan_bytes_per_s_ar_spec": spec["bytes_per_s"], "ar_spec_bytes_per_traversal": 1 / spec["traversals_per_byte"],
+            "blockwise_speedup_at_ar_quality": best["bytes_per_s"] / ar["bytes_per_s"] if best else 0.0,
+            "best_blockwise_at_ar_quality": best["label"] if best else None,
+            "speed_link": wan[0]["link"]}
+
+
+def plot(rows: list[dict], real: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for ax, link in zip(axes, ("wan", "loopback")):
+        for r in (r for r in rows if r["link"] == link):
+            marker = {"blockwise": "o" if not r["n_tail"] else "s", "ar": "^", "ar_spec": "v"}[r["mode"]]
+            ax.scatter(r["bytes_per_s"], r["judge_ce"], marker=marker, s=50)
+            ax.annotate(r["label"].replace("blockwise ", ""), (r["bytes_per_s"], r["judge_ce"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+        ax.axhline(real["judge_ce"], color="grey", linestyle="--", linewidth=1)
+        ax.text(ax.get_xlim()[0] if ax.get_xlim()[0] > 0 else 1, real["judge_ce"], " real text", va="bottom", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes/s (log)")
+        ax.set_title({"wan": "emulated WAN: 3 hops of 20 ms, 100 Mbit/s", "loopback": "loopback"}[link])
+    axes[0].set_ylabel("judge CE of the continuation (nats/byte; lower is better)")
+    fig.suptitle("Serving frontier: speed against judged quality (temperature 1, 256 new bytes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(res: dict) -> str:
+    s = res["summary"]
+    lines = [
+        "## Serving frontier: speed against judged text quality (`bench/serving.py`)",
+        "",
+        f"Command: `{res['command']}` ({res['date']}; 2 cores). Served models: blocks `{res['blocks']}`, AR "
+        f"`{res['ar']}` (plain and speculative, draft `{res['draft']}`, G = {DRAFT_LEN}); judge `{res['judge']}`. "
+        f"{res['n_prompts']} fixed prompts of 64 held-out bytes, {N_BYTES} new bytes each, temperature 1 (seed i for "
+        f"prompt i); speed over {res['speed_prompts']} of them after a warm-up. Quality comes from the serving code "
+        "in one process (the bytes a remote chain returns), speed from real stage processes.",
+        "",
+        "| mode | link | bytes/s | traversals/byte | judge CE | distinct 4-grams | repeat frac | word rate |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res["frontier"]:
+        name = r.get("label", "real text (reference)")
+        bps = "—" if r["bytes_per_s"] is None else f"{r['bytes_per_s']:.1f}"
+        tpb = "—" if r["traversals_per_byte"] is None else f"{r['traversals_per_byte']:.3f}"
+        lines.append(f"| {name} | {r['link']} | {bps} | {tpb} | {r['judge_ce']:.3f} | {r['distinct4']:.3f} | "
+                     f"{r['repeat_frac']:.3f} | {r['word_rate']:.3f} |")
+    lines += ["", "Greedy (temperature 0), same prompts, quality only:", "",
+              "| mode | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, g in res["greedy"].items():
+        lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
+                     f"{g['word_rate']:.3f} |")
+    lines += ["", "![serving frontier](bench/results/serving_frontier.png)", "",
+              f"Over the {s['speed_link']} link: AR plain {s['wan_bytes_per_s_ar']:.1f} bytes/s, AR speculative "
+              f"{s['wan_bytes_per_s_ar_spec']:.1f} bytes/s ({s['ar_spec_bytes_per_traversal']:.2f} bytes per traversal). "
+              f"`blockwise_speedup_at_ar_quality` = **{s['blockwise_speedup_at_ar_quality']:.2f}** "
+              f"({s['best_blockwise_at_ar_quality'] or 'no blockwise mode is within 0.10 nats/byte of the AR chain with ≥ 0.9× the real distinct 4-grams'}; aim ≥ 4)."]
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one rep, K ∈ {16, 256}, no report")
+    ap.add_argument("--blocks", type=Path, help="block checkpoint folder (scoring blocks, and tail blocks if any)")
+    ap.add_argument("--ar", type=Path, help="the B·L-layer AR checkpoint (served plain and speculative)")
+    ap.add_argument("--draft", type=Path, help="the AR draft checkpoint (a small model at the entry)")
+    ap.add_argument("--judge", type=Path, default=ROOT / "runs" / "judge")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--speed-prompts", type=int, default=2)
+    ap.add_argument("--n-steps", default="7,13", help="N_s values of the block chain")
+    ap.add_argument("--ks", default="1,4,16,64")
+    ap.add_argument("--tail-steps", type=int, default=8)
+    ap.add_argument("--links", default="loopback,wan")
+    ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--entry-block", help=argparse.SUPPRESS)
     ap.add_argument("--entry-ar", help=argparse.SUPPRESS)
-    ap.add_argument("--ks", default=",".join(map(str, KS)), help=argparse.SUPPRESS)
+    ap.add_argument("--modes-json", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
     if args.client:
-        print(json.dumps(client(args.entry_block, args.entry_ar, args.reps, N_BYTES, ks)))
+        print(json.dumps(client({"block": args.entry_block, "ar": args.entry_ar}, args.modes_json, args.speed_prompts)))
         return
-    qpath = RESULTS / "quality_serving.json"
-    if not qpath.exists():
-        raise SystemExit(f"{qpath} is missing: run `.venv/bin/python bench/quality.py --profile serving` first")
-    quality = json.loads(qpath.read_text())
-    if args.quick:
-        args.reps, ks = 1, [16, 256]
+    if not (args.blocks and args.ar and args.draft):
+        raise SystemExit("--blocks, --ar and --draft are required (see the docstring for how they are made)")
+    from btnode.store.models import load_blocks
+
+    cfg, _ = load_blocks(args.blocks)
+    all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
+                      args.tail_steps)
+    q, real = quality(args, all_modes)
     workdir = Path(tempfile.mkdtemp(prefix="btnode-serving-"))
-    links = {link: run_link(link, quality["checkpoints"], args.reps, ks, workdir / link) for link in ("loopback", "wan")}
-    wan = links["wan"]
-    res = {"links": links, "sce": quality["sce"], "ar_ce": quality["ar_total_ce"], "n_bytes": N_BYTES,
-           "reps": args.reps, "date": time.strftime("%Y-%m-%d"),
-           "wan_traversals_ar": wan["ar"]["traversals"]}
-    if "k64" in wan:
-        res.update(wan_speedup_k64=wan["k64"]["bytes_per_s"] / wan["ar"]["bytes_per_s"],
-                   wan_traversals_k64=wan["k64"]["traversals"])
-    print(json.dumps(res, indent=1))
-    if args.quick:
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(res, indent=1) + "\n")
-    update_section("serving", render(res))
-
-
-def render(r: dict) -> str:
-    lines = [
-        "## Serving: one sweep per segment vs one traversal per byte (`bench/serving.py`)",
-        "",
-        f"Command: `.venv/bin/python bench/serving.py` ({r['date']}; 2 cores), after "
-        "`bench/quality.py --profile serving` trained the model (N = 256). Three stages per chain, each its own "
-        "`btnode join --role stage` process; the AR baseline is the 6-layer model split 2/2/2 over three stages of "
-        f"the same daemon, with KV caches. {r['n_bytes']} new bytes after an empty prompt, greedy, median of "
-        f"{r['reps']} requests after a warm-up. WAN: client and stages in four network namespaces in a row, each hop "
-        "20 ms one way (userspace delay line) at 100 Mbit/s (tbf). SCE is the serving model's held-out SCE at that K "
-        "(from `bench/quality.py --profile serving`); the AR column shows its teacher-forced CE.",
-        "",
-        "| link | chain | K | latency (s) | bytes/s | traversals | first segment (s) | SCE-8 (nats/byte) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for link, res in r["links"].items():
-        for name, v in res.items():
-            k = name[1:] if name.startswith("k") else "—"
-            chain = "one-sweep" if name.startswith("k") else "autoregressive"
-            q = r["sce"][k]["sce8"] if k in r["sce"] else r["ar_ce"]
-            lines.append(f"| {link} | {chain} | {k} | {v['latency_s']:.3f} | {v['bytes_per_s']:.1f} | {v['traversals']} | "
-                         f"{v['first_segment_s']:.3f} | {q:.4f} |")
-    if "wan_speedup_k64" in r:
-        lines += ["", f"Over the emulated WAN the one-sweep chain at K = 64 delivers **{r['wan_speedup_k64']:.1f}×** the "
-                  f"autoregressive chain's bytes/s ({r['wan_traversals_k64']} traversals against "
-                  f"{r['wan_traversals_ar']}; aim ≥ 20×)."]
-    return "\n".join(lines)
+    links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)
+             for link in args.links.split(",")}
+    rows = frontier(all_modes, q, real, links)
+    res = {"command": shown([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+           "blocks": shown([str(args.blocks)]), "ar": shown([str(args.ar)]), "draft": shown([str(args.draft)]),
+           "judge": shown([str(args.judge)]), "n_prompts": args.prompts, "speed_prompts": args.speed_prompts,
+           "n_bytes": N_BYTES, "frontier": rows, "summary": summary(rows, real), "links": links,
+           "greedy": {name: v for (name, t), v in q.items() if t == 0.0},
+           "quality_t1": {name: v for (name, t), v in q.items() if t == 1.0}, "real": real}
+    res.update(res["summary"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res["summary"], indent=1))
+    if args.out == RESULTS / "serving.json":
+        plot(rows, real, RESULTS / "serving_frontier.png")
+        update_section("serving", render(res))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,21 @@ def train_tail(cfg: ModelConfig, steps: int, out: Path, lr: float) -> list:
     return tails
 
 
+def write_served(cfg: ModelConfig, blocks: list, main_dir: Path, tail_dir: Path, served: Path) -> None:
+    """One train-local folder holding the B + T blocks under the tailed configuration. The scoring
+    blocks' weights are unchanged: their training never depends on the tail fields."""
+    from btnode.store import files
+    from btnode.store.models import model_meta
+
+    served.mkdir(parents=True, exist_ok=True)
+    for b, blk in enumerate(blocks):
+        src = load_block(main_dir if b < cfg.n_blocks else tail_dir, b)
+        files.save(served, block_stem(b), tensors=blk.state_dict(), optim=None,
+                   meta={**src.meta, **model_meta(cfg), "kind": "block", "block": b,
+                         "source": str(main_dir if b < cfg.n_blocks else tail_dir)})
+    print(f"[tail] wrote the served model (B={cfg.n_blocks} + T={cfg.tail_blocks}) to {served}", flush=True)
+
+
 @torch.no_grad()
 def continue_prompts(blocks: list, prompts: list[bytes], *, n_bytes: int, k: int, n_steps: int, n_tail: int,
                      seed: int, temperature: float) -> list[bytes]:
@@ -99,6 +114,8 @@ def main() -> None:
     ap.add_argument("--main", type=Path, required=True, help="train-local folder with the B scoring blocks")
     ap.add_argument("--judge", type=Path, required=True, help="judge checkpoint (AR folder)")
     ap.add_argument("--out", type=Path, default=Path("runs/tail"))
+    ap.add_argument("--served", type=Path, help="also write every block (scoring + tail) under the tailed "
+                                               "configuration into this folder, for bench/serving.py")
     ap.add_argument("--steps", type=int, default=700, help="steps per tail block")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--tail-blocks", type=int, default=1)
@@ -124,6 +141,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tails = train_tail(cfg, args.steps, args.out, args.lr)
     blocks = main + tails
+    if args.served:
+        write_served(cfg, blocks, args.main, args.out, args.served)
 
     judge = load_ar(args.judge).model.eval()
     words = J.english_words(fallback_corpus=corpus.bundled().train)
