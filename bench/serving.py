@@ -116,10 +116,11 @@ def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict
     for m in all_modes:
         for temperature in (1.0, 0.0):
             t0 = time.perf_counter()
-            texts, counts = continuations(m, [p.prompt for p in prompts], models, temperature)
-            s = score([(p.prompt, t) for p, t in zip(prompts, texts)])
+            use = prompts if temperature else prompts[:args.greedy_prompts]
+            texts, counts = continuations(m, [p.prompt for p in use], models, temperature)
+            s = score([(p.prompt, t) for p, t in zip(use, texts)])
             s.update(counts, gen_s=time.perf_counter() - t0, sample=texts[0].decode("utf-8", "replace")[:160],
-                     traversals_per_byte=counts["traversals"] / (N_BYTES * len(prompts)))
+                     traversals_per_byte=counts["traversals"] / (N_BYTES * len(use)), n_prompts=len(use))
             out[(label(m), temperature)] = (s, texts)
             print(f"[serving] {label(m)} T={temperature:g}: judge CE {s['judge_ce']:.3f}, distinct4 "
                   f"{s['distinct4']:.3f}, repeat {s['repeat_frac']:.3f}, words {s['word_rate']:.3f} "
@@ -303,7 +304,7 @@ def render(res: dict) -> str:
         tpb = "—" if r["traversals_per_byte"] is None else f"{r['traversals_per_byte']:.3f}"
         lines.append(f"| {name} | {r['link']} | {bps} | {tpb} | {r['judge_ce']:.3f} | {r['distinct4']:.3f} | "
                      f"{r['repeat_frac']:.3f} | {r['word_rate']:.3f} |")
-    lines += ["", "Greedy (temperature 0), same prompts, quality only:", "",
+    lines += ["", f"Greedy (temperature 0), the first {res['greedy_prompts']} prompts, quality only:", "",
               "| mode | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
     for name, g in res["greedy"].items():
         lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
@@ -324,6 +325,7 @@ def main() -> None:
     ap.add_argument("--judge", type=Path, default=ROOT / "runs" / "judge")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--speed-prompts", type=int, default=2)
+    ap.add_argument("--greedy-prompts", type=int, default=8, help="prompts of the greedy (quality-only) table")
     ap.add_argument("--n-steps", default="7,13", help="N_s values of the block chain")
     ap.add_argument("--ks", default="1,4,16,64")
     ap.add_argument("--tail-steps", type=int, default=8)
@@ -352,6 +354,7 @@ def main() -> None:
     res = {"command": shown([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
            "blocks": shown([str(args.blocks)]), "ar": shown([str(args.ar)]), "draft": shown([str(args.draft)]),
            "judge": shown([str(args.judge)]), "n_prompts": args.prompts, "speed_prompts": args.speed_prompts,
+           "greedy_prompts": args.greedy_prompts,
            "n_bytes": N_BYTES, "frontier": rows, "summary": summary(rows, real), "links": links,
            "greedy": {name: v for (name, t), v in q.items() if t == 0.0},
            "quality_t1": {name: v for (name, t), v in q.items() if t == 1.0}, "real": real}
