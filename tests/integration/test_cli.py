@@ -74,6 +74,23 @@ def test_generate_prints_the_requested_bytes(trained):
     assert len(p.stdout) == 21  # 20 bytes and a newline
 
 
+def test_a_model_with_a_tail_block_trains_scores_and_generates_through_it(tmp_path):
+    out = tmp_path / "tailed"
+    run("train-local", "--out", str(out), "--steps", "2", "--tail-blocks", "1", "--sigma-gen", "0.2", *TINY)
+    meta = json.loads((out / "block-3.json").read_text())
+    assert meta["block"] == 3 and meta["model"]["tail_blocks"] == 1 and meta["model"]["sigma_gen"] == 0.2
+    res = tmp_path / "eval.json"
+    run("eval", "--checkpoint", str(out), "--windows", "4", "--seeds", "1", "--json", str(res))
+    assert [a["block"] for a in json.loads(res.read_text())["alone"]] == [0, 1, 2]  # scoring never runs the tail
+    for extra in ([], ["--tail-steps", "4"]):
+        p = subprocess.run([BTNODE, "generate", "--checkpoint", str(out), "--bytes", "16", "--segment", "8",
+                            "--temperature", "1", *extra, "hi"], capture_output=True, timeout=120)
+        assert p.returncode == 0 and len(p.stdout) == 17, p.stderr
+    fails("generate", "--checkpoint", str(out), "--segment", "8", "--tail-steps", "4", "--readout", "pool", "hi",
+          match="reads its last evaluation")
+    fails("generate", "--checkpoint", str(tmp_path / "none"), "--tail-steps", "4", match="does not exist")
+
+
 def test_train_ar_and_eval(tmp_path):
     out = tmp_path / "ar"
     run("train-ar", "--out", str(out), "--steps", "2", "--ar-layers", "2", *TINY)
