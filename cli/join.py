@@ -41,6 +41,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          max_joins_per_minute: Annotated[int, typer.Option("--max-joins-per-minute", help="[aggregator] Join attempts one IP may make per minute.")] = 30,
          port_file: Annotated[Optional[Path], typer.Option("--port-file", help="Write the bound port here once serving.")] = None,
          metrics_listen: Annotated[Optional[str], typer.Option("--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (default: off).")] = None,
+         drain_notice: Annotated[float, typer.Option("--drain-notice", min=0.0, help="[aggregator, stage] Seconds between gRPC Health turning NOT_SERVING on SIGTERM and the server refusing new calls (time for probes and load balancers to notice).")] = 0.0,
          # worker
          block: Annotated[Optional[int], typer.Option("--block", help="[worker, stage] The block to train or serve.")] = None,
          peer: Annotated[Optional[str], typer.Option("--peer", help="[worker, stage] HOST:PORT of the aggregator.")] = None,
@@ -106,7 +107,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
                             context_cache=contexts, draft=draft, kv_bytes=int(kv_cache_mb * 2**20))
         stop = threading.Event()
         install_stop_signals(stop)
-        run_stage(stage, listen=listen, port_file=port_file, metrics_listen=metrics_listen, stop=stop)
+        run_stage(stage, listen=listen, port_file=port_file, metrics_listen=metrics_listen, stop=stop,
+                  drain_notice_s=drain_notice)
         return
     if role is Role.aggregator:
         from btnode.aggregate.averaging import OuterConfig
@@ -124,7 +126,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
         stop = threading.Event()
         install_stop_signals(stop)
         run_aggregator(cfg, acfg, state_dir=state_dir, listen=listen, seed=seed, port_file=port_file, stop=stop,
-                       metrics_listen=metrics_listen,
+                       metrics_listen=metrics_listen, drain_notice_s=drain_notice,
                        limits=PeerLimits(max_streams=max_streams_per_peer, joins_per_minute=max_joins_per_minute),
                        blocks=list(parse_ints(own_blocks, "--blocks-owned")) if own_blocks else None)
         return

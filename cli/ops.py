@@ -56,8 +56,9 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
            device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
            blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
            json_out: Json = False) -> None:
-    """Check this host before it joins: peer reachable, port free, clock skew, disk, torch threads and
-    devices, and the run fingerprint against the swarm's. Each problem comes with a fix."""
+    """Check this host before it joins: peer reachable and its gRPC Health SERVING, port free, clock
+    skew, disk, torch threads and devices, and the run fingerprint against the swarm's. Each problem
+    comes with a fix."""
     from btnode.node.doctor import run_checks
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,

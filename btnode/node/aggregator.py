@@ -12,6 +12,7 @@ from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.systemd import notify, start_watchdog
+from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimits
 from btnode.rpc.server import serve
 from btnode.store.files import atomic_write
@@ -32,17 +33,21 @@ def install_stop_signals(stop: threading.Event) -> None:
 def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path, listen: str,
                    blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
                    metrics_listen: str | None = None, limits: PeerLimits | None = None,
-                   stop: threading.Event | None = None) -> None:
+                   stop: threading.Event | None = None, drain_notice_s: float = 0.0) -> None:
+    """Serve until `stop`; gRPC Health says NOT_SERVING until READY=1, SERVING, then NOT_SERVING for
+    `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain."""
     stop = stop or threading.Event()
     agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed)
     if metrics_listen:
         serve_metrics(metrics_listen, AggregatorCollector(agg))
-    server, port, server_stop = serve(agg, listen, limits=limits)
+    health = NodeHealth()
+    server, port, server_stop = serve(agg, listen, limits=limits, health=health)
     host = listen.rsplit(":", 1)[0]
     log.info("aggregator for blocks %s listening on %s:%d (fingerprint %s…)", sorted(agg.blocks), host, port,
              agg.fingerprint[:12])
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
+    health.serving()
     notify("READY=1", f"STATUS=serving blocks {sorted(agg.blocks)} on port {port}")
     alive = threading.Event()
     start_watchdog(alive, stop)
@@ -53,6 +58,7 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
             stop.wait(TICK_S)
     finally:
         notify("STOPPING=1", "STATUS=draining")
+        health.draining(drain_notice_s)
         server_stop.set()
         server.stop(grace=5.0).wait()  # in-flight pushes finish (and are judged) first
         for info in agg.drain():

@@ -17,8 +17,10 @@ import torch
 from btnode.errors import BtnodeError
 from btnode.model.config import ModelConfig
 from btnode.rpc.client import SwarmClient
+from btnode.rpc.health import NO_HEALTH, check_health
 from btnode.train.plan import block_bytes
 
+SWARM_SERVICE = "btnode.v1.Swarm"  # the aggregator's gRPC service, as Health names it
 MAX_SKEW_S = 2.0  # round deadlines are seconds to minutes; skew beyond this confuses logs and τ reasoning
 
 
@@ -64,6 +66,29 @@ def check_peer(cfg: ModelConfig, peer: str | None) -> list[Finding]:
                            "use the swarm's model settings ([model] in btnode.toml, or the --d-model/--blocks/... "
                            "flags); `btnode status --peer` shows them"))
     return out
+
+
+def check_health_of(peer: str | None) -> Finding:
+    """The peer's gRPC Health for the node as a whole and for btnode.v1.Swarm (what a probe sees)."""
+    if not peer:
+        return Finding("health", "SKIP", "needs --peer")
+    try:
+        overall, swarm = check_health(peer, "", timeout_s=10), check_health(peer, SWARM_SERVICE, timeout_s=10)
+    except BtnodeError as exc:
+        return Finding("health", "FAIL", f"no health answer from {peer}: {exc}",
+                       "check the address and port, and that the aggregator runs (systemctl status btnode-aggregator)")
+    detail = f'grpc.health.v1 at {peer}: "" {overall}, {SWARM_SERVICE} {swarm}'
+    if overall == NO_HEALTH:
+        return Finding("health", "WARN", f"{peer} has no grpc.health.v1 service",
+                       "upgrade btnode on the aggregator host; probes and load balancers need it")
+    if swarm == "SERVING":
+        return Finding("health", "OK", detail)
+    if swarm == "NOT_SERVING":
+        return Finding("health", "FAIL", f"{detail}: the aggregator is starting or draining (stopping)",
+                       "wait until it has started, or start it again if it was stopped "
+                       "(systemctl status btnode-aggregator; journalctl -u btnode-aggregator)")
+    return Finding("health", "FAIL", f"{detail}: {peer} is not an aggregator (a stage answers btnode.v1.Stage)",
+                   "point --peer at the aggregator's --listen address, not a stage's")
 
 
 def check_listen(listen: str | None) -> Finding:
@@ -120,4 +145,5 @@ def check_torch(device: str) -> list[Finding]:
 
 def run_checks(cfg: ModelConfig, *, peer: str | None, listen: str | None, state_dir: Path,
                device: str) -> list[Finding]:
-    return [*check_peer(cfg, peer), check_listen(listen), check_disk(cfg, state_dir), *check_torch(device)]
+    return [*check_peer(cfg, peer), check_health_of(peer), check_listen(listen), check_disk(cfg, state_dir),
+            *check_torch(device)]

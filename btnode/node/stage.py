@@ -17,6 +17,7 @@ from btnode.node.metrics import StageCollector, serve_metrics
 from btnode.node.systemd import notify, start_watchdog
 from btnode.protocol import Meter
 from btnode.rpc.client import SwarmClient
+from btnode.rpc.health import NodeHealth
 from btnode.rpc.stages import RemoteARStage, RemoteBlockStage, serve_stage
 from btnode.serve.ar import LocalARStage
 from btnode.serve.context_cache import ContextCacheConfig
@@ -80,21 +81,27 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
 
 
 def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,
-              metrics_listen: str | None = None, stop: threading.Event | None = None) -> None:
+              metrics_listen: str | None = None, stop: threading.Event | None = None,
+              drain_notice_s: float = 0.0) -> None:
+    """Serve until `stop`; gRPC Health as for the aggregator: NOT_SERVING until ready, SERVING, then
+    NOT_SERVING for `drain_notice_s` (still serving) before the server stops accepting."""
     stop = stop or threading.Event()
     meter = Meter()
     if metrics_listen:
         serve_metrics(metrics_listen, StageCollector("ar" if isinstance(stage, LocalARStage) else "block", meter))
-    server, port, server_stop = serve_stage(stage, listen, meter=meter)
+    health = NodeHealth()
+    server, port, server_stop = serve_stage(stage, listen, meter=meter, health=health)
     log.info("stage %s listening on %s:%d", stage.name, listen.rsplit(":", 1)[0], port)
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
+    health.serving()
     notify("READY=1", f"STATUS=serving {stage.name} on port {port}")
     start_watchdog(None, stop)
     try:
         stop.wait()
     finally:
         notify("STOPPING=1")
+        health.draining(drain_notice_s)
         server_stop.set()
         server.stop(grace=5.0).wait()
         log.info("stage %s stopped", stage.name)

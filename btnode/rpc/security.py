@@ -6,7 +6,9 @@ every channel and server made here uses them (tests pass a `Security` explicitly
 
 - Token: clients send `authorization: Bearer <token>` on every call; servers compare it with
   `hmac.compare_digest` (constant time) and answer UNAUTHENTICATED when it is missing or wrong,
-  before any handler runs.
+  before any handler runs. One method is open: `grpc.health.v1.Health/Check`, because
+  Kubernetes probes, grpc_health_probe and load balancers send no token; it says SERVING or
+  NOT_SERVING and nothing else. Health/Watch (it holds a stream) and reflection need the token.
 - TLS: a server with `cert` and `key` listens with TLS; with `ca` and `client_auth` too it demands
   a client certificate signed by that CA (mutual TLS). A client with `ca` verifies the server
   against it; with `cert` and `key` it presents its own certificate.
@@ -25,6 +27,7 @@ import grpc
 from btnode.errors import ConfigError
 
 TOKEN_KEY = "authorization"
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})  # answered without the token (see above)
 
 
 @dataclass(frozen=True)
@@ -108,13 +111,15 @@ def channel(address: str, options: list[tuple[str, Any]], security: Security | N
 
 
 class TokenServerInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the swarm token, before its handler runs."""
+    """Refuses every call without the swarm token, before its handler runs (but OPEN_METHODS)."""
 
     def __init__(self, token: str, on_refusal: Callable[[], None] = lambda: None):
         self.expected = f"Bearer {token}".encode()
         self.on_refusal = on_refusal
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in OPEN_METHODS:
+            return continuation(handler_call_details)
         sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
         if hmac.compare_digest(sent.encode() if isinstance(sent, str) else bytes(sent), self.expected):
             return continuation(handler_call_details)

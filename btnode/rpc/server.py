@@ -26,6 +26,7 @@ from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, it
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError
 from btnode.protocol import VersionInfo
 from btnode.rpc import convert
+from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
 from btnode.rpc.security import Security, bind, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
@@ -232,8 +233,9 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
 
 def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
-          limits: PeerLimits | None = None) -> tuple[grpc.Server, int, threading.Event]:
+          limits: PeerLimits | None = None, health: NodeHealth | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event).
+    Health and reflection come too; without a `health` to drive, Health says SERVING from the start.
 
     Past `max_workers` − 4 calls in progress, gRPC itself answers RESOURCE_EXHAUSTED: with the
     per-peer limits that bounds the memory held by pushes being received."""
@@ -245,6 +247,7 @@ def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security
                          interceptors=[*interceptors(security, refused), PeerLimiter(limits or PeerLimits(), limited),
                                        DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
+    (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
     port = bind(server, address, security)
     server.start()
     return server, port, stop

@@ -19,6 +19,7 @@ from btnode.errors import InputError, MalformedInput
 from btnode.model.noise import default_steps
 from btnode.protocol import Meter
 from btnode.rpc import security
+from btnode.rpc.health import NodeHealth
 from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import error_from_rpc
@@ -227,11 +228,13 @@ def stage_info(address: str, timeout_s: float = 10.0) -> pb.StageInfo:
 
 
 def serve_stage(stage: LocalBlockStage | LocalARStage, address: str, *, max_workers: int = 16,
-                meter: Meter | None = None) -> tuple[grpc.Server, int, threading.Event]:
+                meter: Meter | None = None, health: NodeHealth | None = None) -> tuple[grpc.Server, int, threading.Event]:
+    """Serve `stage` on `address`, with Health (SERVING from the start unless `health` drives it) and reflection."""
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage"),
                          options=SERVER_OPTIONS, interceptors=[*interceptors(), DecodeGuard()])
     pb_grpc.add_StageServicer_to_server(StageServicer(stage, stop, meter), server)
+    (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Stage"].full_name])
     port = bind(server, address)
     server.start()
     return server, port, stop

@@ -68,7 +68,7 @@ def test_status_and_doctor_against_a_live_aggregator(aggregator):
 
     ok = btnode("doctor", "--peer", agg.address, "--listen", "127.0.0.1:0", *TINY_SHAPE)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    for check in ("peer", "clock skew", "fingerprint", "port", "disk", "torch threads", "device"):
+    for check in ("peer", "health", "clock skew", "fingerprint", "port", "disk", "torch threads", "device"):
         assert f"] {check}:" in ok.stdout
     assert "[FAIL]" not in ok.stdout
 
