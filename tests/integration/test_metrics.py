@@ -62,6 +62,7 @@ def swarm(tmp_path_factory):
         procs.append(start(["join", "--role", "stage", "--block", "2", "--peer", address, "--listen", "127.0.0.1:0",
                             "--metrics-listen", f"127.0.0.1:{ports['stage']}", *TINY_SHAPE], d / "stage.log"))
         deadline = time.monotonic() + 240
+
         def settled() -> bool:  # both workers have pushed (one can start late on a loaded machine)
             return (sample(scrape(ports["aggregator"]), "btnode_updates_total", outcome="accepted") >= 4
                     and all(sample(scrape(ports[w]), "btnode_worker_pushes_total", block="0", outcome="accepted") >= 1
