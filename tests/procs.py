@@ -14,6 +14,26 @@ import pytest
 CLI = [sys.executable, "-m", "btnode_cli.main"]
 TINY_SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32",
               "--segments", "1,8"]
+BTNODE = str(Path(sys.executable).with_name("btnode"))
+TINY_TRAIN = [*TINY_SHAPE, "--batch", "4", "--warmup", "1"]  # the tiny shape with a tiny training step
+
+
+def run_cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """`btnode ARGS` to completion; never a traceback, and exit 0 unless ok=False."""
+    p = subprocess.run([BTNODE, *args], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def cli_fails(*args: str, match: str) -> str:
+    """`btnode ARGS` must end in one `error:` line, a non-zero exit code and `match` in stderr;
+    returns that last line."""
+    p = run_cli(*args, ok=False)
+    last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+    assert p.returncode != 0 and last.startswith("error:") and match in p.stderr, p.stderr
+    return last
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:

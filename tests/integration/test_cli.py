@@ -6,28 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from procs import BTNODE, TINY_TRAIN, cli_fails, run_cli
 
-BTNODE = str(Path(sys.executable).with_name("btnode"))
-TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32",
-        "--segments", "1,8", "--batch", "4", "--warmup", "1"]
-
-
-def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([BTNODE, *args], capture_output=True, text=True, timeout=300)
-    assert "Traceback" not in p.stderr, p.stderr
-    if ok:
-        assert p.returncode == 0, p.stderr
-    return p
-
-
-def fails(*args: str, match: str) -> None:
-    p = run(*args, ok=False)
-    assert p.returncode != 0
-    assert p.stderr.strip().splitlines()[-1].startswith("error:") and match in p.stderr, p.stderr
+TINY = TINY_TRAIN
+run, fails = run_cli, cli_fails
 
 
 @pytest.fixture(scope="module")
