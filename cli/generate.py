@@ -21,7 +21,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
-             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone (default: pool, or last with --tail-steps).")] = None,
+             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone; commit: the last stage commits the segment byte by byte, each byte read with the bytes before it as context, still one traversal (default: pool, or last with --tail-steps).")] = None,
              tail_steps: Annotated[int, typer.Option("--tail-steps", help="Grid points below σ_lo run by the tail blocks (a model trained with --tail-blocks): joint multi-byte segments, still one sweep each.")] = 0,
              draft: Annotated[Optional[Path], typer.Option("--draft", help="[AR --checkpoint] Checkpoint of a small AR draft model: speculative decoding.")] = None,
              draft_len: Annotated[Optional[int], typer.Option("--draft-len", help="[AR] G: draft bytes verified per traversal (default 8 with --draft; with --entry, asks the entry's draft).")] = None,

@@ -30,6 +30,10 @@ from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, Cont
 log = logging.getLogger(__name__)
 EMPTY_PROMPT_CONTEXT = b"\n"  # WikiText paragraphs start after a newline
 MAX_STEPS = 256  # sampler grid points per segment: far above the default 2B + 1, and a bound on a request's work
+# How the last stage turns its evaluation into bytes: sampler.READOUTS ("pool", "last"), and "commit":
+# the last stage commits the segment byte by byte, each next row re-read by its own block with the
+# bytes committed before it as clean context (see LocalBlockStage.commit).
+SERVE_READOUTS = (*READOUTS, "commit")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class SegmentState:
     temperature: float
     z: torch.Tensor  # (K, d) float32
     want_logits: bool = False
-    readout: str = "last"  # "pool": every stage adds its block's context readout (sampler.sweep)
+    readout: str = "last"  # "pool": every stage adds its block's context readout (sampler.sweep); "commit"
     pool: torch.Tensor | None = None  # readout "pool": Σ log-probs of the earlier blocks' readouts, (K, V)
     first_chunk: int = 0  # bytes of the window's first chunk, the rest being whole segments of K; 0: the window
     final: bool = False  # the request's last segment: stages drop its context cache after it
@@ -74,8 +78,8 @@ def max_prompt(context: int, k: int) -> int:
 def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_steps: int,
                   readout: str = "last", n_tail: int = 0) -> None:
     """InputError for a request no chain of this model can serve as asked."""
-    if readout not in READOUTS:
-        raise InputError(f"readout must be one of {list(READOUTS)}, got {readout!r}")
+    if readout not in SERVE_READOUTS:
+        raise InputError(f"readout must be one of {list(SERVE_READOUTS)}, got {readout!r}")
     if n_tail:
         if not cfg.tail_blocks:
             raise InputError(f"{n_tail} tail steps asked, but this model has no tail blocks")
@@ -199,11 +203,35 @@ class LocalBlockStage:
             result = self.next.forward(dataclasses.replace(s, z=z[0].cpu(), pool=None if pooled is None else pooled.cpu()))
             result.route.insert(0, self.name)
             return result
+        if s.readout == "commit":
+            new, rows = self.commit(s, z, logits, cache, grid[span[-1]])
+            return SegmentResult(new_bytes=new, logits=rows.cpu() if s.want_logits else None, route=[self.name])
         if pooled is not None:
             logits = ((pooled + log_probs(logits[0])) / (self.n_blocks + 1))[None]
         ids = sample_bytes(logits[0], s.temperature, generator("gen-sample", s.seed, s.segment))
         return SegmentResult(new_bytes=bytes(ids.tolist()), logits=logits[0].cpu() if s.want_logits else None,
                              route=[self.name])
+
+    def commit(self, s: SegmentState, z: torch.Tensor, logits: torch.Tensor, cache: ContextCache,
+               sigma: float) -> tuple[bytes, torch.Tensor]:
+        """Readout "commit": a joint sample of the segment, still inside one traversal. Row 0 is
+        sampled from the sweep's last evaluation; then, for j = 1 … K − 1, this block re-reads rows
+        j … K − 1 of the same final state z at the same σ, with the j bytes committed so far appended
+        to its clean context (the cache extended by one byte each time), and row j is sampled from
+        that. Each byte thus sees the bytes before it, as in autoregressive decoding, and the K − 1
+        extra evaluations run on this stage only: no traversal is added. Returns (bytes, the (K, V)
+        logits they were sampled from)."""
+        g = generator("gen-sample", s.seed, s.segment)
+        n = len(s.context)
+        sig = torch.full((1,), sigma, device=self.device)
+        rows, out = [logits[0, 0]], [int(sample_bytes(logits[0, :1], s.temperature, g)[0])]
+        for j in range(1, s.k):
+            cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
+            layout = generation_layout(n + j, s.k - j).to(self.device)
+            row = self.block.denoise(z[:, j:], sig, cache, layout)[0, :1]
+            rows.append(row[0])
+            out.append(int(sample_bytes(row, s.temperature, g)[0]))
+        return bytes(out), torch.stack(rows)
 
 
 class FailoverStage:

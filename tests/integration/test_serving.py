@@ -61,7 +61,7 @@ def local(trained, prompt, **kw):
     return list(generate(local_chain(blocks, torch.device("cpu")), cfg, 3, prompt, **kw))
 
 
-@pytest.mark.parametrize("k,temperature,readout", [(8, 0.0, "pool"), (1, 0.9, "pool"), (8, 0.9, "last")])
+@pytest.mark.parametrize("k,temperature,readout", [(8, 0.0, "pool"), (1, 0.9, "pool"), (8, 0.9, "last"), (8, 0.9, "commit")])
 def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k, temperature, readout):
     c = chain(trained, tmp_path, processes)
     kw = dict(n_bytes=20, k=k, n_steps=7, seed=4, temperature=temperature, want_logits=True, readout=readout)
@@ -79,8 +79,8 @@ def test_context_caches_change_no_bit_across_window_restarts(trained, tmp_path, 
     """Stages cache their clean stream per request (block 1 here with the cache off): the same bytes
     and logits as every stage rebuilding it, and as the local sampler, over several window restarts."""
     c = chain(trained, tmp_path, processes, stage_args={1: ["--context-cache-mb", "0"]})
-    for k in (1, 8):
-        kw = dict(n_bytes=48, k=k, n_steps=7, seed=3, temperature=1.0, want_logits=True)
+    for k, readout in ((1, "pool"), (8, "pool"), (8, "commit")):
+        kw = dict(n_bytes=48, k=k, n_steps=7, seed=3, temperature=1.0, want_logits=True, readout=readout)
         cached = list(generate_remote(c["entry"], b"Hello there", **kw))
         rebuilt = list(generate_remote(c["entry"], b"Hello there", no_cache=True, **kw))
         ref = local(trained, b"Hello there", **kw)
