@@ -34,7 +34,8 @@ MODEL_TABLE = "model"
 SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
 SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
 SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",  # the fingerprint's flags
-              "tail_blocks", "sigma_gen")
+              "tail_blocks", "sigma_gen", "model", "ar_layers")
+KIND_FLAGS = ("model", "ar_layers")  # swarm-wide, but only on the commands that run a swarm (join, swarm, simulate)
 ENV_PREFIX = "BTNODE"
 
 
@@ -167,11 +168,13 @@ def show(ctx: typer.Context,
                f"file > default)")
     for flag, value, where, scope in rows:
         typer.echo(f"  {flag:<{width}}  {value:<{vwidth}}  {where:<7}  {scope}".rstrip())
-    if all(name in sub.params for name in SWARM_WIDE):
+    if all(name in sub.params for name in SWARM_WIDE if name not in KIND_FLAGS):
         p = sub.params
+        kind = p.get("model") or "block"
         cfg = model_config(d_model=p["d_model"], heads=p["heads"], layers=p["layers"], blocks=p["blocks"],
                            context=p["context"], segments=p["segments"], target_seed=p["target_seed"],
-                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"])
+                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"], model=kind,
+                           ar_layers=p.get("ar_layers") if kind == "ar" else None)
         typer.echo(f"run fingerprint: {cfg.fingerprint()}")
 
 

@@ -1,5 +1,6 @@
 """`btnode eval`: SCE-1 and SCE-S per segment length for a block checkpoint, or the teacher-forced
-CE of an autoregressive checkpoint, on the same held-out windows and positions."""
+CE of an autoregressive checkpoint (a train-ar folder, or the state folder of a DiLoCo run's
+aggregator), on the same held-out windows and positions."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              windows: Annotated[int, typer.Option("--windows", help="Held-out windows (evenly spread over the test file).")] = 256,
              readout: Annotated[str, typer.Option("--readout", help="pool (the blocks' context readouts pooled with the sweep's last evaluation) or last.")] = "pool",
-             version: Annotated[Optional[int], typer.Option("--version", help="Score this version of every block (aggregator state folders).")] = None,
+             version: Annotated[Optional[int], typer.Option("--version", help="Score this version of every block, or of a DiLoCo run's AR model (aggregator state folders).")] = None,
              alone: Annotated[bool, typer.Option("--alone/--no-alone", help="Also read each block alone at K=1.")] = True,
              data: Data = None, device_name: Device = "cpu",
              json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None) -> None:
@@ -43,10 +44,10 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
     kind = kind_of(checkpoint)
     result: dict = {"checkpoint": str(checkpoint), "kind": kind, "unigram": corpus.unigram_entropy(test)}
     if kind == "ar":
-        loaded = load_ar(checkpoint)
+        loaded = load_ar(checkpoint, version=version)
         w = eval_windows(test, loaded.cfg.context, windows)
         ce = ar_ce(loaded.model.to(dev), w, device=dev)  # type: ignore[arg-type]
-        result.update(n_layers=loaded.meta["n_layers"], windows=len(w), ce=ce)
+        result.update(n_layers=loaded.meta["n_layers"], windows=len(w), ce=ce, version=version)
         typer.echo(f"autoregressive ({loaded.meta['n_layers']} layers): teacher-forced CE {ce:.4f} nats/byte "
                    f"on {len(w)} windows (unigram entropy {result['unigram']:.4f})")
     else:

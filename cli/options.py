@@ -37,6 +37,8 @@ Segments = Annotated[str, typer.Option("--segments", help="Comma-separated segme
 TargetSeed = Annotated[int, typer.Option("--target-seed", help="Seed of the fixed target table E (swarm-wide).")]
 TailBlocks = Annotated[int, typer.Option("--tail-blocks", help="T: tail blocks trained below σ_lo for joint multi-byte generation (swarm-wide; default 0).")]
 SigmaGen = Annotated[float, typer.Option("--sigma-gen", help="σ the tail blocks end at (swarm-wide; used only with --tail-blocks).")]
+ModelKind = Annotated[str, typer.Option("--model", help="What the swarm trains (swarm-wide): block (BlockTrain: B blocks, a worker trains one) or ar (DiLoCo: every worker trains a full replica of the AR model, the swarm's one unit).")]
+ArLayers = Annotated[Optional[int], typer.Option("--ar-layers", help="Depth of the AR model of a --model ar run (swarm-wide; default B·L).")]
 
 
 def parse_ints(text: str, what: str) -> tuple[int, ...]:
@@ -50,12 +52,28 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context: int, segments: str,
-                 target_seed: int, tail_blocks: int = 0, sigma_gen: float = 0.1):  # -> ModelConfig (import deferred)
-    from btnode.model.config import ModelConfig
+                 target_seed: int, tail_blocks: int = 0, sigma_gen: float = 0.1, model: str = "block",
+                 ar_layers: int | None = None):  # -> ModelConfig (import deferred)
+    from btnode.model.config import KINDS, ModelConfig
 
+    if model not in KINDS:
+        raise ConfigError(f"--model must be one of {', '.join(KINDS)}, got {model!r}")
+    if ar_layers is not None and model != "ar":
+        raise ConfigError("--ar-layers is the depth of a --model ar run; this is a block run")
+    depth = (ar_layers if ar_layers is not None else blocks * layers) if model == "ar" else 0
     return ModelConfig(d_model=d_model, n_heads=heads, n_layers=layers, n_blocks=blocks, context=context,
                        segments=parse_ints(segments, "--segments"), target_seed=target_seed, tail_blocks=tail_blocks,
-                       sigma_gen=sigma_gen)
+                       sigma_gen=sigma_gen, kind=model, ar_layers=depth)
+
+
+def outer_config(model: str, lr: float | None, momentum: float | None, robust: str = "mean"):  # -> OuterConfig
+    """The aggregator's outer step: plain averaging (η = 1, μ = 0) for a block run, DiLoCo's outer
+    Nesterov step (η = 0.7, μ = 0.9) for --model ar; --outer-lr / --outer-momentum override either."""
+    from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
+
+    base = DILOCO_OUTER if model == "ar" else OuterConfig()
+    return OuterConfig(lr=base.lr if lr is None else lr, momentum=base.momentum if momentum is None else momentum,
+                       robust=robust)
 
 
 def device(name: str):  # -> torch.device

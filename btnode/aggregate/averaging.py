@@ -33,6 +33,11 @@ class OuterConfig:
             raise ConfigError(f"need lr > 0, 0 ≤ momentum < 1, 0 ≤ trim < 0.5; got {self.lr}, {self.momentum}, {self.trim}")
 
 
+# DiLoCo's outer step (Douillard et al. 2023: Nesterov, η = 0.7, μ = 0.9): the default of a
+# --model ar run, where every worker pushes the delta of a full replica after H inner steps.
+DILOCO_OUTER = OuterConfig(lr=0.7, momentum=0.9)
+
+
 def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
     total = float(sum(weights))
     out = {}

@@ -56,8 +56,9 @@ class RoundSummary:
 
 class BlockAggregator:
     def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, name: str = ""):
         self.block = block
+        self.name = name or f"block {block}"  # in logs: "block 2", or "ar" for a DiLoCo run's whole model
         self.cfg = cfg
         self.store = store
         self.clock = clock
@@ -82,8 +83,8 @@ class BlockAggregator:
             self.outer.load_state_dict({n: t for n, t in state.items() if not n.startswith(EF_PREFIX)})
             self.residual = {n[len(EF_PREFIX):]: t for n, t in state.items() if n.startswith(EF_PREFIX)}
             if state_sha256(self.params) != self.info.sha256:
-                raise MalformedInput("checksum", f"block {block} version {self.info.version} on disk fails its hash")
-            log.info("block %d resumed at version %d (%s)", block, self.info.version, self.info.sha256[:12])
+                raise MalformedInput("checksum", f"{self.name} version {self.info.version} on disk fails its hash")
+            log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
         self.spec = {n: tuple(t.shape) for n, t in self.params.items()}
         self.round = Round(version=self.info.version, opened_at=self.clock(), cfg=cfg.round)
 
@@ -146,7 +147,7 @@ class BlockAggregator:
             if header is not None and exc.reason not in INCOMPLETE:
                 self.round.note(header.worker_id, outcome, header.base_version)
                 self._maybe_close()
-        log.warning("block %d: %s update from %s: %s", self.block, outcome.value,
+        log.warning("%s: %s update from %s: %s", self.name, outcome.value,
                     header.worker_id if header else "?", exc)
 
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
@@ -210,8 +211,8 @@ class BlockAggregator:
             if why:
                 self.counters[(Outcome.REJECTED.value, f"{why}_at_close")] += 1
                 self.counters[(Outcome.ACCEPTED.value, "")] -= 1
-                log.warning("block %d round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
-                            "cosine %.3f with the median update)", self.block, self.round.version, u.worker_id, why,
+                log.warning("%s round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
+                            "cosine %.3f with the median update)", self.name, self.round.version, u.worker_id, why,
                             norm, ref, cos)
             else:
                 kept.append(u)
@@ -245,8 +246,8 @@ class BlockAggregator:
         self.recent.append(RoundSummary(info=info, closed_at=now))
         self.rounds_closed[reason] += 1
         self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
-        log.info("block %d: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
-                 self.block, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)
+        log.info("%s: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
+                 self.name, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)
         self.lock.notify_all()
         return info
 

@@ -1,6 +1,9 @@
 """`SwarmAggregator`: the aggregator role's domain object. It owns a set of blocks (all of them,
 or a disjoint share when several aggregators split the model), admits workers whose run
-fingerprint matches, and answers status. rpc/server.py is a thin layer over it."""
+fingerprint matches, and answers status. rpc/server.py is a thin layer over it.
+
+In a DiLoCo run (ModelConfig.kind "ar") it owns one unit, block 0, which is the whole AR model:
+the same BlockAggregator, rounds, outer step and version store, only another init (init_unit)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, Peer
 from btnode.model.config import ModelConfig
 from btnode.protocol import JoinInfo, Judgement, Meter, PushHeader, VersionInfo
 from btnode.store.files import atomic_write
-from btnode.store.models import RUN_FILE, init_block
+from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,9 @@ class SwarmAggregator:
             raise ConfigError(f"blocks {owned} out of range for {cfg.total_blocks} blocks")
         state_dir.mkdir(parents=True, exist_ok=True)
         self._check_state_dir(state_dir)
-        self.blocks = {b: BlockAggregator(b, init_block(cfg, b, seed).state_dict(),
-                                          VersionStore(state_dir, b, keep=acfg.keep), acfg, clock=clock)
+        self.blocks = {b: BlockAggregator(b, init_unit(cfg, b, seed).state_dict(),
+                                          VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg,
+                                          clock=clock, name=cfg.unit_name(b))
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
@@ -70,13 +74,13 @@ class SwarmAggregator:
         agg = self.block(block)
         agg.register(worker_id)
         self.counters[("joins", "")] += 1
-        log.info("worker %s joined block %d", worker_id, block)
+        log.info("worker %s joined %s", worker_id, self.cfg.unit_name(block))
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
                         max_staleness=self.acfg.round.max_staleness)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
-        log.info("worker %s left block %d", worker_id, block)
+        log.info("worker %s left %s", worker_id, self.cfg.unit_name(block))
 
     def push(self, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
         """Judge one pushed update: its header first (re-push, late, stale answered before any

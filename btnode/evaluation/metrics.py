@@ -149,3 +149,13 @@ def sce1_k1(blocks: Sequence[DiffusionBlock], test: bytes, windows: int, device:
     with torch.no_grad():
         return sampler_ce([b.to(device) for b in blocks], w, k=1, seeds=[0], n_steps=default_steps(cfg),
                           device=device).sce1
+
+
+def swarm_ce(units: Sequence[torch.nn.Module], test: bytes, windows: int, device: torch.device) -> float:
+    """The CE of a swarm's published model on the same held-out windows and rows: SCE-1 at K = 1 for
+    blocks, teacher-forced CE for the one AR model of a DiLoCo run (nats/byte)."""
+    if len(units) == 1 and isinstance(units[0], ByteTransformer):
+        model = units[0].to(device)
+        with torch.no_grad():
+            return ar_ce(model, eval_windows(test, model.cfg.context, windows), device=device)
+    return sce1_k1(units, test, windows, device)  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code ch
 
 
 _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
+_KIND_FIELDS = ("kind", "ar_layers")
+KINDS = ("block", "ar")
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,21 @@ class ModelConfig:
     # ordinary blocks (own σ interval, own workers and stage); K = 1 scoring never runs them.
     tail_blocks: int = 0
     sigma_gen: float = 0.1
+    # What the swarm trains (issue #12). "block": the B (+T) diffusion blocks, each its own unit.
+    # "ar": DiLoCo, every worker trains a full replica of an `ar_layers`-layer autoregressive model
+    # (model/ar.py), and that whole model is the swarm's one unit, unit 0, aggregated exactly as a
+    # block is. The σ, γ, target and segment fields then shape nothing, but stay in the fingerprint.
+    kind: str = "block"
+    ar_layers: int = 0  # depth of the AR model of a kind="ar" run (0 otherwise)
 
     @property
     def total_blocks(self) -> int:
-        """Every block a swarm trains: the B scoring blocks and the T tail blocks."""
-        return self.n_blocks + self.tail_blocks
+        """Every unit a swarm trains: the B scoring blocks and the T tail blocks, or the one AR model."""
+        return 1 if self.kind == "ar" else self.n_blocks + self.tail_blocks
+
+    def unit_name(self, block: int) -> str:
+        """How logs and the local swarm name unit `block`: "block 2", or "ar" for a DiLoCo run's model."""
+        return "ar" if self.kind == "ar" else f"block {block}"
 
     def is_tail(self, block: int) -> bool:
         return self.n_blocks <= block < self.total_blocks
@@ -66,6 +78,12 @@ class ModelConfig:
             problems.append(f"need 0 < sigma_lo < sigma_hi, got {self.sigma_lo}, {self.sigma_hi}")
         if self.tail_blocks < 0 or (self.tail_blocks and not 0 < self.sigma_gen < self.sigma_lo):
             problems.append(f"need tail_blocks ≥ 0 and 0 < sigma_gen < sigma_lo, got {self.tail_blocks}, {self.sigma_gen}")
+        if self.kind not in KINDS:
+            problems.append(f"kind must be one of {KINDS}, got {self.kind!r}")
+        elif self.kind == "ar" and (self.ar_layers < 1 or self.tail_blocks):
+            problems.append(f"an AR run needs ar_layers ≥ 1 and no tail blocks, got {self.ar_layers}, {self.tail_blocks}")
+        elif self.kind == "block" and self.ar_layers:
+            problems.append(f"ar_layers is for kind='ar' runs only, got {self.ar_layers} with kind='block'")
         if self.p_std <= 0 or self.gamma < 0 or self.sigma_data <= 0:
             problems.append("p_std and sigma_data must be > 0 and gamma ≥ 0")
         segs = tuple(self.segments)
@@ -86,6 +104,9 @@ class ModelConfig:
         d["segments"] = list(self.segments)
         if self.tail_blocks == 0:  # a model without a tail keeps the fingerprint it had before tails existed
             for name in _TAIL_FIELDS:
+                del d[name]
+        if self.kind == "block":  # ... and a block run the one it had before AR runs existed
+            for name in _KIND_FIELDS:
                 del d[name]
         return d
 

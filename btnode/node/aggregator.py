@@ -43,8 +43,10 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     health = NodeHealth()
     server, port, server_stop = serve(agg, listen, limits=limits, health=health)
     host = listen.rsplit(":", 1)[0]
-    log.info("aggregator for blocks %s listening on %s:%d (fingerprint %s…)", sorted(agg.blocks), host, port,
-             agg.fingerprint[:12])
+    owns = f"the {cfg.ar_layers}-layer AR model (DiLoCo)" if cfg.kind == "ar" else f"blocks {sorted(agg.blocks)}"
+    outer = acfg.outer
+    log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s)", owns, host,
+             port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust)
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
     health.serving()

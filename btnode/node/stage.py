@@ -35,6 +35,9 @@ def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, Diffusion
     client = SwarmClient(peer, timeout_s=60)
     try:
         cfg = ModelConfig.from_dict(json.loads(client.status().config_json))
+        if cfg.kind != "block":
+            raise ConfigError(f"the aggregator at {peer} trains an AR model (DiLoCo), not blocks; serve it with "
+                              "--model ar --checkpoint <its state folder>")
         model = DiffusionBlock(cfg)
         pulled = client.pull(block, f"stage-{block}", {n: tuple(t.shape) for n, t in model.state_dict().items()})
     finally:

@@ -1,6 +1,7 @@
-"""`btnode swarm`: a whole swarm on this machine: one aggregator and B × R workers, each its own
-process on loopback, started through the real CLI. Prints the CE each block's accepted updates
-reported, per round, as versions are published."""
+"""`btnode swarm`: a whole swarm on this machine: one aggregator and B × R workers (or, in a
+DiLoCo run, R full-replica workers of the one AR unit), each its own process on loopback, started
+through the real CLI. Prints the CE each unit's accepted updates reported, per round, as versions
+are published."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
     raise PeerUnavailable(f"the aggregator did not start listening within {timeout_s:.0f} s")
 
 
-def run_swarm(*, state_dir: Path, n_blocks: int, replicas: int, rounds: int, shape_args: list[str],
+def run_swarm(*, state_dir: Path, units: list[str], replicas: int, rounds: int, shape_args: list[str],
               aggregator_args: list[str], worker_args: list[str], echo: Callable[[str], None] = print,
               timeout_s: float = 3600.0) -> SwarmResult:
-    """Run until every worker has pushed `rounds` updates; returns what was published."""
+    """Run until every worker has pushed `rounds` updates; returns what was published. `units` names
+    each unit the swarm trains, by index (ModelConfig.unit_name)."""
+    n_blocks = len(units)
     state_dir.mkdir(parents=True, exist_ok=True)
     port_file = state_dir / "aggregator.port"
     port_file.unlink(missing_ok=True)
@@ -64,7 +67,7 @@ def run_swarm(*, state_dir: Path, n_blocks: int, replicas: int, rounds: int, sha
         port = int(_wait_for_file(port_file, agg, 120.0))
         result = SwarmResult(port=port)
         peer = f"127.0.0.1:{port}"
-        echo(f"aggregator on {peer}; starting {n_blocks} × {replicas} workers for {rounds} rounds "
+        echo(f"aggregator on {peer}; starting {n_blocks} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
              f"(logs in {logs})")
         workers = [spawn(["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id", f"b{b}r{r}",
                           "--rounds", str(rounds), "--stats-file", str(logs / f"b{b}r{r}.stats.json"),
@@ -75,9 +78,9 @@ def run_swarm(*, state_dir: Path, n_blocks: int, replicas: int, rounds: int, sha
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                _report(client, seen, result, echo)
+                _report(client, seen, result, echo, units)
                 if all(w.poll() is not None for w in workers):
-                    _report(client, seen, result, echo)
+                    _report(client, seen, result, echo, units)
                     break
                 if agg.poll() is not None:
                     raise BtnodeError(f"the aggregator exited with code {agg.returncode}; see {logs}/aggregator.log")
@@ -103,7 +106,8 @@ def run_swarm(*, state_dir: Path, n_blocks: int, replicas: int, rounds: int, sha
                 p.wait()
 
 
-def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo: Callable[[str], None]) -> None:
+def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo: Callable[[str], None],
+            units: list[str]) -> None:
     try:
         status = client.status()
     except PeerUnavailable:
@@ -116,6 +120,6 @@ def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo
                 result.versions[info.block] = info.version
                 result.history.append(info)
                 loss = f"{info.mean_loss:.4f}" if not math.isnan(info.mean_loss) else "n/a"
-                echo(f"block {info.block} round {info.version - 1} → v{info.version}: train CE {loss} "
+                echo(f"{units[info.block]} round {info.version - 1} → v{info.version}: train CE {loss} "
                      f"({info.accepted} accepted, {info.late} late, {info.stale} stale, {info.rejected} rejected; "
                      f"{info.closed_by})")

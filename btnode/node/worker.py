@@ -38,7 +38,7 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
         while True:
             worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
             worker.heartbeat = alive.set
-            worker.on_ready = lambda: notify("READY=1", f"STATUS=training block {wcfg.block}")
+            worker.on_ready = lambda: notify("READY=1", f"STATUS=training {cfg.unit_name(wcfg.block)}")
             current[:] = [worker]
             try:
                 stats = worker.run(stop)

@@ -13,6 +13,9 @@ download delay, catches up and tries again. If it does not, it is away for one d
 machine is busy or offline: no compute, no update), then catches up with the newest version
 and tries again. Participation streams are nested across probabilities: the attempts a replica
 misses at p = 0.9 are a subset of those it misses at p = 0.42, so runs compare like for like.
+
+With ModelConfig.kind "ar" (DiLoCo) the same code runs a swarm of one unit, the whole AR model,
+with `replicas` full-replica workers: nothing here depends on what a unit is.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome
 from btnode.sim.link import LocalLink
-from btnode.store.models import init_block
+from btnode.store.models import init_unit
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
 
@@ -220,10 +223,10 @@ class Simulation:
                          closed_by=dict(sum((a.rounds_closed for a in self.agg.blocks.values()), Counter())))
 
     def blocks(self) -> list[torch.nn.Module]:
-        """The published model: each block at its newest version."""
+        """The published model: each unit at its newest version (the blocks, or the one AR model)."""
         out = []
         for b, agg in sorted(self.agg.blocks.items()):
-            blk = init_block(self.cfg, b, 0)
+            blk = init_unit(self.cfg, b, 0)
             blk.load_state_dict(agg.current()[1])
             out.append(blk)
         return out

@@ -1,7 +1,8 @@
 """Saving and loading blocks and AR baselines, checked against the model configuration.
 
-Block b of a run lives in FOLDER/block-{b}.*; an autoregressive baseline in FOLDER/ar.*.
-The metadata carries the full model configuration, its fingerprint and the hash of the target
+Block b of a run lives in FOLDER/block-{b}.*; an autoregressive baseline in FOLDER/ar.*. An
+aggregator's state folder (RUN_FILE) keeps the versions of each unit in STATE/block-{b}/, or in
+STATE/ar/ for the one AR model of a DiLoCo run (ModelConfig.kind). The metadata carries the full model configuration, its fingerprint and the hash of the target
 table, so a checkpoint from another configuration is refused with the differing fields named.
 """
 
@@ -43,6 +44,21 @@ def init_ar(cfg: ModelConfig, n_layers: int, seed: int) -> ByteTransformer:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stream_seed("init-ar", seed, n_layers))
         return ByteTransformer(cfg, n_layers)
+
+
+def init_unit(cfg: ModelConfig, unit: int, seed: int) -> torch.nn.Module:
+    """Version 0 of unit `unit` of a swarm: block `unit`, or (kind "ar") the whole AR model. The one
+    factory the aggregator, the worker and the simulator build their units with."""
+    if cfg.kind == "ar":
+        if unit != 0:
+            raise ConfigError(f"an AR run has one unit, 0, not {unit}")
+        return init_ar(cfg, cfg.ar_layers, seed)
+    return init_block(cfg, unit, seed)
+
+
+def unit_stem(cfg: ModelConfig, unit: int) -> str:
+    """The folder of unit `unit`'s versions in an aggregator's state folder."""
+    return AR_STEM if cfg.kind == "ar" else block_stem(unit)
 
 
 def model_meta(cfg: ModelConfig) -> dict[str, Any]:
@@ -112,22 +128,24 @@ def load_blocks(folder: Path, version: int | None = None) -> tuple[ModelConfig, 
 
 
 def _load_newest_versions(folder: Path, version: int | None = None) -> tuple[ModelConfig, list[DiffusionBlock]]:
-    cfg = _run_config(folder)
-    return cfg, [_newest_version(folder, cfg, b, version) for b in range(cfg.total_blocks)]
+    cfg = _block_run_config(folder)
+    return cfg, [_newest_version(folder, cfg, b, version) for b in range(cfg.total_blocks)]  # type: ignore[misc]
 
 
-def _newest_version(folder: Path, cfg: ModelConfig, b: int, version: int | None = None) -> DiffusionBlock:
-    store = VersionStore(folder, b)
+def _newest_version(folder: Path, cfg: ModelConfig, b: int, version: int | None = None) -> torch.nn.Module:
+    """Unit b (a block, or a DiLoCo run's AR model) at its newest version, or at `version`."""
+    store = VersionStore(folder, b, stem=unit_stem(cfg, b))
+    what = cfg.unit_name(b)
     if version is not None and version not in store.versions():
-        raise CheckpointError(f"aggregator state {folder} holds no version {version} of block {b} "
+        raise CheckpointError(f"aggregator state {folder} holds no version {version} of {what} "
                               f"(it keeps {store.versions()})")
     stored = store.latest() if version is None else store.load(version)
     if stored is None:
-        raise CheckpointError(f"aggregator state {folder} holds no complete version of block {b}")
+        raise CheckpointError(f"aggregator state {folder} holds no complete version of {what}")
     if files.state_sha256(stored.params) != stored.meta.get("info", {}).get("sha256"):
-        raise CheckpointError(f"block {b} version {stored.version} in {folder} fails its hash")
-    model = DiffusionBlock(cfg)
-    files.check_tensors(model.state_dict(), stored.params, f"block {b} version {stored.version} in {folder}")
+        raise CheckpointError(f"{what} version {stored.version} in {folder} fails its hash")
+    model = init_unit(cfg, b, 0)
+    files.check_tensors(model.state_dict(), stored.params, f"{what} version {stored.version} in {folder}")
     model.load_state_dict(stored.params)
     return model
 
@@ -137,10 +155,10 @@ def load_one_block(folder: Path, block: int) -> tuple[ModelConfig, DiffusionBloc
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     if (folder / RUN_FILE).exists():
-        cfg = _run_config(folder)
+        cfg = _block_run_config(folder)
         if not 0 <= block < cfg.total_blocks:
             raise CheckpointError(f"{folder} holds blocks 0…{cfg.total_blocks - 1}, not block {block}")
-        return cfg, _newest_version(folder, cfg, block)
+        return cfg, _newest_version(folder, cfg, block)  # type: ignore[return-value]
     loaded = load_block(folder, block)
     return loaded.cfg, loaded.model  # type: ignore[return-value]
 
@@ -152,9 +170,31 @@ def _run_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{folder / RUN_FILE} is not a valid run description: {exc}") from exc
 
 
-def load_ar(folder: Path, expected: ModelConfig | None = None, with_optim: bool = False) -> Loaded:
+def _block_run_config(folder: Path) -> ModelConfig:
+    cfg = _run_config(folder)
+    if cfg.kind != "block":
+        raise CheckpointError(f"{folder} is the state of a DiLoCo run: it holds a {cfg.ar_layers}-layer AR model, "
+                              "not blocks (the AR commands read it: eval, generate, a --model ar stage)")
+    return cfg
+
+
+def load_ar(folder: Path, expected: ModelConfig | None = None, with_optim: bool = False,
+            version: int | None = None) -> Loaded:
+    """An AR model: from a train-ar folder, or the newest version (or version `version`) of a DiLoCo
+    run's model in an aggregator state folder."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if (folder / RUN_FILE).exists():
+        cfg = _run_config(folder)
+        if cfg.kind != "ar":
+            raise CheckpointError(f"{folder} is the state of a block swarm, not of a DiLoCo (--model ar) run")
+        if expected is not None:
+            expected.require_same(cfg, f"aggregator state {folder}")
+        model = _newest_version(folder, cfg, 0, version)
+        meta = {"kind": "ar", "n_layers": cfg.ar_layers, "model": cfg.to_dict(), "fingerprint": cfg.fingerprint()}
+        return Loaded(cfg=cfg, model=model, meta=meta, optim=None)
+    if version is not None:
+        raise CheckpointError(f"{folder} is a train-ar folder; --version needs an aggregator state folder")
     return _load(folder, AR_STEM, expected, "ar", with_optim)
 
 
@@ -165,5 +205,5 @@ def kind_of(folder: Path) -> str:
     if (folder / f"{AR_STEM}.json").exists():
         return "ar"
     if (folder / RUN_FILE).exists():
-        return "block"
+        return _run_config(folder).kind
     raise CheckpointError(f"{folder} holds no btnode checkpoint (no block-0.json or ar.json)")

@@ -4,7 +4,8 @@ that produced it, and the outer-optimizer state, written atomically before v is 
 Layout: STATE_DIR/block-{b}/v{version:012d}.json (the commit record, written last),
 .safetensors (θ^v), .delta.safetensors (the delta's raw codec bytes, one uint8 tensor per name)
 and .outer.safetensors (momentum buffers, when used). The newest `keep` versions are kept; a
-restart resumes from the newest version whose files all verify.
+restart resumes from the newest version whose files all verify. A DiLoCo run's one unit, the
+whole AR model, keeps the same files under STATE_DIR/ar/ (`stem`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class StoredVersion:
 
 
 class VersionStore:
-    def __init__(self, root: Path, block: int, keep: int = 3):
+    def __init__(self, root: Path, block: int, keep: int = 3, *, stem: str | None = None):
         if keep < 1:
             raise ValueError("keep must be ≥ 1")
-        self.folder = Path(root) / f"block-{block}"
+        self.folder = Path(root) / (stem or f"block-{block}")
         self.block = block
+        self.name = stem or f"block {block}"  # for messages
         self.keep = keep
 
     def versions(self) -> list[int]:
@@ -74,7 +76,7 @@ class VersionStore:
             try:
                 return self.load(v)
             except CheckpointError as exc:
-                log.warning("block %d: skipping version %d: %s", self.block, v, exc)
+                log.warning("%s: skipping version %d: %s", self.name, v, exc)
         return None
 
     def load(self, version: int) -> StoredVersion:
@@ -84,10 +86,10 @@ class VersionStore:
     def delta(self, version: int) -> tuple[Codec, dict[str, bytes], dict[str, Any]]:
         """The published delta that produced `version`: (codec, raw bytes per tensor, metadata)."""
         if version not in self.versions():
-            raise UnknownBlock("version", f"block {self.block} keeps no version {version}")
+            raise UnknownBlock("version", f"{self.name} keeps no version {version}")
         try:
             ck = files.load(self.folder, stem(version), roles=("delta",))
         except CheckpointError as exc:
-            raise UnknownBlock("version", f"block {self.block} version {version} has no readable delta: {exc}") from exc
+            raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
         raw = {n: t.numpy().tobytes() for n, t in ck.extra["delta"].items()}
         return Codec[ck.meta["delta_codec"]], raw, ck.meta

@@ -10,6 +10,10 @@ state (at most H steps). When the version arrives, that work is folded in:
 the remaining H − (steps done while waiting). If the pushed update was not accepted, nothing of it
 reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v).
 
+A DiLoCo run (ModelConfig.kind "ar") uses this same loop: its one unit, block 0, is the whole AR
+model, so a worker trains a full replica with its inner AdamW and pushes the replica's delta; only
+the unit's model and trainer differ (store.models.init_unit, train.trainers.unit_trainer).
+
 It talks to the aggregator only through an AggregatorLink, so the same loop runs over gRPC or
 in-process. Every transfer is counted (raw and wire bytes) for the benchmarks.
 """
@@ -34,12 +38,11 @@ from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.model.targets import target_table
 from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
 from btnode.store.files import state_sha256
-from btnode.store.models import init_block
+from btnode.store.models import init_unit
 from btnode.train.config import TrainConfig
-from btnode.train.trainers import BlockTrainer
+from btnode.train.trainers import unit_trainer
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -90,9 +93,9 @@ class BlockWorker:
                  *, device: torch.device):
         self.cfg, self.tc, self.wcfg, self.link = cfg, tc, wcfg, link
         self.sampler = WindowSampler(corpus, cfg.context)
-        model = init_block(cfg, wcfg.block, tc.seed)
+        model = init_unit(cfg, wcfg.block, tc.seed)
         self.spec = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        self.trainer = BlockTrainer(model, tc, block=wcfg.block, table=target_table(cfg), device=device)
+        self.trainer = unit_trainer(cfg, wcfg.block, model, tc, device=device)
         self.base: Tensors = {}
         self.info: VersionInfo | None = None
         self.residual: Tensors = {}
@@ -387,7 +390,8 @@ class BlockWorker:
         self.on_ready()
         watcher = threading.Thread(target=self._watch, args=(stop,), daemon=True, name="watch")
         watcher.start()
-        log.info("worker %s: block %d at version %d", w.worker_id, w.block, self.info.version if self.info else -1)
+        log.info("worker %s: %s at version %d", w.worker_id, self.cfg.unit_name(w.block),
+                 self.info.version if self.info else -1)
         try:
             while not stop.is_set() and (w.rounds is None or self.stats.pushes < w.rounds):
                 self.train_steps(self.steps_due())
@@ -398,7 +402,7 @@ class BlockWorker:
                 header, raw = self.make_update()
                 last = w.rounds is not None and self.stats.pushes + 1 >= w.rounds
                 j, newer, fetched = self._exchange(header, raw, stop, overlap=w.train_while_waiting and not last)
-                log.info("worker %s: block %d round %d: %s%s (CE %.4f, %d steps)", w.worker_id, w.block,
+                log.info("worker %s: %s round %d: %s%s (CE %.4f, %d steps)", w.worker_id, self.cfg.unit_name(w.block),
                          header.base_version, j.outcome.value, f": {j.reason}" if j.reason else "", header.loss,
                          int(header.samples) // self.tc.batch)
                 if newer is None:

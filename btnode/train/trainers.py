@@ -1,6 +1,7 @@
 """One optimizer step at a time: `BlockTrainer` trains one DiffusionBlock with its own AdamW
-(design §2.5); `ARTrainer` trains the autoregressive baseline. Each owns its model and optimizer,
-and nothing else; the loops that feed them batches and write checkpoints live in loops.py."""
+(design §2.5); `ARTrainer` trains the autoregressive baseline (and a DiLoCo replica). Each owns its
+model and optimizer, and nothing else; the loops that feed them batches and write checkpoints live
+in loops.py. `unit_trainer` picks the one a swarm unit needs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import window_layout
 from btnode.model.noise import loss_weight, sample_sigma
+from btnode.model.targets import target_table
 from btnode.seeding import generator
 from btnode.train.config import TrainConfig
 
@@ -42,6 +44,9 @@ class _Trainer:
         self.model = model.to(device)
         self.opt = make_optimizer(self.model, tc)
         self.step = 0  # completed optimizer steps of this model
+
+    def train_step(self, x: torch.Tensor, worker: int | str = 0) -> StepStats:
+        raise NotImplementedError
 
     def _apply(self, loss: torch.Tensor) -> None:
         for group in self.opt.param_groups:
@@ -76,7 +81,7 @@ class BlockTrainer(_Trainer):
             return [0.0] + [1.0] * (len(segs) - 1)
         return self.tc.segment_weights(segs)
 
-    def train_step(self, x: torch.Tensor, worker: int) -> StepStats:
+    def train_step(self, x: torch.Tensor, worker: int | str = 0) -> StepStats:
         """x: (B, N+1) byte windows."""
         cfg = self.cfg
         b, n = x.shape[0], x.shape[1] - 1
@@ -111,10 +116,19 @@ class BlockTrainer(_Trainer):
 class ARTrainer(_Trainer):
     model: ByteTransformer
 
-    def train_step(self, x: torch.Tensor, worker: int = 0) -> StepStats:
+    def train_step(self, x: torch.Tensor, worker: int | str = 0) -> StepStats:
         x = x.to(self.device)
         self.model.train()
         logits = self.model(x[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         self._apply(loss)
         return StepStats(loss=loss.item(), ce=loss.item(), k=1)
+
+
+def unit_trainer(cfg: ModelConfig, unit: int, model: nn.Module, tc: TrainConfig, *,
+                 device: torch.device) -> BlockTrainer | ARTrainer:
+    """The trainer of swarm unit `unit` (store.models.init_unit builds its model): a BlockTrainer
+    for block `unit`, or an ARTrainer for the whole AR model of a DiLoCo run (cfg.kind == "ar")."""
+    if cfg.kind == "ar":
+        return ARTrainer(model, tc, device)
+    return BlockTrainer(model, tc, block=unit, table=target_table(cfg), device=device)  # type: ignore[arg-type]
