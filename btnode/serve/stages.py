@@ -20,8 +20,8 @@ from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import generation_layout
 from btnode.model.noise import generation_grid, sigma_grid
-from btnode.model.sampler import (READOUTS, block_denoiser, context_logits, generation_spans, log_probs, run_span,
-                                   spans)
+from btnode.model.sampler import (READOUTS, block_denoiser, context_logits, generation_spans, log_probs, pool,
+                                   run_span, spans)
 from btnode.model.targets import target_table
 from btnode.seeding import generator
 from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, ContextCacheStore, check_chunks,
@@ -214,21 +214,27 @@ class LocalBlockStage:
 
     def commit(self, s: SegmentState, z: torch.Tensor, logits: torch.Tensor, cache: ContextCache,
                sigma: float) -> tuple[bytes, torch.Tensor]:
-        """Readout "commit": a joint sample of the segment, still inside one traversal. Row 0 is
-        sampled from the sweep's last evaluation; then, for j = 1 … K − 1, this block re-reads rows
-        j … K − 1 of the same final state z at the same σ, with the j bytes committed so far appended
-        to its clean context (the cache extended by one byte each time), and row j is sampled from
-        that. Each byte thus sees the bytes before it, as in autoregressive decoding, and the K − 1
-        extra evaluations run on this stage only: no traversal is added. Returns (bytes, the (K, V)
-        logits they were sampled from)."""
+        """Readout "commit": a joint sample of the segment, still inside one traversal. For
+        j = 0 … K − 1 this block reads rows j … K − 1 of the sweep's final state z at the last grid
+        point with the j bytes committed so far appended to its clean context (the cache extended by
+        one byte each time; j = 0 is the sweep's own last evaluation), pools row j with its own
+        context readout at that context (mean log-probability, as readout "pool" does with every
+        block's), and samples byte j. Each byte thus sees the bytes before it, as in autoregressive
+        decoding, and the extra evaluations run on this stage only: no traversal is added.
+        Pooling with the context readout was measured better than the last evaluation alone
+        (BENCHMARKS.md, commit notes). Returns (bytes, the (K, V) log-probs they were sampled from)."""
         g = generator("gen-sample", s.seed, s.segment)
         n = len(s.context)
         sig = torch.full((1,), sigma, device=self.device)
-        rows, out = [logits[0, 0]], [int(sample_bytes(logits[0, :1], s.temperature, g)[0])]
-        for j in range(1, s.k):
-            cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
-            layout = generation_layout(n + j, s.k - j).to(self.device)
-            row = self.block.denoise(z[:, j:], sig, cache, layout)[0, :1]
+        rows: list[torch.Tensor] = []
+        out: list[int] = []
+        for j in range(s.k):
+            if j:
+                cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
+                layout = generation_layout(n + j, s.k - j).to(self.device)
+                logits = self.block.denoise(z[:, j:], sig, cache, layout)
+            own = context_logits(self.block, cache, generation_layout(n + j, 1).to(self.device))
+            row = pool([own[0], logits[0, :1]])
             rows.append(row[0])
             out.append(int(sample_bytes(row, s.temperature, g)[0]))
         return bytes(out), torch.stack(rows)

@@ -9,7 +9,7 @@ from btnode.errors import InputError, MalformedInput
 from btnode.model.block import DiffusionBlock
 from btnode.model.layout import generation_layout
 from btnode.model.noise import sigma_grid
-from btnode.model.sampler import context_logits, pool, run_span, spans, sweep
+from btnode.model.sampler import block_denoiser, context_logits, pool, run_span, spans, sweep
 from btnode.model.targets import target_table
 from btnode.serve.driver import generate as drive
 from btnode.serve.stages import SegmentState, initial_state, local_chain
@@ -100,37 +100,34 @@ def test_the_stage_chain_equals_the_plain_sweep(tiny_cfg, readout):
 
 
 def test_the_commit_readout_samples_each_byte_after_the_bytes_before_it(tiny_cfg):
-    """Readout "commit": row 0 is the sweep's last evaluation; row j is the last block's reading of
-    the same final state at σ_lo with the j committed bytes as clean context, recomputed here from
-    scratch (no cache extension). K = 1 is the plain "last" readout, and one traversal per segment."""
+    """Readout "commit": row j is the last block's reading of the sweep's final state at σ_lo with the
+    j committed bytes as clean context, pooled with its context readout there; recomputed here from
+    scratch (no cache extension, no stage). One traversal per segment."""
     torch.manual_seed(3)
     blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
     prompt, k, n_steps, seed = b"a prompt", 8, 7, 5
     first = local_chain(blocks, torch.device("cpu"))
     kw = dict(n_steps=n_steps, seed=seed, want_logits=True)
     res = next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=k, k=k, temperature=1.0, readout="commit", **kw)))
-    grid = sigma_grid(tiny_cfg, n_steps)
-    x = torch.tensor(list(prompt))[None]
+    assert res.route == ["block-0", "block-1", "block-2"] and len(res.new_bytes) == k
+    grid, table = sigma_grid(tiny_cfg, n_steps), target_table(tiny_cfg)
     z = initial_state(tiny_cfg, seed, 0, k, n_steps)[None]
-    caches = [b.encode_context(x) for b in blocks]
-    for blk, cache, span in zip(blocks[:-1], caches, spans(3, n_steps)):
-        z, _ = run_span(lambda zz, s, blk=blk, cache=cache: blk.denoise(zz, torch.full((1,), s), cache,
-                        generation_layout(len(prompt), k)), z, grid, span, target_table(tiny_cfg))
-    last, span = blocks[-1], spans(3, n_steps)[-1]
-    den = lambda zz, s: last.denoise(zz, torch.full((1,), s), caches[-1], generation_layout(len(prompt), k))  # noqa: E731
-    zl, _ = run_span(den, z, grid, span[:-1], target_table(tiny_cfg))  # the state at the last grid point
-    assert torch.allclose(res.logits[0], den(zl, grid[-1])[0, 0], atol=1e-5)
-    for j in range(1, k):
-        ctx = torch.tensor(list(prompt + res.new_bytes[:j]))[None]
-        row = last.denoise(zl[:, j:], torch.full((1,), grid[-1]), last.encode_context(ctx),
-                           generation_layout(len(prompt) + j, k - j))[0, 0]
-        assert torch.allclose(res.logits[j], row, atol=1e-4), j
-    # the committed rows differ from the plain readout's rows: the bytes before them entered
+    x = torch.tensor(list(prompt))[None]
+    for blk, span in zip(blocks, spans(3, n_steps)):
+        steps = span[:-1] if blk is blocks[-1] else span  # the last block: up to its last grid point
+        z, _ = run_span(block_denoiser(blk, blk.encode_context(x), generation_layout(len(prompt), k)), z, grid,
+                        steps, table)
+    last = blocks[-1]
+    for j in range(k):
+        cache = last.encode_context(torch.tensor(list(prompt + res.new_bytes[:j]))[None])
+        row = last.denoise(z[:, j:], torch.full((1,), grid[-1]), cache, generation_layout(len(prompt) + j, k - j))
+        own = context_logits(last, cache, generation_layout(len(prompt) + j, 1))
+        assert torch.allclose(res.logits[j], pool([own[0], row[0, :1]])[0], atol=1e-4), j
+    # another earlier byte changes what the rows after it read: the bytes before a row entered
     plain = next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=k, k=k, temperature=1.0, readout="last", **kw)))
-    assert torch.equal(plain.logits[0], res.logits[0]) and not torch.allclose(plain.logits[1:], res.logits[1:])
-    one = [next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=1, k=1, temperature=1.0, readout=r, **kw)))
-           for r in ("commit", "last")]
-    assert one[0].new_bytes == one[1].new_bytes and torch.equal(one[0].logits, one[1].logits)
+    assert not torch.allclose(plain.logits[1:], res.logits[1:])
+    again = next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=k, k=k, temperature=1.0, readout="commit", **kw)))
+    assert again.new_bytes == res.new_bytes and torch.equal(again.logits, res.logits)  # seeded
     with pytest.raises(InputError, match="readout must be one of"):
         next(iter(drive(first, tiny_cfg, 3, prompt, n_bytes=k, k=k, temperature=1.0, readout="commits", **kw)))
 
