@@ -46,9 +46,11 @@ def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int) -> list[dict]
         if k not in cfg.segments:
             continue
         for ns in n_steps:
-            out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0})
+            out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "pool"})
+            if k > 1:  # the last stage commits the segment byte by byte (K = 1 is the "last" readout)
+                out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "commit"})
             if cfg.tail_blocks and k > 1 and tail_steps:
-                out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps})
+                out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps, "readout": "last"})
     out.append({"mode": "ar", "k": 1, "n_steps": 0, "n_tail": 0})
     out.append({"mode": "ar_spec", "k": 1, "n_steps": 0, "n_tail": 0, "draft": DRAFT_LEN})
     return out
@@ -56,7 +58,8 @@ def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int) -> list[dict]
 
 def label(m: dict) -> str:
     if m["mode"] == "blockwise":
-        return f"blockwise K={m['k']} N_s={m['n_steps']}" + (f" tail={m['n_tail']}" if m["n_tail"] else "")
+        return (f"blockwise K={m['k']} N_s={m['n_steps']}" + (f" tail={m['n_tail']}" if m["n_tail"] else "")
+                + (" commit" if m.get("readout") == "commit" else "") + (f" (block {m['alone']} alone)" if "alone" in m else ""))
     return "AR speculative G=%d" % m["draft"] if m["mode"] == "ar_spec" else "AR plain"
 
 
@@ -76,10 +79,12 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
     texts, traversals, drafted = [], 0, 0
     if m["mode"] == "blockwise":
         cfg, blocks = models["blocks"]
-        chain = local_chain(blocks if m["n_tail"] else blocks[:cfg.n_blocks], dev)
+        # "alone": one block evaluates every grid point of the same sweep (the composition check)
+        chain = local_chain([blocks[m["alone"]]] * cfg.n_blocks if "alone" in m else
+                            blocks if m["n_tail"] else blocks[:cfg.n_blocks], dev)
         for i, p in enumerate(prompts):
             parts = list(generate(chain, cfg, cfg.n_blocks, p, n_bytes=N_BYTES, k=m["k"], n_steps=m["n_steps"],
-                                  n_tail=m["n_tail"], seed=i, temperature=temperature))
+                                  n_tail=m["n_tail"], seed=i, temperature=temperature, readout=m.get("readout")))
             texts.append(b"".join(r.new_bytes for r in parts))
             traversals += len(parts)
         return texts, {"traversals": traversals}
@@ -114,7 +119,7 @@ def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict
     real = score([(p.prompt, p.reference[:N_BYTES]) for p in prompts])
     out: dict = {}
     for m in all_modes:
-        for temperature in (1.0, 0.0):
+        for temperature in ((1.0,) if "alone" in m else (1.0, 0.0)):
             t0 = time.perf_counter()
             use = prompts if temperature else prompts[:args.greedy_prompts]
             texts, counts = continuations(m, [p.prompt for p in use], models, temperature)
@@ -146,7 +151,7 @@ def client(entries: dict, modes_json: str, n_prompts: int) -> dict:
     for m in json.loads(modes_json):
         entry = entries["ar" if m["mode"].startswith("ar") else "block"]
         kw = dict(k=m["k"] if m["mode"] == "blockwise" else 0, n_steps=m["n_steps"], n_tail=m["n_tail"],
-                  draft=m.get("draft", 0), temperature=1.0)
+                  draft=m.get("draft", 0), temperature=1.0, readout=m.get("readout") or "")
         list(generate_remote(entry, prompts[0], n_bytes=32, seed=99, **kw))  # warm-up
         wall, traversals, accepted, total = [], 0, 0, 0
         for i, p in enumerate(prompts):
@@ -240,6 +245,7 @@ def frontier(all_modes: list[dict], q: dict, real: dict, links: dict) -> list[di
         for link, res in links.items():
             r = res[label(m)]
             rows.append({"mode": m["mode"], "k": m["k"], "n_steps": m["n_steps"], "n_tail": m["n_tail"], "link": link,
+                         "readout": m.get("readout"),
                          "label": label(m), "bytes_per_s": r["bytes_per_s"],
                          "traversals_per_byte": r["traversals_per_byte"], "judge_ce": s["judge_ce"],
                          "distinct4": s["distinct4"], "repeat_frac": s["repeat_frac"], "word_rate": s["word_rate"]})
@@ -269,7 +275,8 @@ def plot(rows: list[dict], real: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for ax, link in zip(axes, ("wan", "loopback")):
         for r in (r for r in rows if r["link"] == link):
-            marker = {"blockwise": "o" if not r["n_tail"] else "s", "ar": "^", "ar_spec": "v"}[r["mode"]]
+            marker = {"blockwise": "s" if r["n_tail"] else "D" if r.get("readout") == "commit" else "o", "ar": "^",
+                      "ar_spec": "v"}[r["mode"]]
             ax.scatter(r["bytes_per_s"], r["judge_ce"], marker=marker, s=50)
             ax.annotate(r["label"].replace("blockwise ", ""), (r["bytes_per_s"], r["judge_ce"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
@@ -309,6 +316,15 @@ def render(res: dict) -> str:
     for name, g in res["greedy"].items():
         lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
                      f"{g['word_rate']:.3f} |")
+    if res.get("composition"):
+        c, qt = res["composition"], res["quality_t1"]
+        lines += ["", "Composition for generation: the chain's samples against each block run alone over the same "
+                  "grid (the one block evaluates every grid point; commit readout; temperature 1, all prompts):", "",
+                  "| sampler | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
+        for name in (c["chain"], *c["alone"]):
+            g = qt[name]
+            lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
+                         f"{g['word_rate']:.3f} |")
     lines += ["", "![serving frontier](bench/results/serving_frontier.png)", "",
               f"Over the {s['speed_link']} link: AR plain {s['wan_bytes_per_s_ar']:.1f} bytes/s, AR speculative "
               f"{s['wan_bytes_per_s_ar_spec']:.1f} bytes/s ({s['ar_spec_bytes_per_traversal']:.2f} bytes per traversal). "
@@ -329,6 +345,7 @@ def main() -> None:
     ap.add_argument("--n-steps", default="7,13", help="N_s values of the block chain")
     ap.add_argument("--ks", default="1,4,16,64")
     ap.add_argument("--tail-steps", type=int, default=8)
+    ap.add_argument("--alone-steps", type=int, default=7, help="N_s of the composition rows (each block alone)")
     ap.add_argument("--links", default="loopback,wan")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -346,7 +363,10 @@ def main() -> None:
     cfg, _ = load_blocks(args.blocks)
     all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
                       args.tail_steps)
-    q, real = quality(args, all_modes)
+    k_big = max((k for k in cfg.segments if k > 1), default=0)
+    alone = [{"mode": "blockwise", "k": k_big, "n_steps": args.alone_steps, "n_tail": 0, "readout": "commit",
+              "alone": b} for b in range(cfg.n_blocks)] if k_big else []
+    q, real = quality(args, all_modes + alone)
     workdir = Path(tempfile.mkdtemp(prefix="btnode-serving-"))
     links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)
              for link in args.links.split(",")}
@@ -357,6 +377,8 @@ def main() -> None:
            "greedy_prompts": args.greedy_prompts,
            "n_bytes": N_BYTES, "frontier": rows, "summary": summary(rows, real), "links": links,
            "greedy": {name: v for (name, t), v in q.items() if t == 0.0},
+           "composition": {"chain": label({k: v for k, v in alone[0].items() if k != "alone"}),
+                           "alone": [label(m) for m in alone]} if alone else None,
            "quality_t1": {name: v for (name, t), v in q.items() if t == 1.0}, "real": real}
     res.update(res["summary"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
