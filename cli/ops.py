@@ -79,29 +79,37 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
          segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, json_out: Json = False) -> None:
-    """Memory per worker (one block) against training the whole model end to end, and bytes per
-    round per codec, for a model shape. Activations are measured by running one real step."""
-    from btnode.train.plan import block_bytes, block_memory, end_to_end
+    """Peak memory of a worker training one block against a process training the whole model end to
+    end (the B·L-layer AR model), part by part, and bytes per round per codec, for a model shape.
+    Activations and the runtime are measured by running small real steps; nothing of full size is built."""
+    from btnode.train.plan import ar_memory, block_bytes, block_memory, runtime_bytes
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
                        tail_blocks=tail_blocks, sigma_gen=sigma_gen)
     t0 = time.perf_counter()
-    worker = block_memory(cfg, batch)
-    e2e = end_to_end(worker, cfg.n_blocks)
+    runtime = runtime_bytes()
+    worker = block_memory(cfg, batch, runtime=runtime)
+    e2e = ar_memory(cfg, batch, runtime=runtime)
     traffic = block_bytes(cfg)
     if json_out:
         typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": worker.to_dict(),
-                               "end_to_end": e2e.to_dict(), "block_bytes_by_codec": traffic}, indent=1))
+                               "end_to_end": {**e2e.to_dict(), "n_layers": cfg.n_blocks * cfg.n_layers},
+                               "block_bytes_by_codec": traffic}, indent=1))
         return
     typer.echo(f"model: d={cfg.d_model}, {cfg.n_heads} heads, L={cfg.n_layers} layers per block, B={cfg.n_blocks} "
-               f"blocks, N={cfg.context}; batch {batch} (fp32; activations measured in {time.perf_counter() - t0:.1f} s)")
-    typer.echo(f"{'':22}{'worker (1 block)':>18}{'end to end (B blocks)':>24}")
-    for label, key in (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("AdamW state", "adam_bytes"),
-                       ("activations", "activation_bytes"), ("total", "total_bytes")):
+               f"blocks, N={cfg.context}; batch {batch} (fp32; measured in {time.perf_counter() - t0:.1f} s)")
+    typer.echo(f"{'':30}{'worker (1 block)':>18}{f'end to end (AR, {cfg.n_blocks * cfg.n_layers} layers)':>30}")
+    for label, key in (("runtime (python, torch)", "runtime_bytes"), ("parameters", "param_bytes"),
+                       ("gradients", "grad_bytes"), ("AdamW state", "adam_bytes"),
+                       ("saved activations", "activation_bytes"), ("AdamW step temporary", "step_bytes"),
+                       ("kept in the heap (glibc)", "retained_bytes"), ("checkpoint write", "checkpoint_bytes"),
+                       ("peak, training steps", "train_peak_bytes"), ("peak, with checkpoints", "peak_bytes")):
         w, e = worker.to_dict()[key], e2e.to_dict()[key]
-        typer.echo(f"{label:22}{mib(w):>18}{mib(e):>24}")
-    typer.echo(f"{'parameter count':22}{worker.parameters:>18,}{e2e.parameters:>24,}")
+        typer.echo(f"{label:30}{mib(w):>18}{mib(e):>30}")
+    typer.echo(f"{'parameter count':30}{worker.parameters:>18,}{e2e.parameters:>30,}")
+    typer.echo("peak = runtime + parameters, gradients and AdamW state + the larger of activations and the step")
+    typer.echo("temporary + heap kept; train-local and train-ar also write checkpoints, a swarm worker does not.")
     typer.echo("bytes per round per worker, before zstd: the pushed update in the worker's --codec, plus the")
     typer.echo("published delta pulled back in the aggregator's --publish-codec (fp32 by default):")
     for codec, n in traffic.items():

@@ -15,7 +15,7 @@ from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc.client import SwarmClient
-from btnode.store.models import init_block
+from btnode.store.models import init_ar, init_block
 
 from procs import TINY_SHAPE
 
@@ -38,7 +38,10 @@ def test_plan_counts_the_parameters_of_a_real_block():
     n = sum(t.numel() for t in init_block(cfg, 0, 0).parameters())
     w, e = plan["worker"], plan["end_to_end"]
     assert w["parameters"] == n and w["param_bytes"] == 4 * n and w["grad_bytes"] == 4 * n and w["adam_bytes"] == 8 * n
-    assert e["parameters"] == 4 * n and e["activation_bytes"] == 4 * w["activation_bytes"]
+    n_ar = sum(t.numel() for t in init_ar(cfg, 12, 0).parameters())  # end to end: the B·L-layer AR model
+    assert e["n_layers"] == 12 and e["parameters"] == n_ar and e["state_bytes"] == 16 * n_ar
+    assert 100 * 2**20 < w["runtime_bytes"] == e["runtime_bytes"]  # this process, torch imported and warmed up
+    assert w["peak_bytes"] >= w["train_peak_bytes"] > w["runtime_bytes"] + w["state_bytes"]
     assert plan["block_bytes_by_codec"]["fp32"] == 4 * n
     assert plan["block_bytes_by_codec"]["fp32"] / plan["block_bytes_by_codec"]["int8"] > 3.5
     small = json.loads(btnode("plan", "--json", "--batch", "2", "--d-model", "64", "--heads", "2", "--layers", "3",
