@@ -53,6 +53,14 @@ class DeviceError(BtnodeError):
     exit_code = 6
 
 
+class InsufficientMemory(BtnodeError):
+    """The job would need more memory than this host allows it (its cgroup's limit, MemAvailable or
+    --memory-limit): refused before it starts, rather than killed by the kernel mid-run. Retrying
+    cannot help until the limit or the job changes (a systemd unit should not restart on it)."""
+
+    exit_code = 9
+
+
 class PeerInputError(BtnodeError):
     """A peer sent something we refuse. `reason` is a short label for counters ("checksum", ...).
 

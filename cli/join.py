@@ -58,6 +58,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          warmup: Annotated[int, typer.Option("--warmup", help="[worker] Inner warmup steps.")] = 100,
          schedule_steps: Annotated[Optional[int], typer.Option("--schedule-steps", help="[worker] Inner cosine length (default rounds × H).")] = None,
          stats_file: Annotated[Optional[Path], typer.Option("--stats-file", help="[worker] Write transfer and timing stats here on exit.")] = None,
+         memory_limit: Annotated[Optional[str], typer.Option("--memory-limit", help="[worker] Memory this worker may use, e.g. 6G or 512M (K/M/G/T = 1024^n, as systemd's MemoryMax=). The worker refuses to start when btnode plan's estimate of its peak exceeds the smallest of this, its cgroup's limit and MemAvailable.")] = None,
+         memory_check: Annotated[bool, typer.Option("--memory-check/--no-memory-check", help="[worker] Check the estimate against the limits before training (off: start anyway, e.g. with swap, and risk the kernel's OOM killer).")] = True,
          # stage
          next_stage: Annotated[Optional[str], typer.Option("--next", help="[stage] HOST:PORT of the next stage; a comma-separated list adds spares, tried in order.")] = None,
          checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="[stage] Load the block (or AR model) from this folder instead of --peer.")] = None,
@@ -141,6 +143,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
     from btnode.data import corpus
     from btnode.node.aggregator import install_stop_signals
+    from btnode.node.memory import setting
     from btnode.node.worker import run_worker
     from btnode.swarm.worker import WorkerConfig
     from btnode.train.config import TrainConfig
@@ -152,6 +155,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     if not 0 <= block < cfg.total_blocks:
         raise ConfigError(f"--block {block} out of range for {cfg.total_blocks} blocks" if cfg.kind == "block" else
                           f"--block {block}: a --model ar run has one unit, block 0 (the whole AR model)")
+    cap = setting(memory_limit) if memory_limit is not None else None
     wid = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     total = schedule_steps or (rounds * steps_per_round if rounds else 100_000)
     tc = TrainConfig(steps=total, batch=batch, lr=lr, warmup=min(warmup, max(1, total // 10)), seed=seed,
@@ -162,7 +166,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     stop = threading.Event()
     install_stop_signals(stop)
     stats = run_worker(cfg, tc, wcfg, peer=peer, corpus=corpus.load(data).train, device=device(device_name),
-                       stats_file=stats_file, metrics_listen=metrics_listen, stop=stop)
+                       stats_file=stats_file, metrics_listen=metrics_listen, stop=stop, memory_limit=cap,
+                       memory_check=memory_check)
     log.info("worker %s done: %d pushes %s", wid, stats.pushes, stats.outcomes)
 
 

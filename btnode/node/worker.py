@@ -1,4 +1,5 @@
-"""Run the worker role: connect to the aggregator (retrying until it is up), train, stop on a signal."""
+"""Run the worker role: check that its unit fits in the memory this host allows (node.memory),
+connect to the aggregator (retrying until it is up), train, stop on a signal."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from btnode.errors import PeerUnavailable
 from btnode.model.config import ModelConfig
+from btnode.node.memory import MemoryLimit, check_worker
 from btnode.node.metrics import WorkerCollector, serve_metrics
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.client import SwarmClient
@@ -25,7 +27,15 @@ log = logging.getLogger(__name__)
 
 def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: bytes,
                device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
-               metrics_listen: str | None = None, stop: threading.Event | None = None) -> WorkerStats:
+               metrics_listen: str | None = None, stop: threading.Event | None = None,
+               memory_limit: MemoryLimit | None = None, memory_check: bool = True) -> WorkerStats:
+    """`memory_check`: refuse (InsufficientMemory) before building anything when plan's estimate of
+    this worker's peak exceeds the smallest of `memory_limit`, the cgroup's limit and MemAvailable.
+    Host memory only: on a GPU the unit's state lives in device memory, which this does not check."""
+    if memory_check and device.type == "cpu":
+        check_worker(cfg, block=wcfg.block, batch=tc.batch, codec=wcfg.codec, setting=memory_limit)
+    elif memory_check:
+        log.info("memory check skipped: it predicts host memory of CPU training, and this worker trains on %s", device)
     stop = stop or threading.Event()
     link = SwarmClient(peer)
     current: list[BlockWorker] = []

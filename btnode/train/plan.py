@@ -53,6 +53,15 @@ GLIBC_MMAP_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: larger tensor
 # on bench/memory.py's 16 measurements (widths 128–1792, batch 2 and 32); with the threshold
 # pinned (MALLOC_MMAP_THRESHOLD_=65536) that excess vanishes, so it is the allocator's, not torch's.
 HEAP_KEPT = 0.5
+# A swarm worker (swarm/worker.py) holds fp32 copies of its unit beside the trainer: the base version
+# θ^v and the error-feedback residual all along; during a round's exchange θ at the push, the
+# published delta (its decompressed bytes and the writable copy decode makes), the next version
+# built from it and the clone _adopt keeps; the fold's θ_now and carry; plus the encoded update kept
+# for a re-push (its codec's bytes, counted apart). Not all at once, and the heap keeps some freed
+# ones: 9 copies' worth is fitted on real workers' peak RSS (`join --role worker`, 3 rounds of H=2 at
+# batch 2, int8 updates): block and 8-layer AR worker at d=512 and a block worker at d=1024, each
+# within 5 % (-4.7 %, +2.1 %, +1.7 %); the largest size in bench/memory.py --capped.
+SWARM_COPIES = 9
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,12 @@ class Memory:
     def to_dict(self) -> dict:
         return {**asdict(self), "state_bytes": self.state_bytes, "train_peak_bytes": self.train_peak_bytes,
                 "peak_bytes": self.peak_bytes}
+
+
+def swarm_worker_peak_bytes(m: Memory, codec: Codec) -> int:
+    """Peak RSS of a swarm worker (`btnode join --role worker`) training the unit `m` describes with
+    `codec` updates: plan's training peak plus the worker's copies of the unit (SWARM_COPIES)."""
+    return m.train_peak_bytes + SWARM_COPIES * F32 * m.parameters + raw_size(codec, m.parameters)
 
 
 def parameter_sizes(build: Callable[[], nn.Module]) -> list[int]:
