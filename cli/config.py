@@ -35,7 +35,7 @@ SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, t
 SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
 SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",  # the fingerprint's flags
               "tail_blocks", "sigma_gen", "model", "ar_layers")
-KIND_FLAGS = ("model", "ar_layers")  # swarm-wide, but only on the commands that run a swarm (join, swarm, simulate)
+KIND_FLAGS = ("model", "ar_layers")  # swarm-wide, but only on the commands that run or check a swarm (join, swarm, simulate, doctor)
 ENV_PREFIX = "BTNODE"
 
 

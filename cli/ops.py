@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (Blocks, Context, Device, DModel, Heads, Layers, Segments, SigmaGen, TailBlocks, TargetSeed,
-                                model_config)
+from btnode_cli.options import (ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, SigmaGen,
+                                TailBlocks, TargetSeed, model_config)
 
 Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -35,10 +35,16 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
         typer.echo(json.dumps(st, indent=1))
         return
     cfg = st["config"]
-    typer.echo(f"swarm at {peer}: fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} B={cfg['n_blocks']} "
-               f"L={cfg['n_layers']} N={cfg['context']} K={cfg['segments']}")
+    ar = f"ar ({cfg['ar_layers']} layers)" if cfg.get("kind") == "ar" else None  # a DiLoCo run's one unit
+
+    def unit(block: object) -> str:
+        return ar or f"block {block}"
+
+    shape = ar or f"B={cfg['n_blocks']} L={cfg['n_layers']}"
+    typer.echo(f"swarm at {peer}: fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} {shape} "
+               f"N={cfg['context']} K={cfg['segments']}")
     for b in st["blocks"]:
-        typer.echo(f"block {b['block']}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "
+        typer.echo(f"{unit(b['block'])}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "
                    f"[{', '.join(b['replicas'])}], round open {b['round_age_s']:.1f} s with {b['accepted_in_round']} "
                    f"accepted")
         for r in b["recent"][-rounds:]:
@@ -46,7 +52,7 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
                        f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}")
     refused = [c for c in st["counters"] if c["labels"].get("outcome") in ("rejected", "stale") and c["value"]]
     for c in refused:
-        typer.echo(f"refused: block {c['labels'].get('block')} {c['labels']['outcome']} "
+        typer.echo(f"refused: {unit(c['labels'].get('block'))} {c['labels']['outcome']} "
                    f"({c['labels'].get('reason') or '-'}): {int(c['value'])}")
 
 
@@ -55,7 +61,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
            state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
            device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
            blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
-           json_out: Json = False) -> None:
+           model: ModelKind = "block", ar_layers: ArLayers = None, json_out: Json = False) -> None:
     """Check this host before it joins: peer reachable and its gRPC Health SERVING, port free, clock
     skew, disk, torch threads and devices, and the run fingerprint against the swarm's. Each problem
     comes with a fix."""
@@ -63,7 +69,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, model=model, ar_layers=ar_layers)
     findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=device_name)
     if json_out:
         typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
@@ -82,7 +88,8 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
     """Peak memory of a worker training one block against a process training the whole model end to
     end (the B·L-layer AR model), part by part, and bytes per round per codec, for a model shape.
     Activations and the runtime are measured by running small real steps; nothing of full size is built."""
-    from btnode.train.plan import ar_memory, block_bytes, block_memory, runtime_bytes
+    from btnode.codec.codecs import Codec
+    from btnode.train.plan import ar_memory, block_bytes, block_memory, runtime_bytes, swarm_worker_peak_bytes
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
@@ -92,9 +99,11 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
     worker = block_memory(cfg, batch, runtime=runtime)
     e2e = ar_memory(cfg, batch, runtime=runtime)
     traffic = block_bytes(cfg)
+    swarm = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(worker, Codec.INT8)}  # what `join --role worker` checks
+    swarm_e2e = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(e2e, Codec.INT8)}  # a --model ar worker's
     if json_out:
-        typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": worker.to_dict(),
-                               "end_to_end": {**e2e.to_dict(), "n_layers": cfg.n_blocks * cfg.n_layers},
+        typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": {**worker.to_dict(), **swarm},
+                               "end_to_end": {**e2e.to_dict(), **swarm_e2e, "n_layers": cfg.n_blocks * cfg.n_layers},
                                "block_bytes_by_codec": traffic}, indent=1))
         return
     typer.echo(f"model: d={cfg.d_model}, {cfg.n_heads} heads, L={cfg.n_layers} layers per block, B={cfg.n_blocks} "
@@ -107,9 +116,14 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
                        ("peak, training steps", "train_peak_bytes"), ("peak, with checkpoints", "peak_bytes")):
         w, e = worker.to_dict()[key], e2e.to_dict()[key]
         typer.echo(f"{label:30}{mib(w):>18}{mib(e):>30}")
+    typer.echo(f"{'peak, swarm worker (int8)':30}{mib(swarm['swarm_worker_peak_bytes']):>18}"
+               f"{mib(swarm_e2e['swarm_worker_peak_bytes']):>30}")
     typer.echo(f"{'parameter count':30}{worker.parameters:>18,}{e2e.parameters:>30,}")
     typer.echo("peak = runtime + parameters, gradients and AdamW state + the larger of activations and the step")
-    typer.echo("temporary + heap kept; train-local and train-ar also write checkpoints, a swarm worker does not.")
+    typer.echo("temporary + heap kept; train-local and train-ar also write checkpoints, a swarm worker does not;")
+    typer.echo("a swarm worker (join --role worker; --model ar for the end-to-end column) adds its copies of")
+    typer.echo("the unit (base version, residual, the exchange's: 36 bytes per parameter) and its encoded update,")
+    typer.echo("and refuses to start when that exceeds its cgroup's limit, MemAvailable or --memory-limit.")
     typer.echo("bytes per round per worker, before zstd: the pushed update in the worker's --codec, plus the")
     typer.echo("published delta pulled back in the aggregator's --publish-codec (fp32 by default):")
     for codec, n in traffic.items():

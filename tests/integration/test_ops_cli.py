@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from btnode.codec.codecs import Codec
+from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
@@ -43,6 +43,8 @@ def test_plan_counts_the_parameters_of_a_real_block():
     assert 100 * 2**20 < w["runtime_bytes"] == e["runtime_bytes"]  # this process, torch imported and warmed up
     assert w["peak_bytes"] >= w["train_peak_bytes"] > w["runtime_bytes"] + w["state_bytes"]
     assert plan["block_bytes_by_codec"]["fp32"] == 4 * n
+    # what `join --role worker` checks: the training peak plus 9 fp32 copies and the int8 update
+    assert w["swarm_worker_peak_bytes"] - w["train_peak_bytes"] == 36 * n + raw_size(Codec.INT8, n)
     assert plan["block_bytes_by_codec"]["fp32"] / plan["block_bytes_by_codec"]["int8"] > 3.5
     small = json.loads(btnode("plan", "--json", "--batch", "2", "--d-model", "64", "--heads", "2", "--layers", "3",
                               "--blocks", "4", "--context", "64", "--segments", "1,8").stdout)
@@ -89,3 +91,17 @@ def test_status_and_doctor_against_a_live_aggregator(aggregator):
 def test_doctor_with_an_unreachable_peer_says_how_to_fix_it():
     p = btnode("doctor", "--peer", "127.0.0.1:1")
     assert p.returncode == 1 and "[FAIL] peer" in p.stdout and "fix: check the address" in p.stdout
+
+
+def test_status_names_a_diloco_runs_unit_and_doctor_checks_its_fingerprint(aggregator):
+    agg = aggregator("--model", "ar", "--ar-layers", "2", "--deadline", "600")
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "kind": "ar", "ar_layers": 2})
+    client = SwarmClient(agg.address, timeout_s=30)
+    client.join("r", 0, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+    client.close()
+    out = btnode("status", "--peer", agg.address).stdout
+    assert "ar (2 layers) N=32" in out and "ar (2 layers): version 0" in out and "block 0" not in out
+    ok = btnode("doctor", "--peer", agg.address, *TINY_SHAPE, "--model", "ar", "--ar-layers", "2")
+    assert ok.returncode == 0 and "[  OK] fingerprint" in ok.stdout, ok.stdout
+    bad = btnode("doctor", "--peer", agg.address, *TINY_SHAPE)
+    assert bad.returncode == 1 and "[FAIL] fingerprint" in bad.stdout and "kind: swarm 'ar', here 'block'" in bad.stdout
