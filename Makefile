@@ -52,8 +52,10 @@ demo: venv
 	rm -rf $(DEMO_DIR)
 	$(BTNODE) swarm --state-dir $(DEMO_DIR) --replicas 2 --rounds 8 --steps-per-round 25
 	$(BTNODE) eval --checkpoint $(DEMO_DIR) --windows 64
-	@echo "--- one sweep per 16 bytes (K=16):"
-	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 "The history of the"
+	@echo "--- one sweep per 16 bytes (K=16; the last stage commits the 16 bytes one by one):"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 --readout commit "The history of the"
+	@echo "--- one sweep per 16 bytes (K=16, all 16 rows sampled independently: what commit fixes):"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 64 --segment 16 --readout pool "The history of the"
 	@echo "--- one sweep per byte (K=1):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
 

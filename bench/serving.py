@@ -40,12 +40,12 @@ BLOCK_PORT, AR_PORT = 7100, 7200  # + stage index, inside each host's namespace
 DRAFT_LEN = 8
 
 
-def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int) -> list[dict]:
+def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: list[int] | None = None) -> list[dict]:
     out = []
     for k in ks:
         if k not in cfg.segments:
             continue
-        for ns in n_steps:
+        for ns in (k1_steps or n_steps) if k == 1 else n_steps:
             out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "pool"})
             if k > 1:  # the last stage commits the segment byte by byte (K = 1 is the "last" readout)
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "commit"})
@@ -344,6 +344,8 @@ def main() -> None:
     ap.add_argument("--greedy-prompts", type=int, default=8, help="prompts of the greedy (quality-only) table")
     ap.add_argument("--n-steps", default="7,13", help="N_s values of the block chain")
     ap.add_argument("--ks", default="1,4,16,64")
+    ap.add_argument("--k1-steps", help="N_s values at K = 1 (default: --n-steps); K = 1 costs 256 sweeps per prompt, "
+                                       "so a short run may take fewer")
     ap.add_argument("--tail-steps", type=int, default=8)
     ap.add_argument("--alone-steps", type=int, default=7, help="N_s of the composition rows (each block alone)")
     ap.add_argument("--links", default="loopback,wan")
@@ -362,7 +364,7 @@ def main() -> None:
 
     cfg, _ = load_blocks(args.blocks)
     all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
-                      args.tail_steps)
+                      args.tail_steps, [int(x) for x in args.k1_steps.split(",")] if args.k1_steps else None)
     k_big = max((k for k in cfg.segments if k > 1), default=0)
     alone = [{"mode": "blockwise", "k": k_big, "n_steps": args.alone_steps, "n_tail": 0, "readout": "commit",
               "alone": b} for b in range(cfg.n_blocks)] if k_big else []
