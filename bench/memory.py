@@ -7,16 +7,25 @@ instead, and what every DiLoCo worker holds a replica of. Each run is its own ch
 wait4, twice: the btnode command itself (which writes a checkpoint with optimizer state at the end)
 and a bare training loop without checkpoints (what a swarm worker's steps need). This process
 never imports torch, so it stays small and measures nothing of its own.
+
+The capped part (item 4; `--capped` runs it alone and merges it into the results): at the largest
+size, every worker in its own cgroup v1 memory group capped between plan's estimate for a block
+worker and for a full-replica (--model ar) worker. The full replica must be refused before it
+builds anything; the B block workers then train 2 rounds each through a real aggregator, one at a
+time (B capped workers at once would not fit this host), under the same cap. Needs root and the
+cgroup v1 memory controller.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +44,8 @@ BLOCKS, LAYERS, CONTEXT, BATCH, STEPS = 4, 2, 128, 2, 2
 SIZES = [(128, 4, 32), (512, 8, BATCH), (1024, 16, BATCH), (1792, 28, BATCH)]
 QUICK_SIZES = [(64, 2, 8), (96, 2, BATCH), (128, 2, BATCH)]
 GB, MB = 1e9, 2**20
+V1 = Path("/sys/fs/cgroup/memory")
+CAPPED_ROUNDS, CAPPED_H = 2, 2
 
 
 def shape(d: int, heads: int) -> list[str]:
@@ -125,6 +136,102 @@ def one_size(d: int, heads: int, out: Path, steps: int, batch: int) -> dict:
     return row
 
 
+def memory_group(name: str, limit: int) -> Path:
+    """A child of this process's cgroup v1 memory group with memory.limit_in_bytes = limit."""
+    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if "memory" in line.split(":", 2)[1].split(","))
+    group = V1 / own.lstrip("/") / f"btnode-bench-{os.getpid()}-{name}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    return group
+
+
+def remove_group(group: Path) -> None:
+    deadline = time.monotonic() + 10
+    while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    group.rmdir()
+
+
+def run_capped(group: Path, args: list[str], log: Path) -> dict:
+    """`btnode ARGS` moved into `group` before it execs; exit code, wall, wait4 peak RSS and the group's
+    peak usage (memory.max_usage_in_bytes: RSS plus page cache charged to it) and failcnt."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group), BTNODE, *args],
+                                stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"exit_code": proc.returncode, "wall_s": time.perf_counter() - t0, "max_rss_mb": usage.ru_maxrss / 1024,
+            "group_max_usage_mb": int((group / "memory.max_usage_in_bytes").read_text()) / MB,
+            "group_failcnt": int((group / "memory.failcnt").read_text()),
+            "command": shown([BTNODE, *args]), "log_tail": log.read_text(errors="replace").strip().splitlines()[-3:]}
+
+
+def capped(d: int, heads: int, batch: int, out: Path) -> dict:
+    """Item 4 at one size: the cap, the full replica's refusal, and the block workers' rounds under it."""
+    if os.geteuid() != 0 or not (V1 / "memory.limit_in_bytes").exists():
+        raise SystemExit("the capped part needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    sh = shape(d, heads)
+    doc = json.loads(measure([BTNODE, "plan", "--json", "--batch", str(batch), *sh]).stdout)
+    block_need, full_need = doc["worker"]["swarm_worker_peak_bytes"], doc["end_to_end"]["swarm_worker_peak_bytes"]
+    # A quarter above the block worker's estimate, rounded up to 0.5 GiB: room for plan's error
+    cap = math.ceil(1.25 * block_need / 2**29) * 2**29
+    if not block_need < cap < full_need:
+        raise SystemExit(f"no cap between the block worker ({block_need / GB:.2f} GB) and the full replica "
+                         f"({full_need / GB:.2f} GB) at d={d}")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    worker = ["--rounds", str(CAPPED_ROUNDS), "--steps-per-round", str(CAPPED_H), "--batch", str(batch),
+              "--codec", "int8"]
+    agg_cmd = [BTNODE, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
+               "--port-file", str(out / "port"), "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
+    agg = subprocess.Popen(agg_cmd, stdout=open(out / "aggregator.log", "wb"), stderr=subprocess.STDOUT)
+    res: dict = {"d_model": d, "heads": heads, "batch": batch, "rounds": CAPPED_ROUNDS, "steps_per_round": CAPPED_H,
+                 "cap_bytes": cap, "cap_gb": cap / GB, "plan_block_worker_gb": block_need / GB,
+                 "plan_full_worker_gb": full_need / GB, "aggregator": shown(agg_cmd), "blocks": []}
+    groups: list[Path] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not ((out / "port").exists() and (out / "port").read_text().strip()):
+            if agg.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"aggregator did not start: {(out / 'aggregator.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        peer = f"127.0.0.1:{(out / 'port').read_text().strip()}"
+        groups.append(memory_group("ar", cap))
+        ar = run_capped(groups[-1], ["join", "--role", "worker", "--model", "ar", "--peer", peer, "--worker-id",
+                                     "ar-capped", *worker, *sh], out / "ar.log")
+        line = ar["log_tail"][-1] if ar["log_tail"] else ""
+        ar["refused"] = ar["exit_code"] == 9 and line.startswith("error: a --model ar worker")
+        ar["message"] = line
+        res["full_replica"] = ar
+        print(f"[memory] capped at {cap / GB:.2f} GB: full replica exit {ar['exit_code']} in {ar['wall_s']:.0f} s: "
+              f"{line}", flush=True)
+        for b in range(BLOCKS):  # one at a time: the host holds one capped worker beside the aggregator
+            groups.append(memory_group(f"block{b}", cap))
+            stats = out / f"block{b}.json"
+            w = run_capped(groups[-1], ["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id",
+                                        f"capped-{b}", "--stats-file", str(stats), *worker, *sh], out / f"block{b}.log")
+            st = json.loads(stats.read_text()) if stats.exists() else {}
+            w.update(block=b, pushes=st.get("pushes", 0), outcomes=st.get("outcomes", {}), version=st.get("version"))
+            res["blocks"].append(w)
+            print(f"[memory] capped block {b}: exit {w['exit_code']}, {w['pushes']} pushes {w['outcomes']}, peak RSS "
+                  f"{w['max_rss_mb']:,.0f} MB (group {w['group_max_usage_mb']:,.0f} MB) in {w['wall_s']:.0f} s",
+                  flush=True)
+    finally:
+        agg.terminate()
+        agg.wait(timeout=120)
+        for group in groups:
+            remove_group(group)
+    shutil.rmtree(out)
+    res["blocks_trained"] = all(w["exit_code"] == 0 and w["outcomes"] == {"accepted": CAPPED_ROUNDS}
+                                for w in res["blocks"])
+    res["block_worker_peak_rss_mb"] = max(w["max_rss_mb"] for w in res["blocks"])
+    res["plan_block_worker_error"] = abs(block_need / MB - res["block_worker_peak_rss_mb"]) / res["block_worker_peak_rss_mb"]
+    return res
+
+
 def render(res: dict) -> str:
     def mb(x: float) -> str:
         return f"{x:,.0f}"
@@ -176,7 +283,38 @@ def render(res: dict) -> str:
         "",
         *[f"- {k}: `{v}`" for k, v in c.items()],
     ]
+    if res.get("capped"):
+        lines += ["", *render_capped(res["capped"], res.get("capped_full_replica_refused"))]
     return "\n".join(lines)
+
+
+def render_capped(r: dict, refused: bool | None) -> list[str]:
+    """The memory-capped workers row (item 4)."""
+    ar, blocks = r["full_replica"], r["blocks"]
+    return [
+        f"### Memory-capped workers (`bench/memory.py --capped`, {r.get('date', '')})",
+        "",
+        f"Each worker in its own cgroup v1 memory group, `memory.limit_in_bytes` = **{r['cap_gb']:.2f} GB** "
+        f"(1.25 × plan's block-worker estimate, rounded up to 0.5 GiB), at d={r['d_model']} / {r['heads']} heads / "
+        f"batch {r['batch']}, against one aggregator owning all {BLOCKS} blocks; {r['rounds']} rounds of "
+        f"H={r['steps_per_round']}, int8 updates. `btnode plan`'s swarm-worker estimate (training peak + the "
+        f"worker's copies): block {r['plan_block_worker_gb']:.2f} GB, full replica ({BLOCKS * LAYERS}-layer AR, "
+        f"`--model ar`) {r['plan_full_worker_gb']:.2f} GB.",
+        "",
+        "| worker | exit | wall s | peak RSS MB | group peak MB | outcome |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        f"| full replica (`--model ar`) | {ar['exit_code']} | {ar['wall_s']:.0f} | {ar['max_rss_mb']:,.0f} | "
+        f"{ar['group_max_usage_mb']:,.0f} | {'refused before building it' if ar['refused'] else 'NOT refused'} |",
+        *[f"| block {w['block']} | {w['exit_code']} | {w['wall_s']:.0f} | {w['max_rss_mb']:,.0f} | "
+          f"{w['group_max_usage_mb']:,.0f} | {w['pushes']} pushes {w['outcomes']} |" for w in blocks],
+        "",
+        f"Refusal line: `{ar['message']}`",
+        "",
+        f"capped_full_replica_refused = **{str(refused).lower()}**; block workers trained under the cap: "
+        f"**{str(r['blocks_trained']).lower()}**; block worker peak RSS {r['block_worker_peak_rss_mb']:,.0f} MB against plan's "
+        f"{r['plan_block_worker_gb'] * GB / MB:,.0f} MB ({r['plan_block_worker_error']:.1%} off). Aggregator: "
+        f"`{r['aggregator']}`; block worker: `{blocks[0]['command'] if blocks else ''}`.",
+    ]
 
 
 def main() -> None:
@@ -185,6 +323,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-memory")
     ap.add_argument("--json", type=Path, default=RESULTS / "memory.json", help="Where the results go.")
     ap.add_argument("--no-report", action="store_true", help="Leave BENCHMARKS.md alone.")
+    ap.add_argument("--capped", action="store_true",
+                    help="Only the memory-capped workers part (item 4), merged into the existing results.")
     ap.add_argument("--child", choices=("block", "ar"), help=argparse.SUPPRESS)
     ap.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--heads", type=int, help=argparse.SUPPRESS)
@@ -195,7 +335,22 @@ def main() -> None:
         train_loop(args.child, args.d_model, args.heads, args.steps, args.batch)
         return
     t0 = time.perf_counter()
-    rows = [one_size(d, h, args.out / f"d{d}-b{b}", STEPS, b) for d, h, b in (QUICK_SIZES if args.quick else SIZES)]
+    sizes = QUICK_SIZES if args.quick else SIZES
+    if args.capped:
+        d, h, b = (512, 8, BATCH) if args.quick else sizes[-1]  # quick: the integration test's shape
+        cap = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
+        refused = cap["full_replica"]["refused"]
+        print(json.dumps({k: v for k, v in cap.items() if k != "blocks"}, indent=1))
+        if args.quick:
+            return
+        res = json.loads(args.json.read_text())
+        res.update(capped=cap, capped_full_replica_refused=refused)
+        res["notes"] = "capped_full_replica_refused: observed in the capped part (bench/memory.py --capped)."
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        if not args.no_report:
+            update_section("memory", render(res))
+        return
+    rows = [one_size(d, h, args.out / f"d{d}-b{b}", STEPS, b) for d, h, b in sizes]
     base = measure([sys.executable, "-c", "import torch, btnode.train.loops; print(torch.__version__)"])
     big = rows[-1]
     res = {
@@ -208,7 +363,7 @@ def main() -> None:
         "plan_error_largest": max(big["error_block"], big["error_full"]),
         "plan_error_largest_training_only": max(big["error_block_train"], big["error_full_train"]),
         "capped_full_replica_refused": None,
-        "notes": "capped_full_replica_refused is filled by issue #12 item 4 (memory-capped workers), not by this benchmark.",
+        "notes": "capped_full_replica_refused: observed in the capped part (bench/memory.py --capped).",
         "runtime_rss_mb": base.max_rss_mb,
         "machine": f"{platform.machine()}, torch {base.stdout.strip()}",
         "date": time.strftime("%Y-%m-%d"),
@@ -217,6 +372,10 @@ def main() -> None:
     print(json.dumps({k: v for k, v in res.items() if k != "sizes"}, indent=1))
     if args.quick:
         return
+    d, h, b = sizes[-1]
+    res["capped"] = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
+    res["capped_full_replica_refused"] = res["capped"]["full_replica"]["refused"]
+    res["wall_s"] = time.perf_counter() - t0
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     if not args.no_report:
