@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import threading
 import time
 from dataclasses import asdict
@@ -64,5 +65,6 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
     if stats_file is not None:
         d = asdict(stats)
         d["wall_seconds"] = time.perf_counter() - stats.started
+        d["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         atomic_write(stats_file, json.dumps(d, indent=1).encode())
     return stats

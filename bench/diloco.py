@@ -1,0 +1,243 @@
+"""BlockTrain against DiLoCo over the emulated WAN (issue #12, item 2): the same hosts, links,
+number of workers and wall-clock, side by side in one run.
+
+    .venv/bin/python bench/diloco.py           # ~25 min on 2 cores, root (network namespaces)
+    .venv/bin/python bench/diloco.py --quick   # a smoke run (~3 min)
+
+The lab is bench/wan_train.py's: the aggregator in the hub namespace h0, three worker hosts h1..h3,
+each linked to the hub at --rate-mbit (tbf) with --delay-ms one way through the userspace delay
+line. Every run has 6 `btnode join --role worker` processes, two per host, and each run gets the
+same --seconds of wall-clock from the moment its workers start (SIGTERM then; a round in flight
+is lost, as it would be for a user who stops a job):
+
+  blocktrain    B = 3 blocks of L = 2 layers × 2 replicas (the replicas of a block on different hosts)
+  diloco        6 full replicas of the B·L = 6-layer AR model (`--model ar`, DiLoCo)
+  diloco_small  6 full replicas of an L = 2-layer AR model: what fits in one block worker's memory
+
+Every run uses its own role's defaults where a user would (BlockTrain's aggregator averages,
+DiLoCo's takes the outer Nesterov step, η = 0.7, μ = 0.9) and the same inner settings otherwise:
+H steps of --batch windows per round, AdamW at --lr after --warmup steps and then constant (no
+run knows in advance how many steps its wall-clock buys, so none gets a cosine tail), int8
+updates with error feedback, deadline τ = --deadline, 1 torch thread per worker.
+
+Held-out CE (nats/byte, on the same --windows windows of wiki.test.raw and the same rows) of the
+model the aggregator had published at each of --points times: SCE-1 at K = 1 (N_s = 2B+1) for
+BlockTrain, teacher-forced CE for the AR models (design §5: comparable). Also per run: wire bytes
+each worker pushed and pulled per round, each worker's peak RSS (getrusage in the worker), the
+fraction of pushed updates accepted, and how many rounds and steps the wall-clock bought.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import QUICK_SHAPE, RESULTS, SHAPE, update_section  # noqa: E402
+from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
+
+N_BLOCKS, REPLICAS = 3, 2
+LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas", "diloco": "DiLoCo, 6-layer AR × 6 replicas",
+          "diloco_small": "DiLoCo, 2-layer AR × 6 replicas"}
+
+
+def layers_of(shape: list[str]) -> int:
+    return int(shape[shape.index("--layers") + 1])
+
+
+def plan_runs(shape: list[str]) -> list[tuple[str, list[str], list[tuple[int, int, int]]]]:
+    """(name, model flags, workers as (unit, replica, host)) for the three runs."""
+    n_layers = layers_of(shape)
+    blocks = [(b, r, host_of(b, r)) for b in range(N_BLOCKS) for r in range(REPLICAS)]
+    replicas = [(0, r, 1 + r % 3) for r in range(N_BLOCKS * REPLICAS)]
+    return [("blocktrain", [], blocks),
+            ("diloco", ["--model", "ar", "--ar-layers", str(N_BLOCKS * n_layers)], replicas),
+            ("diloco_small", ["--model", "ar", "--ar-layers", str(n_layers)], replicas)]
+
+
+def run_once(lab, name: str, model: list[str], who: list[tuple[int, int, int]], args: argparse.Namespace,
+             work: Path) -> dict:
+    d = work / name
+    d.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    shape = [*args.shape, *model]
+    agg = lab.popen(0, [*CLI, "join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir",
+                        str(d / "state"), "--deadline", str(args.deadline), "--keep", "100000", "--port-file",
+                        str(d / "port"), *shape], env=env, stdout=open(d / "aggregator.log", "wb"),
+                    stderr=subprocess.STDOUT)
+    wait_file(d / "port", agg, 120)
+    workers = {}
+    t0 = time.time()
+    for unit, r, h in who:
+        wid = f"u{unit}r{r}"
+        cmd = [*CLI, "join", "--role", "worker", "--block", str(unit), "--peer", f"{lab.hub_address(h)}:{PORT}",
+               "--worker-id", wid, "--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr),
+               "--warmup", str(args.warmup), "--schedule-steps", str(10 ** 9), "--stats-file", str(d / f"{wid}.json"),
+               *shape]
+        workers[wid] = lab.popen(h, cmd, env=env, stdout=open(d / f"{wid}.log", "wb"), stderr=subprocess.STDOUT)
+    while time.time() < t0 + args.seconds:
+        dead = {w: p.returncode for w, p in workers.items() if p.poll() is not None}
+        if dead:
+            raise SystemExit(f"{name}: workers exited early {dead}; logs in {d}")
+        time.sleep(1.0)
+    for p in workers.values():
+        p.send_signal(signal.SIGTERM)
+    codes = {w: p.wait(timeout=300) for w, p in workers.items()}
+    agg.send_signal(signal.SIGTERM)
+    agg.wait(timeout=60)
+    if any(codes.values()):
+        raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
+    stats = {w: json.loads((d / f"{w}.json").read_text()) for w in workers}
+    per_round = {w: (s["bytes_pushed_wire"] + s["bytes_pulled_wire"]) / max(s["pushes"], 1) for w, s in stats.items()}
+    pushes = sum(s["pushes"] for s in stats.values())
+    accepted = sum(s["outcomes"].get("accepted", 0) for s in stats.values())
+    res = {"workers": len(workers), "seconds": args.seconds, "pushes": pushes, "accepted": accepted,
+           "accept_fraction": accepted / pushes if pushes else 0.0,
+           "steps_per_worker": statistics.mean(s["steps"] for s in stats.values()),
+           "bytes_per_worker_round": statistics.mean(per_round.values()),
+           "bytes_pushed_per_worker_round": statistics.mean(s["bytes_pushed_wire"] / max(s["pushes"], 1)
+                                                            for s in stats.values()),
+           "rss_mb": statistics.mean(s["peak_rss_mb"] for s in stats.values()),
+           "rss_mb_max": max(s["peak_rss_mb"] for s in stats.values()),
+           "utilisation": statistics.mean(s["train_seconds"] / s["wall_seconds"] for s in stats.values())}
+    res.update(evaluate(d / "state", t0, args))
+    print(f"[diloco] {name}: {res['versions']} versions, accepted {accepted}/{pushes}, "
+          f"{res['bytes_per_worker_round'] / 1e6:.2f} MB per worker-round, RSS {res['rss_mb']:.0f} MB, "
+          f"CE {res['ce_final']:.4f} ({res['params']:,} parameters per unit)", flush=True)
+    return res
+
+
+def evaluate(state: Path, t0: float, args: argparse.Namespace) -> dict:
+    """CE of what the aggregator had published at each time point (the commit records' mtimes)."""
+    import torch
+
+    from btnode.data import corpus
+    from btnode.evaluation.metrics import swarm_ce
+    from btnode.model.config import ModelConfig
+    from btnode.store.models import RUN_FILE, init_unit, unit_stem
+    from btnode.store.versions import VersionStore, stem
+
+    cfg = ModelConfig.from_dict(json.loads((state / RUN_FILE).read_text())["model"])
+    stores = [VersionStore(state, u, keep=100000, stem=unit_stem(cfg, u)) for u in range(cfg.total_blocks)]
+    published = [{v: (s.folder / f"{stem(v)}.json").stat().st_mtime - t0 for v in s.versions()} for s in stores]
+    test = corpus.load(None).test
+    curve = []
+    for i in range(args.points + 1):
+        t = args.seconds * i / args.points
+        units = []
+        for u, s in enumerate(stores):
+            v = max((v for v, at in published[u].items() if v == 0 or at <= t), default=0)
+            m = init_unit(cfg, u, 0)
+            m.load_state_dict(s.load(v).params)
+            units.append(m)
+        curve.append((t, swarm_ce(units, test, args.windows, torch.device("cpu"))))
+    return {"ce_by_time": curve, "ce_final": curve[-1][1], "versions": min(max(p) for p in published),
+            "params": sum(t.numel() for t in init_unit(cfg, 0, 0).state_dict().values())}
+
+
+def plot(runs: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("[diloco] matplotlib missing (pip install -e '.[bench]'): no plot", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in runs.items():
+        t, ce = zip(*r["ce_by_time"])
+        ax.plot(t, ce, marker="o", label=f"{LABELS[name]} ({r['bytes_per_worker_round'] / 1e6:.1f} MB/worker-round)")
+    ax.set_xlabel("wall-clock since the workers started (s)")
+    ax.set_ylabel("held-out CE (nats/byte)")
+    ax.set_title("6 workers on 3 hosts, 40 ms RTT, 100 Mbit/s (bench/diloco.py)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=420.0, help="wall-clock of each run from the workers' start")
+    ap.add_argument("--h", type=int, default=10, help="local steps per round")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--deadline", type=float, default=120.0, help="τ (s)")
+    ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--windows", type=int, default=256)
+    ap.add_argument("--points", type=int, default=6, help="CE time points after t = 0")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    args.shape = SHAPE
+    if args.quick:
+        args.seconds, args.h, args.batch, args.warmup, args.windows, args.points = 40.0, 2, 4, 2, 16, 2
+        args.shape = QUICK_SHAPE
+    from btnode.netlab.topology import Star
+
+    reason = Star.why_unavailable()
+    if reason:
+        raise SystemExit(f"bench/diloco.py needs network namespaces: {reason}")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="btnode-diloco-") as tmp, \
+            Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
+        for name, model, who in plan_runs(args.shape):
+            runs[name] = run_once(lab, name, model, who, args, Path(tmp))
+    bt, dl, ds = runs["blocktrain"], runs["diloco"], runs["diloco_small"]
+    out = {"blocktrain_ce": bt["ce_final"], "diloco_ce": dl["ce_final"], "diloco_small_ce": ds["ce_final"],
+           "blocktrain_bytes_per_worker_round": bt["bytes_per_worker_round"],
+           "diloco_bytes_per_worker_round": dl["bytes_per_worker_round"],
+           "diloco_small_bytes_per_worker_round": ds["bytes_per_worker_round"],
+           "bytes_ratio_diloco_over_blocktrain": dl["bytes_per_worker_round"] / bt["bytes_per_worker_round"],
+           "blocktrain_rss_mb": bt["rss_mb"], "diloco_rss_mb": dl["rss_mb"], "diloco_small_rss_mb": ds["rss_mb"],
+           "n_blocks": N_BLOCKS, "replicas_per_block": REPLICAS, "workers": N_BLOCKS * REPLICAS,
+           "seconds": args.seconds, "h": args.h, "batch": args.batch, "lr": args.lr, "deadline_s": args.deadline,
+           "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
+           "windows": args.windows, "quick": args.quick, "date": datetime.date.today().isoformat(), "runs": runs}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ("diloco_quick.json" if args.quick else "diloco.json")).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+    if args.quick:
+        return
+    png = plot(runs, RESULTS / "diloco.png")
+    lines = ["## BlockTrain against DiLoCo over an emulated WAN (`bench/diloco.py`)", "",
+             f"Command: `.venv/bin/python bench/diloco.py` ({out['date']}, 2 cores, root). bench/wan_train.py's lab: "
+             f"the aggregator in a hub namespace, 6 worker processes on 3 hosts (2 per host, 1 torch thread each), "
+             f"each host {args.rate_mbit:g} Mbit/s (tbf) and {args.delay_ms:g} ms one way from the hub. Every run gets "
+             f"{args.seconds:g} s of wall-clock from its workers' start. d = 128, N = 128, H = {args.h} steps of batch "
+             f"{args.batch} per round, AdamW lr {args.lr:g} (constant after {args.warmup} warmup steps), int8 updates "
+             f"with error feedback, τ = {args.deadline:g} s. BlockTrain averages (its aggregator's default); DiLoCo "
+             f"takes the outer Nesterov step (η = 0.7, μ = 0.9, its default). CE: {args.windows} held-out windows, "
+             f"SCE-1 at K = 1 for BlockTrain, teacher-forced for AR, the same rows.", "",
+             "| run | parameters per worker | rounds published | steps per worker | accepted | MB per worker-round "
+             "(pushed + pulled) | peak RSS per worker (MB) | held-out CE |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in runs.items():
+        lines.append(f"| {LABELS[name]} | {r['params']:,} | {r['versions']} | {r['steps_per_worker']:.0f} | "
+                     f"{r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f}) | "
+                     f"{r['bytes_per_worker_round'] / 1e6:.2f} | {r['rss_mb']:.0f} | {r['ce_final']:.4f} |")
+    lines += ["", f"DiLoCo (6 layers) moves {out['bytes_ratio_diloco_over_blocktrain']:.2f}× the bytes of BlockTrain "
+              f"per worker-round (aim ≥ {N_BLOCKS}).", "",
+              "CE against wall-clock (what the aggregator had published by then):", "",
+              "| t (s) | " + " | ".join(runs) + " |", "| ---: | " + " | ".join("---:" for _ in runs) + " |"]
+    for i, (t, _) in enumerate(bt["ce_by_time"]):
+        lines.append(f"| {t:.0f} | " + " | ".join(f"{r['ce_by_time'][i][1]:.4f}" for r in runs.values()) + " |")
+    if png:
+        lines += ["", f"![CE against wall-clock](bench/results/{png.name})"]
+    update_section("diloco", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
