@@ -1,7 +1,7 @@
 """BlockTrain against DiLoCo over the emulated WAN (issue #12, item 2): the same hosts, links,
 number of workers and wall-clock, side by side in one run.
 
-    .venv/bin/python bench/diloco.py           # ~25 min on 2 cores, root (network namespaces)
+    .venv/bin/python bench/diloco.py           # ~28 min on 2 cores, root (network namespaces)
     .venv/bin/python bench/diloco.py --quick   # a smoke run (~3 min)
 
 The lab is bench/wan_train.py's: the aggregator in the hub namespace h0, three worker hosts h1..h3,
@@ -169,7 +169,7 @@ def plot(runs: dict, path: Path) -> Path | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=420.0, help="wall-clock of each run from the workers' start")
+    ap.add_argument("--seconds", type=float, default=480.0, help="wall-clock of each run from the workers' start")
     ap.add_argument("--h", type=int, default=10, help="local steps per round")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
