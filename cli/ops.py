@@ -84,9 +84,11 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
 def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, json_out: Json = False) -> None:
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
+         ar_layers: ArLayers = None, json_out: Json = False) -> None:
     """Peak memory of a worker training one block against a process training the whole model end to
-    end (the B·L-layer AR model), part by part, and bytes per round per codec, for a model shape.
+    end (the AR model: --ar-layers, default B·L; a DiLoCo worker's replica), part by part, and bytes
+    per round per codec, for a model shape.
     Activations and the runtime are measured by running small real steps; nothing of full size is built."""
     from btnode.codec.codecs import Codec
     from btnode.train.plan import ar_memory, block_bytes, block_memory, runtime_bytes, swarm_worker_peak_bytes
@@ -97,18 +99,21 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
     t0 = time.perf_counter()
     runtime = runtime_bytes()
     worker = block_memory(cfg, batch, runtime=runtime)
-    e2e = ar_memory(cfg, batch, runtime=runtime)
+    if ar_layers is not None and ar_layers < 1:
+        raise typer.BadParameter("--ar-layers must be ≥ 1")
+    n_ar = ar_layers or cfg.n_blocks * cfg.n_layers
+    e2e = ar_memory(cfg, batch, n_ar, runtime=runtime)
     traffic = block_bytes(cfg)
     swarm = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(worker, Codec.INT8)}  # what `join --role worker` checks
     swarm_e2e = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(e2e, Codec.INT8)}  # a --model ar worker's
     if json_out:
         typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": {**worker.to_dict(), **swarm},
-                               "end_to_end": {**e2e.to_dict(), **swarm_e2e, "n_layers": cfg.n_blocks * cfg.n_layers},
+                               "end_to_end": {**e2e.to_dict(), **swarm_e2e, "n_layers": n_ar},
                                "block_bytes_by_codec": traffic}, indent=1))
         return
     typer.echo(f"model: d={cfg.d_model}, {cfg.n_heads} heads, L={cfg.n_layers} layers per block, B={cfg.n_blocks} "
                f"blocks, N={cfg.context}; batch {batch} (fp32; measured in {time.perf_counter() - t0:.1f} s)")
-    typer.echo(f"{'':30}{'worker (1 block)':>18}{f'end to end (AR, {cfg.n_blocks * cfg.n_layers} layers)':>30}")
+    typer.echo(f"{'':30}{'worker (1 block)':>18}{f'end to end (AR, {n_ar} layers)':>30}")
     for label, key in (("runtime (python, torch)", "runtime_bytes"), ("parameters", "param_bytes"),
                        ("gradients", "grad_bytes"), ("AdamW state", "adam_bytes"),
                        ("saved activations", "activation_bytes"), ("AdamW step temporary", "step_bytes"),

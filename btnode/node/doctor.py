@@ -18,7 +18,7 @@ from btnode.errors import BtnodeError
 from btnode.model.config import ModelConfig
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.health import NO_HEALTH, check_health
-from btnode.train.plan import block_bytes
+from btnode.train.plan import unit_bytes
 
 SWARM_SERVICE = "btnode.v1.Swarm"  # the aggregator's gRPC service, as Health names it
 MAX_SKEW_S = 2.0  # round deadlines are seconds to minutes; skew beyond this confuses logs and τ reasoning
@@ -111,9 +111,9 @@ def check_disk(cfg: ModelConfig, state_dir: Path, keep: int = 3) -> Finding:
     while not where.exists() and where != where.parent:
         where = where.parent
     usage = shutil.disk_usage(where)
-    # an aggregator keeps `keep` versions per block, each the parameters, the published delta and
-    # the outer state (≈ 3 × the block in fp32); double it for the temporary files of a write
-    need = 2 * keep * 3 * block_bytes(cfg)["fp32"] * cfg.n_blocks
+    # an aggregator keeps `keep` versions per unit, each the parameters, the published delta and
+    # the outer state (≈ 3 × the unit in fp32); double it for the temporary files of a write
+    need = 2 * keep * 3 * unit_bytes(cfg)["fp32"]
     detail = f"{usage.free / 2**30:.1f} GiB free under {where} (a full aggregator needs about {need / 2**20:.0f} MiB)"
     if usage.free < need:
         return Finding("disk", "FAIL", detail, "free space there, or point --state-dir at a larger disk")

@@ -208,6 +208,16 @@ def ar_memory(cfg: ModelConfig, batch: int, n_layers: int | None = None, *, runt
     return memory_of(sizes, runtime=rt, activations=activations(cfg, "ar", n_layers, batch))
 
 
+def unit_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Every unit a swarm of this configuration trains, together, in each codec (as block_bytes):
+    the B (+ tail) blocks, or the one --ar-layers AR model of a DiLoCo run."""
+    if cfg.kind == "ar":
+        sizes = parameter_sizes(lambda: ByteTransformer(cfg, cfg.ar_layers))
+        return {codec.name.lower(): sum(raw_size(codec, n) for n in sizes) for codec in Codec}
+    one = block_bytes(cfg)
+    return {codec: n * cfg.total_blocks for codec, n in one.items()}
+
+
 def block_bytes(cfg: ModelConfig) -> dict[str, int]:
     """One block's tensors in each codec, before zstd: what one pushed update costs, and what the
     published delta pulled back each round costs in the aggregator's --publish-codec (fp32 by

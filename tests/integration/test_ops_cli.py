@@ -51,6 +51,14 @@ def test_plan_counts_the_parameters_of_a_real_block():
     assert 0 < small["worker"]["activation_bytes"] < w["activation_bytes"]  # measured, and it grows with the batch
     text = btnode("plan", "--d-model", "64", "--heads", "2").stdout
     assert "AdamW state" in text and "end to end" in text and "int8" in text
+    # a DiLoCo run's replica of another depth (--model ar --ar-layers N)
+    ar = json.loads(btnode("plan", "--json", "--batch", "2", "--d-model", "64", "--heads", "2", "--layers", "3",
+                           "--blocks", "4", "--context", "64", "--segments", "1,8", "--ar-layers", "3").stdout)
+    assert ar["end_to_end"]["n_layers"] == 3
+    assert ar["end_to_end"]["parameters"] == sum(t.numel() for t in init_ar(cfg, 3, 0).parameters())
+    assert "end to end (AR, 3 layers)" in btnode("plan", "--d-model", "64", "--heads", "2", "--ar-layers", "3").stdout
+    bad = btnode("plan", "--ar-layers", "0")
+    assert bad.returncode == 2 and "--ar-layers must be ≥ 1" in bad.stderr
 
 
 def test_status_and_doctor_against_a_live_aggregator(aggregator):

@@ -45,3 +45,16 @@ def test_extrapolated_activations_equal_a_direct_measurement():
         assert abs(plan.activations(cfg, kind, layers, 3) - direct) <= 1e-3 * direct, kind  # a few small tensors round
     one, two = plan.activations(CFG, "ar", 6, 1), plan.activations(CFG, "ar", 6, 2)
     assert 0 < one < two  # measured, and growing with the batch
+
+
+def test_unit_bytes_count_what_the_swarm_stores_block_or_ar():
+    """The doctor's disk check sizes an aggregator by these: B (+ tail) blocks, or one AR model."""
+    from btnode.codec.codecs import Codec
+
+    blocks = plan.unit_bytes(CFG)
+    assert blocks["fp32"] == 4 * CFG.n_blocks * count(init_block(CFG, 0, 0))
+    assert set(blocks) == {c.name.lower() for c in Codec}
+    ar = dataclasses.replace(CFG, kind="ar", ar_layers=5)
+    assert plan.unit_bytes(ar)["fp32"] == 4 * count(init_ar(CFG, 5, 0))
+    tail = dataclasses.replace(CFG, tail_blocks=1)
+    assert plan.unit_bytes(tail)["fp32"] == 4 * sum(count(init_block(tail, b, 0)) for b in range(4))
