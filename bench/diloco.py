@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, SHAPE, update_section  # noqa: E402
+from report import QUICK_SHAPE, RESULTS, SHAPE, shown, update_section  # noqa: E402
 from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
 
 N_BLOCKS, REPLICAS = 3, 2
@@ -81,7 +81,7 @@ def run_once(lab, name: str, model: list[str], who: list[tuple[int, int, int]], 
         wid = f"u{unit}r{r}"
         cmd = [*CLI, "join", "--role", "worker", "--block", str(unit), "--peer", f"{lab.hub_address(h)}:{PORT}",
                "--worker-id", wid, "--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr),
-               "--warmup", str(args.warmup), "--schedule-steps", str(10 ** 9), "--stats-file", str(d / f"{wid}.json"),
+               "--warmup", str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), "--stats-file", str(d / f"{wid}.json"),
                *shape]
         workers[wid] = lab.popen(h, cmd, env=env, stdout=open(d / f"{wid}.log", "wb"), stderr=subprocess.STDOUT)
     while time.time() < t0 + args.seconds:
@@ -167,6 +167,18 @@ def plot(runs: dict, path: Path) -> Path | None:
     return path
 
 
+def record_lever(args: argparse.Namespace, run: dict) -> None:
+    """Add one tried lever's run to diloco.json (levers) and its row to the BENCHMARKS notes."""
+    path = RESULTS / "diloco.json"
+    out = json.loads(path.read_text())
+    out.setdefault("levers", {})[args.lever] = {"run": args.only, "command": shown([sys.executable, *sys.argv]),
+                                                "schedule_steps": args.schedule_steps, "seconds": args.seconds,
+                                                "date": datetime.date.today().isoformat(), **run}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"[diloco] lever {args.lever}: {args.only} CE {run['ce_final']:.4f} "
+          f"(main row {out['runs'][args.only]['ce_final']:.4f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=480.0, help="wall-clock of each run from the workers' start")
@@ -180,6 +192,10 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=256)
     ap.add_argument("--points", type=int, default=6, help="CE time points after t = 0")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--lever", help="a tried lever: run only --only, record it under levers.LEVER in diloco.json and "
+                                    "leave the main rows as they are")
+    ap.add_argument("--only", default="blocktrain", help="the run a --lever changes")
+    ap.add_argument("--schedule-steps", type=int, help="inner cosine length (default: none, constant LR)")
     args = ap.parse_args()
     args.shape = SHAPE
     if args.quick:
@@ -191,10 +207,14 @@ def main() -> None:
     if reason:
         raise SystemExit(f"bench/diloco.py needs network namespaces: {reason}")
     runs = {}
+    chosen = [r for r in plan_runs(args.shape) if not args.lever or r[0] == args.only]
     with tempfile.TemporaryDirectory(prefix="btnode-diloco-") as tmp, \
             Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
-        for name, model, who in plan_runs(args.shape):
+        for name, model, who in chosen:
             runs[name] = run_once(lab, name, model, who, args, Path(tmp))
+    if args.lever:
+        record_lever(args, runs[args.only])
+        return
     bt, dl, ds = runs["blocktrain"], runs["diloco"], runs["diloco_small"]
     out = {"blocktrain_ce": bt["ce_final"], "diloco_ce": dl["ce_final"], "diloco_small_ce": ds["ce_final"],
            "blocktrain_bytes_per_worker_round": bt["bytes_per_worker_round"],
