@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, SHAPE, shown, update_section  # noqa: E402
+from report import QUICK_SHAPE, RESULTS, SHAPE, pyplot, shown, update_section  # noqa: E402
 from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
 
 N_BLOCKS, REPLICAS = 3, 2
@@ -145,13 +145,9 @@ def evaluate(state: Path, t0: float, args: argparse.Namespace) -> dict:
 
 
 def plot(runs: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("[diloco] matplotlib missing (pip install -e '.[bench]'): no plot", flush=True)
+    plt = pyplot("diloco")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in runs.items():

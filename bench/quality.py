@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, measure, shown, update_section  # noqa: E402
+from report import RESULTS, ROOT, measure, pyplot, shown, update_section  # noqa: E402
 
 from btnode.model.config import ModelConfig  # noqa: E402  (no torch: this process must stay small)
 
@@ -269,13 +269,9 @@ def train_defaults() -> dict:
 
 def plot_curves(res: dict, path: Path) -> Path | None:
     """SCE-8 at K = 1 against per-worker wall-clock (matplotlib: the `bench` extra)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("[quality] matplotlib missing (pip install -e '.[bench]'): no plot", flush=True)
+    plt = pyplot("quality")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     labels = {"deployed": "one worker per block", "swarm": "swarm, 2 replicas per block",
               f"ar{CFG.n_blocks * CFG.n_layers}": f"AR, {CFG.n_blocks * CFG.n_layers} layers (B·L)",

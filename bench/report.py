@@ -50,6 +50,20 @@ def shown(cmd: list[str]) -> str:
     return shlex.join([one(c) for c in cmd])
 
 
+def pyplot(tag: str):
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a line) when the `bench`
+    extra is not installed: a benchmark still writes its numbers without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[{tag}] matplotlib missing (pip install -e '.[bench]'): no plot", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def update_section(name: str, markdown: str) -> None:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER

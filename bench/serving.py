@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, shown, update_section  # noqa: E402
+from report import RESULTS, ROOT, pyplot, shown, update_section  # noqa: E402
 
 CLI = [sys.executable, "-m", "btnode_cli.main"]
 N_BYTES = 256
@@ -267,10 +267,9 @@ def summary(rows: list[dict], real: dict) -> dict:
 
 
 def plot(rows: list[dict], real: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("serving")
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for ax, link in zip(axes, ("wan", "loopback")):
