@@ -1,7 +1,7 @@
 """BlockTrain against DiLoCo over the emulated WAN (issue #12, item 2): the same hosts, links,
 number of workers and wall-clock, side by side in one run.
 
-    .venv/bin/python bench/diloco.py           # ~28 min on 2 cores, root (network namespaces)
+    .venv/bin/python bench/diloco.py           # ~37 min on 2 cores, root (network namespaces)
     .venv/bin/python bench/diloco.py --quick   # a smoke run (~3 min)
 
 The lab is bench/wan_train.py's: the aggregator in the hub namespace h0, three worker hosts h1..h3,
@@ -11,6 +11,8 @@ same --seconds of wall-clock from the moment its workers start (SIGTERM then; a 
 is lost, as it would be for a user who stops a job):
 
   blocktrain    B = 3 blocks of L = 2 layers × 2 replicas (the replicas of a block on different hosts)
+  blocktrain_lowrank  the same with --ada-rank R (default 16): every block's σ-conditioning through an
+                R-wide σ-embedding instead of a full-rank AdaLN map per layer, fewer bytes per round
   diloco        6 full replicas of the B·L = 6-layer AR model (`--model ar`, DiLoCo)
   diloco_small  6 full replicas of an L = 2-layer AR model: what fits in one block worker's memory
 
@@ -46,7 +48,8 @@ from report import QUICK_SHAPE, RESULTS, SHAPE, pyplot, shown, update_section  #
 from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
 
 N_BLOCKS, REPLICAS = 3, 2
-LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas", "diloco": "DiLoCo, 6-layer AR × 6 replicas",
+LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas",
+          "blocktrain_lowrank": "BlockTrain, 3 blocks × 2 replicas, low-rank σ-conditioning", "diloco": "DiLoCo, 6-layer AR × 6 replicas",
           "diloco_small": "DiLoCo, 2-layer AR × 6 replicas"}
 
 
@@ -54,12 +57,12 @@ def layers_of(shape: list[str]) -> int:
     return int(shape[shape.index("--layers") + 1])
 
 
-def plan_runs(shape: list[str]) -> list[tuple[str, list[str], list[tuple[int, int, int]]]]:
-    """(name, model flags, workers as (unit, replica, host)) for the three runs."""
+def plan_runs(shape: list[str], ada_rank: int) -> list[tuple[str, list[str], list[tuple[int, int, int]]]]:
+    """(name, model flags, workers as (unit, replica, host)) for the four runs."""
     n_layers = layers_of(shape)
     blocks = [(b, r, host_of(b, r)) for b in range(N_BLOCKS) for r in range(REPLICAS)]
     replicas = [(0, r, 1 + r % 3) for r in range(N_BLOCKS * REPLICAS)]
-    return [("blocktrain", [], blocks),
+    return [("blocktrain", [], blocks), ("blocktrain_lowrank", ["--ada-rank", str(ada_rank)], blocks),
             ("diloco", ["--model", "ar", "--ar-layers", str(N_BLOCKS * n_layers)], replicas),
             ("diloco_small", ["--model", "ar", "--ar-layers", str(n_layers)], replicas)]
 
@@ -191,6 +194,7 @@ def main() -> None:
     ap.add_argument("--lever", help="a tried lever: run only --only, record it under levers.LEVER in diloco.json and "
                                     "leave the main rows as they are")
     ap.add_argument("--only", default="blocktrain", help="the run a --lever changes")
+    ap.add_argument("--ada-rank", type=int, default=16, help="σ-conditioning rank of the blocktrain_lowrank run")
     ap.add_argument("--schedule-steps", type=int, help="inner cosine length (default: none, constant LR)")
     args = ap.parse_args()
     args.shape = SHAPE
@@ -203,7 +207,7 @@ def main() -> None:
     if reason:
         raise SystemExit(f"bench/diloco.py needs network namespaces: {reason}")
     runs = {}
-    chosen = [r for r in plan_runs(args.shape) if not args.lever or r[0] == args.only]
+    chosen = [r for r in plan_runs(args.shape, args.ada_rank) if not args.lever or r[0] == args.only]
     with tempfile.TemporaryDirectory(prefix="btnode-diloco-") as tmp, \
             Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
         for name, model, who in chosen:
@@ -211,9 +215,13 @@ def main() -> None:
     if args.lever:
         record_lever(args, runs[args.only])
         return
-    bt, dl, ds = runs["blocktrain"], runs["diloco"], runs["diloco_small"]
+    bt, lr, dl, ds = runs["blocktrain"], runs["blocktrain_lowrank"], runs["diloco"], runs["diloco_small"]
     out = {"blocktrain_ce": bt["ce_final"], "diloco_ce": dl["ce_final"], "diloco_small_ce": ds["ce_final"],
            "blocktrain_bytes_per_worker_round": bt["bytes_per_worker_round"],
+           "blocktrain_lowrank_ce": lr["ce_final"], "blocktrain_lowrank_ada_rank": args.ada_rank,
+           "blocktrain_lowrank_bytes_per_worker_round": lr["bytes_per_worker_round"],
+           "bytes_ratio_diloco_over_blocktrain_lowrank": dl["bytes_per_worker_round"] / lr["bytes_per_worker_round"],
+           "blocktrain_lowrank_rss_mb": lr["rss_mb"],
            "diloco_bytes_per_worker_round": dl["bytes_per_worker_round"],
            "diloco_small_bytes_per_worker_round": ds["bytes_per_worker_round"],
            "bytes_ratio_diloco_over_blocktrain": dl["bytes_per_worker_round"] / bt["bytes_per_worker_round"],
@@ -245,7 +253,8 @@ def main() -> None:
                      f"{r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f}) | "
                      f"{r['bytes_per_worker_round'] / 1e6:.2f} | {r['rss_mb']:.0f} | {r['ce_final']:.4f} |")
     lines += ["", f"DiLoCo (6 layers) moves {out['bytes_ratio_diloco_over_blocktrain']:.2f}× the bytes of BlockTrain "
-              f"per worker-round (aim ≥ {N_BLOCKS}).", "",
+              f"per worker-round, and {out['bytes_ratio_diloco_over_blocktrain_lowrank']:.2f}× those of BlockTrain with "
+              f"--ada-rank {args.ada_rank} (aim ≥ {N_BLOCKS}).", "",
               "CE against wall-clock (what the aggregator had published by then):", "",
               "| t (s) | " + " | ".join(runs) + " |", "| ---: | " + " | ".join("---:" for _ in runs) + " |"]
     for i, (t, _) in enumerate(bt["ce_by_time"]):

@@ -34,7 +34,7 @@ MODEL_TABLE = "model"
 SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
 SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
 SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",  # the fingerprint's flags
-              "tail_blocks", "sigma_gen", "model", "ar_layers")
+              "tail_blocks", "sigma_gen", "model", "ar_layers", "ada_rank")
 KIND_FLAGS = ("model", "ar_layers")  # swarm-wide, but only on the commands that run or check a swarm (join, swarm, simulate, doctor)
 ENV_PREFIX = "BTNODE"
 
@@ -173,7 +173,7 @@ def show(ctx: typer.Context,
         kind = p.get("model") or "block"
         cfg = model_config(d_model=p["d_model"], heads=p["heads"], layers=p["layers"], blocks=p["blocks"],
                            context=p["context"], segments=p["segments"], target_seed=p["target_seed"],
-                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"], model=kind,
+                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"], ada_rank=p["ada_rank"], model=kind,
                            ar_layers=p.get("ar_layers") if kind == "ar" else None)
         typer.echo(f"run fingerprint: {cfg.fingerprint()}")
 

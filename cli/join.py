@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from btnode_cli.options import (ArLayers, Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers,
-                                ModelKind, Seed, Segments, SigmaGen, TailBlocks, TargetSeed, device, model_config,
+                                ModelKind, Seed, Segments, AdaRank, SigmaGen, TailBlocks, TargetSeed, device, model_config,
                                 outer_config, parse_ints, shares)
 
 log = logging.getLogger("btnode.cli")
@@ -73,7 +73,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
          k1_share: K1Share = None, ctx_share: CtxShare = None,
          data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
          ar_layers: ArLayers = None) -> None:
     """Run a swarm node until stopped (SIGTERM/SIGINT) or, for a worker, until --rounds are done.
 
@@ -116,7 +116,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
                   drain_notice_s=drain_notice)
         return
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context, segments=segments,
-                       target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen, model=model,
+                       target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank, model=model,
                        ar_layers=ar_layers)
     if role is Role.aggregator:
         from btnode.aggregate.block import AggregatorConfig
@@ -185,7 +185,7 @@ def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregato
           outer_momentum: Annotated[Optional[float], typer.Option("--outer-momentum", help="μ of Nesterov outer momentum (default 0; 0.9 with --model ar).")] = None,
           model: ModelKind = "block", ar_layers: ArLayers = None,
           seed: Seed = 0, d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
-          context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
+          context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0) -> None:
     """Start an aggregator and B × R workers as separate processes on loopback and train for --rounds
     (with --model ar: R workers, each training a full replica of the AR model, DiLoCo)."""
     import os
@@ -193,11 +193,11 @@ def swarm(state_dir: Annotated[Path, typer.Option("--state-dir", help="Aggregato
     from btnode.node.swarm import run_swarm
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context, segments=segments,
-                       target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen, model=model,
+                       target_seed=target_seed, tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank, model=model,
                        ar_layers=ar_layers)  # validate first
     shape = ["--d-model", str(d_model), "--heads", str(heads), "--layers", str(layers), "--blocks", str(blocks),
              "--context", str(context), "--segments", segments, "--target-seed", str(target_seed), "--seed", str(seed),
-             "--tail-blocks", str(tail_blocks), "--sigma-gen", str(sigma_gen), "--model", model,
+             "--tail-blocks", str(tail_blocks), "--sigma-gen", str(sigma_gen), "--ada-rank", str(ada_rank), "--model", model,
              *(["--ar-layers", str(cfg.ar_layers)] if cfg.kind == "ar" else [])]
     outer = [*(["--outer-lr", str(outer_lr)] if outer_lr is not None else []),
              *(["--outer-momentum", str(outer_momentum)] if outer_momentum is not None else [])]

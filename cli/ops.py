@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, SigmaGen,
+from btnode_cli.options import (ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, AdaRank, SigmaGen,
                                 TailBlocks, TargetSeed, model_config)
 
 Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]
@@ -60,7 +60,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
            listen: Annotated[Optional[str], typer.Option("--listen", help="HOST:PORT this node will serve on (aggregator, stage).")] = None,
            state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
            device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
-           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
+           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
            model: ModelKind = "block", ar_layers: ArLayers = None, json_out: Json = False) -> None:
     """Check this host before it joins: peer reachable and its gRPC Health SERVING, port free, clock
     skew, disk, torch threads and devices, and the run fingerprint against the swarm's. Each problem
@@ -69,7 +69,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, model=model, ar_layers=ar_layers)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank, model=model, ar_layers=ar_layers)
     findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=device_name)
     if json_out:
         typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
@@ -84,7 +84,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
 def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
          d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
+         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
          ar_layers: ArLayers = None, json_out: Json = False) -> None:
     """Peak memory of a worker training one block against a process training the whole model end to
     end (the AR model: --ar-layers, default B·L; a DiLoCo worker's replica), part by part, and bytes
@@ -95,7 +95,7 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank)
     t0 = time.perf_counter()
     runtime = runtime_bytes()
     worker = block_memory(cfg, batch, runtime=runtime)

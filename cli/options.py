@@ -37,6 +37,7 @@ Segments = Annotated[str, typer.Option("--segments", help="Comma-separated segme
 TargetSeed = Annotated[int, typer.Option("--target-seed", help="Seed of the fixed target table E (swarm-wide).")]
 TailBlocks = Annotated[int, typer.Option("--tail-blocks", help="T: tail blocks trained below σ_lo for joint multi-byte generation (swarm-wide; default 0).")]
 SigmaGen = Annotated[float, typer.Option("--sigma-gen", help="σ the tail blocks end at (swarm-wide; used only with --tail-blocks).")]
+AdaRank = Annotated[int, typer.Option("--ada-rank", help="Rank r of the blocks' σ-conditioning (swarm-wide): 0 gives every layer a full-rank AdaLN map (6d² parameters each); r > 0 a shared r-wide σ-embedding and r × 6d maps, fewer bytes per round.")]
 ModelKind = Annotated[str, typer.Option("--model", help="What the swarm trains (swarm-wide): block (BlockTrain: B blocks, a worker trains one) or ar (DiLoCo: every worker trains a full replica of the AR model, the swarm's one unit).")]
 ArLayers = Annotated[Optional[int], typer.Option("--ar-layers", help="Depth of the AR model of a --model ar run (swarm-wide; default B·L).")]
 
@@ -53,7 +54,7 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 
 def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context: int, segments: str,
                  target_seed: int, tail_blocks: int = 0, sigma_gen: float = 0.1, model: str = "block",
-                 ar_layers: int | None = None):  # -> ModelConfig (import deferred)
+                 ar_layers: int | None = None, ada_rank: int = 0):  # -> ModelConfig (import deferred)
     from btnode.model.config import KINDS, ModelConfig
 
     if model not in KINDS:
@@ -63,7 +64,7 @@ def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context:
     depth = (ar_layers if ar_layers is not None else blocks * layers) if model == "ar" else 0
     return ModelConfig(d_model=d_model, n_heads=heads, n_layers=layers, n_blocks=blocks, context=context,
                        segments=parse_ints(segments, "--segments"), target_seed=target_seed, tail_blocks=tail_blocks,
-                       sigma_gen=sigma_gen, kind=model, ar_layers=depth)
+                       sigma_gen=sigma_gen, kind=model, ar_layers=depth, ada_rank=ada_rank)
 
 
 def outer_config(model: str, lr: float | None, momentum: float | None, robust: str = "mean"):  # -> OuterConfig

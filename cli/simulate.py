@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from btnode_cli.options import (ArLayers, Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers,
-                                ModelKind, Seed, Segments, SigmaGen, TailBlocks, TargetSeed, device, model_config,
+                                ModelKind, Seed, Segments, AdaRank, SigmaGen, TailBlocks, TargetSeed, device, model_config,
                                 outer_config, shares)
 
 
@@ -43,7 +43,7 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
              json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
              data: Data = None, device_name: Device = "cpu", seed: Seed = 0,
              d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-             segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
+             segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0) -> None:
     """Train B blocks × replicas on a virtual clock with seeded participation and delays, then score
     the published model (SCE-1 at K = 1, nats/byte) on held-out windows. With --model ar: replicas of
     the whole AR model (DiLoCo), scored by teacher-forced CE on the same windows and rows."""
@@ -59,7 +59,7 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, model=model, ar_layers=ar_layers)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank, model=model, ar_layers=ar_layers)
     try:
         update_codec = parse(codec)
     except ValueError as exc:

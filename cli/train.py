@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
-                                SigmaGen, TailBlocks, TargetSeed, device, model_config, shares)
+                                AdaRank, SigmaGen, TailBlocks, TargetSeed, device, model_config, shares)
 
 Out = Annotated[Path, typer.Option("--out", help="Checkpoint folder (created if missing).")]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps per model (length of the LR schedule).")]
@@ -32,7 +32,7 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
                 seed: Seed = 0, data: Data = None, device_name: Device = "cpu", resume: Resume = False,
                 checkpoint_every: Every = 200, stop_after: StopAfter = None, log_every: LogEvery = None,
                 d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3,
-                context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1,
+                context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
                 k1_share: K1Share = None, ctx_share: CtxShare = None,
                 block: Annotated[Optional[list[int]], typer.Option(
                     "--block", help="Train only this block (repeatable). Default: all B blocks (and the T tail blocks).")] = None) -> None:
@@ -43,7 +43,7 @@ def train_local(out: Out, steps: Steps = 1000, batch: Batch = 32, lr: Lr = 2e-3,
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank)
     tc = _train_config(steps, batch, lr, warmup, seed, **shares(k1_share, ctx_share))
     train_blocks(cfg, tc, corpus.load(data).train, out, device=device(device_name), resume=resume, blocks=block,
                  checkpoint_every=checkpoint_every, stop_after=stop_after,
@@ -57,7 +57,7 @@ def train_ar(out: Out, ar_layers: Annotated[Optional[int], typer.Option(
              data: Data = None, device_name: Device = "cpu", resume: Resume = False, checkpoint_every: Every = 200,
              stop_after: StopAfter = None, log_every: LogEvery = None, d_model: DModel = 128, heads: Heads = 4,
              layers: Layers = 2, blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16",
-             target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1) -> None:
+             target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0) -> None:
     """Train the autoregressive byte-transformer baseline on the same windows."""
     from btnode.data import corpus
     from btnode.train.loops import train_ar as run
@@ -65,7 +65,7 @@ def train_ar(out: Out, ar_layers: Annotated[Optional[int], typer.Option(
 
     cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
                        segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen)
+                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank)
     n_layers = ar_layers if ar_layers is not None else cfg.n_blocks * cfg.n_layers
     if n_layers < 1:
         raise typer.BadParameter("--ar-layers must be ≥ 1")

@@ -38,6 +38,11 @@ class ContextCache:
         return self.kv[0][0].shape[0]
 
 
+def sigma_width(cfg: ModelConfig) -> int:
+    """Width of the σ-embedding every AdaLN map reads: d, or the low rank r of `ModelConfig.ada_rank`."""
+    return cfg.ada_rank or cfg.d_model
+
+
 class BlockLayer(nn.Module):
     """Pre-norm attention + MLP with weights shared by both streams; the streams differ only in
     their modulation: the clean stream's is a learned constant, the noisy stream's comes from σ."""
@@ -47,7 +52,7 @@ class BlockLayer(nn.Module):
         d = cfg.d_model
         self.attn = Attention(d, cfg.n_heads)
         self.mlp = MLP(d, cfg.mlp_ratio)
-        self.ada = nn.Linear(d, 6 * d)  # σ-embedding → shift/scale/gate for attn and MLP
+        self.ada = nn.Linear(sigma_width(cfg), 6 * d)  # σ-embedding → shift/scale/gate for attn and MLP
         self.clean_mod = nn.Parameter(torch.zeros(6, d))  # gates enter as 1 + gate
 
     def clean_qkv(self, hc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,7 +72,7 @@ class BlockLayer(nn.Module):
 
     def noisy(self, hn: torch.Tensor, s: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
-        # hn: (B, Tn, C); s: (B, C) activated σ-embedding; kc, vc: (B, H, Tc, hd)
+        # hn: (B, Tn, C); s: (B, d or ada_rank) activated σ-embedding; kc, vc: (B, H, Tc, hd)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(s)[:, None, :].chunk(6, dim=-1)
         q, k, v = self.attn.heads(modulate(F.layer_norm(hn, hn.shape[-1:]), shift1, scale1))
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)  # (B, H, Tc + Tn, hd)
@@ -102,9 +107,9 @@ class DiffusionBlock(nn.Module):
         self.noisy_pos = nn.Embedding(n, d)
         self.offset_emb = nn.Embedding(n, d)  # t − c(t): distance past the visible context
         self.in_proj = nn.Linear(d, d)  # noisy states, after c_in scaling
-        self.sigma_emb = SigmaEmbedding(d)
+        self.sigma_emb = SigmaEmbedding(sigma_width(cfg))
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.n_layers))
-        self.final_ada = nn.Linear(d, 2 * d)
+        self.final_ada = nn.Linear(sigma_width(cfg), 2 * d)
         self.head = nn.Linear(d, cfg.vocab)  # untied: E is a fixed target table, not a readout
         self.logit_scale = nn.Parameter(torch.ones(()))
         init_weights(self)
@@ -147,7 +152,7 @@ class DiffusionBlock(nn.Module):
     def denoise(self, z: torch.Tensor, sigma: torch.Tensor, cache: ContextCache, layout: Layout) -> torch.Tensor:
         """z: (B, Tn, C) noisy states at layout.positions; sigma: (B,) → logits (B, Tn, V)."""
         assert z.shape[0] == cache.batch and z.shape[1] == layout.positions.numel(), (z.shape, cache.batch)
-        s = F.silu(self.sigma_emb(sigma))  # (B, C)
+        s = F.silu(self.sigma_emb(sigma))  # (B, d or ada_rank)
         hn = self.in_proj(c_in(self.cfg, sigma)[:, None, None] * z)
         hn = hn + self.noisy_pos(layout.positions) + self.offset_emb(layout.offsets)
         hn = hn + cache.out[:, layout.context_end]  # row t starts from the context summary at c(t)

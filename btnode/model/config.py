@@ -19,6 +19,7 @@ FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code ch
 
 
 _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
+_OPTIONAL_FIELDS = {"ada_rank": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
 _KIND_FIELDS = ("kind", "ar_layers")
 KINDS = ("block", "ar")
 
@@ -51,6 +52,12 @@ class ModelConfig:
     # block is. The σ, γ, target and segment fields then shape nothing, but stay in the fingerprint.
     kind: str = "block"
     ar_layers: int = 0  # depth of the AR model of a kind="ar" run (0 otherwise)
+    # The noisy stream's σ-conditioning (issue #12, bytes per round). 0: every layer has its own
+    # full-rank AdaLN map from a d-wide σ-embedding (6d² per layer, a third of the block's layer
+    # parameters). r > 0: the σ-embedding is r wide and every layer maps it to its 6d modulation
+    # through an r × 6d matrix, so the σ path costs ≈ r·d·(6L + 2) instead of d²·(6L + 3). A block
+    # covers a narrow σ interval, and σ is one number, so little is lost (measured in BENCHMARKS.md).
+    ada_rank: int = 0
 
     @property
     def total_blocks(self) -> int:
@@ -84,6 +91,8 @@ class ModelConfig:
             problems.append(f"an AR run needs ar_layers ≥ 1 and no tail blocks, got {self.ar_layers}, {self.tail_blocks}")
         elif self.kind == "block" and self.ar_layers:
             problems.append(f"ar_layers is for kind='ar' runs only, got {self.ar_layers} with kind='block'")
+        if self.ada_rank < 0:
+            problems.append(f"ada_rank must be ≥ 0 (0: full-rank AdaLN), got {self.ada_rank}")
         if self.p_std <= 0 or self.gamma < 0 or self.sigma_data <= 0:
             problems.append("p_std and sigma_data must be > 0 and gamma ≥ 0")
         segs = tuple(self.segments)
@@ -107,6 +116,9 @@ class ModelConfig:
                 del d[name]
         if self.kind == "block":  # ... and a block run the one it had before AR runs existed
             for name in _KIND_FIELDS:
+                del d[name]
+        for name, default in _OPTIONAL_FIELDS.items():  # ... and a run at a default the one it had before the field
+            if d[name] == default:
                 del d[name]
         return d
 

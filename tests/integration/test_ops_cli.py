@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -59,6 +60,11 @@ def test_plan_counts_the_parameters_of_a_real_block():
     assert "end to end (AR, 3 layers)" in btnode("plan", "--d-model", "64", "--heads", "2", "--ar-layers", "3").stdout
     bad = btnode("plan", "--ar-layers", "0")
     assert bad.returncode == 2 and "--ar-layers must be ≥ 1" in bad.stderr
+    # a block run with a low-rank σ path (--ada-rank): the worker holds what the config builds, and less
+    low = json.loads(btnode("plan", "--json", "--batch", "2", "--d-model", "64", "--heads", "2", "--layers", "3",
+                            "--blocks", "4", "--context", "64", "--segments", "1,8", "--ada-rank", "8").stdout)
+    n_low = sum(t.numel() for t in init_block(dataclasses.replace(cfg, ada_rank=8), 0, 0).parameters())
+    assert low["worker"]["parameters"] == n_low < n
 
 
 def test_status_and_doctor_against_a_live_aggregator(aggregator):

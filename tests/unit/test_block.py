@@ -1,5 +1,7 @@
 """The block's attention pattern, tested by perturbation (design §2.4), and its cache path."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,13 +113,29 @@ def test_generation_layout_equals_the_window_rows_it_stands_for(tiny_cfg):
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_sigma_conditions_every_layer(tiny_cfg):
+@pytest.mark.parametrize("rank", [0, 4])
+def test_sigma_conditions_every_layer(tiny_cfg, rank):
+    tiny_cfg = dataclasses.replace(tiny_cfg, ada_rank=rank)
     blk = randomized(tiny_cfg)
+    width = rank or tiny_cfg.d_model
     for layer in blk.layers:  # each layer's modulation is a function of σ
-        s1, s2 = torch.randn(1, tiny_cfg.d_model), torch.randn(1, tiny_cfg.d_model)
+        s1, s2 = torch.randn(1, width), torch.randn(1, width)
         assert not torch.equal(layer.ada(s1), layer.ada(s2))
     ctx = torch.randint(0, 256, (1, tiny_cfg.context))
     z = torch.randn(1, tiny_cfg.context, tiny_cfg.d_model)
     lay = window_layout(tiny_cfg.context, 1, 0)
     with torch.no_grad():
         assert not torch.equal(blk(ctx, z, torch.tensor([1.0]), lay), blk(ctx, z, torch.tensor([1.01]), lay))
+
+
+def test_a_low_rank_sigma_path_costs_what_the_config_says(tiny_cfg):
+    """--ada-rank r: the σ-embedding is r wide and each AdaLN map reads it, so the σ path shrinks from
+    d·(6L + 3)·d to r·(6L + 2)·d (plus biases and the sinusoidal layer), and nothing else changes."""
+    d, n_l, r, f = tiny_cfg.d_model, tiny_cfg.n_layers, 4, 128  # f: SIGMA_FEATURES
+
+    def sigma_path(w: int) -> int:
+        return (f * w + w) + (w * w + w) + n_l * (w * 6 * d + 6 * d) + (w * 2 * d + 2 * d)
+
+    full = sum(p.numel() for p in DiffusionBlock(tiny_cfg).parameters())
+    low = sum(p.numel() for p in DiffusionBlock(dataclasses.replace(tiny_cfg, ada_rank=r)).parameters())
+    assert full - low == sigma_path(d) - sigma_path(r) > 0

@@ -8,7 +8,7 @@ def test_fingerprint_changes_with_every_swarm_wide_field():
     base = ModelConfig()
     variants = [dict(d_model=64), dict(n_heads=2), dict(n_layers=3), dict(n_blocks=4), dict(context=64),
                 dict(mlp_ratio=2), dict(sigma_lo=0.5), dict(sigma_hi=20.0), dict(p_mean=-1.0), dict(p_std=1.0),
-                dict(gamma=0.2), dict(sigma_data=1.0), dict(target_seed=1), dict(segments=(1, 32))]
+                dict(gamma=0.2), dict(sigma_data=1.0), dict(target_seed=1), dict(segments=(1, 32)), dict(ada_rank=16)]
     prints = {ModelConfig(**v).fingerprint() for v in variants}
     assert base.fingerprint() not in prints and len(prints) == len(variants)
 
@@ -22,7 +22,8 @@ def test_mismatch_names_the_differing_fields():
 
 
 @pytest.mark.parametrize("bad", [dict(d_model=30, n_heads=4), dict(segments=(16,)), dict(segments=(1, 500)),
-                                 dict(sigma_lo=10.0, sigma_hi=1.0), dict(vocab=512), dict(context=1)])
+                                 dict(sigma_lo=10.0, sigma_hi=1.0), dict(vocab=512), dict(context=1),
+                                 dict(ada_rank=-1)])
 def test_invalid_configs_are_refused(bad):
     with pytest.raises(ConfigError):
         ModelConfig(**bad)
@@ -63,3 +64,12 @@ def test_a_model_without_tail_keeps_its_fingerprint_and_a_tail_changes_it():
 def test_invalid_tails_are_refused(bad):
     with pytest.raises(ConfigError):
         ModelConfig(**bad)
+
+
+def test_full_rank_adaln_keeps_its_fingerprint_and_a_low_rank_changes_it():
+    # checkpoints and swarms made before --ada-rank existed are full rank and keep their fingerprint
+    assert "ada_rank" not in ModelConfig().to_dict()
+    low = ModelConfig(ada_rank=16)
+    assert low.to_dict()["ada_rank"] == 16 and ModelConfig.from_dict(low.to_dict()) == low
+    assert low.fingerprint() != ModelConfig().fingerprint()
+    assert [f for f, _, _ in ModelConfig().diff(low)] == ["ada_rank"]
