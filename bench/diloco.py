@@ -171,6 +171,7 @@ def record_lever(args: argparse.Namespace, run: dict) -> None:
     path = RESULTS / "diloco.json"
     out = json.loads(path.read_text())
     out.setdefault("levers", {})[args.lever] = {"run": args.only, "command": shown([sys.executable, *sys.argv]),
+                                                "main_row_ce": out["runs"][args.only]["ce_final"],
                                                 "schedule_steps": args.schedule_steps, "seconds": args.seconds,
                                                 "date": datetime.date.today().isoformat(), **run}
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -231,7 +232,10 @@ def main() -> None:
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "windows": args.windows, "quick": args.quick, "date": datetime.date.today().isoformat(), "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("diloco_quick.json" if args.quick else "diloco.json")).write_text(json.dumps(out, indent=1) + "\n")
+    path = RESULTS / ("diloco_quick.json" if args.quick else "diloco.json")
+    if path.exists():  # tried levers keep their numbers (each records the main row it was measured beside)
+        out["levers"] = json.loads(path.read_text()).get("levers", {})
+    path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
     if args.quick:
         return

@@ -14,6 +14,7 @@ appended to bench/results/levers.jsonl, so that every tried lever keeps its numb
 
     .venv/bin/python bench/levers.py --name base --steps 800
     .venv/bin/python bench/levers.py --name k1-75 --steps 800 --k1-share 0.75
+    .venv/bin/python bench/levers.py --name ada-rank-16 --k1-share 0.9 --ctx-share 0.25 --ada-rank 16
 """
 
 from __future__ import annotations
@@ -120,10 +121,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--ar", default="", help="comma-separated AR depths to train for the same steps, e.g. 2,6")
     ap.add_argument("--self-sweeps", action="store_true", help="also run each block alone over the whole grid")
+    ap.add_argument("--ada-rank", type=int, default=0, help="σ-conditioning rank of the blocks (0: full rank)")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, n_blocks=args.blocks,
-                      context=args.context, segments=tuple(int(k) for k in args.segments.split(",")))
+                      context=args.context, segments=tuple(int(k) for k in args.segments.split(",")),
+                      ada_rank=args.ada_rank)
     tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=max(10, args.steps // 20),
                      weight_decay=args.weight_decay, k1_share=args.k1_share,
                      ctx_share=args.ctx_share)

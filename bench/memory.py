@@ -14,6 +14,11 @@ worker and for a full-replica (--model ar) worker. The full replica must be refu
 builds anything; the B block workers then train 2 rounds each through a real aggregator, one at a
 time (B capped workers at once would not fit this host), under the same cap. Needs root and the
 cgroup v1 memory controller.
+
+The traffic part (`--traffic` runs it alone and merges it into the results, ~10 min): bytes per
+worker-round at the largest size, where the model and not the runtime is what moves, for a block
+worker at full-rank and at low-rank σ-conditioning (--ada-rank) and for a DiLoCo worker of the
+B·L-layer AR model (issue #12's bytes aim; bench/diloco.py measures the same at d = 128 over a WAN).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ QUICK_SIZES = [(64, 2, 8), (96, 2, BATCH), (128, 2, BATCH)]
 GB, MB = 1e9, 2**20
 V1 = Path("/sys/fs/cgroup/memory")
 CAPPED_ROUNDS, CAPPED_H = 2, 2
+TRAFFIC_ROUNDS, TRAFFIC_RANK = 3, 32
 
 
 def shape(d: int, heads: int) -> list[str]:
@@ -168,6 +174,69 @@ def run_capped(group: Path, args: list[str], log: Path) -> dict:
             "command": shown([BTNODE, *args]), "log_tail": log.read_text(errors="replace").strip().splitlines()[-3:]}
 
 
+def start_aggregator(out: Path, sh: list[str]) -> tuple[subprocess.Popen, list[str], str]:
+    """A real aggregator on loopback owning every unit of the model `sh` describes: (process, command, peer)."""
+    cmd = [BTNODE, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
+           "--port-file", str(out / "port"), "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
+    agg = subprocess.Popen(cmd, stdout=open(out / "aggregator.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not ((out / "port").exists() and (out / "port").read_text().strip()):
+        if agg.poll() is not None or time.monotonic() > deadline:
+            agg.kill()
+            raise SystemExit(f"aggregator did not start: {(out / 'aggregator.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    return agg, cmd, f"127.0.0.1:{(out / 'port').read_text().strip()}"
+
+
+def unit_parameters(d: int, heads: int, rank: int, ar: bool) -> int:
+    """Parameters of block 0 (or of the B·L-layer AR model), counted in a child on torch's meta device."""
+    code = ("import torch; from btnode.model.config import ModelConfig; from btnode.store.models import init_unit\n"
+            f"cfg = ModelConfig(d_model={d}, n_heads={heads}, n_layers={LAYERS}, n_blocks={BLOCKS}, context={CONTEXT}, "
+            f"segments=(1, 16), ada_rank={rank}" + (f", kind='ar', ar_layers={BLOCKS * LAYERS})" if ar else ")") + "\n"
+            "with torch.device('meta'):\n    print(sum(p.numel() for p in init_unit(cfg, 0, 0).parameters()))")
+    return int(measure([sys.executable, "-c", code]).stdout.split()[-1])
+
+
+def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
+    """Bytes per worker-round at one size (issue #12's bytes aim, measured where the model is large): a
+    worker of block 0 with full-rank σ-conditioning, one with --ada-rank RANK, and a DiLoCo worker of the
+    B·L-layer AR model (--model ar), each through its own aggregator for TRAFFIC_ROUNDS rounds of one step,
+    int8 updates. Bytes per worker-round = (wire bytes pushed + pulled) / pushes, from the worker's stats
+    file, as bench/diloco.py counts them."""
+    runs = {"block": [], "block_lowrank": ["--ada-rank", str(rank)], "ar": ["--model", "ar"]}
+    res: dict = {"d_model": d, "heads": heads, "batch": batch, "ada_rank": rank, "rounds": TRAFFIC_ROUNDS, "runs": {}}
+    for name, flags in runs.items():
+        folder = out / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        sh = [*shape(d, heads), *flags]
+        agg, _, peer = start_aggregator(folder, sh)
+        unit = [] if name == "ar" else ["--block", "0"]
+        cmd = [BTNODE, "join", "--role", "worker", *unit, "--peer", peer, "--worker-id", f"traffic-{name}",
+               "--rounds", str(TRAFFIC_ROUNDS), "--steps-per-round", "1", "--batch", str(batch), "--codec", "int8",
+               "--stats-file", str(folder / "stats.json"), *sh]
+        try:
+            w = measure(cmd)
+        finally:
+            agg.terminate()
+            agg.wait(timeout=120)
+        st = json.loads((folder / "stats.json").read_text())
+        if st["outcomes"] != {"accepted": TRAFFIC_ROUNDS}:
+            raise SystemExit(f"traffic {name}: outcomes {st['outcomes']}, logs in {folder}")
+        res["runs"][name] = {"command": shown(cmd), "pushes": st["pushes"], "peak_rss_mb": w.max_rss_mb,
+                             "bytes_per_worker_round": (st["bytes_pushed_wire"] + st["bytes_pulled_wire"]) / st["pushes"],
+                             "bytes_pushed_per_round": st["bytes_pushed_wire"] / st["pushes"],
+                             "parameters": unit_parameters(d, heads, rank if name == "block_lowrank" else 0, name == "ar")}
+        print(f"[memory] traffic {name}: {res['runs'][name]['bytes_per_worker_round'] / 1e6:,.1f} MB per worker-round, "
+              f"{res['runs'][name]['parameters']:,} parameters", flush=True)
+        shutil.rmtree(folder)
+    ar = res["runs"]["ar"]["bytes_per_worker_round"]
+    res["ratio_ar_over_block"] = ar / res["runs"]["block"]["bytes_per_worker_round"]
+    res["ratio_ar_over_block_lowrank"] = ar / res["runs"]["block_lowrank"]["bytes_per_worker_round"]
+    return res
+
+
 def capped(d: int, heads: int, batch: int, out: Path) -> dict:
     """Item 4 at one size: the cap, the full replica's refusal, and the block workers' rounds under it."""
     if os.geteuid() != 0 or not (V1 / "memory.limit_in_bytes").exists():
@@ -185,20 +254,12 @@ def capped(d: int, heads: int, batch: int, out: Path) -> dict:
     out.mkdir(parents=True)
     worker = ["--rounds", str(CAPPED_ROUNDS), "--steps-per-round", str(CAPPED_H), "--batch", str(batch),
               "--codec", "int8"]
-    agg_cmd = [BTNODE, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
-               "--port-file", str(out / "port"), "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
-    agg = subprocess.Popen(agg_cmd, stdout=open(out / "aggregator.log", "wb"), stderr=subprocess.STDOUT)
+    agg, agg_cmd, peer = start_aggregator(out, sh)
     res: dict = {"d_model": d, "heads": heads, "batch": batch, "rounds": CAPPED_ROUNDS, "steps_per_round": CAPPED_H,
                  "cap_bytes": cap, "cap_gb": cap / GB, "plan_block_worker_gb": block_need / GB,
                  "plan_full_worker_gb": full_need / GB, "aggregator": shown(agg_cmd), "blocks": []}
     groups: list[Path] = []
     try:
-        deadline = time.monotonic() + 600
-        while not ((out / "port").exists() and (out / "port").read_text().strip()):
-            if agg.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"aggregator did not start: {(out / 'aggregator.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        peer = f"127.0.0.1:{(out / 'port').read_text().strip()}"
         groups.append(memory_group("ar", cap))
         ar = run_capped(groups[-1], ["join", "--role", "worker", "--model", "ar", "--peer", peer, "--worker-id",
                                      "ar-capped", *worker, *sh], out / "ar.log")
@@ -285,7 +346,31 @@ def render(res: dict) -> str:
     ]
     if res.get("capped"):
         lines += ["", *render_capped(res["capped"], res.get("capped_full_replica_refused"))]
+    if res.get("traffic"):
+        lines += ["", *render_traffic(res["traffic"])]
     return "\n".join(lines)
+
+
+def render_traffic(r: dict) -> list[str]:
+    """Bytes per worker-round at the largest size (issue #12's bytes aim)."""
+    names = {"block": "block 0, full-rank σ-conditioning (default)",
+             "block_lowrank": f"block 0, `--ada-rank {r['ada_rank']}`",
+             "ar": f"DiLoCo replica, {BLOCKS * LAYERS}-layer AR (`--model ar`)"}
+    return [
+        f"### Bytes per worker-round at d = {r['d_model']} (`bench/memory.py --traffic`, {r.get('date', '')})",
+        "",
+        f"One worker per row through its own loopback aggregator, {r['rounds']} rounds of one step at batch "
+        f"{r['batch']}, int8 updates with error feedback; (wire bytes pushed + pulled) / pushes from the worker's "
+        f"stats file, as `bench/diloco.py` counts them. B = {BLOCKS}, L = {LAYERS}.",
+        "",
+        "| worker | parameters | MB per worker-round | MB pushed per round | command |",
+        "| --- | ---: | ---: | ---: | --- |",
+        *[f"| {names[n]} | {w['parameters']:,} | {w['bytes_per_worker_round'] / 1e6:,.1f} | "
+          f"{w['bytes_pushed_per_round'] / 1e6:,.1f} | `{w['command']}` |" for n, w in r["runs"].items()],
+        "",
+        f"DiLoCo over BlockTrain, bytes per worker-round: **{r['ratio_ar_over_block']:.2f}×** at full rank, "
+        f"**{r['ratio_ar_over_block_lowrank']:.2f}×** with `--ada-rank {r['ada_rank']}` (aim ≥ B = {BLOCKS}).",
+    ]
 
 
 def render_capped(r: dict, refused: bool | None) -> list[str]:
@@ -325,6 +410,8 @@ def main() -> None:
     ap.add_argument("--no-report", action="store_true", help="Leave BENCHMARKS.md alone.")
     ap.add_argument("--capped", action="store_true",
                     help="Only the memory-capped workers part (item 4), merged into the existing results.")
+    ap.add_argument("--traffic", action="store_true",
+                    help="Only the bytes-per-worker-round part at the largest size, merged into the existing results.")
     ap.add_argument("--child", choices=("block", "ar"), help=argparse.SUPPRESS)
     ap.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--heads", type=int, help=argparse.SUPPRESS)
@@ -336,6 +423,19 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.traffic:
+        d, h, b = (64, 2, BATCH) if args.quick else sizes[-1]
+        tr = {**traffic(d, h, b, TRAFFIC_RANK, args.out / "traffic"), "date": time.strftime("%Y-%m-%d")}
+        print(json.dumps({k: v for k, v in tr.items() if k != "runs"}, indent=1))
+        if args.quick:
+            return
+        res = json.loads(args.json.read_text())
+        res.update(traffic=tr, largest_bytes_ratio_ar_over_block=tr["ratio_ar_over_block"],
+                   largest_bytes_ratio_ar_over_block_lowrank=tr["ratio_ar_over_block_lowrank"])
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        if not args.no_report:
+            update_section("memory", render(res))
+        return
     if args.capped:
         d, h, b = (512, 8, BATCH) if args.quick else sizes[-1]  # quick: the integration test's shape
         cap = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
