@@ -184,8 +184,17 @@ class FrameAssembler:
     def _complete(self) -> None:
         h = self._current
         assert h is not None
+        payload = b"".join(self._parts)
         try:
-            raw = self._dctx.decompress(b"".join(self._parts), max_output_size=h.raw_bytes)
+            # A zstd frame may declare its content size, and decompress() allocates what it declares,
+            # whatever max_output_size says: a flipped bit there asked for 10^17 bytes (MemoryError,
+            # found by the fuzz test). So the declared size must be the header's before anything is
+            # allocated; -1 (not declared) leaves max_output_size as the bound.
+            declared = zstandard.frame_content_size(payload)
+            if declared not in (-1, h.raw_bytes):
+                raise MalformedInput("zstd", f"tensor {h.name!r}: zstd frame declares {declared} bytes, "
+                                             f"header says {h.raw_bytes}")
+            raw = self._dctx.decompress(payload, max_output_size=h.raw_bytes)
         except zstandard.ZstdError as exc:
             raise MalformedInput("zstd", f"tensor {h.name!r}: payload is not valid zstd data: {exc}") from exc
         if len(raw) != h.raw_bytes:

@@ -121,10 +121,24 @@ def test_size_lies_and_stray_chunks():
     with pytest.raises(MalformedInput, match="sent twice"):
         feed(chunks + chunks)
     small = next(c for c in chunks if c.header and c.header.name == "small")
-    payload = zstandard.ZstdCompressor().compress(b"\0" * 59)
-    with pytest.raises(MalformedInput, match="decompressed to 59 bytes, header says 60"):
+    for payload, says in [(zstandard.ZstdCompressor().compress(b"\0" * 59), "zstd frame declares 59 bytes, header says 60"),
+                          (zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 59),
+                           "decompressed to 59 bytes, header says 60")]:
+        with pytest.raises(MalformedInput, match=says):
+            feed([ChunkData(dataclasses.replace(small.header, raw_bytes=60, payload_bytes=len(payload),
+                                                sha256=hashlib.sha256(b"\0" * 60).digest()), payload)])
+
+
+def test_a_zstd_frame_that_declares_a_huge_content_size_is_refused_before_allocating_it():
+    # the fuzz test's find: one flipped byte in the frame header's content-size field made
+    # decompress() try to allocate ~10^17 bytes (MemoryError) despite max_output_size
+    small = next(c for c in good() if c.header and c.header.name == "small")
+    payload = bytearray(zstandard.ZstdCompressor().compress(b"\0" * 60))
+    payload[4] ^= 208
+    assert zstandard.frame_content_size(bytes(payload)) > 10 ** 15
+    with pytest.raises(MalformedInput, match="zstd frame declares"):
         feed([ChunkData(dataclasses.replace(small.header, raw_bytes=60, payload_bytes=len(payload),
-                                            sha256=hashlib.sha256(b"\0" * 60).digest()), payload)])
+                                            sha256=hashlib.sha256(b"\0" * 60).digest()), bytes(payload))])
 
 
 @settings(max_examples=200, deadline=None)

@@ -181,7 +181,12 @@ def test_blocks_alone_reads_each_block_on_the_chains_rows(tiny_cfg):
     w = torch.randint(0, 256, (5, tiny_cfg.context + 1))
     reads = blocks_alone(blocks, w, seeds=[0, 1], device=torch.device("cpu"), batch=2)
     assert [r.block for r in reads] == [0, 1, 2]
-    assert reads == blocks_alone(blocks, w, seeds=[0, 1], device=torch.device("cpu"), batch=64)
+    # the same numbers up to float rounding: a batch of 64 rows and batches of 2 may take different
+    # GEMM kernels, and the last bit of a sum of nats then differs on some CPUs (seen on this host)
+    big = blocks_alone(blocks, w, seeds=[0, 1], device=torch.device("cpu"), batch=64)
+    assert [r.block for r in big] == [0, 1, 2]
+    for r, b in zip(reads, big):
+        assert r.noise == pytest.approx(b.noise, rel=1e-12) and r.context == pytest.approx(b.context, rel=1e-12)
     assert blocks_alone(blocks[1:2], w, seeds=[0, 1], device=torch.device("cpu"))[0].noise == pytest.approx(reads[1].noise)
     layout = eval_layout(tiny_cfg.context, 1)
     b = blocks[2]
