@@ -220,11 +220,12 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
             w = measure(cmd)
         finally:
             agg.terminate()
-            agg.wait(timeout=120)
+            _, _, usage = os.wait4(agg.pid, 0)  # the aggregator's own peak: it owns every unit of the model
         st = json.loads((folder / "stats.json").read_text())
         if st["outcomes"] != {"accepted": TRAFFIC_ROUNDS}:
             raise SystemExit(f"traffic {name}: outcomes {st['outcomes']}, logs in {folder}")
         res["runs"][name] = {"command": shown(cmd), "pushes": st["pushes"], "peak_rss_mb": w.max_rss_mb,
+                             "aggregator_peak_rss_mb": usage.ru_maxrss / 1024,
                              "bytes_per_worker_round": (st["bytes_pushed_wire"] + st["bytes_pulled_wire"]) / st["pushes"],
                              "bytes_pushed_per_round": st["bytes_pushed_wire"] / st["pushes"],
                              "parameters": unit_parameters(d, heads, rank if name == "block_lowrank" else 0, name == "ar")}
@@ -361,12 +362,15 @@ def render_traffic(r: dict) -> list[str]:
         "",
         f"One worker per row through its own loopback aggregator, {r['rounds']} rounds of one step at batch "
         f"{r['batch']}, int8 updates with error feedback; (wire bytes pushed + pulled) / pushes from the worker's "
-        f"stats file, as `bench/diloco.py` counts them. B = {BLOCKS}, L = {LAYERS}.",
+        f"stats file, as `bench/diloco.py` counts them. B = {BLOCKS}, L = {LAYERS}. A block run's aggregator owns all "
+        f"{BLOCKS} blocks (one of them training); the AR run's owns its one unit.",
         "",
-        "| worker | parameters | MB per worker-round | MB pushed per round | command |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| worker | parameters | MB per worker-round | MB pushed per round | worker peak RSS MB | aggregator peak RSS MB "
+        "| command |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         *[f"| {names[n]} | {w['parameters']:,} | {w['bytes_per_worker_round'] / 1e6:,.1f} | "
-          f"{w['bytes_pushed_per_round'] / 1e6:,.1f} | `{w['command']}` |" for n, w in r["runs"].items()],
+          f"{w['bytes_pushed_per_round'] / 1e6:,.1f} | {w['peak_rss_mb']:,.0f} | "
+          f"{w.get('aggregator_peak_rss_mb', float('nan')):,.0f} | `{w['command']}` |" for n, w in r["runs"].items()],
         "",
         f"DiLoCo over BlockTrain, bytes per worker-round: **{r['ratio_ar_over_block']:.2f}×** at full rank, "
         f"**{r['ratio_ar_over_block_lowrank']:.2f}×** with `--ada-rank {r['ada_rank']}` (aim ≥ B = {BLOCKS}).",
