@@ -222,6 +222,8 @@ class BlockAggregator:
         ups = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
         mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
         step = self.outer.step(mean)
+        del mean  # each full-size temporary is dropped as soon as it is used: a round's close is the
+        # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large
         codec = self.cfg.publish_codec
         if codec is not Codec.FP32:  # error feedback on the published step
             step = {n: s + self.residual.get(n, 0) for n, s in step.items()}
@@ -229,7 +231,9 @@ class BlockAggregator:
         decoded = {n: decode(codec, raw[n], self.spec[n]) for n in step}
         if codec is not Codec.FP32:
             self.residual = {n: step[n] - decoded[n] for n in step}
+        del step
         params = {n: self.params[n] + decoded[n] for n in self.params}
+        del decoded
         counts = self.round.counts
         dropped = len(self.round.accepted) - len(ups)  # by the robust screen
         info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
@@ -237,7 +241,7 @@ class BlockAggregator:
                            late=counts[Outcome.LATE], stale=counts[Outcome.STALE],
                            rejected=counts[Outcome.REJECTED] + dropped,
                            mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
-        outer_state = {**self.outer.state_dict(), **{EF_PREFIX + n: r for n, r in self.residual.items()}}
+        outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in self.residual.items()}}  # read, not copied
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
                          outer=outer_state)
         self._norms.extend(self._norm(u.delta) for u in ups)
