@@ -49,8 +49,8 @@ from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
 
 N_BLOCKS, REPLICAS = 3, 2
 LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas",
-          "blocktrain_lowrank": "BlockTrain, 3 blocks × 2 replicas, low-rank σ-conditioning", "diloco": "DiLoCo, 6-layer AR × 6 replicas",
-          "diloco_small": "DiLoCo, 2-layer AR × 6 replicas"}
+          "blocktrain_lowrank": "BlockTrain, 3 blocks × 2 replicas, low-rank σ-conditioning",
+          "diloco": "DiLoCo, 6-layer AR × 6 replicas", "diloco_small": "DiLoCo, 2-layer AR × 6 replicas"}
 
 
 def layers_of(shape: list[str]) -> int:

@@ -370,7 +370,7 @@ def render_traffic(r: dict) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         *[f"| {names[n]} | {w['parameters']:,} | {w['bytes_per_worker_round'] / 1e6:,.1f} | "
           f"{w['bytes_pushed_per_round'] / 1e6:,.1f} | {w['peak_rss_mb']:,.0f} | "
-          f"{w.get('aggregator_peak_rss_mb', float('nan')):,.0f} | `{w['command']}` |" for n, w in r["runs"].items()],
+          f"{w['aggregator_peak_rss_mb']:,.0f} | `{w['command']}` |" for n, w in r["runs"].items()],
         "",
         f"DiLoCo over BlockTrain, bytes per worker-round: **{r['ratio_ar_over_block']:.2f}×** at full rank, "
         f"**{r['ratio_ar_over_block_lowrank']:.2f}×** with `--ada-rank {r['ada_rank']}` (aim ≥ B = {BLOCKS}).",
@@ -406,6 +406,14 @@ def render_capped(r: dict, refused: bool | None) -> list[str]:
     ]
 
 
+def merge(args: argparse.Namespace, **part) -> None:
+    """One part run alone (--capped, --traffic): merge its keys into the existing results and report."""
+    res = {**json.loads(args.json.read_text()), **part}
+    args.json.write_text(json.dumps(res, indent=1) + "\n")
+    if not args.no_report:
+        update_section("memory", render(res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Tiny widths: a smoke test of the benchmark itself.")
@@ -435,12 +443,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in tr.items() if k != "runs"}, indent=1))
         if args.quick:
             return
-        res = json.loads(args.json.read_text())
-        res.update(traffic=tr, traffic_bytes_ratio_ar_over_block=tr["ratio_ar_over_block"],
-                   traffic_bytes_ratio_ar_over_block_lowrank=tr["ratio_ar_over_block_lowrank"])
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
-        if not args.no_report:
-            update_section("memory", render(res))
+        merge(args, traffic=tr, traffic_bytes_ratio_ar_over_block=tr["ratio_ar_over_block"],
+              traffic_bytes_ratio_ar_over_block_lowrank=tr["ratio_ar_over_block_lowrank"])
         return
     if args.capped:
         d, h, b = (512, 8, BATCH) if args.quick else sizes[-1]  # quick: the integration test's shape
@@ -449,12 +453,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in cap.items() if k != "blocks"}, indent=1))
         if args.quick:
             return
-        res = json.loads(args.json.read_text())
-        res.update(capped=cap, capped_full_replica_refused=refused)
-        res["notes"] = "capped_full_replica_refused: observed in the capped part (bench/memory.py --capped)."
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
-        if not args.no_report:
-            update_section("memory", render(res))
+        merge(args, capped=cap, capped_full_replica_refused=refused,
+              notes="capped_full_replica_refused: observed in the capped part (bench/memory.py --capped).")
         return
     rows = [one_size(d, h, args.out / f"d{d}-b{b}", STEPS, b) for d, h, b in sizes]
     base = measure([sys.executable, "-c", "import torch, btnode.train.loops; print(torch.__version__)"])

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, AdaRank, SigmaGen,
+from btnode_cli.options import (AdaRank, ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, SigmaGen,
                                 TailBlocks, TargetSeed, model_config)
 
 Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (ArLayers, Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers,
-                                ModelKind, Seed, Segments, AdaRank, SigmaGen, TailBlocks, TargetSeed, device, model_config,
+from btnode_cli.options import (AdaRank, ArLayers, Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers,
+                                ModelKind, Seed, Segments, SigmaGen, TailBlocks, TargetSeed, device, model_config,
                                 outer_config, shares)
 
 

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode_cli.options import (Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
-                                AdaRank, SigmaGen, TailBlocks, TargetSeed, device, model_config, shares)
+from btnode_cli.options import (AdaRank, Blocks, Context, CtxShare, Data, Device, DModel, Heads, K1Share, Layers, Seed, Segments,
+                                SigmaGen, TailBlocks, TargetSeed, device, model_config, shares)
 
 Out = Annotated[Path, typer.Option("--out", help="Checkpoint folder (created if missing).")]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps per model (length of the LR schedule).")]

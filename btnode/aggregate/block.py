@@ -221,9 +221,10 @@ class BlockAggregator:
     def _close(self, reason: str) -> VersionInfo:
         ups = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
         mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
+        # Each full-size temporary is dropped as soon as it is used: a round's close is the
+        # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large.
         step = self.outer.step(mean)
-        del mean  # each full-size temporary is dropped as soon as it is used: a round's close is the
-        # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large
+        del mean
         codec = self.cfg.publish_codec
         if codec is not Codec.FP32:  # error feedback on the published step
             step = {n: s + self.residual.get(n, 0) for n, s in step.items()}
