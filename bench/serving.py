@@ -40,23 +40,29 @@ BLOCK_PORT, AR_PORT = 7100, 7200  # + stage index, inside each host's namespace
 DRAFT_LEN = 8
 
 
-def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: list[int] | None = None) -> list[dict]:
+def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: list[int] | None = None,
+          readouts: tuple[str, ...] = ("pool", "commit", "spec")) -> list[dict]:
     out = []
     for k in ks:
         if k not in cfg.segments:
             continue
         for ns in (k1_steps or n_steps) if k == 1 else n_steps:
-            out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "pool"})
-            if k > 1:  # the last stage commits the segment byte by byte (K = 1 is the "last" readout)
+            if "pool" in readouts:
+                out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "pool"})
+            if k > 1 and "commit" in readouts:  # the last stage commits the segment byte by byte
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "commit"})
-            if cfg.tail_blocks and k > 1 and tail_steps:
+            if cfg.tail_blocks and k > 1 and tail_steps and "pool" in readouts:
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps, "readout": "last"})
+        if "spec" in readouts:  # no sweep, so one row per K (N_s is checked, not run); K = 1 is the exact pool
+            out.append({"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": "spec"})
     out.append({"mode": "ar", "k": 1, "n_steps": 0, "n_tail": 0})
     out.append({"mode": "ar_spec", "k": 1, "n_steps": 0, "n_tail": 0, "draft": DRAFT_LEN})
     return out
 
 
 def label(m: dict) -> str:
+    if m["mode"] == "blockwise" and m.get("readout") == "spec":
+        return f"blockwise K={m['k']} spec" + (f" (block {m['alone']} alone)" if "alone" in m else "")
     if m["mode"] == "blockwise":
         return (f"blockwise K={m['k']} N_s={m['n_steps']}" + (f" tail={m['n_tail']}" if m["n_tail"] else "")
                 + (" commit" if m.get("readout") == "commit" else "") + (f" (block {m['alone']} alone)" if "alone" in m else ""))
@@ -76,10 +82,11 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
     from btnode.serve.stages import local_chain
 
     dev = torch.device("cpu")
-    texts, traversals, drafted = [], 0, 0
+    texts, traversals, drafted, accepted, pooled = [], 0, 0, 0, 0
     if m["mode"] == "blockwise":
         cfg, blocks = models["blocks"]
-        # "alone": one block evaluates every grid point of the same sweep (the composition check)
+        # "alone": one block evaluates every grid point of the same sweep (the composition check); with
+        # readout "spec" it drafts and verifies itself, so it is that block's own autoregressive sampling
         chain = local_chain([blocks[m["alone"]]] * cfg.n_blocks if "alone" in m else
                             blocks if m["n_tail"] else blocks[:cfg.n_blocks], dev)
         for i, p in enumerate(prompts):
@@ -87,7 +94,13 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
                                   n_tail=m["n_tail"], seed=i, temperature=temperature, readout=m.get("readout")))
             texts.append(b"".join(r.new_bytes for r in parts))
             traversals += len(parts)
-        return texts, {"traversals": traversals}
+            accepted += sum(r.accepted for r in parts)
+            # spec: the kept draft bytes and the replacement at a rejection are the pool's; the rest is filled
+            pooled += sum(min(len(r.new_bytes), r.accepted + 1) for r in parts)
+        if m.get("readout") != "spec":
+            return texts, {"traversals": traversals}
+        return texts, {"traversals": traversals, "drafted": traversals * m["k"], "accepted": accepted,
+                       "acceptance": accepted / (traversals * m["k"]), "pooled_frac": pooled / (N_BYTES * len(prompts))}
     ar = models["ar"]
     drafter = ARDrafter(models["draft"], device=dev) if m["mode"] == "ar_spec" else None
     chain = local_ar_chain(ar, 3, dev, drafter=drafter)
@@ -120,6 +133,8 @@ def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict
     out: dict = {}
     for m in all_modes:
         for temperature in ((1.0,) if "alone" in m else (1.0, 0.0)):
+            if temperature == 0.0 and not args.greedy_prompts:
+                continue
             t0 = time.perf_counter()
             use = prompts if temperature else prompts[:args.greedy_prompts]
             texts, counts = continuations(m, [p.prompt for p in use], models, temperature)
@@ -130,7 +145,7 @@ def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict
             print(f"[serving] {label(m)} T={temperature:g}: judge CE {s['judge_ce']:.3f}, distinct4 "
                   f"{s['distinct4']:.3f}, repeat {s['repeat_frac']:.3f}, words {s['word_rate']:.3f} "
                   f"({s['gen_s']:.0f} s)", flush=True)
-    for temperature in (1.0, 0.0):  # the check that makes the speculative row's quality the plain row's
+    for temperature in (1.0, 0.0) if args.greedy_prompts else (1.0,):  # makes the speculative row's quality the plain row's
         plain, spec = out[("AR plain", temperature)][1], out[(f"AR speculative G={DRAFT_LEN}", temperature)][1]
         if plain != spec:
             raise SystemExit(f"speculative decoding served other bytes than plain decoding at T={temperature}")
@@ -248,7 +263,8 @@ def frontier(all_modes: list[dict], q: dict, real: dict, links: dict) -> list[di
                          "readout": m.get("readout"),
                          "label": label(m), "bytes_per_s": r["bytes_per_s"],
                          "traversals_per_byte": r["traversals_per_byte"], "judge_ce": s["judge_ce"],
-                         "distinct4": s["distinct4"], "repeat_frac": s["repeat_frac"], "word_rate": s["word_rate"]})
+                         "distinct4": s["distinct4"], "repeat_frac": s["repeat_frac"], "word_rate": s["word_rate"],
+                         **{k: s[k] for k in ("acceptance", "pooled_frac") if k in s}})
     return rows
 
 
@@ -274,8 +290,8 @@ def plot(rows: list[dict], real: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for ax, link in zip(axes, ("wan", "loopback")):
         for r in (r for r in rows if r["link"] == link):
-            marker = {"blockwise": "s" if r["n_tail"] else "D" if r.get("readout") == "commit" else "o", "ar": "^",
-                      "ar_spec": "v"}[r["mode"]]
+            marker = {"blockwise": "s" if r["n_tail"] else {"commit": "D", "spec": "P"}.get(r.get("readout"), "o"),
+                      "ar": "^", "ar_spec": "v"}[r["mode"]]
             ax.scatter(r["bytes_per_s"], r["judge_ce"], marker=marker, s=50)
             ax.annotate(r["label"].replace("blockwise ", ""), (r["bytes_per_s"], r["judge_ce"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
@@ -315,15 +331,26 @@ def render(res: dict) -> str:
     for name, g in res["greedy"].items():
         lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
                      f"{g['word_rate']:.3f} |")
-    if res.get("composition"):
-        c, qt = res["composition"], res["quality_t1"]
-        lines += ["", "Composition for generation: the chain's samples against each block run alone over the same "
-                  "grid (the one block evaluates every grid point; commit readout; temperature 1, all prompts):", "",
+    for key, how in (("composition", "the one block evaluates every grid point; commit readout"),
+                     ("composition_spec", "readout spec with the one block in every stage: it drafts and verifies "
+                                          "itself, i.e. that block's own autoregressive sampling")):
+        if not res.get(key):
+            continue
+        c, qt = res[key], res["quality_t1"]
+        lines += ["", f"Composition for generation: the chain's samples against each block run alone ({how}; "
+                  "temperature 1, all prompts):", "",
                   "| sampler | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
         for name in (c["chain"], *c["alone"]):
             g = qt[name]
             lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
                          f"{g['word_rate']:.3f} |")
+    spec = [(name, g) for name, g in res["quality_t1"].items() if "acceptance" in g and "alone" not in name]
+    if spec:
+        lines += ["", "Readout spec (temperature 1, all prompts): the share of block 0's draft bytes the pooled blocks "
+                  "kept, and the share of served bytes that are the pool's (kept, or the replacement at a rejection; "
+                  "the rest is filled by the last block alone):", "",
+                  "| mode | draft bytes kept | bytes from the pool | judge CE |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {g['acceptance']:.3f} | {g['pooled_frac']:.3f} | {g['judge_ce']:.3f} |" for name, g in spec]
     lines += ["", "![serving frontier](bench/results/serving_frontier.png)", "",
               f"Over the {s['speed_link']} link: AR plain {s['wan_bytes_per_s_ar']:.1f} bytes/s, AR speculative "
               f"{s['wan_bytes_per_s_ar_spec']:.1f} bytes/s ({s['ar_spec_bytes_per_traversal']:.2f} bytes per traversal). "
@@ -348,6 +375,9 @@ def main() -> None:
     ap.add_argument("--tail-steps", type=int, default=8)
     ap.add_argument("--alone-steps", type=int, default=7, help="N_s of the composition rows (each block alone)")
     ap.add_argument("--links", default="loopback,wan")
+    ap.add_argument("--readouts", default="pool,commit,spec", help="block-chain readouts to run (pool includes the "
+                                                                   "tail rows)")
+    ap.add_argument("--spec-alone-k", type=int, default=16, help="K of the spec composition rows (each block alone)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--entry-block", help=argparse.SUPPRESS)
@@ -363,11 +393,15 @@ def main() -> None:
 
     cfg, _ = load_blocks(args.blocks)
     all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
-                      args.tail_steps, [int(x) for x in args.k1_steps.split(",")] if args.k1_steps else None)
+                      args.tail_steps, [int(x) for x in args.k1_steps.split(",")] if args.k1_steps else None,
+                      tuple(args.readouts.split(",")))
     k_big = max((k for k in cfg.segments if k > 1), default=0)
     alone = [{"mode": "blockwise", "k": k_big, "n_steps": args.alone_steps, "n_tail": 0, "readout": "commit",
-              "alone": b} for b in range(cfg.n_blocks)] if k_big else []
-    q, real = quality(args, all_modes + alone)
+              "alone": b} for b in range(cfg.n_blocks)] if k_big and "commit" in args.readouts else []
+    spec_alone = [{"mode": "blockwise", "k": args.spec_alone_k, "n_steps": min(int(x) for x in args.n_steps.split(",")),
+                   "n_tail": 0, "readout": "spec", "alone": b} for b in range(cfg.n_blocks)] \
+        if "spec" in args.readouts and args.spec_alone_k in cfg.segments else []
+    q, real = quality(args, all_modes + alone + spec_alone)
     workdir = Path(tempfile.mkdtemp(prefix="btnode-serving-"))
     links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)
              for link in args.links.split(",")}
@@ -380,6 +414,8 @@ def main() -> None:
            "greedy": {name: v for (name, t), v in q.items() if t == 0.0},
            "composition": {"chain": label({k: v for k, v in alone[0].items() if k != "alone"}),
                            "alone": [label(m) for m in alone]} if alone else None,
+           "composition_spec": {"chain": label({k: v for k, v in spec_alone[0].items() if k != "alone"}),
+                                "alone": [label(m) for m in spec_alone]} if spec_alone else None,
            "quality_t1": {name: v for (name, t), v in q.items() if t == 1.0}, "real": real}
     res.update(res["summary"])
     args.out.parent.mkdir(parents=True, exist_ok=True)

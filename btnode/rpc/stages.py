@@ -56,21 +56,25 @@ def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
                         z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits,
                         readout=r.readout or "last",
                         pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
-                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache, n_tail=r.n_tail)
+                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache, n_tail=r.n_tail,
+                        draft=bytes(r.draft),
+                        draft_logp=tensor_from_pb(r.draft_logp, "draft log-probs") if r.HasField("draft_logp") else None)
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
                             readout=s.readout, first_chunk=s.first_chunk, final=s.final, no_cache=not s.use_cache,
-                            n_tail=s.n_tail)
+                            n_tail=s.n_tail, draft=s.draft)
     if s.pool is not None:
         req.pool.CopyFrom(tensor_to_pb(s.pool))
+    if s.draft_logp is not None:
+        req.draft_logp.CopyFrom(tensor_to_pb(s.draft_logp))
     return req
 
 
 def _result_to_pb(r: SegmentResult) -> pb.SegmentReply:
-    reply = pb.SegmentReply(new_bytes=r.new_bytes, route=r.route)
+    reply = pb.SegmentReply(new_bytes=r.new_bytes, route=r.route, accepted=r.accepted)
     if r.logits is not None:
         reply.logits.CopyFrom(tensor_to_pb(r.logits))
     return reply
@@ -78,7 +82,8 @@ def _result_to_pb(r: SegmentResult) -> pb.SegmentReply:
 
 def _result_from_pb(m: pb.SegmentReply | pb.ARReply) -> SegmentResult:
     logits = tensor_from_pb(m.logits, "logits") if isinstance(m, pb.SegmentReply) and m.HasField("logits") else None
-    return SegmentResult(new_bytes=bytes(m.new_bytes), logits=logits, route=list(m.route))
+    accepted = m.accepted if isinstance(m, pb.SegmentReply) else 0
+    return SegmentResult(new_bytes=bytes(m.new_bytes), logits=logits, route=list(m.route), accepted=accepted)
 
 
 class StageServicer(pb_grpc.StageServicer):
@@ -153,6 +158,9 @@ class StageServicer(pb_grpc.StageServicer):
                 reply = pb.GenerateReply(new_bytes=r.new_bytes, traversals=i, route=r.route)
                 if isinstance(r, ARResult):  # accepted bytes per traversal = bytes / traversals − 1
                     drafted, accepted = drafted + r.drafted, accepted + len(r.new_bytes) - 1
+                    reply.drafted, reply.accepted = drafted, accepted
+                elif request.readout == "spec":  # a draft of K per segment, `accepted` of it kept
+                    drafted, accepted = drafted + k, accepted + r.accepted
                     reply.drafted, reply.accepted = drafted, accepted
                 if r.logits is not None:
                     reply.logits.CopyFrom(tensor_to_pb(r.logits))

@@ -18,7 +18,7 @@ import torch
 from btnode.errors import InputError, MalformedInput, PeerUnavailable
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
-from btnode.model.layout import generation_layout
+from btnode.model.layout import generation_layout, window_layout
 from btnode.model.noise import generation_grid, sigma_grid
 from btnode.model.sampler import (READOUTS, block_denoiser, context_logits, generation_spans, log_probs, pool,
                                    run_span, spans)
@@ -32,8 +32,10 @@ EMPTY_PROMPT_CONTEXT = b"\n"  # WikiText paragraphs start after a newline
 MAX_STEPS = 256  # sampler grid points per segment: far above the default 2B + 1, and a bound on a request's work
 # How the last stage turns its evaluation into bytes: sampler.READOUTS ("pool", "last"), and "commit":
 # the last stage commits the segment byte by byte, each next row re-read by its own block with the
-# bytes committed before it as clean context (see LocalBlockStage.commit).
-SERVE_READOUTS = (*READOUTS, "commit")
+# bytes committed before it as clean context (see LocalBlockStage.commit). "spec": block 0 drafts
+# the segment, every block scores the draft, the last stage keeps what the pooled blocks accept and
+# fills the rest (see LocalBlockStage.speculate); it runs no sweep.
+SERVE_READOUTS = (*READOUTS, "commit", "spec")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class SegmentState:
     final: bool = False  # the request's last segment: stages drop its context cache after it
     use_cache: bool = True  # False: rebuild the clean stream from the window (same bits; for benchmarks)
     n_tail: int = 0  # grid points below σ_lo, run by the tail blocks (0: the sweep ends at σ_lo)
+    draft: bytes = b""  # readout "spec", past block 0: the K bytes block 0 drafted
+    draft_logp: torch.Tensor | None = None  # readout "spec", past block 0: block 0's log-probs of each draft row (K, V)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class SegmentResult:
     new_bytes: bytes
     logits: torch.Tensor | None = None  # (K, V) the bytes were sampled from (pooled or last), when asked for
     route: list[str] = field(default_factory=list)  # the stages that ran this segment, in order
+    accepted: int = 0  # readout "spec": draft bytes the pooled blocks kept (the rest was re-sampled or filled)
 
 
 class Stage(Protocol):
@@ -86,9 +91,9 @@ def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_ste
         if not cfg.tail_blocks <= n_tail <= MAX_STEPS:
             raise InputError(f"{n_tail} tail steps cannot visit the {cfg.tail_blocks} tail blocks within "
                              f"{MAX_STEPS} steps; use {cfg.tail_blocks} … {MAX_STEPS}")
-        if readout == "pool":
-            raise InputError("the pooled readout averages per-position marginals at σ_lo; a sweep through the "
-                             "tail reads its last evaluation (readout \"last\")")
+        if readout in ("pool", "spec"):
+            raise InputError(f"readout {readout!r} reads the blocks' per-position context readouts; a sweep "
+                             "through the tail reads its last evaluation (readout \"last\")")
     if k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
     if n_steps > MAX_STEPS:
@@ -161,17 +166,28 @@ class LocalBlockStage:
             raise MalformedInput("nonfinite", "state tensor contains NaN or Inf")
         if not 0 <= s.temperature < 1e4 or not math.isfinite(s.temperature):
             raise InputError(f"temperature must be ≥ 0, got {s.temperature}")
-        wants_pool = s.readout == "pool" and self.index > 0
+        wants_pool = s.readout in ("pool", "spec") and self.index > 0
         if (s.pool is not None) != wants_pool:
             raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the pooled log-probs are "
                                           f"{'missing' if wants_pool else 'unexpected'}")
         if s.pool is not None:
-            if tuple(s.pool.shape) != (s.k, self.cfg.vocab) or s.pool.dtype != torch.float32:
-                raise MalformedInput("state", f"pooled log-probs are {s.pool.dtype} {tuple(s.pool.shape)}, expected "
-                                              f"float32 ({s.k}, {self.cfg.vocab})")
-            # a sum of log-probabilities: finite and ≤ 0 (a peer cannot push mass above certainty)
-            if not bool(torch.isfinite(s.pool).all()) or bool((s.pool > 0).any()):
-                raise MalformedInput("nonfinite", "pooled log-probs must be finite and ≤ 0")
+            self.check_log_probs(s.pool, s.k, "pooled log-probs")
+        wants_draft = s.readout == "spec" and self.index > 0
+        if bool(s.draft) != wants_draft or (s.draft_logp is not None) != wants_draft:
+            raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the draft is "
+                                          f"{'missing' if wants_draft else 'unexpected'}")
+        if wants_draft:
+            if len(s.draft) != s.k:
+                raise MalformedInput("state", f"a draft of {len(s.draft)} bytes for a segment of K={s.k}")
+            self.check_log_probs(s.draft_logp, s.k, "draft log-probs")  # type: ignore[arg-type]
+
+    def check_log_probs(self, t: torch.Tensor, k: int, what: str) -> None:
+        """A (K, V) float32 sum of log-probabilities from a peer: finite and ≤ 0 (a peer cannot push
+        mass above certainty)."""
+        if tuple(t.shape) != (k, self.cfg.vocab) or t.dtype != torch.float32:
+            raise MalformedInput("state", f"{what} are {t.dtype} {tuple(t.shape)}, expected float32 ({k}, {self.cfg.vocab})")
+        if not bool(torch.isfinite(t).all()) or bool((t > 0).any()):
+            raise MalformedInput("nonfinite", f"{what} must be finite and ≤ 0")
 
     def context(self, s: SegmentState) -> ContextCache:
         """The clean stream of s.context in its canonical chunks: the cached prefix extended by the
@@ -189,9 +205,11 @@ class LocalBlockStage:
     @torch.no_grad()
     def forward(self, s: SegmentState) -> SegmentResult:
         self.validate(s)
+        cache = self.context(s)  # reused by every step of the span
+        if s.readout == "spec":
+            return self.speculate(s, cache)
         grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
         span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
-        cache = self.context(s)  # reused by every step of the span
         layout = generation_layout(len(s.context), s.k).to(self.device)
         z, logits = run_span(block_denoiser(self.block, cache, layout), s.z.to(self.device)[None], grid, span, self.table)
         pooled = None
@@ -238,6 +256,98 @@ class LocalBlockStage:
             rows.append(row[0])
             out.append(int(sample_bytes(row, s.temperature, g)[0]))
         return bytes(out), torch.stack(rows)
+
+
+    def speculate(self, s: SegmentState, cache: ContextCache) -> SegmentResult:
+        """Readout "spec": blockwise speculative decoding inside one traversal, no sweep.
+
+        Block 0 drafts the K bytes autoregressively from its own context readout (sampling at the
+        request's temperature) and sends them on with its log-probs of each draft row. Every later
+        block reads the draft in one batched call, its context readout of row j seeing the
+        context and draft bytes < j, and adds its log-probs to the pool. The last stage then has,
+        for every row, the draft's distribution q and the pooled distribution p of all B blocks
+        (the same log-linear pool `pool` forms), and keeps the draft's longest prefix that
+        speculative sampling accepts (`accept_draft`: exactly a sequential sample of p). At the
+        first rejection it samples the replacement from the residual, and it fills the bytes after
+        it with its own block's context readout, byte by byte: still K bytes per traversal, so
+        the window and cache rules of every other readout hold. Those filled bytes are one
+        block's reading, not the pool's: what that costs is measured (BENCHMARKS.md)."""
+        n = len(s.context)
+        if self.index == 0:
+            draft, q = self.autoregress(cache, n, s.k, s.temperature, generator("spec-draft", s.seed, s.segment))
+            total = q
+        else:
+            assert s.pool is not None and s.draft_logp is not None
+            draft, q = s.draft, s.draft_logp.to(self.device)
+            total = s.pool.to(self.device) + self.read_draft(cache, n, draft)
+        if self.next is not None and self.index < self.n_blocks - 1:
+            result = self.next.forward(dataclasses.replace(s, draft=draft, draft_logp=q.cpu(), pool=total.cpu()))
+            result.route.insert(0, self.name)
+            return result
+        g = generator("gen-sample", s.seed, s.segment)
+        pooled = total / self.n_blocks
+        kept, fix = accept_draft(pooled, q, draft, s.temperature, g)
+        out = bytes(draft[:kept])
+        if fix is not None:
+            out += bytes([fix])
+            if len(out) < s.k:
+                grown = self.block.extend_context(cache, torch.tensor([list(out)], device=self.device))
+                rest, _ = self.autoregress(grown, n + len(out), s.k - len(out), s.temperature, g)
+                out += rest
+        return SegmentResult(new_bytes=out, logits=pooled.cpu() if s.want_logits else None, route=[self.name],
+                             accepted=kept)
+
+    def autoregress(self, cache: ContextCache, n: int, count: int, temperature: float,
+                    g: torch.Generator) -> tuple[bytes, torch.Tensor]:
+        """`count` bytes after the n bytes of `cache`, one at a time from this block's context
+        readout, each appended to the context before the next. Returns (bytes, (count, V) log-probs
+        they were sampled from)."""
+        rows: list[torch.Tensor] = []
+        out: list[int] = []
+        for j in range(count):
+            if j:
+                cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
+            row = log_probs(context_logits(self.block, cache, generation_layout(n + j, 1).to(self.device)))[0]
+            rows.append(row[0])
+            out.append(int(sample_bytes(row, temperature, g)[0]))
+        return bytes(out), torch.stack(rows)
+
+    def read_draft(self, cache: ContextCache, n: int, draft: bytes) -> torch.Tensor:
+        """This block's context readout of every draft row in one call: row j sees the n context
+        bytes and draft[:j]. (K, V) log-probs."""
+        k = len(draft)
+        if k > 1:
+            cache = self.block.extend_context(cache, torch.tensor([list(draft[:-1])], device=self.device))
+        layout = window_layout(n + k - 1, 1, 0, start=n - 1).to(self.device)  # rows n − 1 … n + k − 2, K = 1 each
+        return log_probs(context_logits(self.block, cache, layout))[0]
+
+
+def accept_draft(target: torch.Tensor, draft_logp: torch.Tensor, draft: bytes, temperature: float,
+                 g: torch.Generator) -> tuple[int, int | None]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of a whole draft: row j's
+    draft byte, drawn from q_j = softmax(draft_logp_j / T), is kept with probability
+    min(1, p_j / q_j) for the target p_j = softmax(target_j / T); at the first rejection the
+    replacement is drawn from the residual max(0, p_j − q_j). The kept prefix plus the
+    replacement is then distributed exactly as bytes drawn one by one from p. At temperature 0,
+    a byte is kept iff it is p_j's argmax, and the replacement is that argmax.
+    Returns (bytes kept, replacement or None when the whole draft is kept)."""
+    if temperature <= 0:
+        for j, byte in enumerate(draft):
+            best = int(target[j].argmax())
+            if best != byte:
+                return j, best
+        return len(draft), None
+    p = torch.softmax(target.double().cpu() / temperature, dim=-1)
+    q = torch.softmax(draft_logp.double().cpu() / temperature, dim=-1)
+    u = torch.rand(len(draft), generator=g, dtype=torch.float64)  # one draw per row, used or not
+    for j, byte in enumerate(draft):
+        if u[j] * q[j, byte] < p[j, byte]:
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p_j = q_j to the last bit: a rejection has probability 0
+            residual = p[j]
+        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=g)[0])
+    return len(draft), None
 
 
 class FailoverStage:

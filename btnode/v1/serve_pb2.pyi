@@ -15,7 +15,7 @@ class StateTensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SegmentRequest(_message.Message):
-    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool", "first_chunk", "final", "no_cache", "n_tail")
+    __slots__ = ("request_id", "context", "segment", "k", "n_steps", "seed", "temperature", "z", "want_logits", "readout", "pool", "first_chunk", "final", "no_cache", "n_tail", "draft", "draft_logp")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class SegmentRequest(_message.Message):
     FINAL_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     N_TAIL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOGP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: bytes
     segment: int
@@ -46,17 +48,21 @@ class SegmentRequest(_message.Message):
     final: bool
     no_cache: bool
     n_tail: int
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ...) -> None: ...
+    draft: bytes
+    draft_logp: StateTensor
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ..., draft: _Optional[bytes] = ..., draft_logp: _Optional[_Union[StateTensor, _Mapping]] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
-    __slots__ = ("new_bytes", "logits", "route")
+    __slots__ = ("new_bytes", "logits", "route", "accepted")
     NEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     new_bytes: bytes
     logits: StateTensor
     route: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_bytes: _Optional[bytes] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
+    accepted: int
+    def __init__(self, new_bytes: _Optional[bytes] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class ARRequest(_message.Message):
     __slots__ = ("request_id", "tokens", "step", "seed", "temperature", "start", "hidden", "reset", "draft")
