@@ -2,7 +2,9 @@
 the quality of what it serves, judged as text.
 
 Modes: the one-sweep block chain at every trained K ∈ {1, 4, 16, 64} and N_s ∈ --n-steps, with
-and without tail steps (when the model has a tail and K > 1); the autoregressive chain plain and
+and without tail steps (when the model has a tail and K > 1); blockwise speculative decoding at every
+K (readouts "spec" and "spec-fill": block 0 drafts, the pooled blocks verify, no sweep); the
+autoregressive chain plain and
 with speculative decoding (a small AR draft at the entry); and the real continuations (the
 reference row). The served models are trained as deployed: one worker per block, each with the
 AR model's per-worker budget (see BENCHMARKS.md for the run that made them).
@@ -41,7 +43,7 @@ DRAFT_LEN = 8
 
 
 def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: list[int] | None = None,
-          readouts: tuple[str, ...] = ("pool", "commit", "spec")) -> list[dict]:
+          readouts: tuple[str, ...] = ("pool", "commit", "spec", "spec-fill")) -> list[dict]:
     out = []
     for k in ks:
         if k not in cfg.segments:
@@ -53,16 +55,17 @@ def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: lis
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "commit"})
             if cfg.tail_blocks and k > 1 and tail_steps and "pool" in readouts:
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps, "readout": "last"})
-        if "spec" in readouts:  # no sweep, so one row per K (N_s is checked, not run); K = 1 is the exact pool
-            out.append({"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": "spec"})
+        for r in ("spec", "spec-fill"):  # no sweep: one row per K (N_s is checked, not run); at K = 1 both are the pool
+            if r in readouts and (k > 1 or r == "spec"):
+                out.append({"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": r})
     out.append({"mode": "ar", "k": 1, "n_steps": 0, "n_tail": 0})
     out.append({"mode": "ar_spec", "k": 1, "n_steps": 0, "n_tail": 0, "draft": DRAFT_LEN})
     return out
 
 
 def label(m: dict) -> str:
-    if m["mode"] == "blockwise" and m.get("readout") == "spec":
-        return f"blockwise K={m['k']} spec" + (f" (block {m['alone']} alone)" if "alone" in m else "")
+    if m["mode"] == "blockwise" and m.get("readout", "").startswith("spec"):
+        return f"blockwise K={m['k']} {m['readout']}" + (f" (block {m['alone']} alone)" if "alone" in m else "")
     if m["mode"] == "blockwise":
         return (f"blockwise K={m['k']} N_s={m['n_steps']}" + (f" tail={m['n_tail']}" if m["n_tail"] else "")
                 + (" commit" if m.get("readout") == "commit" else "") + (f" (block {m['alone']} alone)" if "alone" in m else ""))
@@ -97,10 +100,11 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
             accepted += sum(r.accepted for r in parts)
             # spec: the kept draft bytes and the replacement at a rejection are the pool's; the rest is filled
             pooled += sum(min(len(r.new_bytes), r.accepted + 1) for r in parts)
-        if m.get("readout") != "spec":
+        if not m.get("readout", "").startswith("spec"):
             return texts, {"traversals": traversals}
         return texts, {"traversals": traversals, "drafted": traversals * m["k"], "accepted": accepted,
-                       "acceptance": accepted / (traversals * m["k"]), "pooled_frac": pooled / (N_BYTES * len(prompts))}
+                       "acceptance": accepted / (traversals * m["k"]), "pooled_frac": pooled / (N_BYTES * len(prompts)),
+                       "bytes_per_traversal": N_BYTES * len(prompts) / traversals}
     ar = models["ar"]
     drafter = ARDrafter(models["draft"], device=dev) if m["mode"] == "ar_spec" else None
     chain = local_ar_chain(ar, 3, dev, drafter=drafter)
@@ -290,7 +294,7 @@ def plot(rows: list[dict], real: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for ax, link in zip(axes, ("wan", "loopback")):
         for r in (r for r in rows if r["link"] == link):
-            marker = {"blockwise": "s" if r["n_tail"] else {"commit": "D", "spec": "P"}.get(r.get("readout"), "o"),
+            marker = {"blockwise": "s" if r["n_tail"] else {"commit": "D", "spec": "P", "spec-fill": "X"}.get(r.get("readout"), "o"),
                       "ar": "^", "ar_spec": "v"}[r["mode"]]
             ax.scatter(r["bytes_per_s"], r["judge_ce"], marker=marker, s=50)
             ax.annotate(r["label"].replace("blockwise ", ""), (r["bytes_per_s"], r["judge_ce"]), fontsize=7,
@@ -341,16 +345,20 @@ def render(res: dict) -> str:
                   "temperature 1, all prompts):", "",
                   "| sampler | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
         for name in (c["chain"], *c["alone"]):
+            if name not in qt:  # the chain's row ran at other N_s than --alone-steps
+                continue
             g = qt[name]
             lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
                          f"{g['word_rate']:.3f} |")
     spec = [(name, g) for name, g in res["quality_t1"].items() if "acceptance" in g and "alone" not in name]
     if spec:
         lines += ["", "Readout spec (temperature 1, all prompts): the share of block 0's draft bytes the pooled blocks "
-                  "kept, and the share of served bytes that are the pool's (kept, or the replacement at a rejection; "
-                  "the rest is filled by the last block alone):", "",
-                  "| mode | draft bytes kept | bytes from the pool | judge CE |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {name} | {g['acceptance']:.3f} | {g['pooled_frac']:.3f} | {g['judge_ce']:.3f} |" for name, g in spec]
+                  "kept, the bytes served per traversal, and the share of served bytes that are the pool's (kept, or "
+                  "the replacement at a rejection; with spec-fill the rest is filled by the last block alone):", "",
+                  "| mode | draft bytes kept | bytes per traversal | bytes from the pool | judge CE |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {g['acceptance']:.3f} | {g['bytes_per_traversal']:.2f} | {g['pooled_frac']:.3f} | "
+                  f"{g['judge_ce']:.3f} |" for name, g in spec]
     lines += ["", "![serving frontier](bench/results/serving_frontier.png)", "",
               f"Over the {s['speed_link']} link: AR plain {s['wan_bytes_per_s_ar']:.1f} bytes/s, AR speculative "
               f"{s['wan_bytes_per_s_ar_spec']:.1f} bytes/s ({s['ar_spec_bytes_per_traversal']:.2f} bytes per traversal). "
@@ -375,7 +383,7 @@ def main() -> None:
     ap.add_argument("--tail-steps", type=int, default=8)
     ap.add_argument("--alone-steps", type=int, default=7, help="N_s of the composition rows (each block alone)")
     ap.add_argument("--links", default="loopback,wan")
-    ap.add_argument("--readouts", default="pool,commit,spec", help="block-chain readouts to run (pool includes the "
+    ap.add_argument("--readouts", default="pool,commit,spec,spec-fill", help="block-chain readouts to run (pool includes the "
                                                                    "tail rows)")
     ap.add_argument("--spec-alone-k", type=int, default=16, help="K of the spec composition rows (each block alone)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
@@ -392,15 +400,16 @@ def main() -> None:
     from btnode.store.models import load_blocks
 
     cfg, _ = load_blocks(args.blocks)
+    readouts = args.readouts.split(",")
     all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
                       args.tail_steps, [int(x) for x in args.k1_steps.split(",")] if args.k1_steps else None,
-                      tuple(args.readouts.split(",")))
+                      tuple(readouts))
     k_big = max((k for k in cfg.segments if k > 1), default=0)
     alone = [{"mode": "blockwise", "k": k_big, "n_steps": args.alone_steps, "n_tail": 0, "readout": "commit",
-              "alone": b} for b in range(cfg.n_blocks)] if k_big and "commit" in args.readouts else []
+              "alone": b} for b in range(cfg.n_blocks)] if k_big and "commit" in readouts else []
     spec_alone = [{"mode": "blockwise", "k": args.spec_alone_k, "n_steps": min(int(x) for x in args.n_steps.split(",")),
                    "n_tail": 0, "readout": "spec", "alone": b} for b in range(cfg.n_blocks)] \
-        if "spec" in args.readouts and args.spec_alone_k in cfg.segments else []
+        if "spec" in readouts and args.spec_alone_k in cfg.segments else []
     q, real = quality(args, all_modes + alone + spec_alone)
     workdir = Path(tempfile.mkdtemp(prefix="btnode-serving-"))
     links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)

@@ -21,7 +21,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
-             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone; commit: the last stage commits the segment byte by byte, each byte read with the bytes before it as context, still one traversal; spec: block 0 drafts the segment, every block scores the draft in the same traversal, the last stage keeps the prefix the pooled blocks accept and fills the rest (no sweep) (default: pool, or last with --tail-steps).")] = None,
+             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone; commit: the last stage commits the segment byte by byte, each byte read with the bytes before it as context, still one traversal; spec: block 0 drafts the segment, every block scores the draft in the same traversal, the last stage keeps the prefix the pooled blocks accept (1…K bytes per traversal, distributed as the pooled blocks'); spec-fill: the same, the rest of the segment filled by the last block alone (K bytes per traversal); neither runs the sweep (default: pool, or last with --tail-steps).")] = None,
              tail_steps: Annotated[int, typer.Option("--tail-steps", help="Grid points below σ_lo run by the tail blocks (a model trained with --tail-blocks): joint multi-byte segments, still one sweep each.")] = 0,
              draft: Annotated[Optional[Path], typer.Option("--draft", help="[AR --checkpoint] Checkpoint of a small AR draft model: speculative decoding.")] = None,
              draft_len: Annotated[Optional[int], typer.Option("--draft-len", help="[AR] G: draft bytes verified per traversal (default 8 with --draft; with --entry, asks the entry's draft).")] = None,
@@ -52,7 +52,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
             out.flush()
         out.write(b"\n")
         out.flush()
-        if (g or readout == "spec") and reply is not None:
+        if (g or readout in ("spec", "spec-fill")) and reply is not None:
             _report_draft(n_bytes, reply.traversals, reply.drafted, reply.accepted)
         return
     dev = device(device_name)
@@ -75,7 +75,7 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
         traversals, accepted = traversals + 1, accepted + piece.accepted
     out.write(b"\n")
     out.flush()
-    if readout == "spec":
+    if readout in ("spec", "spec-fill"):
         _report_draft(n_bytes, traversals, traversals * k, accepted)
 
 

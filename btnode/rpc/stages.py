@@ -25,7 +25,7 @@ from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _gua
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
 from btnode.serve.ar import ARResult, ARState, LocalARStage
-from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, default_readout
+from btnode.serve.stages import SPEC_READOUTS, LocalBlockStage, SegmentResult, SegmentState, default_readout
 from btnode.v1 import serve_pb2 as pb
 from btnode.v1 import serve_pb2_grpc as pb_grpc
 
@@ -159,7 +159,7 @@ class StageServicer(pb_grpc.StageServicer):
                 if isinstance(r, ARResult):  # accepted bytes per traversal = bytes / traversals − 1
                     drafted, accepted = drafted + r.drafted, accepted + len(r.new_bytes) - 1
                     reply.drafted, reply.accepted = drafted, accepted
-                elif request.readout == "spec":  # a draft of K per segment, `accepted` of it kept
+                elif request.readout in SPEC_READOUTS:  # a draft of K per traversal, `accepted` of it kept
                     drafted, accepted = drafted + k, accepted + r.accepted
                     reply.drafted, reply.accepted = drafted, accepted
                 if r.logits is not None:

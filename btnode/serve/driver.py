@@ -29,7 +29,8 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_
     """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. `readout`
     as in sampler.sweep: "pool" (the default) costs no extra traversal, only (K, V) more per hop.
     use_cache=False makes every stage rebuild its clean stream (the same bytes, slower). n_tail > 0
-    continues each sweep below σ_lo through the tail stages (readout "last"), still one traversal."""
+    continues each sweep below σ_lo through the tail stages (readout "last"), still one traversal.
+    Readout "spec" is the exception to "k bytes per traversal": 1 … k (stages.LocalBlockStage.speculate)."""
     readout = readout or default_readout(n_tail)
     check_request(cfg, n_blocks, prompt, k, n_steps, readout, n_tail)
     if n_bytes < 1:
@@ -41,18 +42,21 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_
     limit = max_prompt(cfg.context, k)
     keep = keep_bytes(limit, cfg.context)
     start, chunk = 0, len(text)  # the window is text[start:]; its first chunk text[start:start + chunk]
+    # readout "spec" commits 1 … K bytes per traversal, so its windows are not whole segments of K after a
+    # first chunk: each traversal's window is one chunk, encoded afresh by every stage (no cache to keep)
+    variable = readout == "spec"
     produced, segment = 0, 0
     while produced < n_bytes:
         restart = window_start(start, len(text), limit, keep)
-        if restart != start:
+        if restart != start or variable:
             start, chunk = restart, len(text) - restart
         state = SegmentState(request_id=rid, context=bytes(text[start:]), segment=segment, k=k,
                              n_steps=n_steps, seed=seed, temperature=temperature,
                              z=initial_state(cfg, seed, segment, k, n_steps), want_logits=want_logits,
                              readout=readout, first_chunk=chunk, final=produced + k >= n_bytes,
-                             use_cache=use_cache, n_tail=n_tail)
+                             use_cache=use_cache and not variable, n_tail=n_tail)
         result = first.forward(state)
-        if len(result.new_bytes) != k:
+        if not (1 <= len(result.new_bytes) <= k if variable else len(result.new_bytes) == k):
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")
         new = result.new_bytes[: n_bytes - produced]
         text += new

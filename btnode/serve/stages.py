@@ -33,9 +33,11 @@ MAX_STEPS = 256  # sampler grid points per segment: far above the default 2B + 1
 # How the last stage turns its evaluation into bytes: sampler.READOUTS ("pool", "last"), and "commit":
 # the last stage commits the segment byte by byte, each next row re-read by its own block with the
 # bytes committed before it as clean context (see LocalBlockStage.commit). "spec": block 0 drafts
-# the segment, every block scores the draft, the last stage keeps what the pooled blocks accept and
-# fills the rest (see LocalBlockStage.speculate); it runs no sweep.
-SERVE_READOUTS = (*READOUTS, "commit", "spec")
+# the segment, every block scores the draft, the last stage keeps what the pooled blocks accept (1 … K
+# bytes per traversal, exactly the pool's distribution); "spec-fill" also fills the rest of the
+# segment with the last block alone (K bytes per traversal). Both run no sweep (LocalBlockStage.speculate).
+SPEC_READOUTS = ("spec", "spec-fill")
+SERVE_READOUTS = (*READOUTS, "commit", *SPEC_READOUTS)
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class SegmentState:
     final: bool = False  # the request's last segment: stages drop its context cache after it
     use_cache: bool = True  # False: rebuild the clean stream from the window (same bits; for benchmarks)
     n_tail: int = 0  # grid points below σ_lo, run by the tail blocks (0: the sweep ends at σ_lo)
-    draft: bytes = b""  # readout "spec", past block 0: the K bytes block 0 drafted
-    draft_logp: torch.Tensor | None = None  # readout "spec", past block 0: block 0's log-probs of each draft row (K, V)
+    draft: bytes = b""  # readouts "spec…", past block 0: the K bytes block 0 drafted
+    draft_logp: torch.Tensor | None = None  # readouts "spec…", past block 0: block 0's log-probs of each draft row (K, V)
 
 
 @dataclass
@@ -66,7 +68,7 @@ class SegmentResult:
     new_bytes: bytes
     logits: torch.Tensor | None = None  # (K, V) the bytes were sampled from (pooled or last), when asked for
     route: list[str] = field(default_factory=list)  # the stages that ran this segment, in order
-    accepted: int = 0  # readout "spec": draft bytes the pooled blocks kept (the rest was re-sampled or filled)
+    accepted: int = 0  # readouts "spec…": draft bytes the pooled blocks kept (the rest was re-sampled or filled)
 
 
 class Stage(Protocol):
@@ -91,7 +93,7 @@ def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_ste
         if not cfg.tail_blocks <= n_tail <= MAX_STEPS:
             raise InputError(f"{n_tail} tail steps cannot visit the {cfg.tail_blocks} tail blocks within "
                              f"{MAX_STEPS} steps; use {cfg.tail_blocks} … {MAX_STEPS}")
-        if readout in ("pool", "spec"):
+        if readout in ("pool", *SPEC_READOUTS):
             raise InputError(f"readout {readout!r} reads the blocks' per-position context readouts; a sweep "
                              "through the tail reads its last evaluation (readout \"last\")")
     if k not in cfg.segments:
@@ -166,13 +168,13 @@ class LocalBlockStage:
             raise MalformedInput("nonfinite", "state tensor contains NaN or Inf")
         if not 0 <= s.temperature < 1e4 or not math.isfinite(s.temperature):
             raise InputError(f"temperature must be ≥ 0, got {s.temperature}")
-        wants_pool = s.readout in ("pool", "spec") and self.index > 0
+        wants_pool = s.readout in ("pool", *SPEC_READOUTS) and self.index > 0
         if (s.pool is not None) != wants_pool:
             raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the pooled log-probs are "
                                           f"{'missing' if wants_pool else 'unexpected'}")
         if s.pool is not None:
             self.check_log_probs(s.pool, s.k, "pooled log-probs")
-        wants_draft = s.readout == "spec" and self.index > 0
+        wants_draft = s.readout in SPEC_READOUTS and self.index > 0
         if bool(s.draft) != wants_draft or (s.draft_logp is not None) != wants_draft:
             raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the draft is "
                                           f"{'missing' if wants_draft else 'unexpected'}")
@@ -206,7 +208,7 @@ class LocalBlockStage:
     def forward(self, s: SegmentState) -> SegmentResult:
         self.validate(s)
         cache = self.context(s)  # reused by every step of the span
-        if s.readout == "spec":
+        if s.readout in SPEC_READOUTS:
             return self.speculate(s, cache)
         grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
         span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
@@ -259,7 +261,7 @@ class LocalBlockStage:
 
 
     def speculate(self, s: SegmentState, cache: ContextCache) -> SegmentResult:
-        """Readout "spec": blockwise speculative decoding inside one traversal, no sweep.
+        """Readouts "spec" and "spec-fill": blockwise speculative decoding inside one traversal, no sweep.
 
         Block 0 drafts the K bytes autoregressively from its own context readout (sampling at the
         request's temperature) and sends them on with its log-probs of each draft row. Every later
@@ -268,10 +270,11 @@ class LocalBlockStage:
         for every row, the draft's distribution q and the pooled distribution p of all B blocks
         (the same log-linear pool `pool` forms), and keeps the draft's longest prefix that
         speculative sampling accepts (`accept_draft`: exactly a sequential sample of p). At the
-        first rejection it samples the replacement from the residual, and it fills the bytes after
-        it with its own block's context readout, byte by byte: still K bytes per traversal, so
-        the window and cache rules of every other readout hold. Those filled bytes are one
-        block's reading, not the pool's: what that costs is measured (BENCHMARKS.md)."""
+        first rejection it samples the replacement from the residual. "spec" stops there: 1 … K
+        bytes per traversal, every one of them distributed as sampling the pool byte by byte would
+        give. "spec-fill" fills the bytes after the replacement with its own block's context
+        readout, byte by byte: K bytes per traversal, but those filled bytes are one block's
+        reading, not the pool's (what that costs is measured in BENCHMARKS.md)."""
         n = len(s.context)
         if self.index == 0:
             draft, q = self.autoregress(cache, n, s.k, s.temperature, generator("spec-draft", s.seed, s.segment))
@@ -290,7 +293,7 @@ class LocalBlockStage:
         out = bytes(draft[:kept])
         if fix is not None:
             out += bytes([fix])
-            if len(out) < s.k:
+            if s.readout == "spec-fill" and len(out) < s.k:
                 grown = self.block.extend_context(cache, torch.tensor([list(out)], device=self.device))
                 rest, _ = self.autoregress(grown, n + len(out), s.k - len(out), s.temperature, g)
                 out += rest
