@@ -96,7 +96,10 @@ def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_ste
         if readout in ("pool", *SPEC_READOUTS):
             raise InputError(f"readout {readout!r} reads the blocks' per-position context readouts; a sweep "
                              "through the tail reads its last evaluation (readout \"last\")")
-    if k not in cfg.segments:
+    if readout in SPEC_READOUTS:  # no noisy segment runs: K is only how many bytes block 0 drafts
+        if not 1 <= k <= cfg.context // 2:
+            raise InputError(f"a draft of K={k} bytes; readout {readout!r} drafts 1 … {cfg.context // 2} (N/2)")
+    elif k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
     if n_steps > MAX_STEPS:
         raise InputError(f"{n_steps} sampler steps per segment is more than a stage runs (at most {MAX_STEPS})")

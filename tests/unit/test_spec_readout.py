@@ -126,6 +126,11 @@ def test_a_stage_refuses_a_spec_state_it_cannot_trust(tiny_cfg):
         chain_of(blocks).forward(dataclasses.replace(base, pool=None))  # block 0 drafts; it takes none
     assert 1 <= len(second.forward(base).new_bytes) <= 8
     assert len(second.forward(dataclasses.replace(base, readout="spec-fill")).new_bytes) == 8
+    spec = dict(n_bytes=8, n_steps=7, seed=0, temperature=1.0, readout="spec")
+    assert len(b"".join(r.new_bytes for r in drive(chain_of(blocks), tiny_cfg, 3, b"hi", k=5, **spec))) == 8  # any K ≤ N/2
+    for k in (0, 17):
+        with pytest.raises(InputError, match="drafts 1 … 16"):
+            drive(chain_of(blocks), tiny_cfg, 3, b"hi", k=k, **spec).__next__()
     with pytest.raises(InputError, match="tail"):
         drive(chain_of(blocks), tiny_cfg, 3, b"hi", n_bytes=8, k=8, n_steps=7, seed=0, temperature=1.0,
               readout="spec", n_tail=2).__next__()
