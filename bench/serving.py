@@ -43,7 +43,8 @@ DRAFT_LEN = 8
 
 
 def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: list[int] | None = None,
-          readouts: tuple[str, ...] = ("pool", "commit", "spec", "spec-fill")) -> list[dict]:
+          readouts: tuple[str, ...] = ("pool", "commit", "spec", "spec-fill"),
+          spec_ks: tuple[int, ...] = (1, 4, 8, 16, 32)) -> list[dict]:
     out = []
     for k in ks:
         if k not in cfg.segments:
@@ -55,9 +56,10 @@ def modes(cfg, n_steps: list[int], ks: list[int], tail_steps: int, k1_steps: lis
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": 0, "readout": "commit"})
             if cfg.tail_blocks and k > 1 and tail_steps and "pool" in readouts:
                 out.append({"mode": "blockwise", "k": k, "n_steps": ns, "n_tail": tail_steps, "readout": "last"})
-        for r in ("spec", "spec-fill"):  # no sweep: one row per K (N_s is checked, not run); at K = 1 both are the pool
-            if r in readouts and (k > 1 or r == "spec"):
-                out.append({"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": r})
+        if k > 1 and "spec-fill" in readouts:  # no sweep: one row per K (N_s is checked, not run)
+            out.append({"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": "spec-fill"})
+    if "spec" in readouts:  # K is a draft length here, trained or not; K = 1 is the pool itself, no draft
+        out += [{"mode": "blockwise", "k": k, "n_steps": min(n_steps), "n_tail": 0, "readout": "spec"} for k in spec_ks]
     out.append({"mode": "ar", "k": 1, "n_steps": 0, "n_tail": 0})
     out.append({"mode": "ar_spec", "k": 1, "n_steps": 0, "n_tail": 0, "draft": DRAFT_LEN})
     return out
@@ -385,6 +387,7 @@ def main() -> None:
     ap.add_argument("--links", default="loopback,wan")
     ap.add_argument("--readouts", default="pool,commit,spec,spec-fill", help="block-chain readouts to run (pool includes the "
                                                                    "tail rows)")
+    ap.add_argument("--spec-ks", default="1,4,8,16,32", help="draft lengths K of readout spec")
     ap.add_argument("--spec-alone-k", type=int, default=16, help="K of the spec composition rows (each block alone)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -403,13 +406,13 @@ def main() -> None:
     readouts = args.readouts.split(",")
     all_modes = modes(cfg, [int(x) for x in args.n_steps.split(",")], [int(x) for x in args.ks.split(",")],
                       args.tail_steps, [int(x) for x in args.k1_steps.split(",")] if args.k1_steps else None,
-                      tuple(readouts))
+                      tuple(readouts), tuple(int(x) for x in args.spec_ks.split(",")))
     k_big = max((k for k in cfg.segments if k > 1), default=0)
     alone = [{"mode": "blockwise", "k": k_big, "n_steps": args.alone_steps, "n_tail": 0, "readout": "commit",
               "alone": b} for b in range(cfg.n_blocks)] if k_big and "commit" in readouts else []
     spec_alone = [{"mode": "blockwise", "k": args.spec_alone_k, "n_steps": min(int(x) for x in args.n_steps.split(",")),
                    "n_tail": 0, "readout": "spec", "alone": b} for b in range(cfg.n_blocks)] \
-        if "spec" in readouts and args.spec_alone_k in cfg.segments else []
+        if "spec" in readouts else []
     q, real = quality(args, all_modes + alone + spec_alone)
     workdir = Path(tempfile.mkdtemp(prefix="btnode-serving-"))
     links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)

@@ -162,18 +162,29 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
             stub.Forward(pb.SegmentRequest(z=z, **good), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     zero = tensor_to_pb(torch.zeros(8, 32))
+    lp = tensor_to_pb(torch.full((8, 256), -5.5))
     # the pooled readout's accumulator: missing, misshapen, or above certainty (log-prob > 0)
     for extra in (dict(readout="pool"), dict(readout="pool", pool=tensor_to_pb(torch.zeros(8, 7))),
                   dict(readout="pool", pool=tensor_to_pb(torch.full((8, 256), 3.0))),
                   dict(readout="last", pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout="mean"),
                   # the window's first chunk: longer than the window, or not whole segments after it
-                  dict(first_chunk=3), dict(first_chunk=1), dict(n_steps=257), dict(request_id="r" * 129)):
+                  dict(first_chunk=3), dict(first_chunk=1), dict(n_steps=257), dict(request_id="r" * 129),
+                  # readout spec past block 0: the draft, its log-probs and the pool, each missing or hostile
+                  dict(readout="spec", pool=lp, draft_logp=lp), dict(readout="spec", draft=bytes(8), draft_logp=lp),
+                  dict(readout="spec", draft=bytes(7), draft_logp=lp, pool=lp),
+                  dict(readout="spec", draft=bytes(8), draft_logp=tensor_to_pb(torch.full((8, 256), 1.0)), pool=lp),
+                  dict(readout="spec", draft=bytes(8), draft_logp=tensor_to_pb(torch.zeros(9, 256)), pool=lp),
+                  dict(readout="spec", draft=bytes(8), draft_logp=pb.StateTensor(shape=[8, 256], data=b"\0"), pool=lp),
+                  dict(readout="pool", draft=bytes(8), pool=lp), dict(readout="spec", k=17, draft=bytes(17))):
         with pytest.raises(grpc.RpcError) as err:
             stub.Forward(pb.SegmentRequest(z=zero, **{**good, **extra}), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, extra
     assert stub.Forward(pb.SegmentRequest(z=zero, **good), timeout=10).new_bytes
     assert stub.Forward(pb.SegmentRequest(z=zero, readout="pool", pool=tensor_to_pb(torch.full((8, 256), -5.5)),
                                           **good), timeout=10).new_bytes
+    kept = stub.Forward(pb.SegmentRequest(z=zero, readout="spec", draft=bytes(8), draft_logp=lp, pool=lp, **good),
+                        timeout=10)
+    assert 1 <= len(kept.new_bytes) <= 8 and 0 <= kept.accepted <= 8
     channel.close()
     with pytest.raises(InputError, match="not the first stage"):
         list(generate_remote(_address(tmp_path, "b1-main"), b"hi", n_bytes=8, k=8))
