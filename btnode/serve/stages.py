@@ -262,7 +262,6 @@ class LocalBlockStage:
             out.append(int(sample_bytes(row, s.temperature, g)[0]))
         return bytes(out), torch.stack(rows)
 
-
     def speculate(self, s: SegmentState, cache: ContextCache) -> SegmentResult:
         """Readouts "spec" and "spec-fill": blockwise speculative decoding inside one traversal, no sweep.
 
