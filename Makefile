@@ -54,8 +54,8 @@ demo: venv
 	$(BTNODE) eval --checkpoint $(DEMO_DIR) --windows 64
 	@echo "--- one sweep per 16 bytes (K=16; the last stage commits the 16 bytes one by one):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 --readout commit "The history of the"
-	@echo "--- blockwise speculative, up to 16 bytes per traversal (block 0 drafts, the pooled blocks keep what they accept; no sweep):"
-	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 --readout spec "The history of the"
+	@echo "--- blockwise speculative, up to 16 bytes per traversal, temperature 1 (block 0 drafts, the pooled blocks keep what they accept; no sweep):"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 16 --readout spec --temperature 1 "The history of the"
 	@echo "--- one sweep per 16 bytes (K=16, all 16 rows sampled independently: what commit fixes):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 64 --segment 16 --readout pool "The history of the"
 	@echo "--- one sweep per byte (K=1):"
