@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
+from btnode.node import launch
+
+CLI = launch.CLI
 TINY_SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32",
               "--segments", "1,8"]
 BTNODE = str(Path(sys.executable).with_name("btnode"))
@@ -37,18 +38,12 @@ def cli_fails(*args: str, match: str) -> str:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(CLI + args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+    """`btnode ARGS` with one torch thread, output appended to `log` (btnode.node.launch)."""
+    return launch.spawn_node(args, log=log, env=launch.one_thread_env())
 
 
 def wait_port(port_file: Path, proc: subprocess.Popen, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return int(port_file.read_text())
-        assert proc.poll() is None, f"aggregator exited with {proc.returncode}"
-        time.sleep(0.05)
-    raise AssertionError("aggregator did not start listening")
+    return launch.wait_port(port_file, proc, timeout_s=timeout)
 
 
 class Aggregator:

@@ -8,19 +8,18 @@ from __future__ import annotations
 import logging
 import math
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from btnode.errors import BtnodeError, PeerUnavailable
+from btnode.node.launch import spawn_node, start_node, stop_processes
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.convert import info_from_pb
 from btnode.protocol import VersionInfo
 
 log = logging.getLogger(__name__)
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 
 
 @dataclass
@@ -31,17 +30,6 @@ class SwarmResult:
     worker_codes: list[int] = field(default_factory=list)
 
 
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        if proc.poll() is not None:
-            raise BtnodeError(f"the aggregator exited with code {proc.returncode} before listening")
-        time.sleep(0.1)
-    raise PeerUnavailable(f"the aggregator did not start listening within {timeout_s:.0f} s")
-
-
 def run_swarm(*, state_dir: Path, units: list[str], replicas: int, rounds: int, shape_args: list[str],
               aggregator_args: list[str], worker_args: list[str], echo: Callable[[str], None] = print,
               timeout_s: float = 3600.0) -> SwarmResult:
@@ -49,30 +37,24 @@ def run_swarm(*, state_dir: Path, units: list[str], replicas: int, rounds: int, 
     each unit the swarm trains, by index (ModelConfig.unit_name)."""
     n_blocks = len(units)
     state_dir.mkdir(parents=True, exist_ok=True)
-    port_file = state_dir / "aggregator.port"
-    port_file.unlink(missing_ok=True)
     logs = state_dir / "logs"
-    logs.mkdir(exist_ok=True)
     procs: list[subprocess.Popen] = []
-
-    def spawn(args: list[str], name: str) -> subprocess.Popen:
-        out = open(logs / f"{name}.log", "ab")
-        p = subprocess.Popen(CLI + args, stdout=out, stderr=subprocess.STDOUT)
-        procs.append(p)
-        return p
-
-    agg = spawn(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-                 "--port-file", str(port_file), *shape_args, *aggregator_args], "aggregator")
+    node = start_node(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                       *shape_args, *aggregator_args], port_file=state_dir / "aggregator.port",
+                      log=logs / "aggregator.log", name="aggregator")
+    agg = node.proc
+    procs.append(agg)
     try:
-        port = int(_wait_for_file(port_file, agg, 120.0))
+        port = node.port
         result = SwarmResult(port=port)
         peer = f"127.0.0.1:{port}"
         echo(f"aggregator on {peer}; starting {n_blocks} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
              f"(logs in {logs})")
-        workers = [spawn(["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id", f"b{b}r{r}",
-                          "--rounds", str(rounds), "--stats-file", str(logs / f"b{b}r{r}.stats.json"),
-                          *shape_args, *worker_args], f"worker-b{b}r{r}")
+        workers = [spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id", f"b{b}r{r}",
+                               "--rounds", str(rounds), "--stats-file", str(logs / f"b{b}r{r}.stats.json"),
+                               *shape_args, *worker_args], log=logs / f"worker-b{b}r{r}.log")
                    for b in range(n_blocks) for r in range(replicas)]
+        procs.extend(workers)
         client = SwarmClient(peer, timeout_s=10.0)
         seen: dict[int, int] = {}
         deadline = time.monotonic() + timeout_s
@@ -95,15 +77,7 @@ def run_swarm(*, state_dir: Path, units: list[str], replicas: int, rounds: int, 
             raise BtnodeError(f"{len(failed)} worker(s) failed; see {logs}")
         return result
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs[::-1], timeout_s=20.0)
 
 
 def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo: Callable[[str], None],
