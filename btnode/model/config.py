@@ -22,6 +22,11 @@ _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
 _OPTIONAL_FIELDS = {"ada_rank": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
 _KIND_FIELDS = ("kind", "ar_layers")
 KINDS = ("block", "ar")
+# field → the flag that sets it (cli/options.py declares them); the other fields keep their defaults
+_FLAGS = {"d_model": "--d-model", "n_heads": "--heads", "n_layers": "--layers", "n_blocks": "--blocks",
+          "context": "--context", "segments": "--segments", "target_seed": "--target-seed",
+          "tail_blocks": "--tail-blocks", "sigma_gen": "--sigma-gen", "ada_rank": "--ada-rank", "kind": "--model",
+          "ar_layers": "--ar-layers"}
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,22 @@ class ModelConfig:
         doc = {"fingerprint_version": FINGERPRINT_VERSION, **self.to_dict()}
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    def to_flags(self) -> list[str]:
+        """The command-line flags that make this configuration (`btnode join`, `train-local`, …): how
+        `btnode swarm` and the benchmarks hand a shape to the nodes they start. ConfigError for a
+        field no flag sets (σ range, γ, …) away from its default: flags could not carry it."""
+        fixed = [f.name for f in dataclasses.fields(self) if f.name not in _FLAGS
+                 and getattr(self, f.name) != f.default]
+        if fixed:
+            raise ConfigError(f"no command-line flag sets {', '.join(fixed)}; this configuration cannot be passed as flags")
+        out = []
+        for name, flag in _FLAGS.items():
+            value = getattr(self, name)
+            if name == "ar_layers" and self.kind != "ar":
+                continue  # a block run has no AR depth (the flag is refused there)
+            out += [flag, ",".join(map(str, value)) if name == "segments" else str(value)]
+        return out
 
     def diff(self, other: ModelConfig) -> list[tuple[str, object, object]]:
         """(field, ours, theirs) for every swarm-wide field that differs."""

@@ -73,3 +73,25 @@ def test_full_rank_adaln_keeps_its_fingerprint_and_a_low_rank_changes_it():
     assert low.to_dict()["ada_rank"] == 16 and ModelConfig.from_dict(low.to_dict()) == low
     assert low.fingerprint() != ModelConfig().fingerprint()
     assert [f for f, _, _ in ModelConfig().diff(low)] == ["ada_rank"]
+
+
+def test_to_flags_round_trips_through_the_cli_builder():
+    from btnode_cli.options import model_config
+
+    for cfg in (ModelConfig(), ModelConfig(d_model=64, n_heads=2, n_layers=1, n_blocks=4, context=64, segments=(1, 8),
+                                           target_seed=3, tail_blocks=1, sigma_gen=0.2, ada_rank=8),
+                ModelConfig(kind="ar", ar_layers=6)):
+        flags = cfg.to_flags()
+        pairs = dict(zip(flags[::2], flags[1::2]))
+        again = model_config(d_model=int(pairs["--d-model"]), heads=int(pairs["--heads"]), layers=int(pairs["--layers"]),
+                             blocks=int(pairs["--blocks"]), context=int(pairs["--context"]), segments=pairs["--segments"],
+                             target_seed=int(pairs["--target-seed"]), tail_blocks=int(pairs["--tail-blocks"]),
+                             sigma_gen=float(pairs["--sigma-gen"]), ada_rank=int(pairs["--ada-rank"]),
+                             model=pairs["--model"],
+                             ar_layers=int(pairs["--ar-layers"]) if "--ar-layers" in pairs else None)
+        assert again == cfg
+
+
+def test_to_flags_refuses_a_field_no_flag_sets():
+    with pytest.raises(ConfigError, match="sigma_hi"):
+        ModelConfig(sigma_hi=12.0).to_flags()
