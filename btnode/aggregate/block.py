@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,21 @@ class AggregatorConfig:
 class RoundSummary:
     info: VersionInfo
     closed_at: float
+
+
+@dataclass(frozen=True)
+class BlockStatus:
+    """One block at one instant, read under its lock (`BlockAggregator.status`): what the Status
+    RPC and /metrics report. The mappings are copies, so the aggregator moving on leaves it as it was."""
+
+    block: int
+    current: VersionInfo
+    replicas: tuple[str, ...]  # registered workers, sorted
+    round_age_s: float  # since the open round's clock started
+    accepted_in_round: int
+    recent: tuple[RoundSummary, ...]  # the last `history` closed rounds, oldest first
+    updates: Mapping[tuple[str, str], int]  # (outcome, reason) → pushes, in the order first seen
+    rounds_closed: Mapping[str, int]  # closed_by → rounds
 
 
 class BlockAggregator:
@@ -267,6 +282,13 @@ class BlockAggregator:
     def current(self) -> tuple[VersionInfo, Tensors]:
         with self.lock:
             return self.info, self.params
+
+    def status(self) -> BlockStatus:
+        with self.lock:
+            return BlockStatus(block=self.block, current=self.info, replicas=tuple(sorted(self.registered)),
+                               round_age_s=self.clock() - self.round.opened_at,
+                               accepted_in_round=len(self.round.accepted), recent=tuple(self.recent),
+                               updates=dict(self.counters), rounds_closed=dict(self.rounds_closed))
 
     def wait_for(self, after: int, timeout: float) -> VersionInfo | None:
         """The current version once it is newer than `after`, or None after `timeout` seconds."""

@@ -11,10 +11,11 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
+from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
@@ -24,6 +25,17 @@ from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SwarmStatus:
+    """What `SwarmAggregator.status` answers: each owned block's `BlockStatus` (each read under its
+    own lock, one after the other) and the swarm-wide event counts."""
+
+    fingerprint: str
+    config: ModelConfig
+    blocks: tuple[BlockStatus, ...]  # by block number
+    events: Mapping[tuple[str, str], int]  # (event, reason) → count, for events outside one block
 
 
 class SwarmAggregator:
@@ -44,6 +56,14 @@ class SwarmAggregator:
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
 
+    def count(self, event: str, reason: str = "") -> None:
+        """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
+        self.counters[(event, reason)] += 1
+
+    def status(self) -> SwarmStatus:
+        blocks = tuple(self.blocks[b].status() for b in sorted(self.blocks))
+        return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters))
+
     def _check_state_dir(self, state_dir: Path) -> None:
         """A state folder belongs to one run: refuse to mix versions of different configurations."""
         marker = state_dir / RUN_FILE
@@ -62,7 +82,7 @@ class SwarmAggregator:
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
         if fingerprint != self.fingerprint:
-            self.counters[("join_refused", "fingerprint")] += 1
+            self.count("join_refused", "fingerprint")
             try:
                 theirs = ModelConfig.from_dict(json.loads(config_json))
             except (ValueError, TypeError, ConfigError):
@@ -73,7 +93,7 @@ class SwarmAggregator:
             raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
         agg = self.block(block)
         agg.register(worker_id)
-        self.counters[("joins", "")] += 1
+        self.count("joins")
         log.info("worker %s joined %s", worker_id, self.cfg.unit_name(block))
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
                         max_staleness=self.acfg.round.max_staleness)
@@ -89,7 +109,7 @@ class SwarmAggregator:
         try:
             block = self.block(header.block)
         except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
-            self.counters[("rejected", exc.reason)] += 1
+            self.count("rejected", exc.reason)
             raise
         try:
             early = block.precheck(header)

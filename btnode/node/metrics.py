@@ -74,26 +74,26 @@ class AggregatorCollector(Collector):
         rounds = CounterMetricFamily("btnode_rounds", "Rounds closed, by what closed them.", labels=["block", "closed_by"])
         updates = CounterMetricFamily("btnode_updates", "Pushed updates by outcome (accepted, late, stale, "
                                       "rejected) and reason.", labels=["block", "outcome", "reason"])
-        for b, block in sorted(self.agg.blocks.items()):
-            with block.lock:
-                lb = str(b)
-                version.add_metric([lb], block.info.version)
-                replicas.add_metric([lb], len(block.registered))
-                if block.recent:
-                    loss.add_metric([lb], block.recent[-1].info.mean_loss)
-                age.add_metric([lb], max(0.0, block.clock() - block.round.opened_at))
-                accepted_open.add_metric([lb], len(block.round.accepted))
-                for reason in ("deadline", "all_reported", "drain"):
-                    rounds.add_metric([lb, reason], block.rounds_closed.get(reason, 0))
-                for outcome in ("accepted", "late", "stale", "rejected"):  # present from the start, at 0
-                    if not any(o == outcome for o, _ in block.counters):
-                        updates.add_metric([lb, outcome, "none"], 0)
-                for (outcome, reason), n in sorted(block.counters.items()):
-                    updates.add_metric([lb, outcome, reason or "none"], n)
+        status = self.agg.status()
+        for s in status.blocks:
+            lb = str(s.block)
+            version.add_metric([lb], s.current.version)
+            replicas.add_metric([lb], len(s.replicas))
+            if s.recent:
+                loss.add_metric([lb], s.recent[-1].info.mean_loss)
+            age.add_metric([lb], max(0.0, s.round_age_s))
+            accepted_open.add_metric([lb], s.accepted_in_round)
+            for reason in ("deadline", "all_reported", "drain"):
+                rounds.add_metric([lb, reason], s.rounds_closed.get(reason, 0))
+            for outcome in ("accepted", "late", "stale", "rejected"):  # present from the start, at 0
+                if not any(o == outcome for o, _ in s.updates):
+                    updates.add_metric([lb, outcome, "none"], 0)
+            for (outcome, reason), n in sorted(s.updates.items()):
+                updates.add_metric([lb, outcome, reason or "none"], n)
         yield from (version, replicas, loss, age, accepted_open, rounds, updates)
         events = CounterMetricFamily("btnode_swarm_events", "Swarm-wide events outside one block (joins, refused "
                                      "joins, pushes for unknown blocks), by reason.", labels=["event", "reason"])
-        for (name, reason), n in sorted(self.agg.counters.items()):
+        for (name, reason), n in sorted(status.events.items()):
             events.add_metric([name, reason or "none"], n)
         yield events
         counts, durations = self.agg.meter.snapshot()

@@ -3,8 +3,10 @@ domain value; a bad enum, a negative dimension or a missing header is MalformedI
 
 from __future__ import annotations
 
+import json
 import math
 
+from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
@@ -100,3 +102,21 @@ def join_to_pb(j: JoinInfo) -> pb.JoinReply:
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
                     codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness)
+
+
+def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
+    """The Status reply: per-block counts become "updates" counters labelled by block, outcome
+    and reason; swarm-wide events follow, labelled by reason."""
+    reply = pb.StatusReply(fingerprint=s.fingerprint, config_json=json.dumps(s.config.to_dict()),
+                           server_time_unix=server_time_unix)
+    for b in s.blocks:
+        bs = reply.blocks.add(block=b.block, current=info_to_pb(b.current), replicas=b.replicas,
+                              round_age_s=b.round_age_s, accepted_in_round=b.accepted_in_round)
+        for r in b.recent:
+            bs.recent.add(version=info_to_pb(r.info), closed_at_unix=r.closed_at)
+        for (outcome, reason), n in b.updates.items():
+            reply.counters.add(name="updates", labels={"block": str(b.block), "outcome": outcome, "reason": reason},
+                               value=n)
+    for (name, reason), n in s.events.items():
+        reply.counters.add(name=name, labels={"reason": reason}, value=n)
+    return reply

@@ -8,7 +8,6 @@ INTERNAL, and the process keeps serving. Message sizes are set explicitly on bot
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -175,7 +174,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                 raise MalformedInput("no_header", "a push must start with its header")
             header = convert.push_header_from_pb(first.header)
         except PeerInputError as exc:
-            self.agg.counters[("rejected", exc.reason)] += 1
+            self.agg.count("rejected", exc.reason)
             log.warning("rejected push: %s", exc)
             raise
 
@@ -214,22 +213,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        reply = pb.StatusReply(fingerprint=self.agg.fingerprint, config_json=json.dumps(self.agg.cfg.to_dict()),
-                               server_time_unix=time.time())
-        for b, block in sorted(self.agg.blocks.items()):
-            with block.lock:
-                bs = reply.blocks.add(block=b, current=convert.info_to_pb(block.info), replicas=sorted(block.registered),
-                                      round_age_s=block.clock() - block.round.opened_at,
-                                      accepted_in_round=len(block.round.accepted))
-                for r in block.recent:
-                    bs.recent.add(version=convert.info_to_pb(r.info), closed_at_unix=r.closed_at)
-                for (outcome, reason), n in block.counters.items():
-                    reply.counters.add(name="updates", labels={"block": str(b), "outcome": outcome, "reason": reason},
-                                       value=n)
-        for (name, reason), n in self.agg.counters.items():
-            reply.counters.add(name=name, labels={"reason": reason}, value=n)
-        return reply
-
+        return convert.status_to_pb(self.agg.status(), server_time_unix=time.time())
 
 
 def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
@@ -240,8 +224,8 @@ def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security
     Past `max_workers` − 4 calls in progress, gRPC itself answers RESOURCE_EXHAUSTED: with the
     per-peer limits that bounds the memory held by pushes being received."""
     stop = threading.Event()
-    refused = lambda: agg.counters.update([("unauthenticated", "token")])  # noqa: E731
-    limited = lambda reason: agg.counters.update([("limited", reason)])  # noqa: E731
+    refused = lambda: agg.count("unauthenticated", "token")  # noqa: E731
+    limited = lambda reason: agg.count("limited", reason)  # noqa: E731
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
                          interceptors=[*interceptors(security, refused), PeerLimiter(limits or PeerLimits(), limited),
