@@ -27,8 +27,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import zstandard
@@ -41,6 +42,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
 from btnode.store.files import state_sha256
 from btnode.store.models import init_unit
+from btnode.swarm.fold import Fold
 from btnode.train.config import TrainConfig
 from btnode.train.trainers import unit_trainer
 
@@ -88,6 +90,16 @@ class WorkerStats:
     sha256: str = ""
 
 
+@dataclass(frozen=True)
+class Exchanged:
+    """What a round's exchange brought back: the answer to the push, the next version (None when
+    stopped first) and its θ, fetched and hash-checked."""
+
+    judgement: Judgement
+    newer: VersionInfo | None
+    fetched: tuple[VersionInfo, Tensors] | None
+
+
 class BlockWorker:
     def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink, corpus: bytes,
                  *, device: torch.device):
@@ -102,9 +114,7 @@ class BlockWorker:
         self.stats = WorkerStats()
         self._announced: queue.Queue[object] = queue.Queue()
         self._newest: VersionInfo | None = None
-        self._pending: list[float] = []  # CE of each step the next update will carry
-        self._pushed: list[float] = []  # ... and of the last pushed update's steps
-        self._fold_from: Tensors | None = None  # θ the carry is measured from while waiting
+        self._fold = Fold()  # what the next update carries (replaced at each step, push, answer and version)
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
@@ -226,21 +236,21 @@ class BlockWorker:
             if self._stop is not None and self._stop.is_set():
                 break  # draining: stop at a step boundary
             x = self.sampler.batch(self.tc.seed, self.wcfg.worker_id, self.trainer.step, self.tc.batch)
-            self._pending.append(self.trainer.train_step(x, self.wcfg.worker_id).ce)
+            self._fold = self._fold.trained(self.trainer.train_step(x, self.wcfg.worker_id).ce)
             self.stats.steps += 1
             self.heartbeat()
         self.stats.train_seconds += time.perf_counter() - t0
 
     def steps_due(self) -> int:
         """Steps still to train before the next push (H minus what was folded in)."""
-        return max(0, self.wcfg.steps_per_round - len(self._pending))
+        return self._fold.due(self.wcfg.steps_per_round)
 
     def make_update(self) -> tuple[PushHeader, dict[str, bytes]]:
         """The header and codec bytes of Δ = θ_local − θ^v (+ residual) over the pending steps."""
-        assert self.info is not None and self._pending
-        loss, samples = sum(self._pending) / len(self._pending), len(self._pending) * self.tc.batch
+        assert self.info is not None and self._fold.pending
+        loss, samples = self._fold.loss, len(self._fold.pending) * self.tc.batch
         self.stats.losses.append(loss)
-        self._pushed, self._pending = self._pending, []
+        self._fold = self._fold.sent()
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
         self._last_update = (header, self._encode())
@@ -255,24 +265,17 @@ class BlockWorker:
         if not accepted:
             self.residual = {}  # the delta was not applied: its rounding error means nothing
         if not self.wcfg.train_while_waiting:
-            self._fold_from = None
+            self._fold = self._fold.idle()
         elif accepted:
-            self._fold_from = at_push if at_push is not None else self._params()
-        else:  # nothing of it reached the next version: fold all of it, its steps included
-            self._fold_from = dict(self.base)
-            self._pending = self._pushed + self._pending
+            self._fold = self._fold.accepted(at_push if at_push is not None else self._params())
+        else:
+            self._fold = self._fold.refused(dict(self.base))
 
     def advance(self, target: VersionInfo, fetched: tuple[VersionInfo, Tensors] | None = None) -> None:
         """Move to `target` (or to an already `fetched` version) and fold in what was trained since
         the push (see the module doc)."""
-        carry = None
-        if self._fold_from is not None:
-            now = self._params()
-            carry = {n: now[n] - self._fold_from[n] for n in self.spec}
-            self._fold_from = None
-        if carry is None or not self._pending:
-            self._pending = []
-            carry = None
+        carry = self._fold.carry(self._params()) if self._fold.carries else None
+        self._fold = self._fold.landed()
         if fetched is not None:
             self._adopt(*fetched)
         else:
@@ -339,21 +342,20 @@ class BlockWorker:
             return Judgement(outcome=outcome, reason=str(exc), round_version=-1)
 
     def _exchange(self, header: PushHeader, raw: dict[str, bytes], stop: threading.Event, *,
-                  overlap: bool) -> tuple[Judgement, VersionInfo | None, tuple[VersionInfo, Tensors] | None]:
+                  overlap: bool) -> Exchanged:
         """Push the update, wait for the next version and fetch it, in a background thread; with
         `overlap`, keep training here meanwhile (at most H steps), to be folded in by advance()."""
         at_push = self._params() if overlap else None
-        box: dict[str, object] = {}
+        result: Future[Exchanged] = Future()
 
         def talk() -> None:
             try:
-                box["judgement"] = self.push(header, raw)
+                j = self.push(header, raw)
                 newer = self._wait_newer(header.base_version, stop)
-                box["newer"] = newer
-                box["fetched"] = (self._through_outage("fetch", lambda: self._fetch(newer))
-                                  if newer is not None else None)
+                fetched = self._through_outage("fetch", lambda: self._fetch(newer)) if newer is not None else None
+                result.set_result(Exchanged(j, newer, fetched))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
-                box["error"] = exc
+                result.set_exception(exc)
 
         thread = threading.Thread(target=talk, daemon=True, name="exchange")
         thread.start()
@@ -366,14 +368,11 @@ class BlockWorker:
             else:
                 self.heartbeat()
                 thread.join(0.05)
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        j = box["judgement"]
-        assert isinstance(j, Judgement)
-        self.pushed(j, at_push)
+        got = result.result(timeout=0)
+        self.pushed(got.judgement, at_push)
         if not overlap:
-            self._fold_from = None
-        return j, box.get("newer"), box.get("fetched")  # type: ignore[return-value]
+            self._fold = self._fold.idle()
+        return got
 
     def start(self) -> None:
         """Join with the fingerprint and pull the block."""
@@ -397,17 +396,18 @@ class BlockWorker:
                 self.train_steps(self.steps_due())
                 if stop.is_set():  # a drain: nothing partial is pushed; leaving frees the round from waiting on us
                     log.info("worker %s: stopping; abandoning the unfinished round (%d of %d steps)",
-                             w.worker_id, len(self._pending), w.steps_per_round)
+                             w.worker_id, len(self._fold.pending), w.steps_per_round)
                     break
                 header, raw = self.make_update()
                 last = w.rounds is not None and self.stats.pushes + 1 >= w.rounds
-                j, newer, fetched = self._exchange(header, raw, stop, overlap=w.train_while_waiting and not last)
+                got = self._exchange(header, raw, stop, overlap=w.train_while_waiting and not last)
+                j = got.judgement
                 log.info("worker %s: %s round %d: %s%s (CE %.4f, %d steps)", w.worker_id, self.cfg.unit_name(w.block),
                          header.base_version, j.outcome.value, f": {j.reason}" if j.reason else "", header.loss,
                          int(header.samples) // self.tc.batch)
-                if newer is None:
+                if got.newer is None:
                     break
-                self.advance(newer, fetched)
+                self.advance(got.newer, got.fetched)
         finally:
             stop.set()
             try:
