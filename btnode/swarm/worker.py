@@ -8,7 +8,8 @@ fetch it) runs in a background thread, and meanwhile the worker keeps training f
 state (at most H steps). When the version arrives, that work is folded in:
 θ ← θ^{v+1} + (θ_now − θ_pushed), so the next update carries it and the next round needs only
 the remaining H − (steps done while waiting). If the pushed update was not accepted, nothing of it
-reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v).
+reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v). `swarm.fold.Fold` holds
+that state; `swarm.announcements` follows the server stream of versions.
 
 A DiLoCo run (ModelConfig.kind "ar") uses this same loop: its one unit, block 0, is the whole AR
 model, so a worker trains a full replica with its inner AdamW and pushes the replica's delta; only
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -42,6 +42,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
 from btnode.store.files import state_sha256
 from btnode.store.models import init_unit
+from btnode.swarm.announcements import Announcements
 from btnode.swarm.fold import Fold
 from btnode.train.config import TrainConfig
 from btnode.train.trainers import unit_trainer
@@ -49,7 +50,6 @@ from btnode.train.trainers import unit_trainer
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 T = TypeVar("T")
-RECONNECTED = object()  # put on the announcement queue when the watch stream comes back
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,7 @@ class BlockWorker:
         self.info: VersionInfo | None = None
         self.residual: Tensors = {}
         self.stats = WorkerStats()
-        self._announced: queue.Queue[object] = queue.Queue()
-        self._newest: VersionInfo | None = None
+        self.announcements = Announcements(link, wcfg.block, wcfg.worker_id, wait_timeout_s=wcfg.wait_timeout_s)
         self._fold = Fold()  # what the next update carries (replaced at each step, push, answer and version)
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self._stop: threading.Event | None = None
@@ -170,51 +169,6 @@ class BlockWorker:
     def _catch_up(self, target: VersionInfo) -> None:
         """Reach `target`: apply its delta when it builds on our base, else pull in full."""
         self._adopt(*self._fetch(target))
-
-    def _watch(self, stop: threading.Event) -> None:
-        """Feed announcements from the server stream into a queue; reconnect when it breaks."""
-        streams = 0
-        while not stop.is_set():
-            try:
-                first = True
-                for info in self.link.watch(self.wcfg.block, self.wcfg.worker_id):
-                    if first and streams:
-                        self._announced.put(RECONNECTED)  # the aggregator may have restarted
-                    first = False
-                    self._announced.put(info)
-                    if stop.is_set():
-                        return
-                streams += 1
-            except PeerUnavailable as exc:
-                if stop.is_set():  # cancelled by run() on the way out
-                    return
-                streams += 1
-                log.warning("watch stream lost (%s); reconnecting", exc)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main loop
-                self._announced.put(exc)
-                return
-            stop.wait(1.0)
-
-    def _wait_newer(self, version: int, stop: threading.Event) -> VersionInfo | None:
-        """Block until a version newer than `version` is announced (None if stopped first)."""
-        deadline = time.monotonic() + self.wcfg.wait_timeout_s
-        while not stop.is_set():
-            if self._newest is not None and self._newest.version > version:
-                return self._newest
-            try:
-                item = self._announced.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise PeerUnavailable(f"no version after {version} within {self.wcfg.wait_timeout_s:.0f} s")
-                continue
-            if item is RECONNECTED:
-                self._repush(version)
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if self._newest is None or item.version > self._newest.version:
-                self._newest = item
-        return None
 
     def _repush(self, version: int) -> None:
         """After the announcement stream reconnects while we wait on the round of `version`, push
@@ -351,7 +305,7 @@ class BlockWorker:
         def talk() -> None:
             try:
                 j = self.push(header, raw)
-                newer = self._wait_newer(header.base_version, stop)
+                newer = self.announcements.newer(header.base_version, stop, self._repush)
                 fetched = self._through_outage("fetch", lambda: self._fetch(newer)) if newer is not None else None
                 result.set_result(Exchanged(j, newer, fetched))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
@@ -387,7 +341,7 @@ class BlockWorker:
         w = self.wcfg
         self.start()
         self.on_ready()
-        watcher = threading.Thread(target=self._watch, args=(stop,), daemon=True, name="watch")
+        watcher = threading.Thread(target=self.announcements.follow, args=(stop,), daemon=True, name="watch")
         watcher.start()
         log.info("worker %s: %s at version %d", w.worker_id, self.cfg.unit_name(w.block),
                  self.info.version if self.info else -1)
