@@ -127,7 +127,7 @@ def score_draft(block: DiffusionBlock, cache: ContextCache, carry: Carry) -> Car
 
 # What the last stage does with it: one reader per readout.
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Evaluation:
     """What the last stage holds when a segment's traversal ends: the input of a reader."""
 

@@ -183,7 +183,7 @@ class LocalBlockStage:
                      if self.index == 0 else score_draft(self.block, cache, s.carry))
             if self.next is not None and self.index < self.n_blocks - 1:
                 return self.pass_on(dataclasses.replace(s, carry=carry.cpu()))
-            ev = Evaluation(self.block, cache, s.k, self.n_blocks, carry)
+            ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry)
         else:
             grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
             span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
@@ -193,7 +193,8 @@ class LocalBlockStage:
             carry = add_context_readout(self.block, cache, layout, s.carry) if s.readout is Readout.POOL else NO_CARRY
             if logits is None:
                 return self.pass_on(dataclasses.replace(s, z=z[0].cpu(), carry=carry.cpu()))
-            ev = Evaluation(self.block, cache, s.k, self.n_blocks, carry, z, logits, grid[span[-1]])
+            ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry, z=z,
+                            logits=logits, sigma=grid[span[-1]])
         reading = READERS[s.readout](ev, s.temperature, generator("gen-sample", s.seed, s.segment))
         return SegmentResult(new_bytes=reading.new_bytes, logits=reading.logits.cpu() if s.want_logits else None,
                              route=[self.name], accepted=reading.accepted)
