@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
 from btnode.evaluation.metrics import sampler_ce
+from btnode.model.readout import Readout
 from btnode.model.layout import eval_layout
 from btnode.model.targets import target_table
 from btnode.store.models import load_blocks
@@ -33,7 +34,7 @@ def main() -> None:
     w = eval_windows(corpus.bundled().tune, cfg.context, args.windows)
     dev = torch.device("cpu")
     for n_steps in (cfg.n_blocks + 1, 2 * cfg.n_blocks + 1, 4 * cfg.n_blocks + 1, 8 * cfg.n_blocks + 1):
-        r = sampler_ce(blocks, w, k=1, seeds=range(8), n_steps=n_steps, device=dev)
+        r = sampler_ce(blocks, w, k=1, seeds=range(8), n_steps=n_steps, device=dev, readout=Readout.LAST)
         print(f"N_s={n_steps:<3d} SCE-1 {r.sce1:.4f}  SCE-8 {r.sce:.4f}", flush=True)
     table = target_table(cfg)
     layout = eval_layout(cfg.context, 1)

@@ -84,6 +84,7 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
     from btnode.serve.ar import local_ar_chain
     from btnode.serve.draft import ARDrafter
     from btnode.serve.driver import generate, generate_ar
+    from btnode.serve.request import GenerationRequest
     from btnode.serve.stages import local_chain
 
     dev = torch.device("cpu")
@@ -95,8 +96,9 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
         chain = local_chain([blocks[m["alone"]]] * cfg.n_blocks if "alone" in m else
                             blocks if m["n_tail"] else blocks[:cfg.n_blocks], dev)
         for i, p in enumerate(prompts):
-            parts = list(generate(chain, cfg, cfg.n_blocks, p, n_bytes=N_BYTES, k=m["k"], n_steps=m["n_steps"],
-                                  n_tail=m["n_tail"], seed=i, temperature=temperature, readout=m.get("readout")))
+            parts = list(generate(chain, cfg, cfg.n_blocks, GenerationRequest(
+                p, n_bytes=N_BYTES, k=m["k"], n_steps=m["n_steps"], n_tail=m["n_tail"], seed=i, temperature=temperature,
+                readout=m.get("readout"))))
             texts.append(b"".join(r.new_bytes for r in parts))
             traversals += len(parts)
             accepted += sum(r.accepted for r in parts)
@@ -111,8 +113,8 @@ def continuations(m: dict, prompts: list[bytes], models: dict, temperature: floa
     drafter = ARDrafter(models["draft"], device=dev) if m["mode"] == "ar_spec" else None
     chain = local_ar_chain(ar, 3, dev, drafter=drafter)
     for i, p in enumerate(prompts):
-        parts = list(generate_ar(chain, ar.cfg, p, n_bytes=N_BYTES, seed=i, temperature=temperature,
-                                 draft=drafter, draft_len=m.get("draft", 0)))
+        parts = list(generate_ar(chain, ar.cfg, GenerationRequest(p, n_bytes=N_BYTES, seed=i, temperature=temperature,
+                                                                  draft_len=m.get("draft", 0)), draft=drafter))
         texts.append(b"".join(r.new_bytes for r in parts))
         traversals += len(parts)
         drafted += sum(r.drafted for r in parts)
@@ -166,19 +168,20 @@ def client(entries: dict, modes_json: str, n_prompts: int) -> dict:
     from btnode.data import corpus
     from btnode.evaluation import judge as J
     from btnode.rpc.stages import generate_remote
+    from btnode.serve.request import GenerationRequest
 
     prompts = [p.prompt for p in J.fixed_prompts(corpus.bundled().test, max(n_prompts, 1))][:n_prompts]
     out = {}
     for m in json.loads(modes_json):
         entry = entries["ar" if m["mode"].startswith("ar") else "block"]
-        kw = dict(k=m["k"] if m["mode"] == "blockwise" else 0, n_steps=m["n_steps"], n_tail=m["n_tail"],
-                  draft=m.get("draft", 0), temperature=1.0, readout=m.get("readout") or "")
-        list(generate_remote(entry, prompts[0], n_bytes=32, seed=99, **kw))  # warm-up
+        kw = dict(k=m["k"] if m["mode"] == "blockwise" else None, n_steps=m["n_steps"], n_tail=m["n_tail"],
+                  draft_len=m.get("draft", 0), temperature=1.0, readout=m.get("readout") or None)
+        list(generate_remote(entry, GenerationRequest(prompts[0], n_bytes=32, seed=99, **kw)))  # warm-up
         wall, traversals, accepted, total = [], 0, 0, 0
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
             last = None
-            for last in generate_remote(entry, p, n_bytes=N_BYTES, seed=i, **kw):
+            for last in generate_remote(entry, GenerationRequest(p, n_bytes=N_BYTES, seed=i, **kw)):
                 total += len(last.new_bytes)
             wall.append(time.perf_counter() - t0)
             traversals += last.traversals if last else 0

@@ -28,7 +28,8 @@ from btnode.model.layout import generation_layout
 from btnode.model.sampler import generation_sweep
 from btnode.model.targets import target_table
 from btnode.seeding import generator
-from btnode.serve.stages import max_prompt, sample_bytes
+from btnode.serve.readouts import sample_bytes
+from btnode.serve.stages import max_prompt
 from btnode.serve.window import keep_bytes, window_start
 from btnode.store.models import block_stem, init_block, load_ar, load_block, load_blocks
 from btnode.train.config import TrainConfig

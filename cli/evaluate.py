@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from btnode.model.readout import DEFAULT_READOUT, SWEEP_READOUTS, Readout
 from btnode_cli.options import Data, Device, device, parse_ints
 
 
@@ -19,7 +20,7 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
              seeds: Annotated[int, typer.Option("--seeds", help="S: seeds averaged for SCE-S (seeds 0..S-1).")] = 8,
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              windows: Annotated[int, typer.Option("--windows", help="Held-out windows (evenly spread over the test file).")] = 256,
-             readout: Annotated[str, typer.Option("--readout", help="pool (the blocks' context readouts pooled with the sweep's last evaluation) or last.")] = "pool",
+             readout: Annotated[str, typer.Option("--readout", help="pool (the blocks' context readouts pooled with the sweep's last evaluation) or last.")] = DEFAULT_READOUT.value,
              version: Annotated[Optional[int], typer.Option("--version", help="Score this version of every block, or of a DiLoCo run's AR model (aggregator state folders).")] = None,
              alone: Annotated[bool, typer.Option("--alone/--no-alone", help="Also read each block alone at K=1.")] = True,
              data: Data = None, device_name: Device = "cpu",
@@ -31,15 +32,14 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
     from btnode.data.windows import eval_windows
     from btnode.errors import InputError
     from btnode.evaluation.metrics import ar_ce, blocks_alone, sampler_ce
-    from btnode.model.sampler import READOUTS
     from btnode.model.noise import default_steps
     from btnode.store.models import kind_of, load_ar, load_blocks
 
     dev = device(device_name)
     if seeds < 1 or windows < 1:
         raise InputError("--seeds and --windows must be ≥ 1")
-    if readout not in READOUTS:
-        raise InputError(f"--readout must be one of {', '.join(READOUTS)}, got {readout!r}")
+    if readout not in SWEEP_READOUTS:
+        raise InputError(f"--readout must be one of {', '.join(r.value for r in SWEEP_READOUTS)}, got {readout!r}")
     test = corpus.load(data).test
     kind = kind_of(checkpoint)
     result: dict = {"checkpoint": str(checkpoint), "kind": kind, "unigram": corpus.unigram_entropy(test)}
@@ -64,7 +64,7 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
         typer.echo(f"{len(w)} held-out windows, N_s={n_steps}, seeds 0..{seeds - 1}, readout {readout}; "
                    f"unigram entropy {result['unigram']:.4f} nats/byte")
         for k in ks:
-            r = sampler_ce(blocks, w, k=k, seeds=range(seeds), n_steps=n_steps, device=dev, readout=readout)
+            r = sampler_ce(blocks, w, k=k, seeds=range(seeds), n_steps=n_steps, device=dev, readout=Readout(readout))
             result["per_k"][str(k)] = {"sce1": r.sce1, f"sce{seeds}": r.sce, "positions": r.positions}
             typer.echo(f"K={k:<4d} SCE-1 {r.sce1:.4f}  SCE-{seeds} {r.sce:.4f} nats/byte "
                        f"({r.bits:.3f} bits/byte) over {r.positions} positions")

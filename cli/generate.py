@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from btnode_cli.options import Device, device
+
+if TYPE_CHECKING:
+    from btnode.serve.request import GenerationRequest
 
 
 def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Empty: start after a newline.")] = "",
@@ -28,10 +31,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              device_name: Device = "cpu") -> None:
     """Print the prompt's continuation, segment by segment, as the sweeps complete."""
     from btnode.errors import InputError
-    from btnode.model.noise import default_steps
-    from btnode.serve.driver import generate as run
-    from btnode.serve.stages import local_chain
-    from btnode.store.models import kind_of, load_blocks
+    from btnode.serve.request import GenerationRequest
+    from btnode.store.models import kind_of
 
     if (checkpoint is None) == (entry is None):
         raise InputError("give --checkpoint DIR (run here) or --entry HOST:PORT (a serving chain)")
@@ -39,48 +40,55 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
         raise InputError("--bytes must be ≥ 1 and --temperature ≥ 0")
     if draft is not None and entry is not None:
         raise InputError("--draft is for a local --checkpoint; a chain drafts with its entry's model (--draft-len G)")
-    g = draft_len if draft_len is not None else (8 if draft is not None else 0)
-    out = sys.stdout.buffer
+    request = GenerationRequest(prompt.encode(), n_bytes, seed=seed, temperature=temperature, k=segment,
+                                n_steps=steps or None, readout=readout or None, n_tail=tail_steps,
+                                draft_len=draft_len if draft_len is not None else (8 if draft is not None else 0))
     if entry is not None:
-        from btnode.rpc.stages import generate_remote
-
-        reply = None
-        for reply in generate_remote(entry, prompt.encode(), n_bytes=n_bytes, k=segment or 0, n_steps=steps or 0,
-                                     seed=seed, temperature=temperature, readout=readout or "", draft=g,
-                                     n_tail=tail_steps):
-            out.write(reply.new_bytes)
-            out.flush()
-        out.write(b"\n")
-        out.flush()
-        if (g or readout in ("spec", "spec-fill")) and reply is not None:
-            _report_draft(n_bytes, reply.traversals, reply.drafted, reply.accepted)
-        return
-    dev = device(device_name)
-    if checkpoint.is_dir() and kind_of(checkpoint) == "ar":  # type: ignore[union-attr]
-        _generate_ar(checkpoint, draft, g, prompt.encode(), n_bytes=n_bytes, seed=seed,  # type: ignore[arg-type]
-                     temperature=temperature, dev=dev)
-        return
-    if draft is not None or g:
+        _generate_remote(entry, request)
+    elif checkpoint.is_dir() and kind_of(checkpoint) == "ar":  # type: ignore[union-attr]
+        _generate_ar(checkpoint, draft, request, device(device_name))  # type: ignore[arg-type]
+    elif draft is not None or request.draft_len:
         raise InputError("--draft and --draft-len are for an AR checkpoint or chain")
+    else:
+        _generate_blocks(checkpoint, request, device(device_name))  # type: ignore[arg-type]
+
+
+def _generate_remote(entry: str, request: GenerationRequest) -> None:
+    from btnode.rpc.stages import generate_remote
+
+    out = sys.stdout.buffer
+    reply = None
+    for reply in generate_remote(entry, request):
+        out.write(reply.new_bytes)
+        out.flush()
+    out.write(b"\n")
+    out.flush()
+    if (request.draft_len or request.readout and request.readout.drafts) and reply is not None:
+        _report_draft(request.n_bytes, reply.traversals, reply.drafted, reply.accepted)
+
+
+def _generate_blocks(checkpoint: Path, request: GenerationRequest, dev) -> None:
+    from btnode.serve.driver import generate
+    from btnode.serve.stages import local_chain
+    from btnode.store.models import load_blocks
+
     cfg, blocks = load_blocks(checkpoint)
-    if not tail_steps:
+    if not request.n_tail:
         blocks = blocks[:cfg.n_blocks]  # a sweep that ends at σ_lo never reaches the tail
-    k = segment if segment is not None else max(cfg.segments)
+    request = request.checked(cfg, cfg.n_blocks)  # its defaults filled: K counts the draft bytes below
+    out = sys.stdout.buffer
     traversals = accepted = 0
-    for piece in run(local_chain(blocks, dev), cfg, cfg.n_blocks, prompt.encode(), n_bytes=n_bytes, k=k,
-                     n_steps=steps or default_steps(cfg), seed=seed, temperature=temperature,
-                     readout=readout, n_tail=tail_steps):
+    for piece in generate(local_chain(blocks, dev), cfg, cfg.n_blocks, request):
         out.write(piece.new_bytes)
         out.flush()
         traversals, accepted = traversals + 1, accepted + piece.accepted
     out.write(b"\n")
     out.flush()
-    if readout in ("spec", "spec-fill"):
-        _report_draft(n_bytes, traversals, traversals * k, accepted)
+    if request.readout and request.readout.drafts:
+        _report_draft(request.n_bytes, traversals, traversals * (request.k or 0), accepted)
 
 
-def _generate_ar(checkpoint: Path, draft: Path | None, g: int, prompt: bytes, *, n_bytes: int, seed: int,
-                 temperature: float, dev) -> None:
+def _generate_ar(checkpoint: Path, draft: Path | None, request: GenerationRequest, dev) -> None:
     from btnode.serve.ar import local_ar_chain
     from btnode.serve.draft import ARDrafter
     from btnode.serve.driver import generate_ar
@@ -91,15 +99,14 @@ def _generate_ar(checkpoint: Path, draft: Path | None, g: int, prompt: bytes, *,
     out = sys.stdout.buffer
     traversals = drafted = accepted = 0
     chain = local_ar_chain(model, 1, dev, drafter=drafter)  # type: ignore[arg-type]
-    for piece in generate_ar(chain, model.cfg, prompt, n_bytes=n_bytes, seed=seed,  # type: ignore[arg-type]
-                             temperature=temperature, draft=drafter, draft_len=g):
+    for piece in generate_ar(chain, model.cfg, request, draft=drafter):  # type: ignore[arg-type]
         out.write(piece.new_bytes)
         out.flush()
         traversals, drafted, accepted = traversals + 1, drafted + piece.drafted, accepted + len(piece.new_bytes) - 1
     out.write(b"\n")
     out.flush()
-    if g:
-        _report_draft(n_bytes, traversals, drafted, accepted)
+    if request.draft_len:
+        _report_draft(request.n_bytes, traversals, drafted, accepted)
 
 
 def _report_draft(n_bytes: int, traversals: int, drafted: int, accepted: int) -> None:

@@ -18,6 +18,7 @@ from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout
 from btnode.model.noise import default_steps, sigma_grid
+from btnode.model.readout import DEFAULT_READOUT, Readout, check_sweep_readout
 from btnode.model.sampler import context_logits, pool, sweep
 from btnode.model.targets import target_table
 from btnode.seeding import generator
@@ -48,11 +49,13 @@ def _noise(seed: int, window_ids: torch.Tensor, t: int, d: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sampler_ce(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, k: int, seeds: Sequence[int],
-               n_steps: int, device: torch.device, batch: int = 64, readout: str = "last") -> SamplerCE:
+               n_steps: int, device: torch.device, batch: int = 64,
+               readout: Readout = DEFAULT_READOUT) -> SamplerCE:
     """SCE over `windows` (W, N+1) for segment length k, seeds[0] alone and all seeds averaged.
-    `readout` as in `sweep`; the seed-independent context readouts of "pool" are computed once."""
+    `readout` as in `sweep`; the seed-independent context readouts of POOL are computed once."""
     cfg: ModelConfig = blocks[0].cfg
     n = cfg.context
+    readout = check_sweep_readout(readout)
     if windows.shape[1] != n + 1:
         raise ValueError(f"windows of {windows.shape[1]} bytes, model wants {n + 1}")
     for blk in blocks:
@@ -68,12 +71,12 @@ def sampler_ce(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, k: in
         ids = torch.arange(lo, lo + len(w))
         tgt = w[:, 1:][:, layout.positions]  # (Wb, T)
         caches = [blk.encode_context(w[:, :-1]) for blk in blocks]
-        ctx = [context_logits(blk, c, layout) for blk, c in zip(blocks, caches)] if readout == "pool" else []
+        ctx = [context_logits(blk, c, layout) for blk, c in zip(blocks, caches)] if readout is Readout.POOL else []
         q = torch.zeros(len(w), len(layout.positions), cfg.vocab, device=device, dtype=torch.float64)
         for j, seed in enumerate(seeds):
             z = grid[0] * _noise(seed, ids, len(layout.positions), cfg.d_model).to(device)
-            logits = sweep(blocks, caches, z, grid, layout, table, readout="last")
-            if readout == "pool":  # the same pooling sweep(readout="pool") does
+            logits = sweep(blocks, caches, z, grid, layout, table, readout=Readout.LAST)
+            if readout is Readout.POOL:  # the same pooling sweep(readout=Readout.POOL) does
                 logits = pool([*ctx, logits])
             p = torch.softmax(logits.double(), dim=-1)
             if j == 0:
@@ -143,12 +146,12 @@ def ar_ce(model: ByteTransformer, windows: torch.Tensor, *, device: torch.device
 
 def sce1_k1(blocks: Sequence[DiffusionBlock], test: bytes, windows: int, device: torch.device) -> float:
     """The one-number score the asynchrony benchmarks track: SCE-1 at K = 1 (nats/byte) with
-    N_s = 2B+1 on `windows` held-out windows spread evenly over `test`."""
+    N_s = 2B+1 and readout LAST on `windows` held-out windows spread evenly over `test`."""
     cfg: ModelConfig = blocks[0].cfg
     w = eval_windows(test, cfg.context, windows)
     with torch.no_grad():
         return sampler_ce([b.to(device) for b in blocks], w, k=1, seeds=[0], n_steps=default_steps(cfg),
-                          device=device).sce1
+                          device=device, readout=Readout.LAST).sce1
 
 
 def swarm_ce(units: Sequence[torch.nn.Module], test: bytes, windows: int, device: torch.device) -> float:

@@ -15,9 +15,9 @@ from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.layout import Layout
 from btnode.model.config import ModelConfig
 from btnode.model.noise import generation_grid, generation_route, route
+from btnode.model.readout import DEFAULT_READOUT, Readout, check_sweep_readout
 
 Denoiser = Callable[[torch.Tensor, float], torch.Tensor]  # (z, σ) → logits
-READOUTS = ("pool", "last")  # the first is the default; see `sweep`
 
 
 def euler_update(z: torch.Tensor, logits: torch.Tensor, table: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
@@ -106,20 +106,20 @@ def pool(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def sweep(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache], z: torch.Tensor,
-          grid: Sequence[float], layout: Layout, table: torch.Tensor, readout: str = "last") -> torch.Tensor:
+          grid: Sequence[float], layout: Layout, table: torch.Tensor,
+          readout: Readout = DEFAULT_READOUT) -> torch.Tensor:
     """One full sweep from state z at grid[0] to output logits; every block runs its span.
 
-    readout "last": the last evaluation at σ_lo (the design's readout). "pool": the last evaluation
-    pooled with every block's `context_logits`, so that the chain is at least an ensemble of its
-    blocks; each stage adds its own block's term, so pooling costs no extra traversal.
+    Readout.LAST: the last evaluation at σ_lo (the design's readout). Readout.POOL (the default):
+    the last evaluation pooled with every block's `context_logits`, so that the chain is at least an
+    ensemble of its blocks; each stage adds its own block's term, so pooling costs no extra traversal.
     """
-    if readout not in READOUTS:
-        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+    readout = check_sweep_readout(readout)
     logits = None
     for block, cache, span in zip(blocks, caches, spans(len(blocks), len(grid))):
         z, logits = run_span(block_denoiser(block, cache, layout), z, grid, span, table)
     assert logits is not None, "the last block must evaluate the last grid point"
-    if readout == "pool":
+    if readout is Readout.POOL:
         return pool([*(context_logits(b, c, layout) for b, c in zip(blocks, caches)), logits])
     return logits
 

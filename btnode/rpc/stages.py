@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from btnode.errors import InputError, MalformedInput
-from btnode.model.noise import default_steps
+from btnode.model.readout import Readout
 from btnode.protocol import Meter
 from btnode.rpc import security
 from btnode.rpc.health import NodeHealth
@@ -25,7 +25,9 @@ from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _gua
 from btnode.rpc.status import error_from_rpc
 from btnode.serve import driver
 from btnode.serve.ar import ARResult, ARState, LocalARStage
-from btnode.serve.stages import SPEC_READOUTS, LocalBlockStage, SegmentResult, SegmentState, default_readout
+from btnode.serve.readouts import Carry
+from btnode.serve.request import GenerationRequest
+from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
 from btnode.v1 import serve_pb2 as pb
 from btnode.v1 import serve_pb2_grpc as pb_grpc
 
@@ -51,26 +53,41 @@ def tensor_from_pb(m: pb.StateTensor, what: str) -> torch.Tensor:
 
 
 def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
+    carry = Carry(pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
+                  draft=bytes(r.draft),
+                  draft_logp=tensor_from_pb(r.draft_logp, "draft log-probs") if r.HasField("draft_logp") else None)
     return SegmentState(request_id=r.request_id, context=bytes(r.context), segment=r.segment, k=r.k,
                         n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
-                        z=tensor_from_pb(r.z, "segment state"), want_logits=r.want_logits,
-                        readout=r.readout or "last",
-                        pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
-                        first_chunk=r.first_chunk, final=r.final, use_cache=not r.no_cache, n_tail=r.n_tail,
-                        draft=bytes(r.draft),
-                        draft_logp=tensor_from_pb(r.draft_logp, "draft log-probs") if r.HasField("draft_logp") else None)
+                        z=tensor_from_pb(r.z, "segment state"),
+                        readout=Readout.parse(r.readout) if r.readout else Readout.LAST,  # empty: what older peers send
+                        want_logits=r.want_logits, first_chunk=r.first_chunk, final=r.final,
+                        use_cache=not r.no_cache, n_tail=r.n_tail, carry=carry)
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
-                            readout=s.readout, first_chunk=s.first_chunk, final=s.final, no_cache=not s.use_cache,
-                            n_tail=s.n_tail, draft=s.draft)
-    if s.pool is not None:
-        req.pool.CopyFrom(tensor_to_pb(s.pool))
-    if s.draft_logp is not None:
-        req.draft_logp.CopyFrom(tensor_to_pb(s.draft_logp))
+                            readout=s.readout.value, first_chunk=s.first_chunk, final=s.final,
+                            no_cache=not s.use_cache, n_tail=s.n_tail, draft=s.carry.draft)
+    if s.carry.pool is not None:
+        req.pool.CopyFrom(tensor_to_pb(s.carry.pool))
+    if s.carry.draft_logp is not None:
+        req.draft_logp.CopyFrom(tensor_to_pb(s.carry.draft_logp))
     return req
+
+
+def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:
+    """Defaults travel as the wire's zero values: k, n_steps 0 and an empty readout."""
+    return pb.GenerateRequest(prompt=r.prompt, n_bytes=r.n_bytes, k=r.k or 0, n_steps=r.n_steps or 0, seed=r.seed,
+                              temperature=r.temperature, want_logits=r.want_logits,
+                              readout=r.readout.value if r.readout else "", no_cache=not r.use_cache,
+                              draft=r.draft_len, n_tail=r.n_tail)
+
+
+def request_from_pb(m: pb.GenerateRequest) -> GenerationRequest:
+    return GenerationRequest(prompt=bytes(m.prompt), n_bytes=m.n_bytes, seed=m.seed, temperature=m.temperature,
+                             k=m.k or None, n_steps=m.n_steps or None, readout=m.readout or None, n_tail=m.n_tail,
+                             want_logits=m.want_logits, use_cache=not m.no_cache, draft_len=m.draft)
 
 
 def _result_to_pb(r: SegmentResult) -> pb.SegmentReply:
@@ -136,21 +153,18 @@ class StageServicer(pb_grpc.StageServicer):
             if request.draft and s.drafter is None:
                 raise InputError(f"{s.name} has no draft model, so it cannot decode speculatively "
                                  f"(draft={request.draft}); start the entry with --draft CHECKPOINT, or ask with draft=0")
-            results = driver.generate_ar(s, cfg, bytes(request.prompt), n_bytes=request.n_bytes, seed=request.seed,
-                                         temperature=request.temperature, draft=s.drafter, draft_len=request.draft)
-        else:
-            if s.index != 0:
-                raise InputError(f"{s.name} is not the first stage of its chain; send requests to the entry")
-            k = request.k or max(cfg.segments)
-            results = driver.generate(s, cfg, s.n_blocks, bytes(request.prompt), n_bytes=request.n_bytes, k=k,
-                                      n_steps=request.n_steps or default_steps(cfg), seed=request.seed,
-                                      temperature=request.temperature, want_logits=request.want_logits,
-                                      readout=request.readout or default_readout(request.n_tail),
-                                      use_cache=not request.no_cache, n_tail=request.n_tail)
+        elif s.index != 0:
+            raise InputError(f"{s.name} is not the first stage of its chain; send requests to the entry")
         chain = "ar" if self.is_ar else "block"
         t0 = time.perf_counter()
         drafted = accepted = 0
         try:
+            req = request_from_pb(request)
+            if isinstance(s, LocalARStage):
+                results: Iterator[SegmentResult] = driver.generate_ar(s, cfg, req, draft=s.drafter)
+            else:
+                req = req.checked(cfg, s.n_blocks)  # its defaults filled: K counts the draft bytes below
+                results = driver.generate(s, cfg, s.n_blocks, req)
             for i, r in enumerate(results, start=1):
                 if not context.is_active() or self.stop.is_set():
                     self.meter.count(("request", chain, "cancelled"))
@@ -159,8 +173,8 @@ class StageServicer(pb_grpc.StageServicer):
                 if isinstance(r, ARResult):  # accepted bytes per traversal = bytes / traversals − 1
                     drafted, accepted = drafted + r.drafted, accepted + len(r.new_bytes) - 1
                     reply.drafted, reply.accepted = drafted, accepted
-                elif request.readout in SPEC_READOUTS:  # a draft of K per traversal, `accepted` of it kept
-                    drafted, accepted = drafted + k, accepted + r.accepted
+                elif req.readout and req.readout.drafts:  # a draft of K per traversal, `accepted` of it kept
+                    drafted, accepted = drafted + (req.k or 0), accepted + r.accepted
                     reply.drafted, reply.accepted = drafted, accepted
                 if r.logits is not None:
                     reply.logits.CopyFrom(tensor_to_pb(r.logits))
@@ -204,19 +218,12 @@ class RemoteARStage(RemoteBlockStage):
             raise error_from_rpc(err, f"stage {self.address}") from None
 
 
-def generate_remote(entry: str, prompt: bytes, *, n_bytes: int, k: int = 0, n_steps: int = 0, seed: int = 0,
-                    temperature: float = 0.0, want_logits: bool = False, readout: str = "",
-                    no_cache: bool = False, draft: int = 0, n_tail: int = 0,
-                    timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
-    """Stream a request's segments from the chain whose first stage is at `entry`; `draft` = G > 0
+def generate_remote(entry: str, request: GenerationRequest, *, timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
+    """Stream a request's segments from the chain whose first stage is at `entry`; draft_len = G > 0
     asks an AR chain's entry for speculative decoding (one reply per traversal, 1…G+1 bytes each)."""
     channel = security.channel(entry, CHANNEL_OPTIONS)
     try:
-        call = pb_grpc.StageStub(channel).Generate(
-            pb.GenerateRequest(prompt=prompt, n_bytes=n_bytes, k=k, n_steps=n_steps, seed=seed,
-                               temperature=temperature, want_logits=want_logits, readout=readout, no_cache=no_cache,
-                               draft=draft, n_tail=n_tail),
-            timeout=timeout_s)
+        call = pb_grpc.StageStub(channel).Generate(request_to_pb(request), timeout=timeout_s)
         try:
             yield from call
         except grpc.RpcError as err:

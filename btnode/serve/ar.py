@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +32,10 @@ from btnode.model.ar import ARLayer, ByteTransformer
 from btnode.model.config import ModelConfig
 from btnode.seeding import generator
 from btnode.serve.context_cache import MAX_REQUEST_ID
-from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSession, KVSessions, common_prefix, extend
-from btnode.serve.stages import SegmentResult, sample_bytes
-
-if TYPE_CHECKING:
-    from btnode.serve.draft import ARDrafter
+from btnode.serve.draft import ARDrafter
+from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSession, KVSessions, common_prefix, embed, extend
+from btnode.serve.readouts import sample_bytes
+from btnode.serve.stages import SegmentResult, check_temperature
 
 log = logging.getLogger(__name__)
 MAX_DRAFT = 32  # bytes a traversal may verify (also kept below N/2: see max_draft)
@@ -67,32 +65,10 @@ class ARStage(Protocol):
     def forward(self, state: ARState) -> SegmentResult: ...
 
 
-def check_ar_request(cfg: ModelConfig, prompt: bytes) -> None:
-    if len(prompt) > cfg.context:
-        raise InputError(f"prompt is {len(prompt)} bytes; the context is {cfg.context} bytes")
-
-
-def check_temperature(t: float) -> None:
-    if not 0 <= t < 1e4 or not math.isfinite(t):
-        raise InputError(f"temperature must be ≥ 0, got {t}")
-
-
 def max_draft(cfg: ModelConfig) -> int:
     """The longest draft a traversal verifies: ≤ MAX_DRAFT, and < N/2 so that a draft always fits
     after a restarted window (which holds N/2 bytes)."""
     return max(0, min(MAX_DRAFT, cfg.context // 2 - 1))
-
-
-def check_draft_len(cfg: ModelConfig, g: int) -> None:
-    if not 0 <= g <= max_draft(cfg):
-        raise InputError(f"draft length G={g} is out of range: this model verifies 0 ≤ G ≤ {max_draft(cfg)} bytes "
-                         f"per traversal (G ≤ {MAX_DRAFT} and G < N/2 = {cfg.context // 2}; 0 = plain decoding)")
-
-
-def embed(model: ByteTransformer, data: bytes, start: int, device: torch.device) -> torch.Tensor:
-    """Input rows (T, C) of `data` at positions start…start+T−1 (row-wise: no rounding depends on T)."""
-    ids = torch.tensor(list(data), dtype=torch.long, device=device)
-    return model.byte_emb(ids) + model.pos.weight[start:start + len(data)]
 
 
 class LocalARStage:

@@ -21,9 +21,8 @@ import torch
 from btnode.model.ar import ByteTransformer
 from btnode.model.config import ModelConfig
 from btnode.seeding import generator
-from btnode.serve.ar import embed
-from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSessions, common_prefix, extend
-from btnode.serve.stages import sample_bytes
+from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSessions, common_prefix, embed, extend
+from btnode.serve.readouts import sample_bytes
 
 
 class ARDrafter:

@@ -15,90 +15,78 @@ from collections.abc import Iterator
 
 from btnode.errors import InputError, MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.serve.ar import ARResult, ARState, ARStage, check_ar_request, check_draft_len, check_temperature
-from btnode.serve.context_cache import MAX_REQUEST_ID
+from btnode.model.readout import Readout
+from btnode.serve.ar import ARResult, ARState, ARStage
 from btnode.serve.draft import ARDrafter
-from btnode.serve.stages import (EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, check_request,
-                                 default_readout, initial_state, max_prompt)
+from btnode.serve.request import GenerationRequest
+from btnode.serve.stages import EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, initial_state, max_prompt
 from btnode.serve.window import keep_bytes, window_start
 
 
-def generate(first: Stage, cfg: ModelConfig, n_blocks: int, prompt: bytes, *, n_bytes: int, k: int, n_steps: int,
-             seed: int, temperature: float, want_logits: bool = False, readout: str | None = None,
-             request_id: str | None = None, use_cache: bool = True, n_tail: int = 0) -> Iterator[SegmentResult]:
-    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. `readout`
-    as in sampler.sweep: "pool" (the default) costs no extra traversal, only (K, V) more per hop.
-    use_cache=False makes every stage rebuild its clean stream (the same bytes, slower). n_tail > 0
-    continues each sweep below σ_lo through the tail stages (readout "last"), still one traversal.
-    Readout "spec" is the exception to "k bytes per traversal": 1 … k (stages.LocalBlockStage.speculate)."""
-    readout = readout or default_readout(n_tail)
-    check_request(cfg, n_blocks, prompt, k, n_steps, readout, n_tail)
-    if n_bytes < 1:
-        raise InputError(f"asked for {n_bytes} bytes")
-    if request_id is not None and len(request_id) > MAX_REQUEST_ID:
-        raise InputError(f"request id of {len(request_id)} characters; at most {MAX_REQUEST_ID}")
-    rid = request_id or uuid.uuid4().hex
-    text = bytearray(prompt or EMPTY_PROMPT_CONTEXT)
+def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationRequest) -> Iterator[SegmentResult]:
+    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. The default
+    readout, POOL, costs no extra traversal, only (K, V) more per hop. use_cache=False makes every
+    stage rebuild its clean stream (the same bytes, slower). n_tail > 0 continues each sweep below
+    σ_lo through the tail stages (readout LAST), still one traversal. SPEC is the exception to
+    "k bytes per traversal": 1 … k (serve/readouts.py)."""
+    r = request.checked(cfg, n_blocks)
+    assert r.k is not None and r.n_steps is not None and r.readout is not None
+    k = r.k
+    rid = r.request_id or uuid.uuid4().hex
+    text = bytearray(r.prompt or EMPTY_PROMPT_CONTEXT)
     limit = max_prompt(cfg.context, k)
     keep = keep_bytes(limit, cfg.context)
     start, chunk = 0, len(text)  # the window is text[start:]; its first chunk text[start:start + chunk]
-    # readout "spec" commits 1 … K bytes per traversal, so its windows are not whole segments of K after a
-    # first chunk: each traversal's window is one chunk, encoded afresh by every stage (no cache to keep)
-    variable = readout == "spec"
+    # SPEC commits 1 … K bytes per traversal, so its windows are not whole segments of K after a first
+    # chunk: each traversal's window is one chunk, encoded afresh by every stage (no cache to keep)
+    variable = r.readout is Readout.SPEC
     produced, segment = 0, 0
-    while produced < n_bytes:
+    while produced < r.n_bytes:
         restart = window_start(start, len(text), limit, keep)
         if restart != start or variable:
             start, chunk = restart, len(text) - restart
         state = SegmentState(request_id=rid, context=bytes(text[start:]), segment=segment, k=k,
-                             n_steps=n_steps, seed=seed, temperature=temperature,
-                             z=initial_state(cfg, seed, segment, k, n_steps), want_logits=want_logits,
-                             readout=readout, first_chunk=chunk, final=produced + k >= n_bytes,
-                             use_cache=use_cache and not variable, n_tail=n_tail)
+                             n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
+                             z=initial_state(cfg, r.seed, segment, k, r.n_steps), readout=r.readout,
+                             want_logits=r.want_logits, first_chunk=chunk, final=produced + k >= r.n_bytes,
+                             use_cache=r.use_cache and not variable, n_tail=r.n_tail)
         result = first.forward(state)
         if not (1 <= len(result.new_bytes) <= k if variable else len(result.new_bytes) == k):
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")
-        new = result.new_bytes[: n_bytes - produced]
+        new = result.new_bytes[: r.n_bytes - produced]
         text += new
         produced += len(new)
         segment += 1
         yield dataclasses.replace(result, new_bytes=new)
 
 
-def generate_ar(first: ARStage, cfg: ModelConfig, prompt: bytes, *, n_bytes: int, seed: int, temperature: float,
-                request_id: str | None = None, draft: ARDrafter | None = None,
-                draft_len: int = 0) -> Iterator[ARResult]:
+def generate_ar(first: ARStage, cfg: ModelConfig, request: GenerationRequest, *,
+                draft: ARDrafter | None = None) -> Iterator[ARResult]:
     """The autoregressive chain: one traversal per generated byte or, with a `draft` model and
-    draft_len = G > 0, speculative decoding: up to G proposed bytes verified per traversal, which
-    commits 1…G+1 bytes, the same bytes as plain decoding (serve/ar.py says why).
+    request.draft_len = G > 0, speculative decoding: up to G proposed bytes verified per traversal,
+    which commits 1…G+1 bytes, the same bytes as plain decoding (serve/ar.py says why).
 
     The window follows serve/window.py with limit N, so the stages' KV caches stay valid between
     restarts. A draft is cut at the next restart point: every step it covers sees the window that
     step would see in plain decoding."""
-    check_ar_request(cfg, prompt)
-    check_draft_len(cfg, draft_len)
-    check_temperature(temperature)  # before the draft samples with it
-    if draft_len and draft is None:
-        raise InputError(f"speculative decoding (G={draft_len}) needs a draft model")
-    if n_bytes < 1:
-        raise InputError(f"asked for {n_bytes} bytes")
-    if request_id is not None and len(request_id) > MAX_REQUEST_ID:
-        raise InputError(f"request id of {len(request_id)} characters; at most {MAX_REQUEST_ID}")
-    rid = request_id or uuid.uuid4().hex
-    text = bytearray(prompt or EMPTY_PROMPT_CONTEXT)
+    r = request.checked(cfg)
+    if r.draft_len and draft is None:
+        raise InputError(f"speculative decoding (G={r.draft_len}) needs a draft model")
+    rid = r.request_id or uuid.uuid4().hex
+    text = bytearray(r.prompt or EMPTY_PROMPT_CONTEXT)
     keep = keep_bytes(cfg.context, cfg.context)
     start, step = 0, 0
     try:
-        while step < n_bytes:
+        while step < r.n_bytes:
             start = window_start(start, len(text), cfg.context, keep)
             tokens = bytes(text[start:])
-            g = min(draft_len, cfg.context - len(tokens), n_bytes - step - 1)  # ends before the next restart
+            g = min(r.draft_len, cfg.context - len(tokens), r.n_bytes - step - 1)  # ends before the next restart
             proposal = b""
             if g > 0:
                 assert draft is not None
-                proposal = draft.propose(rid, tokens, g, step=step, seed=seed, temperature=temperature)
-            result = first.forward(ARState(request_id=rid, tokens=tokens, step=step, seed=seed,
-                                           temperature=temperature, draft=proposal))
+                proposal = draft.propose(rid, tokens, g, step=step, seed=r.seed, temperature=r.temperature)
+            result = first.forward(ARState(request_id=rid, tokens=tokens, step=step, seed=r.seed,
+                                           temperature=r.temperature, draft=proposal))
             new = check_verdict(proposal, result.new_bytes)
             text += new
             step += len(new)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from btnode.errors import ConfigError
-from btnode.model.ar import ARLayer
+from btnode.model.ar import ARLayer, ByteTransformer
 
 MAX_SESSIONS = 64  # per-request caches kept per stage (least recently used go first)
 KV_BUDGET_BYTES = 256 << 20  # keys and values kept per stage, all requests together
@@ -42,6 +42,13 @@ class KVSession:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.kv if pair is not None for t in pair)
+
+
+def embed(model: ByteTransformer, data: bytes, start: int, device: torch.device) -> torch.Tensor:
+    """Input rows (T, C) of `data` at positions start…start+T−1, what `extend` takes (row-wise:
+    no rounding depends on T). Shared by the chain's first stage and the draft model."""
+    ids = torch.tensor(list(data), dtype=torch.long, device=device)
+    return model.byte_emb(ids) + model.pos.weight[start:start + len(data)]
 
 
 def extend(layers: Sequence[ARLayer], session: KVSession, h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The one-sweep chain (design §4): a `Stage` takes the state of one segment, runs the grid
 points its block owns on the whole segment, and hands the state to the next stage; the last
-stage samples the bytes. `LocalBlockStage` computes; `FailoverStage` tries the candidates for the
-next block in order (a spare takes over when the primary is unavailable); rpc/ adds a remote stage.
+stage reads the bytes with the segment's readout (serve/readouts.py). `LocalBlockStage` computes;
+`FailoverStage` tries the candidates for the next block in order (a spare takes over when the
+primary is unavailable); rpc/ adds a remote stage.
 """
 
 from __future__ import annotations
@@ -18,31 +19,26 @@ import torch
 from btnode.errors import InputError, MalformedInput, PeerUnavailable
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
-from btnode.model.layout import generation_layout, window_layout
+from btnode.model.layout import generation_layout
 from btnode.model.noise import generation_grid, sigma_grid
-from btnode.model.sampler import (READOUTS, block_denoiser, context_logits, generation_spans, log_probs, pool,
-                                   run_span, spans)
+from btnode.model.readout import Readout, default_readout
+from btnode.model.sampler import block_denoiser, generation_spans, run_span, spans
 from btnode.model.targets import target_table
 from btnode.seeding import generator
 from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, ContextCacheStore, check_chunks,
                                         encode_window)
+from btnode.serve.readouts import (NO_CARRY, READERS, Carry, Evaluation, add_context_readout, check_carry, draft,
+                                   score_draft)
 
 log = logging.getLogger(__name__)
 EMPTY_PROMPT_CONTEXT = b"\n"  # WikiText paragraphs start after a newline
 MAX_STEPS = 256  # sampler grid points per segment: far above the default 2B + 1, and a bound on a request's work
-# How the last stage turns its evaluation into bytes: sampler.READOUTS ("pool", "last"), and "commit":
-# the last stage commits the segment byte by byte, each next row re-read by its own block with the
-# bytes committed before it as clean context (see LocalBlockStage.commit). "spec": block 0 drafts
-# the segment, every block scores the draft, the last stage keeps what the pooled blocks accept (1 … K
-# bytes per traversal, exactly the pool's distribution); "spec-fill" also fills the rest of the
-# segment with the last block alone (K bytes per traversal). Both run no sweep (LocalBlockStage.speculate).
-SPEC_READOUTS = ("spec", "spec-fill")
-SERVE_READOUTS = (*READOUTS, "commit", *SPEC_READOUTS)
 
 
 @dataclass(frozen=True)
 class SegmentState:
-    """Everything a stage needs for one segment; z is the state at the stage's first grid point."""
+    """Everything a stage needs for one segment; z is the state at the stage's first grid point.
+    `readout` may be given as its string: it is parsed (InputError for an unknown one)."""
 
     request_id: str
     context: bytes  # the clean context of this segment (already cut to the window)
@@ -52,15 +48,16 @@ class SegmentState:
     seed: int
     temperature: float
     z: torch.Tensor  # (K, d) float32
+    readout: Readout  # how the last stage turns the traversal into bytes (serve/readouts.py)
     want_logits: bool = False
-    readout: str = "last"  # "pool": every stage adds its block's context readout (sampler.sweep); "commit"
-    pool: torch.Tensor | None = None  # readout "pool": Σ log-probs of the earlier blocks' readouts, (K, V)
     first_chunk: int = 0  # bytes of the window's first chunk, the rest being whole segments of K; 0: the window
     final: bool = False  # the request's last segment: stages drop its context cache after it
     use_cache: bool = True  # False: rebuild the clean stream from the window (same bits; for benchmarks)
     n_tail: int = 0  # grid points below σ_lo, run by the tail blocks (0: the sweep ends at σ_lo)
-    draft: bytes = b""  # readouts "spec…", past block 0: the K bytes block 0 drafted
-    draft_logp: torch.Tensor | None = None  # readouts "spec…", past block 0: block 0's log-probs of each draft row (K, V)
+    carry: Carry = NO_CARRY  # the readout's payload from the earlier blocks (pooled sum, draft)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "readout", Readout.parse(self.readout))
 
 
 @dataclass
@@ -83,22 +80,22 @@ def max_prompt(context: int, k: int) -> int:
 
 
 def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_steps: int,
-                  readout: str = "last", n_tail: int = 0) -> None:
-    """InputError for a request no chain of this model can serve as asked."""
-    if readout not in SERVE_READOUTS:
-        raise InputError(f"readout must be one of {list(SERVE_READOUTS)}, got {readout!r}")
+                  readout: Readout | None = None, n_tail: int = 0) -> None:
+    """InputError for segment settings no chain of this model can serve as asked (readout None:
+    `default_readout(n_tail)`)."""
+    readout = readout or default_readout(n_tail)
     if n_tail:
         if not cfg.tail_blocks:
             raise InputError(f"{n_tail} tail steps asked, but this model has no tail blocks")
         if not cfg.tail_blocks <= n_tail <= MAX_STEPS:
             raise InputError(f"{n_tail} tail steps cannot visit the {cfg.tail_blocks} tail blocks within "
                              f"{MAX_STEPS} steps; use {cfg.tail_blocks} … {MAX_STEPS}")
-        if readout in ("pool", *SPEC_READOUTS):
-            raise InputError(f"readout {readout!r} reads the blocks' per-position context readouts; a sweep "
+        if readout.pools:
+            raise InputError(f"readout {readout.value!r} reads the blocks' per-position context readouts; a sweep "
                              "through the tail reads its last evaluation (readout \"last\")")
-    if readout in SPEC_READOUTS:  # no noisy segment runs: K is only how many bytes block 0 drafts
+    if readout.drafts:  # no noisy segment runs: K is only how many bytes block 0 drafts
         if not 1 <= k <= cfg.context // 2:
-            raise InputError(f"a draft of K={k} bytes; readout {readout!r} drafts 1 … {cfg.context // 2} (N/2)")
+            raise InputError(f"a draft of K={k} bytes; readout {readout.value!r} drafts 1 … {cfg.context // 2} (N/2)")
     elif k not in cfg.segments:
         raise InputError(f"segment length K={k} was not trained; this model serves K in {list(cfg.segments)}")
     if n_steps > MAX_STEPS:
@@ -111,18 +108,9 @@ def check_request(cfg: ModelConfig, n_blocks: int, context: bytes, k: int, n_ste
                          f"it may be at most {limit} bytes")
 
 
-def sample_bytes(logits: torch.Tensor, temperature: float, g: torch.Generator) -> torch.Tensor:
-    """logits (T, V) → byte ids (T,): argmax at temperature 0, else sampling (on the CPU, seeded)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1).cpu()
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=g)[:, 0]
-
-
-def default_readout(n_tail: int) -> str:
-    """"pool" for a sweep that ends at σ_lo (the chain is then at least an ensemble of its blocks),
-    "last" through the tail (its last evaluation is the joint sample)."""
-    return "last" if n_tail else "pool"
+def check_temperature(t: float) -> None:
+    if not 0 <= t < 1e4 or not math.isfinite(t):
+        raise InputError(f"temperature must be ≥ 0, got {t}")
 
 
 def initial_state(cfg: ModelConfig, seed: int, segment: int, k: int, n_steps: int) -> torch.Tensor:
@@ -132,7 +120,8 @@ def initial_state(cfg: ModelConfig, seed: int, segment: int, k: int, n_steps: in
 
 
 class LocalBlockStage:
-    """Block `index` of the chain, running here. `next` is None for the last block. With tail blocks
+    """Block `index` of the chain, running here: its block, its context cache and its next hop;
+    what a readout does is serve/readouts.py's. `next` is None for the last block. With tail blocks
     the chain goes on past the last scoring block (B − 1), which then has a `next` (the first tail
     block) that only requests with tail steps reach; a tail block is reached only by those."""
 
@@ -169,30 +158,8 @@ class LocalBlockStage:
                                           f"({s.k}, {self.cfg.d_model})")
         if not math.isfinite(float(s.z.sum())) or not bool(torch.isfinite(s.z).all()):
             raise MalformedInput("nonfinite", "state tensor contains NaN or Inf")
-        if not 0 <= s.temperature < 1e4 or not math.isfinite(s.temperature):
-            raise InputError(f"temperature must be ≥ 0, got {s.temperature}")
-        wants_pool = s.readout in ("pool", *SPEC_READOUTS) and self.index > 0
-        if (s.pool is not None) != wants_pool:
-            raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the pooled log-probs are "
-                                          f"{'missing' if wants_pool else 'unexpected'}")
-        if s.pool is not None:
-            self.check_log_probs(s.pool, s.k, "pooled log-probs")
-        wants_draft = s.readout in SPEC_READOUTS and self.index > 0
-        if bool(s.draft) != wants_draft or (s.draft_logp is not None) != wants_draft:
-            raise MalformedInput("state", f"readout {s.readout!r} at block {self.index}: the draft is "
-                                          f"{'missing' if wants_draft else 'unexpected'}")
-        if wants_draft:
-            if len(s.draft) != s.k:
-                raise MalformedInput("state", f"a draft of {len(s.draft)} bytes for a segment of K={s.k}")
-            self.check_log_probs(s.draft_logp, s.k, "draft log-probs")  # type: ignore[arg-type]
-
-    def check_log_probs(self, t: torch.Tensor, k: int, what: str) -> None:
-        """A (K, V) float32 sum of log-probabilities from a peer: finite and ≤ 0 (a peer cannot push
-        mass above certainty)."""
-        if tuple(t.shape) != (k, self.cfg.vocab) or t.dtype != torch.float32:
-            raise MalformedInput("state", f"{what} are {t.dtype} {tuple(t.shape)}, expected float32 ({k}, {self.cfg.vocab})")
-        if not bool(torch.isfinite(t).all()) or bool((t > 0).any()):
-            raise MalformedInput("nonfinite", f"{what} must be finite and ≤ 0")
+        check_temperature(s.temperature)
+        check_carry(s.readout, self.index, s.k, self.cfg.vocab, s.carry)
 
     def context(self, s: SegmentState) -> ContextCache:
         """The clean stream of s.context in its canonical chunks: the cached prefix extended by the
@@ -211,148 +178,33 @@ class LocalBlockStage:
     def forward(self, s: SegmentState) -> SegmentResult:
         self.validate(s)
         cache = self.context(s)  # reused by every step of the span
-        if s.readout in SPEC_READOUTS:
-            return self.speculate(s, cache)
-        grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
-        span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
-        layout = generation_layout(len(s.context), s.k).to(self.device)
-        z, logits = run_span(block_denoiser(self.block, cache, layout), s.z.to(self.device)[None], grid, span, self.table)
-        pooled = None
-        if s.readout == "pool":  # the same sum, in the same order, as sampler.pool
-            own = log_probs(context_logits(self.block, cache, layout))[0]
-            pooled = own if s.pool is None else s.pool.to(self.device) + own
-        if logits is None:
-            assert self.next is not None
-            result = self.next.forward(dataclasses.replace(s, z=z[0].cpu(), pool=None if pooled is None else pooled.cpu()))
-            result.route.insert(0, self.name)
-            return result
-        if s.readout == "commit":
-            new, rows = self.commit(s, z, logits, cache, grid[span[-1]])
-            return SegmentResult(new_bytes=new, logits=rows.cpu() if s.want_logits else None, route=[self.name])
-        if pooled is not None:
-            logits = ((pooled + log_probs(logits[0])) / (self.n_blocks + 1))[None]
-        ids = sample_bytes(logits[0], s.temperature, generator("gen-sample", s.seed, s.segment))
-        return SegmentResult(new_bytes=bytes(ids.tolist()), logits=logits[0].cpu() if s.want_logits else None,
-                             route=[self.name])
-
-    def commit(self, s: SegmentState, z: torch.Tensor, logits: torch.Tensor, cache: ContextCache,
-               sigma: float) -> tuple[bytes, torch.Tensor]:
-        """Readout "commit": a joint sample of the segment, still inside one traversal. For
-        j = 0 … K − 1 this block reads rows j … K − 1 of the sweep's final state z at the last grid
-        point with the j bytes committed so far appended to its clean context (the cache extended by
-        one byte each time; j = 0 is the sweep's own last evaluation), pools row j with its own
-        context readout at that context (mean log-probability, as readout "pool" does with every
-        block's), and samples byte j. Each byte thus sees the bytes before it, as in autoregressive
-        decoding, and the extra evaluations run on this stage only: no traversal is added.
-        Pooling with the context readout was measured better than the last evaluation alone
-        (BENCHMARKS.md, commit notes). Returns (bytes, the (K, V) log-probs they were sampled from)."""
-        g = generator("gen-sample", s.seed, s.segment)
-        n = len(s.context)
-        sig = torch.full((1,), sigma, device=self.device)
-        rows: list[torch.Tensor] = []
-        out: list[int] = []
-        for j in range(s.k):
-            if j:
-                cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
-                layout = generation_layout(n + j, s.k - j).to(self.device)
-                logits = self.block.denoise(z[:, j:], sig, cache, layout)
-            own = context_logits(self.block, cache, generation_layout(n + j, 1).to(self.device))
-            row = pool([own[0], logits[0, :1]])
-            rows.append(row[0])
-            out.append(int(sample_bytes(row, s.temperature, g)[0]))
-        return bytes(out), torch.stack(rows)
-
-    def speculate(self, s: SegmentState, cache: ContextCache) -> SegmentResult:
-        """Readouts "spec" and "spec-fill": blockwise speculative decoding inside one traversal, no sweep.
-
-        Block 0 drafts the K bytes autoregressively from its own context readout (sampling at the
-        request's temperature) and sends them on with its log-probs of each draft row. Every later
-        block reads the draft in one batched call, its context readout of row j seeing the
-        context and draft bytes < j, and adds its log-probs to the pool. The last stage then has,
-        for every row, the draft's distribution q and the pooled distribution p of all B blocks
-        (the same log-linear pool `pool` forms), and keeps the draft's longest prefix that
-        speculative sampling accepts (`accept_draft`: exactly a sequential sample of p). At the
-        first rejection it samples the replacement from the residual. "spec" stops there: 1 … K
-        bytes per traversal, every one of them distributed as sampling the pool byte by byte would
-        give. "spec-fill" fills the bytes after the replacement with its own block's context
-        readout, byte by byte: K bytes per traversal, but those filled bytes are one block's
-        reading, not the pool's (what that costs is measured in BENCHMARKS.md)."""
-        n = len(s.context)
-        if self.index == 0:
-            draft, q = self.autoregress(cache, n, s.k, s.temperature, generator("spec-draft", s.seed, s.segment))
-            total = q
+        if s.readout.drafts:  # no sweep: block 0 drafts the segment, every later block scores the draft
+            carry = (draft(self.block, cache, s.k, s.temperature, generator("spec-draft", s.seed, s.segment))
+                     if self.index == 0 else score_draft(self.block, cache, s.carry))
+            if self.next is not None and self.index < self.n_blocks - 1:
+                return self.pass_on(dataclasses.replace(s, carry=carry.cpu()))
+            ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry)
         else:
-            assert s.pool is not None and s.draft_logp is not None
-            draft, q = s.draft, s.draft_logp.to(self.device)
-            total = s.pool.to(self.device) + self.read_draft(cache, n, draft)
-        if self.next is not None and self.index < self.n_blocks - 1:
-            result = self.next.forward(dataclasses.replace(s, draft=draft, draft_logp=q.cpu(), pool=total.cpu()))
-            result.route.insert(0, self.name)
-            return result
-        g = generator("gen-sample", s.seed, s.segment)
-        pooled = total / self.n_blocks
-        kept, fix = accept_draft(pooled, q, draft, s.temperature, g)
-        out = bytes(draft[:kept])
-        if fix is not None:
-            out += bytes([fix])
-            if s.readout == "spec-fill" and len(out) < s.k:
-                grown = self.block.extend_context(cache, torch.tensor([list(out)], device=self.device))
-                rest, _ = self.autoregress(grown, n + len(out), s.k - len(out), s.temperature, g)
-                out += rest
-        return SegmentResult(new_bytes=out, logits=pooled.cpu() if s.want_logits else None, route=[self.name],
-                             accepted=kept)
+            grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
+            span = generation_spans(self.cfg, s.n_steps, s.n_tail)[self.index]
+            layout = generation_layout(len(s.context), s.k).to(self.device)
+            z, logits = run_span(block_denoiser(self.block, cache, layout), s.z.to(self.device)[None], grid, span,
+                                 self.table)
+            carry = add_context_readout(self.block, cache, layout, s.carry) if s.readout is Readout.POOL else NO_CARRY
+            if logits is None:
+                return self.pass_on(dataclasses.replace(s, z=z[0].cpu(), carry=carry.cpu()))
+            ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry, z=z,
+                            logits=logits, sigma=grid[span[-1]])
+        reading = READERS[s.readout](ev, s.temperature, generator("gen-sample", s.seed, s.segment))
+        return SegmentResult(new_bytes=reading.new_bytes, logits=reading.logits.cpu() if s.want_logits else None,
+                             route=[self.name], accepted=reading.accepted)
 
-    def autoregress(self, cache: ContextCache, n: int, count: int, temperature: float,
-                    g: torch.Generator) -> tuple[bytes, torch.Tensor]:
-        """`count` bytes after the n bytes of `cache`, one at a time from this block's context
-        readout, each appended to the context before the next. Returns (bytes, (count, V) log-probs
-        they were sampled from)."""
-        rows: list[torch.Tensor] = []
-        out: list[int] = []
-        for j in range(count):
-            if j:
-                cache = self.block.extend_context(cache, torch.tensor([[out[-1]]], device=self.device))
-            row = log_probs(context_logits(self.block, cache, generation_layout(n + j, 1).to(self.device)))[0]
-            rows.append(row[0])
-            out.append(int(sample_bytes(row, temperature, g)[0]))
-        return bytes(out), torch.stack(rows)
-
-    def read_draft(self, cache: ContextCache, n: int, draft: bytes) -> torch.Tensor:
-        """This block's context readout of every draft row in one call: row j sees the n context
-        bytes and draft[:j]. (K, V) log-probs."""
-        k = len(draft)
-        if k > 1:
-            cache = self.block.extend_context(cache, torch.tensor([list(draft[:-1])], device=self.device))
-        layout = window_layout(n + k - 1, 1, 0, start=n - 1).to(self.device)  # rows n − 1 … n + k − 2, K = 1 each
-        return log_probs(context_logits(self.block, cache, layout))[0]
-
-
-def accept_draft(target: torch.Tensor, draft_logp: torch.Tensor, draft: bytes, temperature: float,
-                 g: torch.Generator) -> tuple[int, int | None]:
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of a whole draft: row j's
-    draft byte, drawn from q_j = softmax(draft_logp_j / T), is kept with probability
-    min(1, p_j / q_j) for the target p_j = softmax(target_j / T); at the first rejection the
-    replacement is drawn from the residual max(0, p_j − q_j). The kept prefix plus the
-    replacement is then distributed exactly as bytes drawn one by one from p. At temperature 0,
-    a byte is kept iff it is p_j's argmax, and the replacement is that argmax.
-    Returns (bytes kept, replacement or None when the whole draft is kept)."""
-    if temperature <= 0:
-        for j, byte in enumerate(draft):
-            best = int(target[j].argmax())
-            if best != byte:
-                return j, best
-        return len(draft), None
-    p = torch.softmax(target.double().cpu() / temperature, dim=-1)
-    q = torch.softmax(draft_logp.double().cpu() / temperature, dim=-1)
-    u = torch.rand(len(draft), generator=g, dtype=torch.float64)  # one draw per row, used or not
-    for j, byte in enumerate(draft):
-        if u[j] * q[j, byte] < p[j, byte]:
-            continue
-        residual = (p[j] - q[j]).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p_j = q_j to the last bit: a rejection has probability 0
-            residual = p[j]
-        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=g)[0])
-    return len(draft), None
+    def pass_on(self, s: SegmentState) -> SegmentResult:
+        """The segment's state to the next stage; its result, with this stage first on the route."""
+        assert self.next is not None
+        result = self.next.forward(s)
+        result.route.insert(0, self.name)
+        return result
 
 
 class FailoverStage:

@@ -4,6 +4,7 @@ bit; the target as its own draft has every proposal accepted; bad drafts are ref
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
@@ -15,6 +16,7 @@ from btnode.errors import InputError
 from btnode.rpc.stages import generate_remote, serve_stage, tensor_to_pb
 from btnode.serve.ar import LocalARStage, local_ar_chain
 from btnode.serve.driver import generate_ar
+from btnode.serve.request import GenerationRequest
 from btnode.serve.window import keep_bytes, window_start
 from btnode.store.models import load_ar
 from btnode.v1 import serve_pb2 as pb
@@ -71,16 +73,17 @@ def joined(replies):
 
 def local_plain(trained, n, seed, temperature, prompt=PROMPT):
     model = load_ar(trained / "ar").model
-    return joined(generate_ar(local_ar_chain(model, 3, torch.device("cpu")), model.cfg, prompt, n_bytes=n, seed=seed,
-                              temperature=temperature))
+    return joined(generate_ar(local_ar_chain(model, 3, torch.device("cpu")), model.cfg,
+                              GenerationRequest(prompt, n_bytes=n, seed=seed, temperature=temperature)))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_remote_drafted_chain_gives_the_bytes_of_plain_decoding(trained, chain, temperature):
     n = 60  # 11 + 60 > N = 32: across window restarts
     for seed in (1, 2):
-        spec = list(generate_remote(chain["draft"], PROMPT, n_bytes=n, seed=seed, temperature=temperature, draft=G))
-        plain = list(generate_remote(chain["draft"], PROMPT, n_bytes=n, seed=seed, temperature=temperature))
+        ask = GenerationRequest(PROMPT, n_bytes=n, seed=seed, temperature=temperature)
+        spec = list(generate_remote(chain["draft"], dataclasses.replace(ask, draft_len=G)))
+        plain = list(generate_remote(chain["draft"], ask))
         assert joined(spec) == joined(plain) == local_plain(trained, n, seed, temperature)
         assert len(plain) == n and plain[-1].traversals == n and plain[-1].drafted == 0
         last = spec[-1]
@@ -92,7 +95,8 @@ def test_a_remote_drafted_chain_gives_the_bytes_of_plain_decoding(trained, chain
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_target_as_its_own_remote_draft_has_every_proposal_accepted(trained, chain, temperature):
     n = 60
-    spec = list(generate_remote(chain["self"], PROMPT, n_bytes=n, seed=5, temperature=temperature, draft=G))
+    spec = list(generate_remote(chain["self"], GenerationRequest(PROMPT, n_bytes=n, seed=5, temperature=temperature,
+                                                                 draft_len=G)))
     assert joined(spec) == local_plain(trained, n, 5, temperature)
     expected, length, start_at = [], len(PROMPT), 0
     while length < len(PROMPT) + n:  # G + 1 bytes a traversal, unless cut by a window restart or the end
@@ -105,13 +109,13 @@ def test_the_target_as_its_own_remote_draft_has_every_proposal_accepted(trained,
 
 def test_bad_drafts_are_refused_with_invalid_argument(trained, chain):
     with pytest.raises(InputError, match="draft length G=16 is out of range"):
-        list(generate_remote(chain["draft"], PROMPT, n_bytes=8, draft=16))
+        list(generate_remote(chain["draft"], GenerationRequest(PROMPT, n_bytes=8, draft_len=16)))
     model = load_ar(trained / "ar").model
     server, port, _ = serve_stage(LocalARStage(model, 0, 3, name="plain-entry"), "127.0.0.1:0")
     try:
         with pytest.raises(InputError, match="plain-entry has no draft model"):
-            list(generate_remote(f"127.0.0.1:{port}", PROMPT, n_bytes=8, draft=G))
-        assert len(joined(generate_remote(f"127.0.0.1:{port}", PROMPT, n_bytes=8))) == 8
+            list(generate_remote(f"127.0.0.1:{port}", GenerationRequest(PROMPT, n_bytes=8, draft_len=G)))
+        assert len(joined(generate_remote(f"127.0.0.1:{port}", GenerationRequest(PROMPT, n_bytes=8)))) == 8
     finally:
         server.stop(0)
     channel = grpc.insecure_channel(chain["mid"])

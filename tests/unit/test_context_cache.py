@@ -11,7 +11,9 @@ import torch
 from btnode.errors import ConfigError, InputError
 from btnode.model.block import DiffusionBlock
 from btnode.serve.context_cache import ContextCacheConfig, cache_bytes, encode_window
+from btnode.model.readout import Readout
 from btnode.serve.driver import generate
+from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import MAX_STEPS, LocalBlockStage, SegmentState, check_request, local_chain, max_prompt
 from btnode.serve.window import keep_bytes
 
@@ -41,7 +43,7 @@ class Recorder:
 
 def run(first, cfg, prompt=b"Hello", **kw):
     kw = {"n_bytes": 60, "k": 8, "n_steps": 7, "seed": 1, "temperature": 1.0, "want_logits": True, **kw}
-    return list(generate(first, cfg, cfg.n_blocks, prompt, **kw))
+    return list(generate(first, cfg, cfg.n_blocks, GenerationRequest(prompt, **kw)))
 
 
 def same(a, b) -> bool:
@@ -130,7 +132,8 @@ def test_a_flood_of_request_ids_keeps_the_cache_within_its_bounds(tiny_cfg, bloc
     entry = None
     for i in range(200):
         state = SegmentState(request_id=f"hostile-{i:06d}-" + "x" * 100, context=bytes([i % 256]) * 25, segment=0,
-                             k=8, n_steps=7, seed=i, temperature=1.0, z=torch.zeros(8, tiny_cfg.d_model), first_chunk=9)
+                             k=8, n_steps=7, seed=i, temperature=1.0, z=torch.zeros(8, tiny_cfg.d_model), first_chunk=9,
+                             readout=Readout.LAST)
         assert len(last.forward(state).new_bytes) == 8
         entry = entry or last.contexts.nbytes
         assert len(last.contexts) <= bounds["max_entries"] and last.contexts.nbytes <= bounds["max_bytes"]
@@ -155,7 +158,7 @@ def test_steps_and_chunks_are_bounded(tiny_cfg, blocks):
         run(local_chain(blocks, CPU), tiny_cfg, request_id="r" * 200)
     first = local_chain(blocks, CPU)
     base = SegmentState(request_id="r", context=b"0123456789", segment=0, k=8, n_steps=7, seed=0, temperature=0.0,
-                        z=torch.zeros(8, tiny_cfg.d_model), readout="last")
+                        z=torch.zeros(8, tiny_cfg.d_model), readout=Readout.LAST)
     for chunk, match in ((11, "first chunk must be 1…10 bytes"), (3, "not whole segments of K=8")):
         with pytest.raises(InputError, match=match):
             first.forward(dataclasses.replace(base, first_chunk=chunk))

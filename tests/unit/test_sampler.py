@@ -9,9 +9,12 @@ from btnode.errors import InputError, MalformedInput
 from btnode.model.block import DiffusionBlock
 from btnode.model.layout import generation_layout
 from btnode.model.noise import sigma_grid
+from btnode.model.readout import Readout
 from btnode.model.sampler import block_denoiser, context_logits, pool, run_span, spans, sweep
 from btnode.model.targets import target_table
-from btnode.serve.driver import generate as drive
+from btnode.serve.driver import generate
+from btnode.serve.readouts import Carry
+from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import SegmentState, initial_state, local_chain
 
 
@@ -53,13 +56,17 @@ def test_sweep_calls_every_block_on_its_own_grid_points(tiny_cfg, n_steps):
     ctx = torch.randint(0, 256, (1, 5))
     caches = [b.encode_context(ctx) for b in blocks]
     z = grid[0] * torch.randn(1, 8, tiny_cfg.d_model)
-    sweep(blocks, caches, z, grid, generation_layout(5, 8), target_table(tiny_cfg))
+    sweep(blocks, caches, z, grid, generation_layout(5, 8), target_table(tiny_cfg), readout=Readout.LAST)
     for b, span in zip(blocks, spans(len(blocks), n_steps)):
         assert span and b.sigmas == [pytest.approx(grid[i]) for i in span]
     assert sum(len(b.sigmas) for b in blocks) == n_steps
 
 
-def generate(blocks, prompt, **kw):
+def drive(first, cfg, n_blocks, prompt, **kw):
+    return generate(first, cfg, n_blocks, GenerationRequest(prompt, **kw))
+
+
+def generate_bytes(blocks, prompt, **kw):
     first = local_chain(blocks, torch.device("cpu"))
     return [r.new_bytes for r in drive(first, blocks[0].cfg, len(blocks), prompt, **kw)]
 
@@ -68,16 +75,16 @@ def test_generate_is_seeded_and_checks_its_request(tiny_cfg):
     torch.manual_seed(0)
     blocks = [DiffusionBlock(tiny_cfg) for _ in range(tiny_cfg.n_blocks)]
     kw = dict(n_bytes=20, k=8, n_steps=7, temperature=0.0)
-    a = b"".join(generate(blocks, b"hello", seed=3, **kw))
-    assert len(a) == 20 and a == b"".join(generate(blocks, b"hello", seed=3, **kw))
-    pieces = generate(blocks, b"hello", seed=3, **{**kw, "temperature": 1.0})
+    a = b"".join(generate_bytes(blocks, b"hello", seed=3, **kw))
+    assert len(a) == 20 and a == b"".join(generate_bytes(blocks, b"hello", seed=3, **kw))
+    pieces = generate_bytes(blocks, b"hello", seed=3, **{**kw, "temperature": 1.0})
     assert [len(p) for p in pieces] == [8, 8, 4]  # one sweep per segment, the last one cut
     with pytest.raises(InputError, match="at most 25 bytes"):
-        generate(blocks, b"x" * 26, seed=0, **kw)
+        generate_bytes(blocks, b"x" * 26, seed=0, **kw)
     with pytest.raises(InputError, match="K=4 was not trained"):
-        generate(blocks, b"hi", seed=0, **{**kw, "k": 4})
+        generate_bytes(blocks, b"hi", seed=0, **{**kw, "k": 4})
     with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks; use at least 3"):
-        generate(blocks, b"hi", seed=0, **{**kw, "n_steps": 2})
+        generate_bytes(blocks, b"hi", seed=0, **{**kw, "n_steps": 2})
 
 
 @pytest.mark.parametrize("readout", ["last", "pool"])
@@ -160,12 +167,12 @@ def test_a_stage_refuses_a_pooled_state_it_cannot_trust(tiny_cfg):
     for pooled, match in ((None, "missing"), (torch.zeros(8, 3), "expected float32"),
                           (torch.full((8, 256), float("nan")), "finite"), (torch.full((8, 256), 2.0), "finite")):
         with pytest.raises(MalformedInput, match=match):
-            second.forward(dataclasses.replace(base, pool=pooled))
+            second.forward(dataclasses.replace(base, carry=Carry(pool=pooled)))
     with pytest.raises(MalformedInput, match="unexpected"):
-        second.forward(dataclasses.replace(base, readout="last", pool=torch.zeros(8, 256)))
+        second.forward(dataclasses.replace(base, readout=Readout.LAST, carry=Carry(pool=torch.zeros(8, 256))))
     with pytest.raises(InputError, match="readout must be one of"):
         second.forward(dataclasses.replace(base, readout="avg"))
-    assert len(second.forward(dataclasses.replace(base, pool=torch.full((8, 256), -5.5))).new_bytes) == 8
+    assert len(second.forward(dataclasses.replace(base, carry=Carry(pool=torch.full((8, 256), -5.5)))).new_bytes) == 8
 
 
 @torch.no_grad()
@@ -218,7 +225,8 @@ def test_a_generation_sweep_with_a_tail_runs_the_tail_below_sigma_lo(tiny_cfg):
     assert [s for b in blocks for s in b.sigmas] == [pytest.approx(s) for s in grid]
     assert blocks[-1].sigmas[-1] == pytest.approx(cfg.sigma_gen) and len(blocks[-1].sigmas) == 2
     # without tail steps the same call is the plain sweep's "last" readout over the scoring blocks
-    plain = sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, generation_grid(cfg, 7), layout, table)
+    plain = sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, generation_grid(cfg, 7), layout, table,
+                  readout=Readout.LAST)
     assert torch.equal(generation_sweep(blocks[:cfg.n_blocks], caches[:cfg.n_blocks], z, 7, 0, layout, table), plain)
     assert logits.shape == plain.shape
     with pytest.raises(ValueError):
@@ -256,6 +264,6 @@ def test_a_chain_with_a_tail_stage_equals_the_generation_sweep_and_checks_tail_r
         next(iter(drive(chain_without_tail, cfg, cfg.n_blocks, prompt, n_tail=4, **kw)))
     tail_stage = first.next.next.next
     state = SegmentState(request_id="r", context=prompt, segment=0, k=k, n_steps=7, seed=0, temperature=0.0,
-                         z=torch.zeros(k, cfg.d_model))
+                         z=torch.zeros(k, cfg.d_model), readout=Readout.LAST)
     with pytest.raises(InputError, match="tail block 3 runs only requests with tail steps"):
         tail_stage.forward(state)

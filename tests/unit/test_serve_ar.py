@@ -14,6 +14,7 @@ from btnode.model.config import ModelConfig
 from btnode.serve.ar import ARState, LocalARStage, local_ar_chain, max_draft, split_layers
 from btnode.serve.draft import ARDrafter
 from btnode.serve.driver import generate_ar
+from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import FailoverStage, SegmentResult
 from btnode.serve.window import keep_bytes, window_start
 
@@ -64,8 +65,8 @@ def stages(first):
         st = st.next
 
 
-def run(first, cfg, prompt, **kw):
-    return list(generate_ar(first, cfg, prompt, **kw))
+def run(first, cfg, prompt, *, draft=None, **kw):
+    return list(generate_ar(first, cfg, GenerationRequest(prompt, **kw), draft=draft))
 
 
 def test_split_layers():
@@ -210,8 +211,8 @@ def test_kv_caches_stay_within_their_budget_under_a_flood_of_request_ids(tiny_cf
     # a request evicted from the last stage mid-way is still served right: its next state misses
     # there and the first stage resends the window
     out = bytearray()
-    for i, r in enumerate(generate_ar(first, tiny_cfg, b"flood", n_bytes=10, seed=0, temperature=0.0,
-                                      request_id="victim")):
+    for i, r in enumerate(generate_ar(first, tiny_cfg, GenerationRequest(b"flood", n_bytes=10, seed=0, temperature=0.0,
+                                                                         request_id="victim"))):
         out += r.new_bytes
         for j in range(4):
             last.forward(ARState(request_id=f"push-{i}-{j}", tokens=b"p" * 32, step=0, seed=0, temperature=0.0,

@@ -12,8 +12,10 @@ from btnode.model.block import DiffusionBlock
 from btnode.model.layout import generation_layout
 from btnode.model.sampler import context_logits, log_probs
 from btnode.seeding import generator
-from btnode.serve.driver import generate as drive
-from btnode.serve.stages import SegmentState, accept_draft, local_chain
+from btnode.serve.driver import generate
+from btnode.serve.readouts import Carry, accept_draft, autoregress
+from btnode.serve.request import GenerationRequest
+from btnode.serve.stages import SegmentState, local_chain
 
 
 def emitted(p: torch.Tensor, q: torch.Tensor, n: int, temperature: float = 1.0) -> torch.Tensor:
@@ -59,6 +61,10 @@ def chain_of(blocks):
     return local_chain(blocks, torch.device("cpu"))
 
 
+def drive(first, cfg, n_blocks, prompt, **kw):
+    return generate(first, cfg, n_blocks, GenerationRequest(prompt, **kw))
+
+
 @pytest.mark.parametrize("readout", ["spec", "spec-fill"])
 def test_a_chain_of_one_block_three_times_keeps_every_draft_byte(tiny_cfg, readout):
     """When every block is the same block, the pool is the draft's own distribution, so every draft
@@ -72,7 +78,7 @@ def test_a_chain_of_one_block_three_times_keeps_every_draft_byte(tiny_cfg, reado
                      readout=readout))
     assert [r.accepted for r in res] == [8, 8] and [r.route for r in res][0] == ["block-0", "block-1", "block-2"]
     cache = one.encode_context(torch.tensor([list(prompt)]))
-    draft, _ = first.autoregress(cache, len(prompt), k, 1.0, generator("spec-draft", seed, 0))
+    draft, _ = autoregress(one, cache, k, 1.0, generator("spec-draft", seed, 0))
     assert res[0].new_bytes == draft
 
 
@@ -109,9 +115,9 @@ def test_spec_rows_are_the_pooled_context_readouts_of_every_block(tiny_cfg, read
 def test_a_stage_refuses_a_spec_state_it_cannot_trust(tiny_cfg):
     blocks = [DiffusionBlock(tiny_cfg).eval() for _ in range(tiny_cfg.n_blocks)]
     second = chain_of(blocks).next
-    good = dict(draft=bytes(8), draft_logp=torch.full((8, 256), -5.5), pool=torch.full((8, 256), -5.5))
+    good = Carry(draft=bytes(8), draft_logp=torch.full((8, 256), -5.5), pool=torch.full((8, 256), -5.5))
     base = SegmentState(request_id="r", context=b"hi", segment=0, k=8, n_steps=7, seed=0, temperature=1.0,
-                        z=torch.zeros(8, tiny_cfg.d_model), readout="spec", **good)
+                        z=torch.zeros(8, tiny_cfg.d_model), readout="spec", carry=good)
     bad = [({"draft": b""}, "draft is missing"), ({"draft_logp": None}, "draft is missing"),
            ({"draft": bytes(7)}, "draft of 7 bytes"), ({"pool": None}, "missing"),
            ({"draft_logp": torch.zeros(8, 255)}, "expected float32"),
@@ -119,11 +125,11 @@ def test_a_stage_refuses_a_spec_state_it_cannot_trust(tiny_cfg):
            ({"draft_logp": torch.full((8, 256), 0.5)}, "finite")]
     for change, match in bad:
         with pytest.raises(MalformedInput, match=match):
-            second.forward(dataclasses.replace(base, **change))
+            second.forward(dataclasses.replace(base, carry=dataclasses.replace(good, **change)))
     with pytest.raises(MalformedInput, match="draft is unexpected"):
-        second.forward(dataclasses.replace(base, readout="pool", draft_logp=None))
+        second.forward(dataclasses.replace(base, readout="pool", carry=dataclasses.replace(good, draft_logp=None)))
     with pytest.raises(MalformedInput, match="draft is unexpected"):
-        chain_of(blocks).forward(dataclasses.replace(base, pool=None))  # block 0 drafts; it takes none
+        chain_of(blocks).forward(dataclasses.replace(base, carry=dataclasses.replace(good, pool=None)))  # block 0 drafts; it takes none
     assert 1 <= len(second.forward(base).new_bytes) <= 8
     assert len(second.forward(dataclasses.replace(base, readout="spec-fill")).new_bytes) == 8
     spec = dict(n_bytes=8, n_steps=7, seed=0, temperature=1.0, readout="spec")

@@ -59,6 +59,7 @@ def test_namespaces_are_removed_on_exit():
 
 def test_the_serving_chain_works_across_namespaces_and_matches_the_local_sampler(tmp_path):
     from btnode.serve.driver import generate
+    from btnode.serve.request import GenerationRequest
     from btnode.serve.stages import local_chain
     from btnode.store.models import load_blocks
 
@@ -84,8 +85,9 @@ def test_the_serving_chain_works_across_namespaces_and_matches_the_local_sampler
                     assert procs[-1].poll() is None
                     time.sleep(0.1)
             probe = ("import sys; from btnode.rpc.stages import generate_remote; "
-                     "sys.stdout.buffer.write(b''.join(r.new_bytes for r in generate_remote(sys.argv[1], b'WAN', "
-                     "n_bytes=24, k=8, seed=9)))")
+                     "from btnode.serve.request import GenerationRequest; "
+                     "sys.stdout.buffer.write(b''.join(r.new_bytes for r in generate_remote(sys.argv[1], "
+                     "GenerationRequest(b'WAN', n_bytes=24, k=8, seed=9))))")
             out = subprocess.run(["ip", "netns", "exec", lab.host(0), sys.executable, "-c", probe,
                                   f"{lab.address(1)}:7000"], capture_output=True, timeout=120, env=env)
             assert out.returncode == 0, out.stderr
@@ -95,6 +97,7 @@ def test_the_serving_chain_works_across_namespaces_and_matches_the_local_sampler
                 p.wait()
     torch.set_num_threads(1)
     cfg, blocks = load_blocks(ck)
-    ref = b"".join(r.new_bytes for r in generate(local_chain(blocks, torch.device("cpu")), cfg, 3, b"WAN", n_bytes=24,
-                                                 k=8, n_steps=7, seed=9, temperature=0.0))
+    ref = b"".join(r.new_bytes for r in generate(local_chain(blocks, torch.device("cpu")), cfg, 3,
+                                                 GenerationRequest(b"WAN", n_bytes=24, k=8, n_steps=7, seed=9,
+                                                                   temperature=0.0)))
     assert out.stdout == ref

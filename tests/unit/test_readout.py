@@ -1,0 +1,77 @@
+"""Readouts as a type: the enum is the wire's strings, one default serves the library and the CLI,
+every readout has its reader, and a generation request is checked and defaulted in one place."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from btnode.errors import InputError
+from btnode.evaluation.metrics import sampler_ce
+from btnode.model.noise import default_steps
+from btnode.model.readout import DEFAULT_READOUT, SWEEP_READOUTS, Readout, default_readout
+from btnode.model.sampler import sweep
+from btnode.rpc.stages import _segment_from_pb, _segment_to_pb, request_from_pb, request_to_pb, tensor_to_pb
+from btnode.serve.readouts import READERS, Carry
+from btnode.serve.request import GenerationRequest
+from btnode.serve.stages import SegmentState
+from btnode.v1 import serve_pb2 as pb
+
+
+def test_readouts_are_the_wire_strings_and_parse_with_a_typed_error():
+    assert [r.value for r in Readout] == ["pool", "last", "commit", "spec", "spec-fill"]
+    assert Readout.parse("spec-fill") is Readout.SPEC_FILL and Readout.POOL == "pool"
+    with pytest.raises(InputError, match=r"readout must be one of \['pool', 'last', 'commit', 'spec', 'spec-fill'\]"):
+        Readout.parse("mean")
+    assert {r for r in Readout if r.drafts} == {Readout.SPEC, Readout.SPEC_FILL}
+    assert {r for r in Readout if r.pools} == {Readout.POOL, Readout.SPEC, Readout.SPEC_FILL}
+    assert set(READERS) == set(Readout)  # every readout has its reader
+
+
+def test_one_default_for_the_library_and_the_cli():
+    from btnode_cli.evaluate import evaluate
+
+    assert default_readout(0) is DEFAULT_READOUT is Readout.POOL and default_readout(4) is Readout.LAST
+    assert DEFAULT_READOUT in SWEEP_READOUTS
+    defaults = [inspect.signature(f).parameters["readout"].default for f in (sweep, sampler_ce, evaluate)]
+    assert defaults == [DEFAULT_READOUT, DEFAULT_READOUT, DEFAULT_READOUT.value]
+
+
+def test_a_request_fills_its_defaults_and_is_checked_once(tiny_cfg):
+    r = GenerationRequest(b"hi", 8, readout="commit")
+    assert r.readout is Readout.COMMIT
+    full = GenerationRequest(b"hi", 8).checked(tiny_cfg, 3)
+    assert (full.k, full.n_steps, full.readout) == (max(tiny_cfg.segments), default_steps(tiny_cfg), Readout.POOL)
+    assert GenerationRequest(b"hi", 8, k=8, n_tail=0).checked(tiny_cfg, 3).readout is DEFAULT_READOUT
+    assert GenerationRequest(b"hi", 8).checked(tiny_cfg) == GenerationRequest(b"hi", 8)  # the AR chain fills nothing
+    for bad, match in ((dict(n_bytes=0), "asked for 0 bytes"), (dict(k=4), "K=4 was not trained"),
+                       (dict(request_id="r" * 129), "request id of 129"), (dict(prompt=b"x" * 26, k=8), "at most 25")):
+        with pytest.raises(InputError, match=match):
+            dataclasses.replace(GenerationRequest(b"hi", 8), **bad).checked(tiny_cfg, 3)
+    for bad, match in ((dict(draft_len=16), "G=16 is out of range"), (dict(temperature=-1.0), "temperature"),
+                       (dict(prompt=b"x" * 33), "the context is 32 bytes")):
+        with pytest.raises(InputError, match=match):
+            dataclasses.replace(GenerationRequest(b"hi", 8), **bad).checked(tiny_cfg)
+    with pytest.raises(InputError, match="readout must be one of"):
+        GenerationRequest(b"hi", 8, readout="avg")
+
+
+def test_the_wire_keeps_its_zero_values_and_an_empty_readout_means_last():
+    r = GenerationRequest(b"p", 5, seed=3, temperature=0.5, readout=Readout.SPEC, n_tail=0, draft_len=0)
+    m = request_to_pb(r)
+    assert (m.k, m.n_steps, m.readout, m.no_cache) == (0, 0, "spec", False)
+    assert request_from_pb(m) == r
+    assert request_to_pb(GenerationRequest(b"p", 5)).readout == ""  # the entry applies the default
+    assert request_from_pb(pb.GenerateRequest(prompt=b"p", n_bytes=5)).readout is None
+    z = torch.zeros(8, 4)
+    older = pb.SegmentRequest(request_id="r", context=b"hi", k=8, n_steps=7, z=tensor_to_pb(z))  # no readout set
+    assert _segment_from_pb(older).readout is Readout.LAST
+    lp = torch.full((8, 256), -1.0)
+    s = SegmentState(request_id="r", context=b"hi", segment=1, k=8, n_steps=7, seed=0, temperature=1.0, z=z,
+                     readout=Readout.SPEC, carry=Carry(pool=lp, draft=bytes(8), draft_logp=lp))
+    wire = _segment_to_pb(s)
+    assert wire.readout == "spec" and wire.draft == bytes(8)
+    back = _segment_from_pb(pb.SegmentRequest.FromString(wire.SerializeToString()))
+    assert back.readout is Readout.SPEC and back.carry.draft == bytes(8)
+    assert torch.equal(back.carry.pool, lp) and torch.equal(back.carry.draft_logp, lp)
