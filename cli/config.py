@@ -152,7 +152,7 @@ def show(ctx: typer.Context,
         raise ConfigError(f"no command {command!r}; one of {group.list_commands(root)}")
     sub = cmd.make_context(command, list(args or []), parent=root, resilient_parsing=True)
     rows = []
-    for p in cmd.params:
+    for p in getattr(cmd, "role_params", lambda _: cmd.params)(sub):  # join: the role's settings only
         if not _is_option(p) or p.name is None or p.hidden:
             continue
         source = sub.get_parameter_source(p.name)

@@ -16,7 +16,7 @@ from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig
 from btnode.node.roles import ROLES
 from btnode.node.swarm import SwarmConfig
-from btnode.settings import Declared, Section, build
+from btnode.settings import Declared, Section, build, section
 from btnode.swarm.worker import WorkerConfig
 from btnode.train.config import TrainConfig
 from btnode_cli.options import takes
@@ -54,10 +54,17 @@ class RoleCommand(TyperCommand):
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)
-        role = ctx.meta.get("btnode.role")
-        if not ctx.meta.get("btnode.help") or role not in ROLES:
+        if not ctx.meta.get("btnode.help"):
             return params
-        return [p for p in params if p.name == "role" or p.name == "help" or role in roles_of(p.name or "")]
+        shown = self.role_params(ctx)
+        return [p for p in params if p in shown or p not in self.params]  # --help itself is not in self.params
+
+    def role_params(self, ctx: Any) -> list[Any]:
+        """The parameters the role in `ctx` uses (all of them when no role is known); `config show` too."""
+        role = ctx.meta.get("btnode.role")
+        if role not in ROLES:
+            return self.params
+        return [p for p in self.params if p.name == "role" or role in roles_of(p.name or "")]
 
 
 def _role_in(args: list[str]) -> str | None:
@@ -99,7 +106,7 @@ def swarm(**flags: Any) -> None:
     (with --model ar: R workers, each training a full replica of the AR model, DiLoCo)."""
     from btnode.node.swarm import run_swarm
 
-    configs = [build(s.cls if isinstance(s, Section) else s, flags) for s in SWARM_SECTIONS]
+    configs = [build(section(s).cls, flags) for s in SWARM_SECTIONS]  # the order run_swarm takes them in
     result = run_swarm(*configs, echo=typer.echo)
     typer.echo(f"done: versions {dict(sorted(result.versions.items()))}; state in {flags['state_dir']}")
 
