@@ -89,11 +89,11 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
     spec.run(*(build(s.cls, flags) for s in spec.sections))
 
 
-SWARM_SECTIONS = (ModelConfig,
-                  Section(AggregatorNodeConfig, only=("state_dir", "seed"), defaults={"state_dir": Path("runs/swarm")},
-                          helps={"state_dir": "Aggregator state and logs."}),
+SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum"),
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
+                  Section(AggregatorNodeConfig, only=("state_dir", "seed"), defaults={"state_dir": Path("runs/swarm")},
+                          helps={"state_dir": "Aggregator state and logs."}),
                   Section(TrainConfig, only=("batch", "lr")),
                   Section(WorkerConfig, only=("rounds", "steps_per_round", "codec"), defaults={"rounds": 5},
                           helps={"rounds": "Pushes per worker."}),
@@ -106,7 +106,7 @@ def swarm(**flags: Any) -> None:
     (with --model ar: R workers, each training a full replica of the AR model, DiLoCo)."""
     from btnode.node.swarm import run_swarm
 
-    configs = [build(section(s).cls, flags) for s in SWARM_SECTIONS]  # the order run_swarm takes them in
+    configs = [build(section(s).cls, flags) for s in SWARM_SECTIONS]
     result = run_swarm(*configs, echo=typer.echo)
     typer.echo(f"done: versions {dict(sorted(result.versions.items()))}; state in {flags['state_dir']}")
 

@@ -107,3 +107,16 @@ def test_a_worker_config_with_a_setting_no_flag_carries_is_refused():
     with pytest.raises(ConfigError, match="steps"):
         ROLES["worker"].argv("worker", ModelConfig(), TrainConfig(steps=5), WorkerConfig(worker_id="w", block=0),
                              WorkerNodeConfig(), HostConfig())
+
+
+def test_btnode_swarm_hands_run_swarm_its_configs_in_order(cli):
+    import inspect
+    import typing
+
+    from btnode.node.swarm import run_swarm
+    from btnode.settings import section
+    from btnode_cli.join import SWARM_SECTIONS
+
+    hints = typing.get_type_hints(run_swarm)
+    takes = [hints[p] for p in list(inspect.signature(run_swarm).parameters)[:len(SWARM_SECTIONS)]]
+    assert takes == [section(s).cls for s in SWARM_SECTIONS]
