@@ -29,13 +29,15 @@ from typing import Annotated, Any, Optional
 import typer
 
 from btnode.errors import ConfigError
+from btnode.model.config import ModelConfig
+from btnode.settings import declared, param_of
 
 MODEL_TABLE = "model"
 SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
 SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
-SWARM_WIDE = ("d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",  # the fingerprint's flags
-              "tail_blocks", "sigma_gen", "model", "ar_layers", "ada_rank")
-KIND_FLAGS = ("model", "ar_layers")  # swarm-wide, but only on the commands that run or check a swarm (join, swarm, simulate, doctor)
+SWARM_WIDE = tuple(d.flag.param for d in declared(ModelConfig) if d.flag.swarm_wide)  # the fingerprint's flags
+# swarm-wide, but only on the commands that run or check a swarm (join, swarm, simulate, doctor)
+KIND_FLAGS = (param_of(ModelConfig, "kind"), param_of(ModelConfig, "ar_layers"))
 ENV_PREFIX = "BTNODE"
 
 
@@ -143,8 +145,6 @@ def show(ctx: typer.Context,
     came from, which are swarm-wide, and the run fingerprint they make.
 
         btnode --config /etc/btnode/btnode.toml config show join -- --role worker --block 2"""
-    from btnode_cli.options import model_config
-
     root = ctx.find_root()
     group = root.command
     cmd = group.get_command(root, command)
@@ -152,7 +152,7 @@ def show(ctx: typer.Context,
         raise ConfigError(f"no command {command!r}; one of {group.list_commands(root)}")
     sub = cmd.make_context(command, list(args or []), parent=root, resilient_parsing=True)
     rows = []
-    for p in cmd.params:
+    for p in getattr(cmd, "role_params", lambda _: cmd.params)(sub):  # join: the role's settings only
         if not _is_option(p) or p.name is None or p.hidden:
             continue
         source = sub.get_parameter_source(p.name)
@@ -169,13 +169,10 @@ def show(ctx: typer.Context,
     for flag, value, where, scope in rows:
         typer.echo(f"  {flag:<{width}}  {value:<{vwidth}}  {where:<7}  {scope}".rstrip())
     if all(name in sub.params for name in SWARM_WIDE if name not in KIND_FLAGS):
-        p = sub.params
-        kind = p.get("model") or "block"
-        cfg = model_config(d_model=p["d_model"], heads=p["heads"], layers=p["layers"], blocks=p["blocks"],
-                           context=p["context"], segments=p["segments"], target_seed=p["target_seed"],
-                           tail_blocks=p["tail_blocks"], sigma_gen=p["sigma_gen"], ada_rank=p["ada_rank"], model=kind,
-                           ar_layers=p.get("ar_layers") if kind == "ar" else None)
-        typer.echo(f"run fingerprint: {cfg.fingerprint()}")
+        shape = {name: sub.params.get(name) for name in SWARM_WIDE}
+        if shape["model"] != "ar":  # plan's and train-ar's --ar-layers is a depth of their own
+            shape["ar_layers"] = None
+        typer.echo(f"run fingerprint: {ModelConfig.from_flags(shape).fingerprint()}")
 
 
 def register(app: typer.Typer) -> None:

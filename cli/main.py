@@ -1,5 +1,6 @@
 """`btnode`: the composition root. Parses flags, configures logging, builds frozen configs and hands
-them to the library. Heavy imports (torch) happen inside commands so `btnode --help` stays fast."""
+them to the library. The commands' options are derived from the config dataclasses that declare
+them (btnode/settings.py), so registering the commands imports those modules (and torch)."""
 
 from __future__ import annotations
 

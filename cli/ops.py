@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from btnode_cli.options import (AdaRank, ArLayers, Blocks, Context, Device, DModel, Heads, Layers, ModelKind, Segments, SigmaGen,
-                                TailBlocks, TargetSeed, model_config)
+from btnode.model.config import ModelConfig
+from btnode.node.settings import HostConfig
+from btnode.settings import Section, build
+from btnode.train.config import TrainConfig
+from btnode_cli.options import takes
 
 Peer = Annotated[str, typer.Option("--peer", help="HOST:PORT of the aggregator.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
@@ -56,21 +59,18 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
                    f"({c['labels'].get('reason') or '-'}): {int(c['value'])}")
 
 
+@takes(Section(HostConfig, only=("device_name",)), ModelConfig)
 def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT of the aggregator to join.")] = None,
            listen: Annotated[Optional[str], typer.Option("--listen", help="HOST:PORT this node will serve on (aggregator, stage).")] = None,
            state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
-           device_name: Device = "cpu", d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2,
-           blocks: Blocks = 3, context: Context = 128, segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
-           model: ModelKind = "block", ar_layers: ArLayers = None, json_out: Json = False) -> None:
+           json_out: Json = False, **flags: Any) -> None:
     """Check this host before it joins: peer reachable and its gRPC Health SERVING, port free, clock
     skew, disk, torch threads and devices, and the run fingerprint against the swarm's. Each problem
     comes with a fix."""
     from btnode.node.doctor import run_checks
 
-    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank, model=model, ar_layers=ar_layers)
-    findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=device_name)
+    cfg = build(ModelConfig, flags)
+    findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=flags["device_name"])
     if json_out:
         typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
     else:
@@ -82,10 +82,10 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
         raise typer.Exit(1)
 
 
-def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per training step.")] = 32,
-         d_model: DModel = 128, heads: Heads = 4, layers: Layers = 2, blocks: Blocks = 3, context: Context = 128,
-         segments: Segments = "1,16", target_seed: TargetSeed = 0, tail_blocks: TailBlocks = 0, sigma_gen: SigmaGen = 0.1, ada_rank: AdaRank = 0,
-         ar_layers: ArLayers = None, json_out: Json = False) -> None:
+@takes(Section(TrainConfig, only=("batch",), helps={"batch": "Windows per training step."}),
+       Section(ModelConfig, omit=("model",), helps={"ar_layers": "Depth of the AR model of the end-to-end column "
+                                                                 "(default B·L; a --model ar worker's replica)."}))
+def plan(json_out: Json = False, **flags: Any) -> None:
     """Peak memory of a worker training one block against a process training the whole model end to
     end (the AR model: --ar-layers, default B·L; a DiLoCo worker's replica), part by part, and bytes
     per round per codec, for a model shape.
@@ -93,9 +93,8 @@ def plan(batch: Annotated[int, typer.Option("--batch", help="Windows per trainin
     from btnode.codec.codecs import Codec
     from btnode.train.plan import ar_memory, block_bytes, block_memory, runtime_bytes, swarm_worker_peak_bytes
 
-    cfg = model_config(d_model=d_model, heads=heads, layers=layers, blocks=blocks, context=context,
-                       segments=segments, target_seed=target_seed,
-                       tail_blocks=tail_blocks, sigma_gen=sigma_gen, ada_rank=ada_rank)
+    ar_layers, batch = flags.pop("ar_layers"), flags["batch"]  # the AR column's depth, not a swarm's kind
+    cfg = build(ModelConfig, flags)
     t0 = time.perf_counter()
     runtime = runtime_bytes()
     worker = block_memory(cfg, batch, runtime=runtime)

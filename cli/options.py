@@ -1,80 +1,86 @@
-"""Options shared by several commands, and the builders that turn them into frozen configs."""
+"""Typer options derived from the flags the config dataclasses declare (btnode/settings.py): a
+command names the configs it takes (`@takes(ModelConfig, ...)`) and receives their flags' values;
+`settings.build` turns those into the frozen configs. Nothing here declares a flag of its own."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-from btnode.errors import ConfigError
+from btnode.model.config import ModelConfig
+from btnode.node.settings import HostConfig
+from btnode.settings import Declared, Section, declared, parse_ints, section
 
-Device = Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")]
-Data = Annotated[Optional[Path], typer.Option(
-    "--data", help="Corpus: a file (training corpus) or a folder with wiki.{train,valid,test}.raw. "
-                   "Default: the bundled WikiText-2 copy.")]
-Seed = Annotated[int, typer.Option("--seed", help="Seed for initialisation, windows, σ and noise.")]
-K1Share = Annotated[Optional[float], typer.Option(
-    "--k1-share", help="Probability of a K=1 batch (default 0.9; the rest spread over the other trained K).")]
-CtxShare = Annotated[Optional[float], typer.Option(
-    "--ctx-share", help="Share of samples trained as the block's context readout, z = 0 at σ_hi (default 0.25).")]
+__all__ = ["Data", "Device", "device", "model_config", "options", "parse_ints", "takes", "typed"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def shares(k1_share: float | None, ctx_share: float | None) -> dict:
-    """TrainConfig keyword arguments for the flags given; absent flags keep TrainConfig's defaults."""
-    out: dict = {}
-    if k1_share is not None:
-        out["k1_share"] = k1_share
-    if ctx_share is not None:
-        out["ctx_share"] = ctx_share
-    return out
-DModel = Annotated[int, typer.Option("--d-model", help="Model width d (swarm-wide).")]
-Heads = Annotated[int, typer.Option("--heads", help="Attention heads (swarm-wide).")]
-Layers = Annotated[int, typer.Option("--layers", help="Layers per block L (swarm-wide).")]
-Blocks = Annotated[int, typer.Option("--blocks", help="Number of blocks B (swarm-wide).")]
-Context = Annotated[int, typer.Option("--context", help="Context length N in bytes (swarm-wide).")]
-Segments = Annotated[str, typer.Option("--segments", help="Comma-separated segment lengths K to train (swarm-wide); must include 1.")]
-TargetSeed = Annotated[int, typer.Option("--target-seed", help="Seed of the fixed target table E (swarm-wide).")]
-TailBlocks = Annotated[int, typer.Option("--tail-blocks", help="T: tail blocks trained below σ_lo for joint multi-byte generation (swarm-wide; default 0).")]
-SigmaGen = Annotated[float, typer.Option("--sigma-gen", help="σ the tail blocks end at (swarm-wide; used only with --tail-blocks).")]
-AdaRank = Annotated[int, typer.Option("--ada-rank", help="Rank r of the blocks' σ-conditioning (swarm-wide): 0 gives every layer a full-rank AdaLN map (6d² parameters each); r > 0 a shared r-wide σ-embedding and r × 6d maps, fewer bytes per round.")]
-ModelKind = Annotated[str, typer.Option("--model", help="What the swarm trains (swarm-wide): block (BlockTrain: B blocks, a worker trains one) or ar (DiLoCo: every worker trains a full replica of the AR model, the swarm's one unit).")]
-ArLayers = Annotated[Optional[int], typer.Option("--ar-layers", help="Depth of the AR model of a --model ar run (swarm-wide; default B·L).")]
+def _flag_type(d: Declared) -> Any:
+    """The Python type typer converts the flag to: the declared one, else the field's without None."""
+    if d.flag.value is not None:
+        return d.flag.value
+    hint = typing.get_type_hints(d.owner)[d.path[-1]]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
-def parse_ints(text: str, what: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from exc
-    if not values:
-        raise ConfigError(f"{what} is empty")
-    return values
+def typed(d: Declared, *, help: str | None = None, panel: str | None = None) -> Any:
+    """Annotated[T, typer.Option(...)] for a declared flag, as a hand-written command would spell it."""
+    text = help or d.flag.help + (" (swarm-wide)" if d.flag.swarm_wide else "")  # a command's own help says its own
+    t = _flag_type(d)
+    return Annotated[Optional[t] if d.cli_default is None else t,  # typer reads Optional
+                     typer.Option(d.flag.names, help=text, min=d.flag.min, rich_help_panel=panel)]
 
 
-def model_config(*, d_model: int, heads: int, layers: int, blocks: int, context: int, segments: str,
-                 target_seed: int, tail_blocks: int = 0, sigma_gen: float = 0.1, model: str = "block",
-                 ar_layers: int | None = None, ada_rank: int = 0):  # -> ModelConfig (import deferred)
-    from btnode.model.config import KINDS, ModelConfig
+def options(*specs: Section | type, panel: Callable[[Declared], str | None] = lambda d: None) -> list[inspect.Parameter]:
+    """One keyword parameter per flag of the configs, each flag once (configs may share a declaration:
+    --seed fills TrainConfig.seed and the aggregator's). Two declarations of one flag are a bug."""
+    out: dict[str, tuple[Declared, inspect.Parameter]] = {}
+    for spec in map(section, specs):
+        for d in spec.flags():
+            name = d.flag.param
+            if name in out:
+                if out[name][0].flag is not d.flag:
+                    raise TypeError(f"{d.flag.name} is declared twice ({out[name][0].owner.__name__} and "
+                                    f"{d.owner.__name__}); declare it once and reuse it with same_flag")
+                continue
+            default = spec.defaults.get(name, d.cli_default)
+            out[name] = d, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                             annotation=typed(d, help=spec.helps.get(name), panel=panel(d)))
+    return [p for _, p in out.values()]
 
-    if model not in KINDS:
-        raise ConfigError(f"--model must be one of {', '.join(KINDS)}, got {model!r}")
-    if ar_layers is not None and model != "ar":
-        raise ConfigError("--ar-layers is the depth of a --model ar run; this is a block run")
-    depth = (ar_layers if ar_layers is not None else blocks * layers) if model == "ar" else 0
-    return ModelConfig(d_model=d_model, n_heads=heads, n_layers=layers, n_blocks=blocks, context=context,
-                       segments=parse_ints(segments, "--segments"), target_seed=target_seed, tail_blocks=tail_blocks,
-                       sigma_gen=sigma_gen, kind=model, ar_layers=depth, ada_rank=ada_rank)
+
+def takes(*specs: Section | type, panel: Callable[[Declared], str | None] = lambda d: None) -> Callable[[F], F]:
+    """A command that takes these configs' flags: they arrive in its **flags, keyed by parameter name.
+    typer reads a command's options from `inspect.signature`, so the signature is synthesised (the
+    command's own options, then the derived ones): every option then converts, shows its help and
+    reads BTNODE_<COMMAND>_<PARAM> exactly as a hand-written typer option would."""
+    def wrap(fn: F) -> F:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = inspect.Signature([*own, *options(*specs, panel=panel)])  # type: ignore[attr-defined]
+        return fn
+    return wrap
 
 
-def outer_config(model: str, lr: float | None, momentum: float | None, robust: str = "mean"):  # -> OuterConfig
-    """The aggregator's outer step: plain averaging (η = 1, μ = 0) for a block run, DiLoCo's outer
-    Nesterov step (η = 0.7, μ = 0.9) for --model ar; --outer-lr / --outer-momentum override either."""
-    from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
+def model_config(**values: Any) -> ModelConfig:
+    """The model shape from its flags' values (d_model=…, heads=…, model=…, ar_layers=…)."""
+    return ModelConfig.from_flags(values)
 
-    base = DILOCO_OUTER if model == "ar" else OuterConfig()
-    return OuterConfig(lr=base.lr if lr is None else lr, momentum=base.momentum if momentum is None else momentum,
-                       robust=robust)
+
+def _host(name: str) -> Declared:
+    return next(d for d in declared(HostConfig) if d.path == (name,))
+
+
+Device = typed(_host("device"))  # for commands that take one host setting (eval, generate, judge)
+Data = typed(_host("data"))
 
 
 def device(name: str):  # -> torch.device

@@ -8,12 +8,14 @@ holding the same decoded updates can recompute the new version bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from btnode.errors import ConfigError
+from btnode.settings import fill, flag
 
 Tensors = dict[str, torch.Tensor]
 ROBUST_MODES = ("mean", "trimmed", "median")
@@ -21,9 +23,13 @@ ROBUST_MODES = ("mean", "trimmed", "median")
 
 @dataclass(frozen=True)
 class OuterConfig:
-    lr: float = 1.0  # η: 1 with no momentum is plain averaging
-    momentum: float = 0.0  # μ: Nesterov outer momentum when > 0
-    robust: str = "mean"  # mean | trimmed | median (robust modes need ≥ 3 updates, else mean)
+    lr: float = flag("--outer-lr", "η of the outer step (default 1; 0.7 with --model ar, DiLoCo's).", default=1.0,
+                     optional=True)  # η: 1 with no momentum is plain averaging
+    momentum: float = flag("--outer-momentum", "μ of Nesterov outer momentum, 0 = none (default 0; 0.9 with --model ar). "
+                                               "Plain averaging: --outer-lr 1 --outer-momentum 0.", default=0.0,
+                           optional=True)  # μ: Nesterov outer momentum when > 0
+    robust: str = flag("--robust", "mean | trimmed | median.",
+                       default="mean")  # mean | trimmed | median (robust modes need ≥ 3 updates, else mean)
     trim: float = 0.2  # trimmed mode: fraction of updates dropped at each end, per coordinate
 
     def __post_init__(self) -> None:
@@ -31,6 +37,12 @@ class OuterConfig:
             raise ConfigError(f"robust mode must be one of {ROBUST_MODES}, got {self.robust!r}")
         if not (self.lr > 0 and 0 <= self.momentum < 1 and 0 <= self.trim < 0.5):
             raise ConfigError(f"need lr > 0, 0 ≤ momentum < 1, 0 ≤ trim < 0.5; got {self.lr}, {self.momentum}, {self.trim}")
+
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> OuterConfig:
+        """Plain averaging (η = 1, μ = 0) for a block run, DiLoCo's outer step for --model ar;
+        --outer-lr / --outer-momentum override either."""
+        return fill(cls, values, base=DILOCO_OUTER if values.get("model") == "ar" else cls())
 
 
 # DiLoCo's outer step (Douillard et al. 2023: Nesterov, η = 0.7, μ = 0.9): the default of a

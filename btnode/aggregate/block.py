@@ -21,10 +21,11 @@ import torch
 
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
 from btnode.aggregate.rounds import Round, RoundConfig, Update
-from btnode.codec.codecs import Codec, decode
+from btnode.codec.codecs import Codec, decode, parse
 from btnode.codec.frames import encode_raw
 from btnode.errors import MalformedInput, PeerInputError
 from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo
+from btnode.settings import flag
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
@@ -42,8 +43,9 @@ class AggregatorConfig:
     round: RoundConfig = RoundConfig()
     outer: OuterConfig = OuterConfig()
     update_codecs: tuple[Codec, ...] = (Codec.FP32, Codec.BF16, Codec.INT8)
-    publish_codec: Codec = Codec.FP32  # lossless: every replica reaches θ^{v+1} exactly
-    keep: int = 3  # versions kept on disk
+    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas.", default=Codec.FP32, value=str, parse=parse,
+                                format=lambda c: c.name.lower())  # lossless: every replica reaches θ^{v+1} exactly
+    keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
     history: int = 20  # round summaries kept for status
 

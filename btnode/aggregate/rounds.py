@@ -18,13 +18,14 @@ import torch
 
 from btnode.errors import ConfigError, MalformedInput, StaleUpdate
 from btnode.protocol import Judgement, Outcome
+from btnode.settings import flag
 
 
 @dataclass(frozen=True)
 class RoundConfig:
-    deadline_s: float = 30.0  # τ: seconds after a round opens before it may close
-    min_updates: int = 1  # accepted updates needed to close at the deadline
-    max_staleness: int = 0  # accept updates based on up to this many versions back
+    deadline_s: float = flag("--deadline", "τ: seconds a round stays open before it may close.", default=30.0)
+    min_updates: int = flag("--min-updates", "Accepted updates needed to close at the deadline.", default=1)
+    max_staleness: int = flag("--max-staleness", "Accept updates this many versions old (weighted down).", default=0)
     staleness_decay: float = 0.5  # weight factor per version of staleness
 
     def __post_init__(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from btnode.errors import ConfigError, ConfigMismatchError
+from btnode.settings import fill, flag, join_ints, parse_ints, to_flags
 
 FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code changes
 
@@ -22,21 +24,21 @@ _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
 _OPTIONAL_FIELDS = {"ada_rank": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
 _KIND_FIELDS = ("kind", "ar_layers")
 KINDS = ("block", "ar")
-# field → the flag that sets it (cli/options.py declares them); the other fields keep their defaults
-_FLAGS = {"d_model": "--d-model", "n_heads": "--heads", "n_layers": "--layers", "n_blocks": "--blocks",
-          "context": "--context", "segments": "--segments", "target_seed": "--target-seed",
-          "tail_blocks": "--tail-blocks", "sigma_gen": "--sigma-gen", "ada_rank": "--ada-rank", "kind": "--model",
-          "ar_layers": "--ar-layers"}
+
+
+def _swarm_wide(names: str, help: str, **kw: Any) -> Any:
+    """A swarm-wide flag: every field a flag sets here is hashed into the fingerprint."""
+    return flag(names, help, swarm_wide=True, **kw)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 256  # byte-level: one class per byte value
-    d_model: int = 128  # width of every block (and of the AR baselines)
-    n_heads: int = 4  # attention heads per layer
-    n_layers: int = 2  # L: layers per block
-    n_blocks: int = 3  # B: blocks, each trained independently on its own noise interval
-    context: int = 128  # N: bytes of clean context / noisy targets per training window
+    d_model: int = _swarm_wide("--d-model", "Model width d.", default=128)  # width of every block (and of the AR baselines)
+    n_heads: int = _swarm_wide("--heads", "Attention heads.", default=4)  # attention heads per layer
+    n_layers: int = _swarm_wide("--layers", "Layers per block L.", default=2)  # L: layers per block
+    n_blocks: int = _swarm_wide("--blocks", "Number of blocks B.", default=3)  # B: blocks, each trained independently on its own noise interval
+    context: int = _swarm_wide("--context", "Context length N in bytes.", default=128)  # N: bytes of clean context / noisy targets per training window
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
     sigma_lo: float = 1.0  # lowest noise level; with unit-norm targets σ ≥ 1 leaks ≤ 0.5 nats
     sigma_hi: float = 10.0  # highest noise level, where sampling starts
@@ -44,25 +46,34 @@ class ModelConfig:
     p_std: float = 1.2
     gamma: float = 0.1  # overlap: each block trains slightly beyond its partition cell
     sigma_data: float = 0.5  # EDM's σ_d, used by c_in and the loss weight λ(σ)
-    target_seed: int = 0  # seed of the fixed unit-norm target table E
-    segments: tuple[int, ...] = field(default=(1, 16))  # segment lengths K trained (and servable)
+    target_seed: int = _swarm_wide("--target-seed", "Seed of the fixed target table E.", default=0)  # seed of the fixed unit-norm target table E
+    segments: tuple[int, ...] = _swarm_wide("--segments", "Comma-separated segment lengths K to train; must include 1.",
+                                      default=(1, 16), value=str, parse=lambda t: parse_ints(t, "--segments"),
+                                      format=join_ints)  # segment lengths K trained (and servable)
     # Tail blocks (issue #11): blocks B … B+T−1 train on [sigma_gen, sigma_lo], below the scoring chain's
     # last noise level, so that generation can continue past σ_lo and commit a segment jointly. They are
     # ordinary blocks (own σ interval, own workers and stage); K = 1 scoring never runs them.
-    tail_blocks: int = 0
-    sigma_gen: float = 0.1
+    tail_blocks: int = _swarm_wide("--tail-blocks", "T: tail blocks trained below σ_lo for joint multi-byte generation.",
+                             default=0)
+    sigma_gen: float = _swarm_wide("--sigma-gen", "σ the tail blocks end at (used only with --tail-blocks).", default=0.1)
     # What the swarm trains (issue #12). "block": the B (+T) diffusion blocks, each its own unit.
     # "ar": DiLoCo, every worker trains a full replica of an `ar_layers`-layer autoregressive model
     # (model/ar.py), and that whole model is the swarm's one unit, unit 0, aggregated exactly as a
     # block is. The σ, γ, target and segment fields then shape nothing, but stay in the fingerprint.
-    kind: str = "block"
-    ar_layers: int = 0  # depth of the AR model of a kind="ar" run (0 otherwise)
+    kind: str = _swarm_wide("--model", "What the swarm trains: block (BlockTrain: B blocks, a worker trains one) or ar "
+                             "(DiLoCo: every worker trains a full replica of the AR model, the swarm's one unit); "
+                             "a stage: what it serves, a block of the one-sweep chain or a slice of an AR model.",
+                      default="block")
+    ar_layers: int = _swarm_wide("--ar-layers", "Depth of the AR model of a --model ar run (default B·L).", default=0,
+                           format=lambda n: n or None)  # depth of the AR model of a kind="ar" run (0 otherwise)
     # The noisy stream's σ-conditioning (issue #12, bytes per round). 0: every layer has its own
     # full-rank AdaLN map from a d-wide σ-embedding (6d² per layer, a third of the block's layer
     # parameters). r > 0: the σ-embedding is r wide and every layer maps it to its 6d modulation
     # through an r × 6d matrix, so the σ path costs ≈ r·d·(6L + 2) instead of d²·(6L + 3). A block
     # covers a narrow σ interval, and σ is one number, so little is lost (measured in BENCHMARKS.md).
-    ada_rank: int = 0
+    ada_rank: int = _swarm_wide("--ada-rank", "Rank r of the blocks' σ-conditioning: 0 gives every layer a full-rank AdaLN map "
+                                        "(6d² parameters each); r > 0 a shared r-wide σ-embedding and r × 6d maps, "
+                                        "fewer bytes per round.", default=0)
 
     @property
     def total_blocks(self) -> int:
@@ -144,21 +155,25 @@ class ModelConfig:
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """The configuration the flags give (keyed by parameter name: d_model, heads, …, model,
+        ar_layers); an absent flag keeps its default. --ar-layers defaults to B·L in an AR run."""
+        kind = values.get("model") or "block"
+        if kind not in KINDS:
+            raise ConfigError(f"--model must be one of {', '.join(KINDS)}, got {kind!r}")
+        depth = values.get("ar_layers")
+        if depth is not None and kind != "ar":
+            raise ConfigError("--ar-layers is the depth of a --model ar run; this is a block run")
+        if kind == "ar" and depth is None:
+            depth = values.get("blocks", cls.n_blocks) * values.get("layers", cls.n_layers)
+        return fill(cls, values, ar_layers=depth if kind == "ar" else 0)
+
     def to_flags(self) -> list[str]:
         """The command-line flags that make this configuration (`btnode join`, `train-local`, …): how
         `btnode swarm` and the benchmarks hand a shape to the nodes they start. ConfigError for a
         field no flag sets (σ range, γ, …) away from its default: flags could not carry it."""
-        fixed = [f.name for f in dataclasses.fields(self) if f.name not in _FLAGS
-                 and getattr(self, f.name) != f.default]
-        if fixed:
-            raise ConfigError(f"no command-line flag sets {', '.join(fixed)}; this configuration cannot be passed as flags")
-        out = []
-        for name, flag in _FLAGS.items():
-            value = getattr(self, name)
-            if name == "ar_layers" and self.kind != "ar":
-                continue  # a block run has no AR depth (the flag is refused there)
-            out += [flag, ",".join(map(str, value)) if name == "segments" else str(value)]
-        return out
+        return to_flags(self)
 
     def diff(self, other: ModelConfig) -> list[tuple[str, object, object]]:
         """(field, ours, theirs) for every swarm-wide field that differs."""

@@ -1,24 +1,41 @@
-"""Run the aggregator role: serve the swarm RPCs, close rounds on time, stop cleanly on a signal."""
+"""Run the aggregator role: serve the swarm RPCs, close rounds on time, stop cleanly on a signal.
+`join_aggregator` is the role as `btnode join --role aggregator` runs it, from its configs."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
+from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, serve_metrics
+from btnode.node.settings import ServeConfig
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimits
 from btnode.rpc.server import serve
+from btnode.settings import flag, join_ints, parse_ints, same_flag
 from btnode.store.files import atomic_write
+from btnode.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often deadlines are checked
+
+
+@dataclass(frozen=True)
+class AggregatorNodeConfig:
+    """Where an aggregator keeps its versions and what it owns (local)."""
+
+    state_dir: Path | None = flag("--state-dir", "Where versions are stored.", default=None)
+    blocks: tuple[int, ...] | None = flag("--blocks-owned", "Comma-separated blocks to own (default all).",
+                                          default=None, param="own_blocks", value=str,
+                                          parse=lambda t: parse_ints(t, "--blocks-owned"), format=join_ints)
+    seed: int = same_flag(TrainConfig, "seed")  # initialises the units' version 0
 
 
 def install_stop_signals(stop: threading.Event) -> None:
@@ -67,3 +84,15 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
             log.info("drain: block %d published version %d with the round's accepted updates", info.block,
                      info.version)
         log.info("aggregator stopped")
+
+
+def join_aggregator(model: ModelConfig, aggregate: AggregatorConfig, limits: PeerLimits, serve: ServeConfig,
+                    node: AggregatorNodeConfig) -> None:
+    """`btnode join --role aggregator`: serve until SIGTERM/SIGINT."""
+    if node.state_dir is None:
+        raise ConfigError("the aggregator needs --state-dir")
+    stop = threading.Event()
+    install_stop_signals(stop)
+    run_aggregator(model, aggregate, state_dir=node.state_dir, listen=serve.listen, seed=node.seed,
+                   port_file=serve.port_file, stop=stop, metrics_listen=serve.metrics_listen,
+                   drain_notice_s=serve.drain_notice, limits=limits, blocks=list(node.blocks) if node.blocks else None)

@@ -1,20 +1,26 @@
 """Run the stage role: load one block (from a checkpoint folder, an aggregator's state folder or a
-live aggregator) or a slice of the AR baseline, link it to the candidates for the next stage, serve."""
+live aggregator) or a slice of the AR baseline, link it to the candidates for the next stage, serve.
+`join_stage` is the role as `btnode join --role stage` runs it, from its configs."""
 
 from __future__ import annotations
 
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from btnode.errors import CheckpointError, ConfigError
 from btnode.model.block import DiffusionBlock
-from btnode.model.config import ModelConfig
+from btnode.device import resolve_device
+from btnode.model.config import KINDS, ModelConfig
+from btnode.node.aggregator import install_stop_signals
 from btnode.node.metrics import StageCollector, serve_metrics
+from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
+from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Meter
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.health import NodeHealth
@@ -24,10 +30,48 @@ from btnode.serve.context_cache import ContextCacheConfig
 from btnode.serve.draft import ARDrafter
 from btnode.serve.kvcache import KV_BUDGET_BYTES
 from btnode.serve.stages import FailoverStage, LocalBlockStage
+from btnode.settings import flag, parse_ints, same_flag
 from btnode.store.files import atomic_write, state_sha256
 from btnode.store.models import load_ar, load_one_block
+from btnode.swarm.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+
+def layer_range(text: str) -> tuple[int, int]:
+    """--layers-range LO:HI."""
+    parsed = parse_ints(text.replace(":", ","), "--layers-range")
+    if len(parsed) != 2:
+        raise ConfigError(f"--layers-range takes LO:HI, got {text!r}")
+    return parsed[0], parsed[1]
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What a stage serves and whom it hands on to (local)."""
+
+    kind: str = same_flag(ModelConfig, "kind")  # --model: block, or a slice of an AR model
+    block: int | None = same_flag(WorkerConfig, "block", default=None)
+    layers: tuple[int, int] | None = flag("--layers-range", "Layers LO:HI of the AR model this stage holds (--model ar).",
+                                          default=None, value=str, parse=layer_range,
+                                          format=lambda r: f"{r[0]}:{r[1]}")
+    checkpoint: Path | None = flag("--checkpoint", "Load the block (or AR model) from this folder instead of --peer.",
+                                   default=None)
+    peer: str | None = same_flag(WorkerNodeConfig, "peer")
+    next_stages: tuple[str, ...] = flag("--next", "HOST:PORT of the next stage; a comma-separated list adds spares, "
+                                                  "tried in order.", default=(), param="next_stage", value=str,
+                                        parse=lambda t: tuple(a.strip() for a in t.split(",") if a.strip()),
+                                        format=lambda n: ",".join(n) or None, optional=True)
+    timeout_s: float = flag("--stage-timeout", "Seconds to wait for the next stage before trying a spare.", default=60.0)
+    name: str | None = same_flag(WorkerConfig, "worker_id", default=None)
+    context_cache_mb: float = flag("--context-cache-mb", "Memory for per-request clean-stream caches of a block stage "
+                                                         "(0 = off: every segment rebuilds its window).", default=256.0)
+    context_cache_entries: int = flag("--context-cache-entries", "Requests whose caches are kept (least recently used "
+                                                                 "go first).", default=1024)
+    draft: Path | None = flag("--draft", "AR checkpoint folder of a small draft model (the first stage of a --model ar "
+                                         "chain): lets requests ask for speculative decoding.", default=None)
+    kv_cache_mb: float = flag("--kv-cache-mb", "Memory for per-request KV caches of a --model ar stage, all requests "
+                                               "together (least recently used go first).", default=256.0)
 
 
 def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, DiffusionBlock]:
@@ -108,3 +152,20 @@ def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: 
         server_stop.set()
         server.stop(grace=5.0).wait()
         log.info("stage %s stopped", stage.name)
+
+
+def join_stage(stage: StageConfig, serve: ServeConfig, host: HostConfig) -> None:
+    """`btnode join --role stage`: build the stage and serve until SIGTERM/SIGINT."""
+    if stage.kind not in KINDS:
+        raise ConfigError(f"--model must be block or ar, got {stage.kind!r}")
+    span = f"{stage.layers[0]}:{stage.layers[1]}" if stage.layers else None
+    name = stage.name or (f"block-{stage.block}" if stage.kind == "block" else f"ar-{span}")
+    contexts = ContextCacheConfig(max_bytes=int(stage.context_cache_mb * 2**20), max_entries=stage.context_cache_entries)
+    built = build_stage(kind=stage.kind, block=stage.block, layers=stage.layers, checkpoint=stage.checkpoint,
+                        peer=stage.peer, next_stages=list(stage.next_stages), device=resolve_device(host.device),
+                        timeout_s=stage.timeout_s, name=name, context_cache=contexts, draft=stage.draft,
+                        kv_bytes=int(stage.kv_cache_mb * 2**20))
+    stop = threading.Event()
+    install_stop_signals(stop)
+    run_stage(built, listen=serve.listen, port_file=serve.port_file, metrics_listen=serve.metrics_listen, stop=stop,
+              drain_notice_s=serve.drain_notice)

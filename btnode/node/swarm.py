@@ -1,23 +1,33 @@
 """`btnode swarm`: a whole swarm on this machine: one aggregator and B × R workers (or, in a
 DiLoCo run, R full-replica workers of the one AR unit), each its own process on loopback, started
-through the real CLI. Prints the CE each unit's accepted updates reported, per round, as versions
-are published."""
+through the real CLI, their argv derived from the configs they are to run (node/roles.py). Prints
+the CE each unit's accepted updates reported, per round, as versions are published."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
+from btnode.aggregate.block import AggregatorConfig
 from btnode.errors import BtnodeError, PeerUnavailable
+from btnode.model.config import ModelConfig
+from btnode.node.aggregator import AggregatorNodeConfig
 from btnode.node.launch import spawn_node, start_node, stop_processes
+from btnode.node.roles import ROLES
+from btnode.node.settings import HostConfig, ServeConfig
+from btnode.node.worker import WorkerNodeConfig
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.convert import info_from_pb
 from btnode.protocol import VersionInfo
+from btnode.rpc.limits import PeerLimits
+from btnode.settings import flag
+from btnode.swarm.worker import WorkerConfig
+from btnode.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +40,45 @@ class SwarmResult:
     worker_codes: list[int] = field(default_factory=list)
 
 
-def run_swarm(*, state_dir: Path, units: list[str], replicas: int, rounds: int, shape_args: list[str],
-              aggregator_args: list[str], worker_args: list[str], echo: Callable[[str], None] = print,
+@dataclass(frozen=True)
+class SwarmConfig:
+    """The shape of a local swarm (local)."""
+
+    replicas: int = flag("--replicas", "R: workers per block.", default=2)
+    threads: int = flag("--threads", "Torch threads per worker.", default=1)
+
+
+def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorNodeConfig, train: TrainConfig,
+              worker: WorkerConfig, swarm: SwarmConfig, *, echo: Callable[[str], None] = print,
               timeout_s: float = 3600.0) -> SwarmResult:
-    """Run until every worker has pushed `rounds` updates; returns what was published. `units` names
-    each unit the swarm trains, by index (ModelConfig.unit_name)."""
-    n_blocks = len(units)
+    """Run until every worker has pushed `worker.rounds` updates; returns what was published. The
+    aggregator runs `aggregate` in `node.state_dir`; each worker runs `train` and `worker` with its
+    unit and name filled in."""
+    if node.state_dir is None or worker.rounds is None:
+        raise BtnodeError("a local swarm needs a state folder and a number of rounds")
+    state_dir, rounds, replicas = node.state_dir, worker.rounds, swarm.replicas
+    units = [model.unit_name(b) for b in range(model.total_blocks)]
+    env = {"OMP_NUM_THREADS": str(swarm.threads), **os.environ}  # unless the caller set it
     state_dir.mkdir(parents=True, exist_ok=True)
     logs = state_dir / "logs"
     procs: list[subprocess.Popen] = []
-    node = start_node(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-                       *shape_args, *aggregator_args], port_file=state_dir / "aggregator.port",
-                      log=logs / "aggregator.log", name="aggregator")
-    agg = node.proc
+    serve = ServeConfig(listen="127.0.0.1:0")  # start_node adds --port-file
+    started = start_node(ROLES["aggregator"].argv("aggregator", model, aggregate, PeerLimits(), serve, node),
+                         port_file=state_dir / "aggregator.port", log=logs / "aggregator.log", env=env, name="aggregator")
+    agg = started.proc
     procs.append(agg)
     try:
-        port = node.port
+        port = started.port
         result = SwarmResult(port=port)
         peer = f"127.0.0.1:{port}"
-        echo(f"aggregator on {peer}; starting {n_blocks} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
+        echo(f"aggregator on {peer}; starting {len(units)} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
              f"(logs in {logs})")
-        workers = [spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", peer, "--worker-id", f"b{b}r{r}",
-                               "--rounds", str(rounds), "--stats-file", str(logs / f"b{b}r{r}.stats.json"),
-                               *shape_args, *worker_args], log=logs / f"worker-b{b}r{r}.log")
-                   for b in range(n_blocks) for r in range(replicas)]
+        workers = [spawn_node(ROLES["worker"].argv("worker", model, train,
+                                                   replace(worker, block=b, worker_id=f"b{b}r{r}"),
+                                                   WorkerNodeConfig(peer=peer, stats_file=logs / f"b{b}r{r}.stats.json"),
+                                                   HostConfig()),
+                              log=logs / f"worker-b{b}r{r}.log", env=env)
+                   for b in range(len(units)) for r in range(replicas)]
         procs.extend(workers)
         client = SwarmClient(peer, timeout_s=10.0)
         seen: dict[int, int] = {}

@@ -19,14 +19,17 @@ from typing import Any
 
 import grpc
 
+from btnode.settings import flag
+
 TRANSFERS = ("Push", "Pull", "FetchDelta")
 
 
 @dataclass(frozen=True)
 class PeerLimits:
-    max_streams: int = 8  # concurrent Push/Pull/FetchDelta streams per peer
+    max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/Pull/FetchDelta streams one IP may hold.",
+                            default=8)
     max_watches: int = 64  # concurrent Watch streams per peer (one per worker on that host)
-    joins_per_minute: int = 30  # Join attempts per peer per minute
+    joins_per_minute: int = flag("--max-joins-per-minute", "Join attempts one IP may make per minute.", default=30)
 
 
 def peer_host(peer: str) -> str:

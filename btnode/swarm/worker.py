@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -34,12 +35,13 @@ from typing import TypeVar
 import torch
 import zstandard
 
-from btnode.codec.codecs import Codec, decode
+from btnode.codec.codecs import Codec, decode, parse
 from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
+from btnode.settings import flag
 from btnode.store.files import state_sha256
 from btnode.store.models import init_unit
 from btnode.swarm.announcements import Announcements
@@ -56,16 +58,24 @@ T = TypeVar("T")
 class WorkerConfig:
     """Local settings of one worker (never part of the fingerprint)."""
 
-    worker_id: str
-    block: int
-    steps_per_round: int = 50  # H: local steps between pushes
-    codec: Codec = Codec.INT8
-    error_feedback: bool = True  # carry the codec's rounding error into the next update
-    rounds: int | None = None  # stop after this many pushes (None: until stopped)
+    worker_id: str = flag("--worker-id", "Unique name (default host-pid; a stage: block-B).")
+    block: int = flag("--block", "The block to train or serve (a --model ar worker: 0, the default).")
+    steps_per_round: int = flag("--steps-per-round", "H: local steps per update.",
+                                default=50)  # H: local steps between pushes
+    codec: Codec = flag("--codec", "Update codec: fp32, bf16 or int8.", default=Codec.INT8, value=str, parse=parse,
+                        format=lambda c: c.name.lower())
+    error_feedback: bool = flag("--no-error-feedback", "Drop the codec's rounding error.", default=True,
+                                parse=operator.not_, format=operator.not_)  # carry the rounding error into the next update
+    rounds: int | None = flag("--rounds", "Stop after this many pushes.",
+                              default=None)  # stop after this many pushes (None: until stopped)
     wait_timeout_s: float = 600.0  # give up waiting for a version after this long
     outage_s: float = 600.0  # keep retrying a push or fetch through UNAVAILABLE this long (same update id)
-    train_while_waiting: bool = True  # keep training while the next version is on its way (folded in)
-    schedule_by_version: bool = True  # inner LR schedule position ≥ version × H (see _adopt)
+    train_while_waiting: bool = flag("--train-while-waiting/--idle-while-waiting",
+                                     "Keep training while the next version is on its way, and fold that work into the "
+                                     "next update.", default=True)
+    schedule_by_version: bool = flag("--schedule-by-version/--schedule-by-own-steps",
+                                     "Inner LR schedule position: at least version × H (catch up after an absence), or "
+                                     "its own step count.", default=True)  # see _adopt
 
 
 @dataclass

@@ -6,26 +6,29 @@ import math
 from dataclasses import dataclass
 
 from btnode.errors import ConfigError
+from btnode.settings import flag
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    batch: int = 32  # windows per step
-    lr: float = 2e-3  # peak AdamW learning rate
+    batch: int = flag("--batch", "Windows per step.", default=32)  # windows per step
+    lr: float = flag("--lr", "Peak AdamW learning rate (a swarm worker's inner optimizer).", default=2e-3)  # peak AdamW learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: int = 100  # linear warmup, in this block's own steps
-    steps: int = 1000  # length of the schedule, in this block's own steps
+    warmup: int = flag("--warmup", "Warmup steps.", default=100)  # linear warmup, in this block's own steps
+    steps: int = flag("--steps", "Optimizer steps per model (length of the LR schedule).", default=1000)  # length of the schedule, in this block's own steps
     weight_decay: float = 0.1  # on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    seed: int = 0  # keys windows, σ, noise and initialisation
+    seed: int = flag("--seed", "Seed for initialisation, windows, σ and noise.", default=0)  # keys windows, σ, noise and initialisation
     # Probability of a K = 1 batch (the rest spread evenly over the other trained K); None: every K
     # equally often. 0.9 by default: K = 16 batches cost K = 1 quality (issue #10, BENCHMARKS.md notes).
-    k1_share: float | None = 0.9
+    k1_share: float | None = flag("--k1-share", "Probability of a K=1 batch (the rest spread over the other trained K).",
+                                  default=0.9)
     # Share of samples trained as the block's context readout (the null state z = 0 at σ_hi), which
     # the pooled readout uses: every block learns to read the context on its own (issue #10).
-    ctx_share: float = 0.25
+    ctx_share: float = flag("--ctx-share", "Share of samples trained as the block's context readout, z = 0 at σ_hi.",
+                            default=0.25)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps < 1 or self.warmup < 0 or self.lr <= 0:
