@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import ROOT, result_path
+from bench.report import result_path
 from btnode.model.config import ModelConfig
 
 # The model the swarm benchmarks train (the project's default), and the tiny one of --quick runs
@@ -64,7 +64,7 @@ class BenchParser(argparse.ArgumentParser):
         """The result JSON's path; only its default (bench/results/SECTION.json) updates BENCHMARKS.md."""
         self._section = section
         self.add_argument(flag, dest="results", type=Path, metavar="PATH",
-                          help=f"where the result JSON goes (default {result_path(section).relative_to(ROOT)}; any "
+                          help=f"where the result JSON goes (default bench/results/{result_path(section).name}; any "
                                "other path leaves BENCHMARKS.md alone)")
 
     def quick(self, help: str = "a smoke run", **values: Any) -> None:
