@@ -42,9 +42,7 @@ def simulate(p: float, seed: int, args: argparse.Namespace, out: Path, eval_init
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.result("async")
-    ap.rounds(30)
-    ap.local_steps(10)
-    ap.batch(16)
+    ap.rounds(rounds=30, h=10, batch=16)
     ap.windows(128)
     ap.seeds(2, help="participation streams per level below 100 %%")
     ap.shape(SHAPE)

@@ -92,11 +92,16 @@ class BenchParser(argparse.ArgumentParser):
     def batch(self, default: int, help: str = "windows per optimizer step") -> None:
         self.add_argument("--batch", type=int, default=default, help=help)
 
-    def local_steps(self, default: int, help: str = "local steps per round") -> None:
-        self.add_argument("--h", type=int, default=default, help=help)
-
-    def rounds(self, default: int, help: str = "rounds per worker") -> None:
-        self.add_argument("--rounds", type=int, default=default, help=help)
+    def rounds(self, *, rounds: int | None = None, h: int | None = None, batch: int | None = None,
+               h_help: str = "local steps per round") -> None:
+        """A swarm run's per-worker training: --rounds, --h (local steps per round) and --batch, each
+        where a default is given."""
+        if rounds is not None:
+            self.add_argument("--rounds", type=int, default=rounds, help="rounds per worker")
+        if h is not None:
+            self.add_argument("--h", type=int, default=h, help=h_help)
+        if batch is not None:
+            self.batch(batch)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         ns = super().parse_args(args, namespace)

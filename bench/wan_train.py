@@ -125,9 +125,7 @@ def ce_by_round(state: Path, args: argparse.Namespace) -> list[tuple[int, float]
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.result("wan-train")
-    ap.rounds(12)
-    ap.local_steps(5)
-    ap.batch(16)
+    ap.rounds(rounds=12, h=5, batch=16)
     ap.add_argument("--deadline", type=float, default=60.0, help="τ of the main runs (s)")
     ap.add_argument("--short-deadline", type=float, default=1.0, help="τ of the short-τ run (s)")
     ap.add_argument("--delay-ms", type=float, default=20.0)

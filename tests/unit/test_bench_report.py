@@ -111,7 +111,7 @@ def test_the_shared_parser_round_trips_a_shape(cfg):
 def test_quick_replaces_values_and_the_result_path():
     ap = BenchParser("doc")
     ap.result("async")
-    ap.rounds(30)
+    ap.rounds(rounds=30)
     ap.shape(SHAPE)
     ap.quick(rounds=3, shape=QUICK_SHAPE)
     full, quick = ap.parse_args([]), ap.parse_args(["--quick", "--rounds", "9"])
