@@ -65,22 +65,22 @@ proto: venv
 	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v1/*.proto
 
 bench-quality: venv
-	$(PY) bench/quality.py
+	$(PY) -m bench.quality
 
 bench-transport: venv
-	$(PY) bench/transport.py
+	$(PY) -m bench.transport
 
 bench-serving: venv
-	$(PY) bench/serving.py
+	$(PY) -m bench.serving
 
 bench-async: venv
-	$(PY) bench/async.py
+	$(PY) -m bench.async
 
 bench-wan: venv
-	$(PY) bench/wan_train.py
+	$(PY) -m bench.wan_train
 
 bench-judge: venv tools
-	$(PY) bench/judge.py
+	$(PY) -m bench.judge
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -3,8 +3,8 @@ lockstep (100 %), 90 % and 42 % participation, in the virtual async simulator (`
 the daemon's own aggregator and workers, with only the network and the clock replaced), plus the
 CE of the initial model.
 
-    .venv/bin/python bench/async.py           # ~25 min on 2 cores
-    .venv/bin/python bench/async.py --quick   # a smoke run
+    .venv/bin/python -m bench.async           # ~25 min on 2 cores
+    .venv/bin/python -m bench.async --quick   # a smoke run
 
 Each participation level below 100 % runs with --seeds participation streams; the table shows
 each run and the key holds their mean. CE is SCE-1 at K = 1 in nats/byte on held-out windows.
@@ -16,14 +16,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, SHAPE, shown, update_section  # noqa: E402
+from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
+from bench.report import RESULTS, publish, shown, table
+from btnode.node.launch import CLI
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 LEVELS = (("lockstep", 1.0), ("p90", 0.9), ("p42", 0.42))
 
 
@@ -31,7 +30,7 @@ def simulate(p: float, seed: int, args: argparse.Namespace, out: Path, eval_init
     cmd = [*CLI, "simulate", "--participation", str(p), "--rounds", str(args.rounds), "--replicas", "2",
            "--steps-per-round", str(args.h), "--step-time", "0.1", "--delay-ms", "20", "--delay-dist", "exp",
            "--batch", str(args.batch), "--eval-windows", str(args.windows), "--sim-seed", str(seed),
-           "--json", str(out), *(["--eval-init"] if eval_init else []), *args.shape]
+           "--json", str(out), *(["--eval-init"] if eval_init else []), *shape_flags(args.shape)]
     display = shown(cmd).replace(str(out), out.name)  # the temporary folder is gone afterwards
     print(f"[async] {display}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -41,21 +40,17 @@ def simulate(p: float, seed: int, args: argparse.Namespace, out: Path, eval_init
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--h", type=int, default=10, help="local steps per round")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=128)
-    ap.add_argument("--seeds", type=int, default=2, help="participation streams per level below 100 %%")
-    ap.add_argument("--quick", action="store_true")
+    ap = BenchParser(__doc__)
+    ap.result("async")
+    ap.rounds(rounds=30, h=10, batch=16)
+    ap.windows(128)
+    ap.seeds(2, help="participation streams per level below 100 %%")
+    ap.shape(SHAPE)
+    ap.quick(rounds=3, h=2, batch=4, windows=8, seeds=1, shape=QUICK_SHAPE)
     ap.add_argument("--reuse", action="store_true", help="only rewrite the report from bench/results/async.json")
     ap.add_argument("--levels", nargs="*", help="run only these levels (lockstep, p90, p42), keeping the others "
                                                 "from bench/results/async.json")
     args = ap.parse_args()
-    args.shape = SHAPE
-    if args.quick:
-        args.rounds, args.h, args.batch, args.windows, args.seeds = 3, 2, 4, 8, 1
-        args.shape = QUICK_SHAPE
     runs: dict[str, list[dict]] = {}
     ce_init = None
     if args.reuse or args.levels:
@@ -78,32 +73,30 @@ def main() -> None:
                 print(f"[async] {name} seed {seed}: CE {res['ce']:.4f}, versions {res['versions']}", flush=True)
     runs = {name: runs[name] for name, _ in LEVELS if name in runs}
     out = {f"ce_{name}": statistics.mean(r["ce"] for r in rs) for name, rs in runs.items()}
-    out.update(ce_init=ce_init, rounds=args.rounds, h=args.h, quick=args.quick, runs=runs)
+    out.update(ce_init=ce_init, rounds=args.rounds, h=args.h, batch=args.batch, windows=args.windows, quick=args.quick,
+               runs=runs)
     out["p90_minus_lockstep"] = out["ce_p90"] - out["ce_lockstep"]
     out["p42_minus_lockstep"] = out["ce_p42"] - out["ce_lockstep"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("async_quick.json" if args.quick else "async.json")).write_text(json.dumps(out, indent=1) + "\n")
-    if args.quick:
-        print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
-        return
-    lines = ["## Asynchrony: participation in the virtual async simulator (`bench/async.py`)", "",
-             f"Command: `.venv/bin/python bench/async.py` (2 cores). 3 blocks × 2 replicas, d=128, L=2, N=128, "
-             f"R = {args.rounds} attempts per replica of H = {args.h} local steps (batch {args.batch}, int8 updates "
-             f"with error feedback), 0.1 virtual s per step, one-way delays exponential with mean 20 ms, "
-             f"τ = 1.5 × H × step time. A replica that sits out an attempt is away for τ. CE: SCE-1 at K = 1 on "
-             f"{args.windows} held-out windows (nats/byte).", "",
-             "| participation | stream | CE after R rounds | versions per block | accepted | late | virtual s | command |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
-    for name, p in LEVELS:
-        for r in runs[name]:
-            v = "/".join(str(x) for x in r["versions"].values())
-            lines.append(f"| {p:.0%} | {r['sim']['seed']} | {r['ce']:.4f} | {v} | {r['outcomes']['accepted']} | "
-                         f"{r['outcomes']['late']} | {r['virtual_seconds']:.1f} | `{r['command']}` |")
-    lines += ["", f"Initial model: {ce_init:.4f}. Means: lockstep {out['ce_lockstep']:.4f}, 90 % {out['ce_p90']:.4f} "
-              f"({out['p90_minus_lockstep']:+.4f}; aim within 0.02), 42 % {out['ce_p42']:.4f} "
-              f"({out['p42_minus_lockstep']:+.4f}; aim: far better than the initial model)."]
-    update_section("async", "\n".join(lines))
+    publish("async", out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+
+
+def render(out: dict) -> str:
+    rows = [(f"{p:.0%}", r["sim"]["seed"], f"{r['ce']:.4f}", "/".join(str(x) for x in r["versions"].values()),
+             r["outcomes"]["accepted"], r["outcomes"]["late"], f"{r['virtual_seconds']:.1f}", f"`{r['command']}`")
+            for name, p in LEVELS for r in out["runs"][name]]
+    return "\n".join([
+        "## Asynchrony: participation in the virtual async simulator (`bench/async.py`)", "",
+        f"Command: `.venv/bin/python -m bench.async` (2 cores). 3 blocks × 2 replicas, d=128, L=2, N=128, "
+        f"R = {out['rounds']} attempts per replica of H = {out['h']} local steps (batch {out['batch']}, int8 updates "
+        f"with error feedback), 0.1 virtual s per step, one-way delays exponential with mean 20 ms, "
+        f"τ = 1.5 × H × step time. A replica that sits out an attempt is away for τ. CE: SCE-1 at K = 1 on "
+        f"{out['windows']} held-out windows (nats/byte).", "",
+        *table(["participation", "stream", "CE after R rounds", "versions per block", "accepted", "late", "virtual s",
+                "command"], rows, "lrrlrrrl"),
+        "", f"Initial model: {out['ce_init']:.4f}. Means: lockstep {out['ce_lockstep']:.4f}, 90 % {out['ce_p90']:.4f} "
+        f"({out['p90_minus_lockstep']:+.4f}; aim within 0.02), 42 % {out['ce_p42']:.4f} "
+        f"({out['p42_minus_lockstep']:+.4f}; aim: far better than the initial model)."])
 
 
 if __name__ == "__main__":

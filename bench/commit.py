@@ -18,21 +18,21 @@ cannot flatter), divided by K, is the column "S-seed". The first seed alone is "
 - last block, context readout: the block's z = 0 reading alone (deterministic; no state at all).
 - the B·L-layer AR model, teacher-forced, on the same bytes.
 
-    .venv/bin/python bench/commit.py --blocks runs/served --ar runs/bench-quality/ar6
+    .venv/bin/python -m bench.commit --blocks runs/served --ar runs/bench-quality/ar6
 
 Writes bench/results/commit.json and the "commit" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.flags import BenchParser
+from bench.report import invoked, publish, table
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
@@ -42,9 +42,6 @@ from btnode.model.sampler import block_denoiser, context_logits, log_probs, pool
 from btnode.model.targets import target_table
 from btnode.seeding import generator
 from btnode.store.models import load_ar, load_blocks
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, shown, update_section  # noqa: E402
 
 READERS = ("independent", "commit, last evaluation", "commit, pooled", "last block, noise state",
            "last block, context readout")
@@ -101,20 +98,20 @@ def measure(blocks: list, ar: torch.nn.Module, windows: torch.Tensor, k: int, se
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--blocks", type=Path, required=True)
     ap.add_argument("--ar", type=Path, required=True, help="the B·L-layer AR checkpoint, for its row")
     ap.add_argument("--ks", default="16")
-    ap.add_argument("--windows", type=int, default=256)
-    ap.add_argument("--seeds", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=RESULTS / "commit.json")
+    ap.windows(256)
+    ap.seeds(4)
+    ap.result("commit")
     args = ap.parse_args()
     cfg, blocks = load_blocks(args.blocks)
     blocks = [b.eval() for b in blocks[:cfg.n_blocks]]
     ar = load_ar(args.ar).model.eval()
     windows = eval_windows(corpus.bundled().test, cfg.context, args.windows)
     n_steps = default_steps(cfg)
-    res = {"command": shown([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"), "windows": args.windows,
+    res = {"command": invoked(), "date": time.strftime("%Y-%m-%d"), "windows": args.windows,
            "seeds": args.seeds, "n_steps": n_steps, "per_k": {}}
     for k in (int(x) for x in args.ks.split(",")):
         if k not in cfg.segments:
@@ -122,10 +119,7 @@ def main() -> None:
         res["per_k"][str(k)] = measure(blocks, ar, windows, k, args.seeds, n_steps)
         for r, v in res["per_k"][str(k)].items():
             print(f"[commit] K={k} {r}: 1 seed {v['one_seed']:.4f}, {args.seeds}-seed {v['mixture']:.4f}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
-    if args.out == RESULTS / "commit.json":
-        update_section("commit", render(res))
+    publish("commit", res, render, out=args.results)
 
 
 def render(res: dict) -> str:
@@ -133,10 +127,9 @@ def render(res: dict) -> str:
              f"Command: `{res['command']}` ({res['date']}). Teacher-forced nats/byte of the K bytes after the first "
              f"N/2 of {res['windows']} held-out windows, N_s = {res['n_steps']}; \"S-seed\" is the log-mean-exp over "
              f"{res['seeds']} seeds of each segment's log-likelihood (see the script's docstring).", "",
-             "| K | readout | 1 seed | S-seed |", "| ---: | --- | ---: | ---: |"]
-    for k, rows in res["per_k"].items():
-        for r, v in rows.items():
-            lines.append(f"| {k} | {r} | {v['one_seed']:.4f} | {v['mixture']:.4f} |")
+             *table(["K", "readout", "1 seed", "S-seed"],
+                    [(k, r, f"{v['one_seed']:.4f}", f"{v['mixture']:.4f}")
+                     for k, rows in res["per_k"].items() for r, v in rows.items()], "rlrr")]
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """BlockTrain against DiLoCo over the emulated WAN (issue #12, item 2): the same hosts, links,
 number of workers and wall-clock, side by side in one run.
 
-    .venv/bin/python bench/diloco.py           # ~37 min on 2 cores, root (network namespaces)
-    .venv/bin/python bench/diloco.py --quick   # a smoke run (~3 min)
+    .venv/bin/python -m bench.diloco           # ~37 min on 2 cores, root (network namespaces)
+    .venv/bin/python -m bench.diloco --quick   # a smoke run (~3 min)
 
 The lab is bench/wan_train.py's: the aggregator in the hub namespace h0, three worker hosts h1..h3,
 each linked to the hub at --rate-mbit (tbf) with --delay-ms one way through the userspace delay
@@ -32,20 +32,19 @@ fraction of pushed updates accepted, and how many rounds and steps the wall-cloc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, SHAPE, pyplot, shown, update_section  # noqa: E402
-from wan_train import CLI, PORT, host_of, wait_file  # noqa: E402
+from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
+from bench.report import RESULTS, invoked, is_published, publish, pyplot, table
+from bench.wan_train import host_of, spawn_worker, start_aggregator
+from btnode.model.config import ModelConfig
+from btnode.node.launch import stop_processes
 
 N_BLOCKS, REPLICAS = 3, 2
 LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas",
@@ -53,50 +52,35 @@ LABELS = {"blocktrain": "BlockTrain, 3 blocks × 2 replicas",
           "diloco": "DiLoCo, 6-layer AR × 6 replicas", "diloco_small": "DiLoCo, 2-layer AR × 6 replicas"}
 
 
-def layers_of(shape: list[str]) -> int:
-    return int(shape[shape.index("--layers") + 1])
-
-
-def plan_runs(shape: list[str], ada_rank: int) -> list[tuple[str, list[str], list[tuple[int, int, int]]]]:
-    """(name, model flags, workers as (unit, replica, host)) for the four runs."""
-    n_layers = layers_of(shape)
+def plan_runs(shape: ModelConfig, ada_rank: int) -> list[tuple[str, ModelConfig, list[tuple[int, int, int]]]]:
+    """(name, model, workers as (unit, replica, host)) for the four runs."""
     blocks = [(b, r, host_of(b, r)) for b in range(N_BLOCKS) for r in range(REPLICAS)]
     replicas = [(0, r, 1 + r % 3) for r in range(N_BLOCKS * REPLICAS)]
-    return [("blocktrain", [], blocks), ("blocktrain_lowrank", ["--ada-rank", str(ada_rank)], blocks),
-            ("diloco", ["--model", "ar", "--ar-layers", str(N_BLOCKS * n_layers)], replicas),
-            ("diloco_small", ["--model", "ar", "--ar-layers", str(n_layers)], replicas)]
+    return [("blocktrain", shape, blocks), ("blocktrain_lowrank", dataclasses.replace(shape, ada_rank=ada_rank), blocks),
+            ("diloco", dataclasses.replace(shape, kind="ar", ar_layers=N_BLOCKS * shape.n_layers), replicas),
+            ("diloco_small", dataclasses.replace(shape, kind="ar", ar_layers=shape.n_layers), replicas)]
 
 
-def run_once(lab, name: str, model: list[str], who: list[tuple[int, int, int]], args: argparse.Namespace,
+def run_once(lab, name: str, model: ModelConfig, who: list[tuple[int, int, int]], args: argparse.Namespace,
              work: Path) -> dict:
     d = work / name
     d.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    shape = [*args.shape, *model]
-    agg = lab.popen(0, [*CLI, "join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir",
-                        str(d / "state"), "--deadline", str(args.deadline), "--keep", "100000", "--port-file",
-                        str(d / "port"), *shape], env=env, stdout=open(d / "aggregator.log", "wb"),
-                    stderr=subprocess.STDOUT)
-    wait_file(d / "port", agg, 120)
+    shape = shape_flags(model)
+    agg = start_aggregator(lab, d, shape, args.deadline)
     workers = {}
     t0 = time.time()
     for unit, r, h in who:
         wid = f"u{unit}r{r}"
-        cmd = [*CLI, "join", "--role", "worker", "--block", str(unit), "--peer", f"{lab.hub_address(h)}:{PORT}",
-               "--worker-id", wid, "--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr),
-               "--warmup", str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), "--stats-file", str(d / f"{wid}.json"),
-               *shape]
-        workers[wid] = lab.popen(h, cmd, env=env, stdout=open(d / f"{wid}.log", "wb"), stderr=subprocess.STDOUT)
+        workers[wid] = spawn_worker(lab, d, h, unit, wid, [
+            "--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr), "--warmup",
+            str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), *shape])
     while time.time() < t0 + args.seconds:
         dead = {w: p.returncode for w, p in workers.items() if p.poll() is not None}
         if dead:
             raise SystemExit(f"{name}: workers exited early {dead}; logs in {d}")
         time.sleep(1.0)
-    for p in workers.values():
-        p.send_signal(signal.SIGTERM)
-    codes = {w: p.wait(timeout=300) for w, p in workers.items()}
-    agg.send_signal(signal.SIGTERM)
-    agg.wait(timeout=60)
+    codes = dict(zip(workers, stop_processes(list(workers.values()), timeout_s=300)))
+    agg.stop(timeout_s=60)
     if any(codes.values()):
         raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
     stats = {w: json.loads((d / f"{w}.json").read_text()) for w in workers}
@@ -125,7 +109,6 @@ def evaluate(state: Path, t0: float, args: argparse.Namespace) -> dict:
 
     from btnode.data import corpus
     from btnode.evaluation.metrics import swarm_ce
-    from btnode.model.config import ModelConfig
     from btnode.store.models import RUN_FILE, init_unit, unit_stem
     from btnode.store.versions import VersionStore, stem
 
@@ -170,7 +153,7 @@ def record_lever(args: argparse.Namespace, run: dict) -> None:
     """Add one tried lever's run to diloco.json (levers) and its row to the BENCHMARKS notes."""
     path = RESULTS / "diloco.json"
     out = json.loads(path.read_text())
-    out.setdefault("levers", {})[args.lever] = {"run": args.only, "command": shown([sys.executable, *sys.argv]),
+    out.setdefault("levers", {})[args.lever] = {"run": args.only, "command": invoked(),
                                                 "main_row_ce": out["runs"][args.only]["ce_final"],
                                                 "schedule_steps": args.schedule_steps, "seconds": args.seconds,
                                                 "date": datetime.date.today().isoformat(), **run}
@@ -180,28 +163,25 @@ def record_lever(args: argparse.Namespace, run: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
+    ap.result("diloco")
     ap.add_argument("--seconds", type=float, default=480.0, help="wall-clock of each run from the workers' start")
-    ap.add_argument("--h", type=int, default=10, help="local steps per round")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.rounds(h=10, batch=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--deadline", type=float, default=120.0, help="τ (s)")
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--rate-mbit", type=float, default=100.0)
-    ap.add_argument("--windows", type=int, default=256)
+    ap.windows(256)
     ap.add_argument("--points", type=int, default=6, help="CE time points after t = 0")
-    ap.add_argument("--quick", action="store_true")
+    ap.shape(SHAPE)
+    ap.quick(seconds=40.0, h=2, batch=4, warmup=2, windows=16, points=2, shape=QUICK_SHAPE)
     ap.add_argument("--lever", help="a tried lever: run only --only, record it under levers.LEVER in diloco.json and "
                                     "leave the main rows as they are")
     ap.add_argument("--only", default="blocktrain", help="the run a --lever changes")
     ap.add_argument("--ada-rank", type=int, default=16, help="σ-conditioning rank of the blocktrain_lowrank run")
     ap.add_argument("--schedule-steps", type=int, help="inner cosine length (default: none, constant LR)")
     args = ap.parse_args()
-    args.shape = SHAPE
-    if args.quick:
-        args.seconds, args.h, args.batch, args.warmup, args.windows, args.points = 40.0, 2, 4, 2, 16, 2
-        args.shape = QUICK_SHAPE
     from btnode.netlab.topology import Star
 
     reason = Star.why_unavailable()
@@ -228,44 +208,45 @@ def main() -> None:
            "bytes_ratio_diloco_over_blocktrain": dl["bytes_per_worker_round"] / bt["bytes_per_worker_round"],
            "blocktrain_rss_mb": bt["rss_mb"], "diloco_rss_mb": dl["rss_mb"], "diloco_small_rss_mb": ds["rss_mb"],
            "n_blocks": N_BLOCKS, "replicas_per_block": REPLICAS, "workers": N_BLOCKS * REPLICAS,
-           "seconds": args.seconds, "h": args.h, "batch": args.batch, "lr": args.lr, "deadline_s": args.deadline,
+           "seconds": args.seconds, "h": args.h, "batch": args.batch, "lr": args.lr, "warmup": args.warmup,
+           "deadline_s": args.deadline,
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "windows": args.windows, "quick": args.quick, "date": datetime.date.today().isoformat(), "runs": runs}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("diloco_quick.json" if args.quick else "diloco.json")
-    if path.exists():  # tried levers keep their numbers (each records the main row it was measured beside)
-        out["levers"] = json.loads(path.read_text()).get("levers", {})
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    if args.results.exists():  # tried levers keep their numbers (each records the main row it was measured beside)
+        out["levers"] = json.loads(args.results.read_text()).get("levers", {})
+    png = plot(runs, RESULTS / "diloco.png") if is_published("diloco", args.results) else None
+    publish("diloco", out, lambda res: render(res, png), out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
-    if args.quick:
-        return
-    png = plot(runs, RESULTS / "diloco.png")
+
+
+def render(out: dict, png: Path | None) -> str:
+    runs, link = out["runs"], out["link"]
     lines = ["## BlockTrain against DiLoCo over an emulated WAN (`bench/diloco.py`)", "",
-             f"Command: `.venv/bin/python bench/diloco.py` ({out['date']}, 2 cores, root). bench/wan_train.py's lab: "
+             f"Command: `.venv/bin/python -m bench.diloco` ({out['date']}, 2 cores, root). bench/wan_train.py's lab: "
              f"the aggregator in a hub namespace, 6 worker processes on 3 hosts (2 per host, 1 torch thread each), "
-             f"each host {args.rate_mbit:g} Mbit/s (tbf) and {args.delay_ms:g} ms one way from the hub. Every run gets "
-             f"{args.seconds:g} s of wall-clock from its workers' start. d = 128, N = 128, H = {args.h} steps of batch "
-             f"{args.batch} per round, AdamW lr {args.lr:g} (constant after {args.warmup} warmup steps), int8 updates "
-             f"with error feedback, τ = {args.deadline:g} s. BlockTrain averages (its aggregator's default); DiLoCo "
-             f"takes the outer Nesterov step (η = 0.7, μ = 0.9, its default). CE: {args.windows} held-out windows, "
-             f"SCE-1 at K = 1 for BlockTrain, teacher-forced for AR, the same rows.", "",
-             "| run | parameters per worker | rounds published | steps per worker | accepted | MB per worker-round "
-             "(pushed + pulled) | peak RSS per worker (MB) | held-out CE |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in runs.items():
-        lines.append(f"| {LABELS[name]} | {r['params']:,} | {r['versions']} | {r['steps_per_worker']:.0f} | "
-                     f"{r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f}) | "
-                     f"{r['bytes_per_worker_round'] / 1e6:.2f} | {r['rss_mb']:.0f} | {r['ce_final']:.4f} |")
-    lines += ["", f"DiLoCo (6 layers) moves {out['bytes_ratio_diloco_over_blocktrain']:.2f}× the bytes of BlockTrain "
-              f"per worker-round, and {out['bytes_ratio_diloco_over_blocktrain_lowrank']:.2f}× those of BlockTrain with "
-              f"--ada-rank {args.ada_rank} (aim ≥ {N_BLOCKS}).", "",
-              "CE against wall-clock (what the aggregator had published by then):", "",
-              "| t (s) | " + " | ".join(runs) + " |", "| ---: | " + " | ".join("---:" for _ in runs) + " |"]
-    for i, (t, _) in enumerate(bt["ce_by_time"]):
-        lines.append(f"| {t:.0f} | " + " | ".join(f"{r['ce_by_time'][i][1]:.4f}" for r in runs.values()) + " |")
+             f"each host {link['rate_mbit']:g} Mbit/s (tbf) and {link['delay_ms_one_way']:g} ms one way from the hub. "
+             f"Every run gets {out['seconds']:g} s of wall-clock from its workers' start. d = 128, N = 128, "
+             f"H = {out['h']} steps of batch {out['batch']} per round, AdamW lr {out['lr']:g} (constant after "
+             f"{out['warmup']} warmup steps), int8 updates with error feedback, τ = {out['deadline_s']:g} s. BlockTrain "
+             f"averages (its aggregator's default); DiLoCo takes the outer Nesterov step (η = 0.7, μ = 0.9, its "
+             f"default). CE: {out['windows']} held-out windows, SCE-1 at K = 1 for BlockTrain, teacher-forced for AR, "
+             f"the same rows.", "",
+             *table(["run", "parameters per worker", "rounds published", "steps per worker", "accepted",
+                     "MB per worker-round (pushed + pulled)", "peak RSS per worker (MB)", "held-out CE"],
+                    [(LABELS[name], f"{r['params']:,}", r["versions"], f"{r['steps_per_worker']:.0f}",
+                      f"{r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f})",
+                      f"{r['bytes_per_worker_round'] / 1e6:.2f}", f"{r['rss_mb']:.0f}", f"{r['ce_final']:.4f}")
+                     for name, r in runs.items()], "lrrrrrrr"),
+             "", f"DiLoCo (6 layers) moves {out['bytes_ratio_diloco_over_blocktrain']:.2f}× the bytes of BlockTrain "
+             f"per worker-round, and {out['bytes_ratio_diloco_over_blocktrain_lowrank']:.2f}× those of BlockTrain with "
+             f"--ada-rank {out['blocktrain_lowrank_ada_rank']} (aim ≥ {N_BLOCKS}).", "",
+             "CE against wall-clock (what the aggregator had published by then):", "",
+             *table(["t (s)", *runs], [(f"{t:.0f}", *(f"{r['ce_by_time'][i][1]:.4f}" for r in runs.values()))
+                                       for i, (t, _) in enumerate(out["runs"]["blocktrain"]["ce_by_time"])],
+                    "r" * (len(runs) + 1))]
     if png:
         lines += ["", f"![CE against wall-clock](bench/results/{png.name})"]
-    update_section("diloco", "\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

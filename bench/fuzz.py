@@ -3,30 +3,31 @@ of a live aggregator and stage, with random and mutated messages (btnode/testing
 that ends in anything but a result or a refusal with a status code counts as a crash, with its
 seed. Writes bench/results/fuzz.json and a BENCHMARKS.md row.
 
-    .venv/bin/python bench/fuzz.py                  # 10,000 cases, a few minutes on 2 cores
-    .venv/bin/python bench/fuzz.py --cases 200      # a smoke run
+    .venv/bin/python -m bench.fuzz                  # 10,000 cases, a few minutes on 2 cores
+    .venv/bin/python -m bench.fuzz --cases 200      # a smoke run
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, Progress, update_section  # noqa: E402
+from bench.flags import BenchParser
+from bench.report import Progress, publish, result_path, table
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--cases", type=int, default=10_000)
     ap.add_argument("--first-seed", type=int, default=1_000_000, help="seeds first-seed … first-seed+cases-1")
+    ap.result("fuzz")
     args = ap.parse_args()
+    if args.cases < 10_000 and args.results == result_path("fuzz"):  # a smoke run never replaces the published one
+        args.results = result_path("fuzz", quick=True)
     logging.disable(logging.WARNING)  # every refused case logs a warning; the counts are the result
     from btnode.rpc.client import SwarmClient
     from btnode.testing.fuzz import fuzz_frames, fuzz_rpc, start_target
@@ -58,21 +59,21 @@ def main() -> None:
     out = {"cases": args.cases, "crashes": len(crashes), "crash_cases": crashes[:50], "node_alive_after": alive,
            "model_changed_without_accepted_update": changed, "seconds": seconds,
            "outcomes": {k: dict(v) for k, v in outcomes.items()}, "first_seed": args.first_seed}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("fuzz.json" if args.cases >= 10_000 else "fuzz_quick.json")).write_text(json.dumps(out, indent=1) + "\n")
+    publish("fuzz", out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "crash_cases"}, indent=1))
-    if args.cases >= 10_000:
-        f, r = outcomes["frames"], outcomes["rpc"]
-        update_section("fuzz", "\n".join([
-            "## Fuzzing (`bench/fuzz.py`)", "",
-            "| cases | crashes | frame cases: accepted / refused | RPC cases: answers by status | node alive after | "
-            "model changed by bad input | seconds | command |",
-            "| ---: | ---: | --- | --- | --- | --- | ---: | --- |",
-            f"| {args.cases} | {len(crashes)} | {f.get('ok', 0)} / {f.get('refused', 0)} | "
-            f"{', '.join(f'{k} {v}' for k, v in sorted(r.items()))} | {'yes' if alive else 'NO'} | "
-            f"{'YES' if changed else 'no'} | {seconds:.0f} | `.venv/bin/python bench/fuzz.py` |"]))
     if crashes:
         raise SystemExit(f"{len(crashes)} crashes; first: {crashes[0]}")
+
+
+def render(out: dict) -> str:
+    f, r = out["outcomes"]["frames"], out["outcomes"]["rpc"]
+    return "\n".join(["## Fuzzing (`bench/fuzz.py`)", "", *table(
+        ["cases", "crashes", "frame cases: accepted / refused", "RPC cases: answers by status", "node alive after",
+         "model changed by bad input", "seconds", "command"],
+        [(out["cases"], out["crashes"], f"{f.get('ok', 0)} / {f.get('refused', 0)}",
+          ", ".join(f"{k} {v}" for k, v in sorted(r.items())), "yes" if out["node_alive_after"] else "NO",
+          "YES" if out["model_changed_without_accepted_update"] else "no", f"{out['seconds']:.0f}",
+          "`.venv/bin/python -m bench.fuzz`")], "rrllllrl")])
 
 
 if __name__ == "__main__":

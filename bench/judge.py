@@ -3,8 +3,8 @@ served model (those are d_model 128, 6 layers, 900 s per worker), trained on the
 never served and never tuned against. Writes runs/judge/ (the checkpoint `btnode judge` reads by
 default), bench/results/judge.json and the "judge" section of BENCHMARKS.md.
 
-    .venv/bin/python bench/judge.py              # 1500 s of training, then a few minutes of scoring (2 cores)
-    .venv/bin/python bench/judge.py --budget 5 --stages 2 --windows 16 --out /tmp/judge --results /tmp/judge.json  # smoke
+    .venv/bin/python -m bench.judge              # 1500 s of training, then a few minutes of scoring (2 cores)
+    .venv/bin/python -m bench.judge --budget 5 --stages 2 --windows 16 --out /tmp/judge --results /tmp/judge.json  # smoke
 
 The budget is wall-clock, turned into optimizer steps with the step time measured first (median of
 8 steps after 3 warm-ups), as bench/quality.py does. Training runs in --stages stages along one
@@ -32,36 +32,34 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, measure, shown, update_section  # noqa: E402
+from bench.flags import BenchParser, shape_flags
+from bench.report import ROOT, measure, publish, shown, table
+from btnode.model.config import ModelConfig
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
-DEFAULT_RESULTS = RESULTS / "judge.json"
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--budget", type=float, default=1500.0, help="Training wall-clock seconds (default 1500).")
     ap.add_argument("--steps", type=int, help="Optimizer steps, instead of measuring the step time (for a machine "
                                               "busy with other work; the budget is then only reported).")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
+    # the judge is an AR model of --layers layers on this shape (its block fields are only the defaults)
+    ap.shape(ModelConfig(context=128, segments=(1,)), "d_model", "n_heads", "context")
     ap.add_argument("--layers", type=int, default=8, help="Depth of the judge.")
-    ap.add_argument("--context", type=int, default=128, help="The judge's context N in bytes.")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.batch(32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--stages", type=int, default=4, help="Checkpoints along the run scored on the tuning slice.")
-    ap.add_argument("--windows", type=int, default=512, help="Held-out windows of the judge's own CE.")
+    ap.windows(512, help="Held-out windows of the judge's own CE.")
     ap.add_argument("--tune-windows", type=int, default=256, help="Tuning-slice windows scored after each stage.")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "judge")
-    ap.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    ap.result("judge", flag="--results")
     return ap.parse_args()
 
 
 def shape(args: argparse.Namespace) -> list[str]:
-    return ["--d-model", str(args.d_model), "--heads", str(args.heads), "--ar-layers", str(args.layers),
-            "--context", str(args.context), "--segments", "1"]
+    return [*shape_flags(args.shape), "--ar-layers", str(args.layers)]
 
 
 def step_seconds(args: argparse.Namespace, n: int = 8) -> float:
@@ -71,14 +69,12 @@ def step_seconds(args: argparse.Namespace, n: int = 8) -> float:
     from btnode.data import corpus
     from btnode.data.windows import WindowSampler
     from btnode.device import resolve_device
-    from btnode.model.config import ModelConfig
     from btnode.store.models import init_ar
     from btnode.train.config import TrainConfig
     from btnode.train.trainers import ARTrainer
 
-    cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, context=args.context, segments=(1,))
-    tr = ARTrainer(init_ar(cfg, args.layers, 0), TrainConfig(batch=args.batch, lr=args.lr), resolve_device(args.device))
-    data = WindowSampler(corpus.bundled().train, cfg.context)
+    tr = ARTrainer(init_ar(args.shape, args.layers, 0), TrainConfig(batch=args.batch, lr=args.lr), resolve_device(args.device))
+    data = WindowSampler(corpus.bundled().train, args.shape.context)
     times = []
     for i in range(n + 3):
         t0 = time.perf_counter()
@@ -158,28 +154,27 @@ def main() -> None:
         "commands": {"train": chosen["command"], "eval": shown(ev_cmd), "reference": shown(ref_cmd)},
         "machine": f"{platform.machine()}, {platform.python_version()}", "date": time.strftime("%Y-%m-%d"),
     }
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(res, indent=1) + "\n")
+    publish("judge", res, render, out=args.results)
     print(f"[judge] held-out CE {ev['ce']:.4f} nats/byte (unigram {ev['unigram']:.4f}); reference row: judge CE "
           f"{r['judge_ce']:.4f}, distinct4 {r['distinct4']:.4f}, repeat16 {r['repeat_frac']:.4f}, "
           f"words {r['word_rate']:.4f}; wrote {args.results}", flush=True)
-    if args.results.resolve() == DEFAULT_RESULTS.resolve():
-        update_section("judge", render(res))
 
 
 def render(res: dict) -> str:
     c, r = res["config"], res["reference"]
     return "\n".join([
         "## The judge of generated text (issue #11)", "",
-        f"Command: `.venv/bin/python bench/judge.py` ({res['date']}, {res['machine']}). An autoregressive byte "
+        f"Command: `.venv/bin/python -m bench.judge` ({res['date']}, {res['machine']}). An autoregressive byte "
         f"model, d={c['d_model']}, {c['n_heads']} heads, {c['n_layers']} layers, context {c['context']}, batch "
         f"{c['batch']}, lr {c['lr']}, {c['budget_s']:.0f} s of training ({res['steps']} steps at "
         f"{res['per_step_s']:.3f} s); the checkpoint after {res['chosen_steps']} steps had the lowest tuning-slice "
         "CE and is the judge. It is never served, and no serving setting is chosen against it.", "",
-        "| what | nats/byte |", "| --- | ---: |",
-        f"| judge, held-out CE ({res['heldout_windows']} windows of wiki.test.raw, `btnode eval`) | {res['heldout_ce']:.4f} |",
-        f"| unigram entropy of wiki.test.raw | {res['unigram']:.4f} |",
-        f"| reference row: judge CE of the real continuations of the {r['n_samples']} fixed prompts | {r['judge_ce']:.4f} |",
+        *table(["what", "nats/byte"], [
+            (f"judge, held-out CE ({res['heldout_windows']} windows of wiki.test.raw, `btnode eval`)",
+             f"{res['heldout_ce']:.4f}"),
+            ("unigram entropy of wiki.test.raw", f"{res['unigram']:.4f}"),
+            (f"reference row: judge CE of the real continuations of the {r['n_samples']} fixed prompts",
+             f"{r['judge_ce']:.4f}")], "lr"),
         "",
         f"Reference form: distinct 4-grams {r['distinct4']:.4f}, repeat fraction (16-byte) {r['repeat_frac']:.4f}, "
         f"word rate {r['word_rate']:.4f} ({res['word_list']}).",

@@ -12,20 +12,20 @@ Each is SCE-1 (seed 0) and SCE-S (probabilities averaged over S seeds). Optional
 baselines train for the same number of steps on the same windows. One JSON line per run is
 appended to bench/results/levers.jsonl, so that every tried lever keeps its number.
 
-    .venv/bin/python bench/levers.py --name base --steps 800
-    .venv/bin/python bench/levers.py --name k1-75 --steps 800 --k1-share 0.75
-    .venv/bin/python bench/levers.py --name ada-rank-16 --k1-share 0.9 --ctx-share 0.25 --ada-rank 16
+    .venv/bin/python -m bench.levers --name base --steps 800
+    .venv/bin/python -m bench.levers --name k1-75 --steps 800 --k1-share 0.75
+    .venv/bin/python -m bench.levers --name ada-rank-16 --k1-share 0.9 --ctx-share 0.25 --ada-rank 16
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
+from bench.flags import BenchParser
+from bench.report import RESULTS
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler, eval_windows
 from btnode.evaluation.metrics import _noise, ar_ce
@@ -38,7 +38,8 @@ from btnode.store.models import init_ar, init_block
 from btnode.train.config import TrainConfig
 from btnode.train.trainers import ARTrainer, BlockTrainer
 
-RESULTS = Path(__file__).resolve().parent / "results" / "levers.jsonl"
+
+LEVERS = RESULTS / "levers.jsonl"  # one line per tried lever, appended
 
 
 def nll(q: torch.Tensor, tgt: torch.Tensor) -> float:
@@ -103,30 +104,23 @@ def readouts(blocks: list, windows: torch.Tensor, seeds: int, n_steps: int, self
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--name", required=True)
     ap.add_argument("--steps", type=int, default=800, help="optimizer steps per block (and per AR model)")
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=3)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--segments", default="1,16")
+    ap.shape(ModelConfig(d_model=64, context=64), "d_model", "n_heads", "n_layers", "n_blocks", "context", "segments",
+             "ada_rank")
     ap.add_argument("--k1-share", type=float)
     ap.add_argument("--ctx-share", type=float, default=0.0)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.batch(32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--windows", type=int, default=256)
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.windows(256, help="windows of the tuning slice scored")
+    ap.seeds(8)
     ap.add_argument("--ar", default="", help="comma-separated AR depths to train for the same steps, e.g. 2,6")
     ap.add_argument("--self-sweeps", action="store_true", help="also run each block alone over the whole grid")
-    ap.add_argument("--ada-rank", type=int, default=0, help="σ-conditioning rank of the blocks (0: full rank)")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
-    cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, n_blocks=args.blocks,
-                      context=args.context, segments=tuple(int(k) for k in args.segments.split(",")),
-                      ada_rank=args.ada_rank)
+    cfg = args.shape
     tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=max(10, args.steps // 20),
                      weight_decay=args.weight_decay, k1_share=args.k1_share,
                      ctx_share=args.ctx_share)
@@ -148,11 +142,12 @@ def main() -> None:
         for step in range(args.steps):
             tr.train_step(sampler.batch(tc.seed, 0, step, tc.batch))
         res[f"ar{depth}"] = ar_ce(tr.model, windows, device=torch.device("cpu"))
-    row = {"name": args.name, "note": args.note, "args": vars(args), "train_s": round(train_s, 1),
+    row = {"name": args.name, "note": args.note, "args": {k: v for k, v in vars(args).items() if k != "shape"},
+           "train_s": round(train_s, 1),
            "date": time.strftime("%Y-%m-%d %H:%M"), **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps(row), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a") as f:
+    LEVERS.parent.mkdir(parents=True, exist_ok=True)
+    with open(LEVERS, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 

@@ -35,8 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, measure, shown, update_section  # noqa: E402
+from bench.flags import BenchParser, shape_flags
+from bench.report import ROOT, measure, module_command, publish, shown, table
+from btnode.model.config import ModelConfig
+from btnode.node.launch import start_node
 
 # One thread: this benchmark measures bytes, not speed, and the machine is shared; the children inherit it.
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -54,9 +56,13 @@ CAPPED_ROUNDS, CAPPED_H = 2, 2
 TRAFFIC_ROUNDS, TRAFFIC_RANK = 3, 32
 
 
+def config(d: int, heads: int) -> ModelConfig:
+    """The measured model at width d: B blocks of L layers over N bytes."""
+    return ModelConfig(d_model=d, n_heads=heads, n_layers=LAYERS, n_blocks=BLOCKS, context=CONTEXT, segments=(1, 16))
+
+
 def shape(d: int, heads: int) -> list[str]:
-    return ["--d-model", str(d), "--heads", str(heads), "--layers", str(LAYERS), "--blocks", str(BLOCKS),
-            "--context", str(CONTEXT), "--segments", "1,16"]
+    return shape_flags(config(d, heads))
 
 
 def parameters(folder: Path, stem: str) -> int:
@@ -74,19 +80,17 @@ def parameters(folder: Path, stem: str) -> int:
     return total
 
 
-def train_loop(kind: str, d: int, heads: int, steps: int, batch: int) -> None:
+def train_loop(kind: str, cfg: ModelConfig, steps: int, batch: int) -> None:
     """Child: `steps` training steps of block 0 or of the AR model, no checkpoint (a swarm worker's steps)."""
     import torch
 
     from btnode.data import corpus
     from btnode.data.windows import WindowSampler
-    from btnode.model.config import ModelConfig
     from btnode.model.targets import target_table
     from btnode.store.models import init_ar, init_block
     from btnode.train.config import TrainConfig
     from btnode.train.trainers import ARTrainer, BlockTrainer
 
-    cfg = ModelConfig(d_model=d, n_heads=heads, n_layers=LAYERS, n_blocks=BLOCKS, context=CONTEXT, segments=(1, 16))
     tc = TrainConfig(batch=batch, steps=steps, warmup=0)
     cpu = torch.device("cpu")
     trainer = (BlockTrainer(init_block(cfg, 0, 0), tc, block=0, table=target_table(cfg), device=cpu) if kind == "block"
@@ -106,10 +110,10 @@ def one_size(d: int, heads: int, out: Path, steps: int, batch: int) -> dict:
     cmds = {
         "block": [BTNODE, "train-local", "--out", str(out / "block"), *common, "--block", "0", *sh],
         "full": [BTNODE, "train-ar", "--out", str(out / "full"), *common, "--ar-layers", str(BLOCKS * LAYERS), *sh],
-        "block_train": [sys.executable, __file__, "--child", "block", "--d-model", str(d), "--heads", str(heads),
-                        "--steps", str(steps), "--batch", str(batch)],
-        "full_train": [sys.executable, __file__, "--child", "ar", "--d-model", str(d), "--heads", str(heads),
-                       "--steps", str(steps), "--batch", str(batch)],
+        "block_train": module_command("bench.memory", "--child", "block", "--d-model", str(d), "--heads", str(heads),
+                                      "--steps", str(steps), "--batch", str(batch)),
+        "full_train": module_command("bench.memory", "--child", "ar", "--d-model", str(d), "--heads", str(heads),
+                                     "--steps", str(steps), "--batch", str(batch)),
         "plan": [BTNODE, "plan", "--json", "--batch", str(batch), *sh],
     }
     rss, walls = {}, {}
@@ -176,16 +180,10 @@ def run_capped(group: Path, args: list[str], log: Path) -> dict:
 
 def start_aggregator(out: Path, sh: list[str]) -> tuple[subprocess.Popen, list[str], str]:
     """A real aggregator on loopback owning every unit of the model `sh` describes: (process, command, peer)."""
-    cmd = [BTNODE, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
-           "--port-file", str(out / "port"), "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
-    agg = subprocess.Popen(cmd, stdout=open(out / "aggregator.log", "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while not ((out / "port").exists() and (out / "port").read_text().strip()):
-        if agg.poll() is not None or time.monotonic() > deadline:
-            agg.kill()
-            raise SystemExit(f"aggregator did not start: {(out / 'aggregator.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    return agg, cmd, f"127.0.0.1:{(out / 'port').read_text().strip()}"
+    args = ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
+            "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
+    agg = start_node(args, port_file=out / "port", log=out / "aggregator.log", timeout_s=600, name="aggregator")
+    return agg.proc, [BTNODE, *args, "--port-file", str(out / "port")], agg.address()
 
 
 def unit_parameters(d: int, heads: int, rank: int, ar: bool) -> int:
@@ -295,15 +293,15 @@ def capped(d: int, heads: int, batch: int, out: Path) -> dict:
 
 
 def render(res: dict) -> str:
-    def mb(x: float) -> str:
-        return f"{x:,.0f}"
+    def measured(r: dict, part: str) -> tuple[str, str, str]:  # peak RSS, plan's estimate, plan's error
+        return f"{r[f'{part}_rss_mb']:,.0f}", f"{r[f'plan_{part}_mb']:,.0f}", f"{r[f'error_{part}']:.1%}"
 
     rows = res["sizes"]
     c = rows[-1]["commands"]
     lines = [
         "## Memory at scale (`bench/memory.py`)",
         "",
-        f"Command: `.venv/bin/python bench/memory.py` ({res['date']}, {res['machine']}; OMP/MKL threads 1 in every "
+        f"Command: `.venv/bin/python -m bench.memory` ({res['date']}, {res['machine']}; OMP/MKL threads 1 in every "
         f"child). B={BLOCKS} blocks × L={LAYERS} layers, N={CONTEXT}, {STEPS} steps at the batch shown, fp32, AdamW. "
         f"**Block**: `btnode train-local --block 0` (one worker's block). **Full**: `btnode train-ar --ar-layers "
         f"{BLOCKS * LAYERS}`, the B·L-layer AR model a lab would train instead (and what each DiLoCo worker holds). "
@@ -313,28 +311,19 @@ def render(res: dict) -> str:
         "measured runtime + 16 bytes per parameter + the larger of saved activations and AdamW's temporary + heap "
         "glibc keeps + the checkpoint write, 20 bytes per parameter; see btnode/train/plan.py). MB = MiB.",
         "",
-        "| d / heads / batch | block params | full params | block state GB | full state GB | block peak RSS | plan "
-        "| error | full peak RSS | plan | error | block / full RSS |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(f"| {r['d_model']} / {r['heads']} / {r['batch']} | {r['block_params'] / 1e6:,.1f} M | {r['full_params'] / 1e6:,.1f} M "
-                     f"| {r['block_state_gb']:.2f} | {r['full_state_gb']:.2f} | {mb(r['block_rss_mb'])} | "
-                     f"{mb(r['plan_block_mb'])} | {r['error_block']:.1%} | {mb(r['full_rss_mb'])} | "
-                     f"{mb(r['plan_full_mb'])} | {r['error_full']:.1%} | {r['block_rss_mb'] / r['full_rss_mb']:.3f} |")
-    lines += [
+        *table(["d / heads / batch", "block params", "full params", "block state GB", "full state GB", "block peak RSS",
+                "plan", "error", "full peak RSS", "plan", "error", "block / full RSS"],
+               [(f"{r['d_model']} / {r['heads']} / {r['batch']}", f"{r['block_params'] / 1e6:,.1f} M",
+                 f"{r['full_params'] / 1e6:,.1f} M", f"{r['block_state_gb']:.2f}", f"{r['full_state_gb']:.2f}",
+                 *measured(r, "block"), *measured(r, "full"), f"{r['block_rss_mb'] / r['full_rss_mb']:.3f}")
+                for r in rows], "l" + "r" * 11),
         "",
         "The same steps without the checkpoint write (a bare loop of `BlockTrainer` / `ARTrainer` steps, "
-        "`python bench/memory.py --child block|ar ...`), against plan's `train_peak_bytes`:",
+        "`python -m bench.memory --child block|ar ...`), against plan's `train_peak_bytes`:",
         "",
-        "| d / heads / batch | block peak RSS | plan | error | full peak RSS | plan | error | block / full RSS |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(f"| {r['d_model']} / {r['heads']} / {r['batch']} | {mb(r['block_train_rss_mb'])} | {mb(r['plan_block_train_mb'])} | "
-                     f"{r['error_block_train']:.1%} | {mb(r['full_train_rss_mb'])} | {mb(r['plan_full_train_mb'])} | "
-                     f"{r['error_full_train']:.1%} | {r['block_train_rss_mb'] / r['full_train_rss_mb']:.3f} |")
-    lines += [
+        *table(["d / heads / batch", "block peak RSS", "plan", "error", "full peak RSS", "plan", "error", "block / full RSS"],
+               [(f"{r['d_model']} / {r['heads']} / {r['batch']}", *measured(r, "block_train"), *measured(r, "full_train"),
+                 f"{r['block_train_rss_mb'] / r['full_train_rss_mb']:.3f}") for r in rows], "l" + "r" * 7),
         "",
         f"Largest size: full-model training state **{res['largest_full_state_gb']:.2f} GB**; block worker peak RSS / "
         f"full-model peak RSS **{res['largest_block_over_full_rss']:.3f}** (aim ≤ 2/B = {2 / BLOCKS:.3f}); plan error "
@@ -365,12 +354,11 @@ def render_traffic(r: dict) -> list[str]:
         f"stats file, as `bench/diloco.py` counts them. B = {BLOCKS}, L = {LAYERS}. A block run's aggregator owns all "
         f"{BLOCKS} blocks (one of them training); the AR run's owns its one unit.",
         "",
-        "| worker | parameters | MB per worker-round | MB pushed per round | worker peak RSS MB | aggregator peak RSS MB "
-        "| command |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        *[f"| {names[n]} | {w['parameters']:,} | {w['bytes_per_worker_round'] / 1e6:,.1f} | "
-          f"{w['bytes_pushed_per_round'] / 1e6:,.1f} | {w['peak_rss_mb']:,.0f} | "
-          f"{w['aggregator_peak_rss_mb']:,.0f} | `{w['command']}` |" for n, w in r["runs"].items()],
+        *table(["worker", "parameters", "MB per worker-round", "MB pushed per round", "worker peak RSS MB",
+                "aggregator peak RSS MB", "command"],
+               [(names[n], f"{w['parameters']:,}", f"{w['bytes_per_worker_round'] / 1e6:,.1f}",
+                 f"{w['bytes_pushed_per_round'] / 1e6:,.1f}", f"{w['peak_rss_mb']:,.0f}",
+                 f"{w['aggregator_peak_rss_mb']:,.0f}", f"`{w['command']}`") for n, w in r["runs"].items()], "lrrrrrl"),
         "",
         f"DiLoCo over BlockTrain, bytes per worker-round: **{r['ratio_ar_over_block']:.2f}×** at full rank, "
         f"**{r['ratio_ar_over_block_lowrank']:.2f}×** with `--ada-rank {r['ada_rank']}` (aim ≥ B = {BLOCKS}).",
@@ -380,6 +368,10 @@ def render_traffic(r: dict) -> list[str]:
 def render_capped(r: dict, refused: bool | None) -> list[str]:
     """The memory-capped workers row (item 4)."""
     ar, blocks = r["full_replica"], r["blocks"]
+
+    def run(w: dict) -> tuple[object, ...]:
+        return w["exit_code"], f"{w['wall_s']:.0f}", f"{w['max_rss_mb']:,.0f}", f"{w['group_max_usage_mb']:,.0f}"
+
     return [
         f"### Memory-capped workers (`bench/memory.py --capped`, {r.get('date', '')})",
         "",
@@ -390,12 +382,9 @@ def render_capped(r: dict, refused: bool | None) -> list[str]:
         f"worker's copies): block {r['plan_block_worker_gb']:.2f} GB, full replica ({BLOCKS * LAYERS}-layer AR, "
         f"`--model ar`) {r['plan_full_worker_gb']:.2f} GB.",
         "",
-        "| worker | exit | wall s | peak RSS MB | group peak MB | outcome |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-        f"| full replica (`--model ar`) | {ar['exit_code']} | {ar['wall_s']:.0f} | {ar['max_rss_mb']:,.0f} | "
-        f"{ar['group_max_usage_mb']:,.0f} | {'refused before building it' if ar['refused'] else 'NOT refused'} |",
-        *[f"| block {w['block']} | {w['exit_code']} | {w['wall_s']:.0f} | {w['max_rss_mb']:,.0f} | "
-          f"{w['group_max_usage_mb']:,.0f} | {w['pushes']} pushes {w['outcomes']} |" for w in blocks],
+        *table(["worker", "exit", "wall s", "peak RSS MB", "group peak MB", "outcome"],
+               [("full replica (`--model ar`)", *run(ar), "refused before building it" if ar["refused"] else "NOT refused"),
+                *((f"block {w['block']}", *run(w), f"{w['pushes']} pushes {w['outcomes']}") for w in blocks)], "lrrrrl"),
         "",
         f"Refusal line: `{ar['message']}`",
         "",
@@ -408,30 +397,27 @@ def render_capped(r: dict, refused: bool | None) -> list[str]:
 
 def merge(args: argparse.Namespace, **part) -> None:
     """One part run alone (--capped, --traffic): merge its keys into the existing results and report."""
-    res = {**json.loads(args.json.read_text()), **part}
-    args.json.write_text(json.dumps(res, indent=1) + "\n")
-    if not args.no_report:
-        update_section("memory", render(res))
+    publish("memory", {**json.loads(args.results.read_text()), **part}, None if args.no_report else render,
+            out=args.results)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Tiny widths: a smoke test of the benchmark itself.")
+    ap = BenchParser(__doc__.split("\n\n")[0])
+    ap.quick(help="Tiny widths: a smoke test of the benchmark itself.")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-memory")
-    ap.add_argument("--json", type=Path, default=RESULTS / "memory.json", help="Where the results go.")
+    ap.result("memory", flag="--json")
     ap.add_argument("--no-report", action="store_true", help="Leave BENCHMARKS.md alone.")
     ap.add_argument("--capped", action="store_true",
                     help="Only the memory-capped workers part (item 4), merged into the existing results.")
     ap.add_argument("--traffic", action="store_true",
                     help="Only the bytes-per-worker-round part (d = 1024), merged into the existing results.")
     ap.add_argument("--child", choices=("block", "ar"), help=argparse.SUPPRESS)
-    ap.add_argument("--d-model", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--heads", type=int, help=argparse.SUPPRESS)
+    ap.shape(config(128, 4), "d_model", "n_heads", hidden=True)  # the --child's width
     ap.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        train_loop(args.child, args.d_model, args.heads, args.steps, args.batch)
+        train_loop(args.child, args.shape, args.steps, args.batch)
         return
     t0 = time.perf_counter()
     sizes = QUICK_SIZES if args.quick else SIZES
@@ -476,16 +462,12 @@ def main() -> None:
         "wall_s": time.perf_counter() - t0,
     }
     print(json.dumps({k: v for k, v in res.items() if k != "sizes"}, indent=1))
-    if args.quick:
-        return
-    d, h, b = sizes[-1]
-    res["capped"] = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
-    res["capped_full_replica_refused"] = res["capped"]["full_replica"]["refused"]
-    res["wall_s"] = time.perf_counter() - t0
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=1) + "\n")
-    if not args.no_report:
-        update_section("memory", render(res))
+    if not args.quick:
+        d, h, b = sizes[-1]
+        res["capped"] = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
+        res["capped_full_replica_refused"] = res["capped"]["full_replica"]["refused"]
+        res["wall_s"] = time.perf_counter() - t0
+    publish("memory", res, None if args.no_report else render, out=args.results)
 
 
 if __name__ == "__main__":

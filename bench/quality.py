@@ -2,8 +2,8 @@
 autoregressive baselines, scored on the same held-out windows and positions, under budget rules
 that say what a deployment gets.
 
-    .venv/bin/python bench/quality.py                 # ~2 h on 2 cores (see BENCHMARKS.md)
-    .venv/bin/python bench/quality.py --budget 40 --swarm-budget 20 --windows 32 --out /tmp/q   # a smoke run
+    .venv/bin/python -m bench.quality                 # ~2 h on 2 cores (see BENCHMARKS.md)
+    .venv/bin/python -m bench.quality --budget 40 --swarm-budget 20 --windows 32 --out /tmp/q --no-report  # smoke
 
 Budgets are per-worker wall-clock, turned into optimizer steps with step times measured alone on
 this machine first (median of 8 steps after 3 warm-ups), so a row's training does not depend on
@@ -21,6 +21,7 @@ Peak RSS is measured with wait4 on processes training one block and the B·L-lay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -28,10 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, measure, pyplot, shown, update_section  # noqa: E402
-
-from btnode.model.config import ModelConfig  # noqa: E402  (no torch: this process must stay small)
+from bench.flags import SHAPE, BenchParser, shape_flags  # no torch: this process must stay small
+from bench.report import RESULTS, ROOT, is_published, measure, module_command, publish, pyplot, result_path, shown, table
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
 BATCH, LR = 32, 2e-3
@@ -44,18 +43,17 @@ PROFILES = {
                     result="quality_serving.json", section="quality-serving", full=False),
 }
 PROFILE = "default"
-CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=128, segments=(1, 16))
-SHAPE: list[str] = []
+CFG = SHAPE
+FLAGS: list[str] = []  # CFG's flags, for every btnode command this run starts
 SWARM_H = 25  # local steps per round in the swarm rows (as `make demo`)
 
 
 def use_profile(name: str) -> dict:
-    global PROFILE, CFG, SHAPE
+    global PROFILE, CFG, FLAGS
     p = PROFILES[name]
     PROFILE = name
-    CFG = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=p["context"], segments=p["segments"])
-    SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", str(p["context"]),
-             "--segments", ",".join(map(str, p["segments"]))]
+    CFG = dataclasses.replace(SHAPE, context=p["context"], segments=p["segments"])
+    FLAGS = shape_flags(CFG)
     return p
 
 
@@ -67,7 +65,7 @@ def step_seconds(kind: str, n: int = 8) -> float:
 
     Runs in a child process: the orchestrator never loads torch, so that wait4's peak RSS of
     each child is not inflated by the parent's pages copied at fork."""
-    m = measure([sys.executable, __file__, "--profile", PROFILE, "--calibrate", kind])
+    m = measure(module_command("bench.quality", "--profile", PROFILE, "--calibrate", kind))
     return float(m.stdout.strip().splitlines()[-1])
 
 
@@ -134,7 +132,7 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
             continue
         cmd = [*base, "--out", str(out), "--steps", str(steps), "--stop-after", str(stop), "--batch", str(BATCH),
                "--lr", str(LR), "--warmup", str(warmup), "--checkpoint-every", str(steps), "--log-every",
-               str(max(1, steps // 10)), *SHAPE, *(["--resume"] if i else [])]
+               str(max(1, steps // 10)), *FLAGS, *(["--resume"] if i else [])]
         m = measure(cmd)
         wall, rss = wall + m.wall_s, max(rss, m.max_rss_mb)
         ev = evaluate(out, out / f"eval-{stop}.json", args, k1_only=div != 1)
@@ -145,7 +143,7 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
               f"{headline(ev, args.seeds):.4f} nats/byte", flush=True)
     run = {"steps": steps, "per_step_s": per_step, "wall_s": wall, "max_rss_mb": rss, "points": points,
            "command": shown([*base, "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), "--lr", str(LR),
-                             "--warmup", str(warmup), *SHAPE]) + " (in stages: --stop-after, then --resume)",
+                             "--warmup", str(warmup), *FLAGS]) + " (in stages: --stop-after, then --resume)",
            "eval": points[-1]["eval"]}
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(run, indent=1))
@@ -167,7 +165,7 @@ def swarm_run(name: str, steps: int, per_step: float, args: argparse.Namespace) 
     cmd = [BTNODE, "simulate", "--replicas", "2", "--participation", "1", "--rounds", str(rounds),
            "--steps-per-round", str(SWARM_H), "--batch", str(BATCH), "--lr", str(LR), "--warmup",
            str(max(10, total // 20)), "--eval-windows", "16", "--state-dir", str(state), "--keep", str(rounds + 1),
-           "--json", str(out / "simulate.json"), *SHAPE]
+           "--json", str(out / "simulate.json"), *FLAGS]
     out.mkdir(parents=True, exist_ok=True)
     m = measure(cmd)
     points = []
@@ -212,9 +210,9 @@ def run_default(args: argparse.Namespace) -> None:
 
     probe = args.out / "rss"
     rss_block = measure([BTNODE, "train-local", "--out", str(probe / "block"), "--steps", "30", "--block", "0",
-                         "--batch", str(BATCH), *SHAPE])
+                         "--batch", str(BATCH), *FLAGS])
     rss_ar = measure([BTNODE, "train-ar", "--out", str(probe / "ar"), "--steps", "30", "--batch", str(BATCH),
-                      "--ar-layers", ar_total[2:], *SHAPE])
+                      "--ar-layers", ar_total[2:], *FLAGS])
     rss_base = measure([sys.executable, "-c", "import torch, btnode.train.loops"])
     threads = measure([sys.executable, "-c", "import torch; print(torch.get_num_threads(), torch.__version__)"])
 
@@ -254,10 +252,8 @@ def run_default(args: argparse.Namespace) -> None:
     print(json.dumps(res, indent=1))
     if args.no_report:
         return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "quality.json").write_text(json.dumps(res, indent=1) + "\n")
-    plot = plot_curves(res, RESULTS / "quality_curves.png")
-    update_section("quality", render_default(res, runs, plot))
+    plot = plot_curves(res, RESULTS / "quality_curves.png") if is_published("quality", args.results) else None
+    publish("quality", res, lambda r: render_default(r, runs, plot), out=args.results)
 
 
 def train_defaults() -> dict:
@@ -294,13 +290,15 @@ def plot_curves(res: dict, path: Path) -> Path | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="default")
     ap.add_argument("--budget", type=float, help="T: training seconds per worker (default: the profile's)")
     ap.add_argument("--swarm-budget", type=float, default=300.0, help="T_s: seconds per replica of the swarm rows")
-    ap.add_argument("--windows", type=int, help="held-out windows for evaluation (default: the profile's)")
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.windows(None, help="held-out windows for evaluation (default: the profile's)")
+    ap.seeds(8)
     ap.add_argument("--out", type=Path, help="run folder (default: runs/<profile's folder>)")
+    ap.add_argument("--results", type=Path, help="where the result JSON goes (default bench/results/quality.json or "
+                                                 "quality_serving.json; any other path leaves BENCHMARKS.md alone)")
     ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
     ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
@@ -309,6 +307,7 @@ def main() -> None:
     args.budget = args.budget or prof["budget"]
     args.windows = args.windows or prof["windows"]
     args.out = args.out or ROOT / "runs" / prof["out"]
+    args.results = args.results or result_path(prof["section"])
     if args.calibrate:
         print(calibrate(args.calibrate))
         return
@@ -329,7 +328,7 @@ def main() -> None:
         steps = max(20, int(args.budget / per_step))
         cmd = [BTNODE, command, "--out", str(out), "--steps", str(steps), "--batch", str(BATCH), "--lr", str(LR),
                "--warmup", str(max(10, steps // 20)), "--checkpoint-every", str(steps), "--log-every",
-               str(max(1, steps // 10)), *SHAPE]
+               str(max(1, steps // 10)), *FLAGS]
         if command == "train-ar":
             cmd += ["--ar-layers", str(depth)]
         print(f"[quality] {name}: {per_step:.3f} s/step calibrated -> {steps} steps", flush=True)
@@ -359,24 +358,25 @@ def report_serving_profile(args: argparse.Namespace, prof: dict, runs: dict) -> 
            "runs": {k: {kk: vv for kk, vv in v.items() if kk != "eval"} for k, v in runs.items()},
            "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(res, indent=1))
-    if args.no_report:
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / prof["result"]).write_text(json.dumps(res, indent=1) + "\n")
-    c = res["config"]
-    lines = ["## Quality of the serving model (`bench/quality.py --profile serving`)", "",
-             f"Command: `.venv/bin/python bench/quality.py --profile serving` ({res['date']}). The model "
-             f"`bench/serving.py` runs: d={c['d_model']}, B={c['n_blocks']} × L={c['n_layers']}, N={c['context']} "
-             f"(so that K = 256 fits), K ∈ {c['segments']}, {c['budget_s']:.0f} s of training per model on 2 cores; "
-             f"{c['windows']} held-out windows, N_s = {c['n_steps']}, seeds 0..{seeds - 1}.", "",
-             "| model | K | SCE-1 | SCE-8 | steps | command |", "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for k, v in res["sce"].items():
-        lines.append(f"| blockwise | {k} | {v['sce1']:.4f} | {v['sce8']:.4f} | {runs['blocks']['steps']} | "
-                     f"`{runs['blocks']['command']}` |")
-    lines += ["", f"The {ar_total[2:]}-layer autoregressive baseline served beside it: teacher-forced CE "
-              f"{res['ar_total_ce']:.4f} nats/byte after {runs[ar_total]['steps']} steps "
-              f"(`{runs[ar_total]['command']}`). Unigram entropy of the held-out file: {res['unigram']:.4f}."]
-    update_section(prof["section"], "\n".join(lines))
+    if not args.no_report:
+        publish(prof["section"], res, render_serving, out=args.results)
+
+
+def render_serving(res: dict) -> str:
+    c, runs = res["config"], res["runs"]
+    ar_total = f"ar{c['n_blocks'] * c['n_layers']}"
+    return "\n".join([
+        "## Quality of the serving model (`bench/quality.py --profile serving`)", "",
+        f"Command: `.venv/bin/python -m bench.quality --profile serving` ({res['date']}). The model "
+        f"`bench/serving.py` runs: d={c['d_model']}, B={c['n_blocks']} × L={c['n_layers']}, N={c['context']} "
+        f"(so that K = 256 fits), K ∈ {c['segments']}, {c['budget_s']:.0f} s of training per model on 2 cores; "
+        f"{c['windows']} held-out windows, N_s = {c['n_steps']}, seeds 0..{c['seeds'] - 1}.", "",
+        *table(["model", "K", "SCE-1", "SCE-8", "steps", "command"],
+               [("blockwise", k, f"{v['sce1']:.4f}", f"{v['sce8']:.4f}", runs["blocks"]["steps"],
+                 f"`{runs['blocks']['command']}`") for k, v in res["sce"].items()], "lrrrrl"),
+        "", f"The {ar_total[2:]}-layer autoregressive baseline served beside it: teacher-forced CE "
+        f"{res['ar_total_ce']:.4f} nats/byte after {runs[ar_total]['steps']} steps "
+        f"(`{runs[ar_total]['command']}`). Unigram entropy of the held-out file: {res['unigram']:.4f}."])
 
 
 def render_default(r: dict, runs: dict, plot: Path | None) -> str:
@@ -401,7 +401,7 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
     lines = [
         "## Quality: blockwise vs autoregressive (`bench/quality.py`)",
         "",
-        f"Command: `.venv/bin/python bench/quality.py` ({r['date']}, {r['machine']}). Model: d={c['d_model']}, "
+        f"Command: `.venv/bin/python -m bench.quality` ({r['date']}, {r['machine']}). Model: d={c['d_model']}, "
         f"{c['n_heads']} heads, B={B} blocks × L={L} layers, N={c['context']}, K ∈ {c['segments']}, batch {c['batch']}, "
         f"AdamW lr {c['lr']}; block training defaults {c['train_defaults']} (K = 1 share, context-readout share); "
         f"readout `{c['readout']}`. Held-out: {c['windows']} windows of wiki.test.raw, rows with ≥ N/2 context; "
@@ -414,16 +414,17 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
         "",
         f"### One worker per block at T = {T:.0f} s (as deployed)",
         "",
-        "| model | budget rule | metric | nats/byte | steps | command |",
-        "| --- | --- | --- | ---: | ---: | --- |",
-        f"| blockwise chain, K=1 | each block alone for T | SCE-1 | {dep['per_k']['1']['sce1']:.4f} | "
-        f"{runs['deployed']['steps']} per block | {cmd('deployed')} |",
-        f"| blockwise chain, K=1 | same | SCE-{S} | **{r['sce8_k1_deployed']:.4f}** | | same |",
-        f"| blockwise chain, K={r['kmax']} | same | SCE-{S} | {r['sce8_kmax_deployed']:.4f} | | same |",
-        f"| each block alone, K=1 | same | CE | {alone(dep)} | | same |",
-        f"| AR, {B * L} layers (B·L) | T | teacher-forced CE | {r['ar_total_ce_deployed']:.4f} | {runs[ar_total]['steps']} | {cmd(ar_total)} |",
-        f"| AR, {L} layers (L) | T | teacher-forced CE | {r['ar_block_ce_deployed']:.4f} | {runs[ar_block]['steps']} | {cmd(ar_block)} |",
-        f"| unigram entropy of wiki.test.raw | | | {r['unigram']:.4f} | | |",
+        *table(["model", "budget rule", "metric", "nats/byte", "steps", "command"], [
+            ("blockwise chain, K=1", "each block alone for T", "SCE-1", f"{dep['per_k']['1']['sce1']:.4f}",
+             f"{runs['deployed']['steps']} per block", cmd("deployed")),
+            ("blockwise chain, K=1", "same", f"SCE-{S}", f"**{r['sce8_k1_deployed']:.4f}**", "", "same"),
+            (f"blockwise chain, K={r['kmax']}", "same", f"SCE-{S}", f"{r['sce8_kmax_deployed']:.4f}", "", "same"),
+            ("each block alone, K=1", "same", "CE", alone(dep), "", "same"),
+            (f"AR, {B * L} layers (B·L)", "T", "teacher-forced CE", f"{r['ar_total_ce_deployed']:.4f}",
+             runs[ar_total]["steps"], cmd(ar_total)),
+            (f"AR, {L} layers (L)", "T", "teacher-forced CE", f"{r['ar_block_ce_deployed']:.4f}", runs[ar_block]["steps"],
+             cmd(ar_block)),
+            ("unigram entropy of wiki.test.raw", "", "", f"{r['unigram']:.4f}", "", "")], "lllrrl"),
         "",
         f"Gap to the {B * L}-layer AR: **{r['sce8_k1_deployed'] - r['ar_total_ce_deployed']:+.4f}** nats/byte (aim ≤ +0.10); "
         f"to the {L}-layer AR: {r['sce8_k1_deployed'] - r['ar_block_ce_deployed']:+.4f}. Composition: "
@@ -431,13 +432,13 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
         "",
         f"### The swarm at T_s = {Ts:.0f} s per worker, beside one worker per block at T_s",
         "",
-        "| model | budget rule | SCE-1, K=1 | SCE-{0}, K=1 | blocks alone | command |".format(S),
-        "| --- | --- | ---: | ---: | --- | --- |",
-        f"| swarm: {B} blocks × 2 replicas, {runs['swarm']['rounds']} rounds of H={runs['swarm']['steps_per_round']} | "
-        f"each replica T_s | {sw['per_k']['1']['sce1']:.4f} | **{r['sce8_k1_swarm']:.4f}** | {alone(sw)} | {cmd('swarm')}, then "
-        f"`btnode eval --checkpoint runs/bench-quality/swarm/state --version {runs['swarm']['rounds']}` |",
-        f"| one worker per block | each block alone for T_s | {eq['per_k']['1']['sce1']:.4f} | **{r['sce8_k1_deployed_at_swarm_budget']:.4f}** | "
-        f"{alone(eq)} | {cmd('deployed-swarm-budget')} |",
+        *table(["model", "budget rule", "SCE-1, K=1", f"SCE-{S}, K=1", "blocks alone", "command"], [
+            (f"swarm: {B} blocks × 2 replicas, {runs['swarm']['rounds']} rounds of H={runs['swarm']['steps_per_round']}",
+             "each replica T_s", f"{sw['per_k']['1']['sce1']:.4f}", f"**{r['sce8_k1_swarm']:.4f}**", alone(sw),
+             f"{cmd('swarm')}, then `btnode eval --checkpoint runs/bench-quality/swarm/state --version "
+             f"{runs['swarm']['rounds']}`"),
+            ("one worker per block", "each block alone for T_s", f"{eq['per_k']['1']['sce1']:.4f}",
+             f"**{r['sce8_k1_deployed_at_swarm_budget']:.4f}**", alone(eq), cmd("deployed-swarm-budget"))], "llrrll"),
         "",
         f"Swarm minus one worker per block: **{r['sce8_k1_swarm'] - r['sce8_k1_deployed_at_swarm_budget']:+.4f}** "
         "nats/byte (aim ≤ 0). Composition in the swarm: "
@@ -462,21 +463,22 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
     models = ["deployed", "swarm", ar_total, ar_block]
     names = {"deployed": "one worker per block", "swarm": "swarm, 2 replicas", ar_total: f"AR {B * L} layers",
              ar_block: f"AR {L} layers"}
-    lines += ["| model | per-worker budget: nats/byte |", "| --- | --- |"]
-    for m in models:
-        pts = [x for x in r["curves"] if x["model"] == m]
-        lines.append(f"| {names[m]} | " + ", ".join(f"{x['budget_s']:.0f} s: {x['sce8_k1']:.4f}" for x in pts) + " |")
+    lines += table(["model", "per-worker budget: nats/byte"],
+                   [(names[m], ", ".join(f"{x['budget_s']:.0f} s: {x['sce8_k1']:.4f}" for x in r["curves"] if x["model"] == m))
+                    for m in models])
     if plot is not None:
         lines += ["", f"![learning curves](bench/results/{plot.name})"]
     lines += [
         "",
-        "| peak RSS (wait4) | MB | command |",
-        "| --- | ---: | --- |",
-        f"| process training one block | {r['rss_block_mb']:.0f} | `btnode train-local --block 0 --steps 30 --batch 32 ...` |",
-        f"| process training the {B * L}-layer AR | {r['rss_ar_total_mb']:.0f} | `btnode train-ar --ar-layers {B * L} --steps 30 --batch 32 ...` |",
-        f"| python + torch + btnode imported, nothing trained | {r['rss_torch_baseline_mb']:.0f} | `python -c 'import torch, btnode.train.loops'` |",
+        *table(["peak RSS (wait4)", "MB", "command"], [
+            ("process training one block", f"{r['rss_block_mb']:.0f}", "`btnode train-local --block 0 --steps 30 --batch 32 ...`"),
+            (f"process training the {B * L}-layer AR", f"{r['rss_ar_total_mb']:.0f}",
+             f"`btnode train-ar --ar-layers {B * L} --steps 30 --batch 32 ...`"),
+            ("python + torch + btnode imported, nothing trained", f"{r['rss_torch_baseline_mb']:.0f}",
+             "`python -c 'import torch, btnode.train.loops'`")], "lrl"),
     ]
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

@@ -5,16 +5,17 @@ the tuning slice (never the held-out test):
 2. each block's CE when given the true target noised at a fixed σ (σ = 10 ≈ no target information,
    so it measures the block's own reading of the context).
 
-    .venv/bin/python bench/quality_diagnostics.py runs/bench-quality/blocks --windows 64
+    .venv/bin/python -m bench.quality_diagnostics runs/bench-quality/blocks --windows 64
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.flags import BenchParser
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
@@ -26,9 +27,9 @@ from btnode.store.models import load_blocks
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--windows", type=int, default=64)
+    ap.windows(64, help="windows of the tuning slice scored")
     args = ap.parse_args()
     cfg, blocks = load_blocks(args.checkpoint)
     w = eval_windows(corpus.bundled().tune, cfg.context, args.windows)

@@ -9,16 +9,17 @@ K = 1 on the same held-out windows and rows as `btnode eval`:
 
 If `pool` ≈ `ctx_pool`, the chain's gain over its best block is ensembling, not the sweep.
 
-    .venv/bin/python bench/readouts.py runs/bench-quality/deployed --windows 512
+    .venv/bin/python -m bench.readouts runs/bench-quality/deployed --windows 512
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+
+from bench.flags import BenchParser
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
@@ -45,10 +46,10 @@ def context_readouts(blocks: list, windows: torch.Tensor, batch: int = 64) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("--windows", type=int, default=512)
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.windows(512)
+    ap.seeds(8)
     ap.add_argument("--version", type=int, help="a version of an aggregator state folder")
     args = ap.parse_args()
     cfg, blocks = load_blocks(args.checkpoint, args.version)

@@ -9,9 +9,9 @@ with speculative decoding (a small AR draft at the entry); and the real continua
 reference row). The served models are trained as deployed: one worker per block, each with the
 AR model's per-worker budget (see BENCHMARKS.md for the run that made them).
 
-    .venv/bin/python bench/judge.py                           # the judge (once)
-    .venv/bin/python bench/tail.py --main BLOCKS --judge runs/judge --served runs/served   # blocks + tail
-    .venv/bin/python bench/serving.py --blocks runs/served --ar AR6 --draft AR2   # ~25 min on 2 cores
+    .venv/bin/python -m bench.judge                           # the judge (once)
+    .venv/bin/python -m bench.tail --main BLOCKS --judge runs/judge --served runs/served   # blocks + tail
+    .venv/bin/python -m bench.serving --blocks runs/served --ar AR6 --draft AR2   # ~25 min on 2 cores
 
 Quality: each mode continues every fixed judge prompt (64 bytes, 256 new bytes, temperature 1;
 greedy separately) through the serving code itself, in one process (`serve.driver` over local
@@ -31,12 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, pyplot, shown, update_section  # noqa: E402
+from bench.flags import BenchParser
+from bench.report import RESULTS, ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
+from btnode.node.launch import Popen, start_node, stop_processes
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 N_BYTES = 256
 BLOCK_PORT, AR_PORT = 7100, 7200  # + stage index, inside each host's namespace
 DRAFT_LEN = 8
@@ -194,10 +196,11 @@ def client(entries: dict, modes_json: str, n_prompts: int) -> dict:
     return out
 
 
-def start_chains(args: argparse.Namespace, tail: bool, launch, address, workdir: Path) -> list[subprocess.Popen]:
+def start_chains(args: argparse.Namespace, tail: bool, popen: Callable[[int], Popen], address: Callable[[int], str],
+                 workdir: Path) -> list[subprocess.Popen]:
     """Block stages 0..2 (+ the tail stage beside block 2) and AR stages 0..2 (draft at the entry);
-    launch(pos, cmd, log) runs cmd on position pos's host."""
-    procs = []
+    popen(pos) starts a command on position pos's host, address(pos) is that host's address."""
+    procs: list[subprocess.Popen] = []
     specs = []
     tail_port = BLOCK_PORT + 3
     for pos in (2, 1, 0):
@@ -210,24 +213,21 @@ def start_chains(args: argparse.Namespace, tail: bool, launch, address, workdir:
         specs.append((pos, f"ar{pos}", AR_PORT + pos, ["--model", "ar", "--checkpoint", str(args.ar), "--layers-range",
                                                        f"{2 * pos}:{2 * pos + 2}"] + nxt_a
                       + (["--draft", str(args.draft)] if pos == 0 else [])))
-    for pos, name, port, extra in specs:
-        pf = workdir / f"{name}.port"
-        pf.unlink(missing_ok=True)
-        cmd = CLI + ["join", "--role", "stage", "--listen", f"0.0.0.0:{port}", "--port-file", str(pf),
-                     "--worker-id", name, *extra]
-        procs.append(launch(pos, cmd, workdir / f"{name}.log"))
-        deadline = time.monotonic() + 180
-        while not pf.exists():
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"stage {name} did not start; see {workdir}/{name}.log")
-            time.sleep(0.1)
+    try:
+        for pos, name, port, extra in specs:
+            procs.append(start_node(["join", "--role", "stage", "--listen", f"0.0.0.0:{port}", "--worker-id", name,
+                                     *extra], port_file=workdir / f"{name}.port", log=workdir / f"{name}.log",
+                                    popen=popen(pos), timeout_s=180, name=f"stage {name}").proc)
+    except BaseException:
+        stop_processes(procs)
+        raise
     return procs
 
 
 def run_link(args: argparse.Namespace, link: str, all_modes: list[dict], tail: bool, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--client", "--speed-prompts", str(args.speed_prompts), "--modes-json",
-           json.dumps(all_modes)]
+    cmd = module_command("bench.serving", "--client", "--speed-prompts", str(args.speed_prompts), "--modes-json",
+                         json.dumps(all_modes))
 
     def finish(procs: list[subprocess.Popen], run: list[str]) -> dict:
         try:
@@ -235,15 +235,11 @@ def run_link(args: argparse.Namespace, link: str, all_modes: list[dict], tail: b
         except subprocess.CalledProcessError as exc:
             raise SystemExit(f"the {link} client failed:\n{exc.stderr[-3000:]}") from None
         finally:
-            for p in procs:
-                p.terminate()
-                p.wait()
+            stop_processes(procs)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     if link == "loopback":
-        procs = start_chains(args, tail, lambda pos, c, log: subprocess.Popen(c, stdout=open(log, "w"),
-                                                                              stderr=subprocess.STDOUT),
-                             lambda pos: "127.0.0.1", workdir)
+        procs = start_chains(args, tail, lambda pos: subprocess.Popen, lambda pos: "127.0.0.1", workdir)
         return finish(procs, cmd + ["--entry-block", f"127.0.0.1:{BLOCK_PORT}", "--entry-ar", f"127.0.0.1:{AR_PORT}"])
     from btnode.netlab.topology import Chain
 
@@ -251,9 +247,8 @@ def run_link(args: argparse.Namespace, link: str, all_modes: list[dict], tail: b
     if reason:
         raise SystemExit(f"cannot emulate the WAN here: {reason}")
     with Chain(4, delay_ms=20, rate_mbit=100) as lab:  # h0 = client, h1..h3 = stage positions 0..2
-        procs = start_chains(args, tail, lambda pos, c, log: lab.popen(pos + 1, c, stdout=open(log, "w"),
-                                                                       stderr=subprocess.STDOUT),
-                             lambda pos: lab.address(pos + 1), workdir)
+        procs = start_chains(args, tail, lambda pos: partial(lab.popen, pos + 1), lambda pos: lab.address(pos + 1),
+                             workdir)
         return finish(procs, ["ip", "netns", "exec", lab.host(0), *cmd, "--entry-block",
                               f"{lab.address(1)}:{BLOCK_PORT}", "--entry-ar", f"{lab.address(1)}:{AR_PORT}"])
 
@@ -336,6 +331,13 @@ def plot(rows: list[dict], real: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+QUALITY = ["judge CE", "distinct 4-grams", "repeat frac", "word rate"]  # the judge's columns, in every table
+
+
+def quality_cells(g: dict) -> tuple[str, ...]:
+    return f"{g['judge_ce']:.3f}", f"{g['distinct4']:.3f}", f"{g['repeat_frac']:.3f}", f"{g['word_rate']:.3f}"
+
+
 def render(res: dict) -> str:
     s = res["summary"]
     lines = [
@@ -347,20 +349,14 @@ def render(res: dict) -> str:
         f"prompt i); speed over {res['speed_prompts']} of them after a warm-up. Quality comes from the serving code "
         "in one process (the bytes a remote chain returns), speed from real stage processes.",
         "",
-        "| mode | link | bytes/s | traversals/byte | judge CE | distinct 4-grams | repeat frac | word rate |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *table(["mode", "link", "bytes/s", "traversals/byte", *QUALITY],
+               [(r.get("label", "real text (reference)"), r["link"],
+                 "—" if r["bytes_per_s"] is None else f"{r['bytes_per_s']:.1f}",
+                 "—" if r["traversals_per_byte"] is None else f"{r['traversals_per_byte']:.3f}", *quality_cells(r))
+                for r in res["frontier"]], "llrrrrrr"),
+        "", f"Greedy (temperature 0), the first {res['greedy_prompts']} prompts, quality only:", "",
+        *table(["mode", *QUALITY], [(name, *quality_cells(g)) for name, g in res["greedy"].items()], "lrrrr"),
     ]
-    for r in res["frontier"]:
-        name = r.get("label", "real text (reference)")
-        bps = "—" if r["bytes_per_s"] is None else f"{r['bytes_per_s']:.1f}"
-        tpb = "—" if r["traversals_per_byte"] is None else f"{r['traversals_per_byte']:.3f}"
-        lines.append(f"| {name} | {r['link']} | {bps} | {tpb} | {r['judge_ce']:.3f} | {r['distinct4']:.3f} | "
-                     f"{r['repeat_frac']:.3f} | {r['word_rate']:.3f} |")
-    lines += ["", f"Greedy (temperature 0), the first {res['greedy_prompts']} prompts, quality only:", "",
-              "| mode | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
-    for name, g in res["greedy"].items():
-        lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
-                     f"{g['word_rate']:.3f} |")
     for key, how in (("composition", "the one block evaluates every grid point; commit readout"),
                      ("composition_spec", "readout spec with the one block in every stage: it drafts and verifies "
                                           "itself, i.e. that block's own autoregressive sampling")):
@@ -369,22 +365,17 @@ def render(res: dict) -> str:
         c, qt = res[key], res["quality_t1"]
         lines += ["", f"Composition for generation: the chain's samples against each block run alone ({how}; "
                   "temperature 1, all prompts):", "",
-                  "| sampler | judge CE | distinct 4-grams | repeat frac | word rate |", "| --- | ---: | ---: | ---: | ---: |"]
-        for name in (c["chain"], *c["alone"]):
-            if name not in qt:  # the chain's row ran at other N_s than --alone-steps
-                continue
-            g = qt[name]
-            lines.append(f"| {name} | {g['judge_ce']:.3f} | {g['distinct4']:.3f} | {g['repeat_frac']:.3f} | "
-                         f"{g['word_rate']:.3f} |")
+                  # the chain's row is missing where it ran at other N_s than --alone-steps
+                  *table(["sampler", *QUALITY], [(name, *quality_cells(qt[name])) for name in (c["chain"], *c["alone"])
+                                                 if name in qt], "lrrrr")]
     spec = [(name, g) for name, g in res["quality_t1"].items() if "acceptance" in g and "alone" not in name]
     if spec:
         lines += ["", "Readout spec (temperature 1, all prompts): the share of block 0's draft bytes the pooled blocks "
                   "kept, the bytes served per traversal, and the share of served bytes that are the pool's (kept, or "
                   "the replacement at a rejection; with spec-fill the rest is filled by the last block alone):", "",
-                  "| mode | draft bytes kept | bytes per traversal | bytes from the pool | judge CE |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {name} | {g['acceptance']:.3f} | {g['bytes_per_traversal']:.2f} | {g['pooled_frac']:.3f} | "
-                  f"{g['judge_ce']:.3f} |" for name, g in spec]
+                  *table(["mode", "draft bytes kept", "bytes per traversal", "bytes from the pool", "judge CE"],
+                         [(name, f"{g['acceptance']:.3f}", f"{g['bytes_per_traversal']:.2f}", f"{g['pooled_frac']:.3f}",
+                           f"{g['judge_ce']:.3f}") for name, g in spec], "lrrrr")]
     lines += ["", "![serving frontier](bench/results/serving_frontier.png)", "",
               f"Over the {s['speed_link']} link: AR plain {s['wan_bytes_per_s_ar']:.1f} bytes/s, AR speculative "
               f"{s['wan_bytes_per_s_ar_spec']:.1f} bytes/s ({s['ar_spec_bytes_per_traversal']:.2f} bytes per traversal). "
@@ -399,7 +390,7 @@ def render(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--blocks", type=Path, help="block checkpoint folder (scoring blocks, and tail blocks if any)")
     ap.add_argument("--ar", type=Path, help="the B·L-layer AR checkpoint (served plain and speculative)")
     ap.add_argument("--draft", type=Path, help="the AR draft checkpoint (a small model at the entry)")
@@ -418,7 +409,7 @@ def main() -> None:
                                                                    "tail rows)")
     ap.add_argument("--spec-ks", default="1,4,8,16,32", help="draft lengths K of readout spec")
     ap.add_argument("--spec-alone-k", type=int, default=16, help="K of the spec composition rows (each block alone)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    ap.result("serving")
     ap.add_argument("--render-only", action="store_true", help="recompute the summary of --out and rewrite its "
                                                                 "plot and BENCHMARKS section (no run)")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -430,7 +421,7 @@ def main() -> None:
         print(json.dumps(client({"block": args.entry_block, "ar": args.entry_ar}, args.modes_json, args.speed_prompts)))
         return
     if args.render_only:
-        res = json.loads(args.out.read_text())
+        res = json.loads(args.results.read_text())
         res["summary"] = summary(res["frontier"], res["real"])
         res.update(res["summary"])
         finish(args, res)
@@ -455,7 +446,7 @@ def main() -> None:
     links = {link: run_link(args, link, all_modes, bool(cfg.tail_blocks), workdir / link)
              for link in args.links.split(",")}
     rows = frontier(all_modes, q, real, links)
-    res = {"command": shown([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+    res = {"command": invoked(), "date": time.strftime("%Y-%m-%d"),
            "blocks": shown([str(args.blocks)]), "ar": shown([str(args.ar)]), "draft": shown([str(args.draft)]),
            "judge": shown([str(args.judge)]), "n_prompts": args.prompts, "speed_prompts": args.speed_prompts,
            "greedy_prompts": args.greedy_prompts,
@@ -471,12 +462,10 @@ def main() -> None:
 
 
 def finish(args: argparse.Namespace, res: dict) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res["summary"], indent=1))
-    if args.out == RESULTS / "serving.json":
+    if is_published("serving", args.results):
         plot(res["frontier"], res["real"], RESULTS / "serving_frontier.png")
-        update_section("serving", render(res))
+    publish("serving", res, render, out=args.results)
+    print(json.dumps(res["summary"], indent=1))
 
 
 if __name__ == "__main__":

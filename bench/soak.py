@@ -5,28 +5,25 @@ versions reached, the fraction of updates accepted (summed from the round record
 version, so that restarts lose nothing), the number of stored versions whose hash does not
 verify (must be 0), and RSS over time. Writes bench/results/soak.json and a BENCHMARKS.md row.
 
-    .venv/bin/python bench/soak.py                 # 10 minutes
-    .venv/bin/python bench/soak.py --minutes 1     # a smoke run
+    .venv/bin/python -m bench.soak                 # 10 minutes
+    .venv/bin/python -m bench.soak --minutes 1     # a smoke run
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, Progress, update_section  # noqa: E402
+from bench.flags import QUICK_SHAPE, BenchParser, shape_flags
+from bench.report import Progress, publish, result_path, table
+from btnode.node.launch import one_thread_env, spawn_node, start_node, stop_processes
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 WORKERS = [(b, r) for b in range(3) for r in range(2)]
 
 
@@ -47,22 +44,25 @@ def free_port() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--worker-kill-every", type=float, default=30.0, help="mean seconds between worker kills")
     ap.add_argument("--aggregator-kills", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report-only", action="store_true", help="recompute the summary and the report from soak.json")
+    ap.result("soak")
     args = ap.parse_args()
     if args.report_only:
-        out = json.loads((RESULTS / "soak.json").read_text())
+        out = json.loads(result_path("soak").read_text())
         out["rss_growth_mb"] = rss_growth(out["rss"], [e["t"] for e in out["events"] if e["event"] == "kill -9 aggregator"])
-        (RESULTS / "soak.json").write_text(json.dumps(out, indent=1) + "\n")
-        report(out)
+        publish("soak", out, render)
         return
+    if args.minutes < 10 and args.results == result_path("soak"):  # a smoke run never replaces the published one
+        args.results = result_path("soak", quick=True)
     rng = random.Random(args.seed)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = one_thread_env()
+    shape = shape_flags(QUICK_SHAPE)
     duration = args.minutes * 60
     agg_kills = sorted(rng.uniform(0.15, 0.85) * duration for _ in range(args.aggregator_kills))
     with tempfile.TemporaryDirectory(prefix="btnode-soak-") as tmp:
@@ -71,19 +71,19 @@ def main() -> None:
         logs = work / "logs"
         logs.mkdir()
 
-        def start_aggregator() -> subprocess.Popen:
-            return subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}",
-                                     "--state-dir", str(state), "--deadline", "10", "--keep", "100000", *QUICK_SHAPE],
-                                    env=env, stdout=open(logs / "aggregator.log", "ab"), stderr=subprocess.STDOUT)
+        aggregator = ["join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
+                      "--deadline", "10", "--keep", "100000", *shape]
+
+        def start_aggregator() -> subprocess.Popen:  # a restart does not wait for the port
+            return spawn_node(aggregator, log=logs / "aggregator.log", env=env)
 
         def start_worker(b: int, r: int) -> subprocess.Popen:
-            return subprocess.Popen([*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
-                                     "--worker-id", f"b{b}r{r}", "--steps-per-round", "5", "--batch", "8",
-                                     "--warmup", "10", *QUICK_SHAPE], env=env,
-                                    stdout=open(logs / f"b{b}r{r}.log", "ab"), stderr=subprocess.STDOUT)
+            return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
+                               "--worker-id", f"b{b}r{r}", "--steps-per-round", "5", "--batch", "8", "--warmup", "10",
+                               *shape], log=logs / f"b{b}r{r}.log", env=env)
 
-        agg = start_aggregator()
-        time.sleep(3)
+        agg = start_node(aggregator, port_file=work / "port", log=logs / "aggregator.log", env=env,
+                         name="aggregator").proc
         workers = {w: start_worker(*w) for w in WORKERS}
         events: list[dict] = []
         samples: list[dict] = []
@@ -120,13 +120,7 @@ def main() -> None:
                 progress(int(now))
                 time.sleep(0.2)
         finally:
-            for p in [*workers.values(), agg]:
-                p.send_signal(signal.SIGTERM)
-            for p in [*workers.values(), agg]:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes([*workers.values(), agg], timeout_s=60)
         result = audit(state)
     wall = time.monotonic() - t0
     agg_series = [s["aggregator_mb"] for s in samples if s["t"] >= 60]
@@ -137,29 +131,24 @@ def main() -> None:
            "aggregator_rss_max_mb": max(agg_series) if agg_series else None,
            "worker_kills": sum("worker" in e["event"] and "kill" in e["event"] for e in events),
            "aggregator_kills": sum(e["event"] == "kill -9 aggregator" for e in events)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    quick = args.minutes < 10
-    (RESULTS / ("soak_quick.json" if quick else "soak.json")).write_text(json.dumps(out, indent=1) + "\n")
+    publish("soak", out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k not in ("events", "rss")}, indent=1))
-    if not quick:
-        report(out)
 
 
-def report(out: dict) -> None:
-    update_section("soak", "\n".join([
+def render(out: dict) -> str:
+    return "\n".join([
         "## Soak run (`bench/soak.py`)", "",
-        "Command: `.venv/bin/python bench/soak.py` (2 cores). A local swarm (aggregator + 3 blocks × 2 replicas, "
+        "Command: `.venv/bin/python -m bench.soak` (2 cores). A local swarm (aggregator + 3 blocks × 2 replicas, "
         "tiny model d=32, H = 5, τ = 10 s) on loopback; a random worker killed with SIGKILL and restarted about "
         "every 30 s, the aggregator killed with SIGKILL and restarted at random times. Accepted fraction: summed "
         "over the round records of every stored version. RSS: the aggregator's, sampled every 15 s after the "
         "first minute; growth = within one aggregator incarnation (restarts reset RSS), last sample − first sample "
         "taken 60 s after it started, the largest over incarnations.", "",
-        "| minutes | worker kills | aggregator kills | versions (min over blocks) | accepted fraction | "
-        "versions failing their hash | aggregator RSS growth (MB) | aggregator / worker RSS max (MB) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        f"| {out['minutes']:.1f} | {out['worker_kills']} | {out['aggregator_kills']} | {out['versions_min']} | "
-        f"{out['accept_fraction']:.3f} | {out['corrupt_versions']} | {out['rss_growth_mb']:.1f} | "
-        f"{out['aggregator_rss_max_mb']:.0f} / {out['worker_rss_max_mb']:.0f} |"]))
+        *table(["minutes", "worker kills", "aggregator kills", "versions (min over blocks)", "accepted fraction",
+                "versions failing their hash", "aggregator RSS growth (MB)", "aggregator / worker RSS max (MB)"],
+               [(f"{out['minutes']:.1f}", out["worker_kills"], out["aggregator_kills"], out["versions_min"],
+                 f"{out['accept_fraction']:.3f}", out["corrupt_versions"], f"{out['rss_growth_mb']:.1f}",
+                 f"{out['aggregator_rss_max_mb']:.0f} / {out['worker_rss_max_mb']:.0f}")], "rrrrrrrl")])
 
 
 def rss_growth(samples: list[dict], restarts: list[float], settle_s: float = 60.0) -> float:

@@ -12,29 +12,27 @@ pool's teacher-forced CE, and the bytes per traversal the mean acceptance α wou
 K bytes if rows were independent, Σ_{j<K} α^j (a rough guide: acceptances along a draft are
 correlated).
 
-    .venv/bin/python bench/spec_accept.py --blocks runs/served2
+    .venv/bin/python -m bench.spec_accept --blocks runs/served2
 
 Writes bench/results/spec_accept.json and the "spec-accept" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.flags import BenchParser
+from bench.report import invoked, publish, table
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
 from btnode.model.layout import eval_layout
 from btnode.model.sampler import context_logits, log_probs
 from btnode.store.models import load_blocks
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, shown, update_section  # noqa: E402
 
 TAUS = (1.0, 0.9, 0.8, 0.7)
 KS = (4, 8, 16, 32, 64)
@@ -58,10 +56,10 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--blocks", type=Path, required=True)
-    ap.add_argument("--windows", type=int, default=256)
-    ap.add_argument("--out", type=Path, default=RESULTS / "spec_accept.json")
+    ap.windows(256, help="windows of the tuning slice scored")
+    ap.result("spec-accept")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
@@ -77,7 +75,7 @@ def main() -> None:
     def ce(logp: torch.Tensor) -> float:
         return float(-logp.gather(-1, target[..., None]).mean())
 
-    res = {"command": shown([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+    res = {"command": invoked(), "date": time.strftime("%Y-%m-%d"),
            "blocks": str(args.blocks), "windows": len(windows), "rows_per_window": n // 2,
            "ce_pool": ce(pooled), "ce_block": [ce(lp[b]) for b in range(len(blocks))],
            "acceptance_block0": {str(t): acceptance(p, torch.softmax(lp[0] / t, -1)) for t in TAUS},
@@ -86,11 +84,8 @@ def main() -> None:
     a = res["acceptance_block0"]["1.0"]
     res["bytes_per_traversal_if_independent"] = {str(k): (1 - a ** k) / (1 - a) for k in KS}
     res["seconds"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    publish("spec-accept", res, render, out=args.results)
     print(json.dumps(res, indent=1))
-    if args.out == RESULTS / "spec_accept.json":
-        update_section("spec-accept", render(res))
 
 
 def render(r: dict) -> str:
@@ -99,14 +94,15 @@ def render(r: dict) -> str:
              f"slice, {r['rows_per_window']} rows each, teacher-forced: the draft q and the pool p are read on the real "
              "bytes before each row. Acceptance = mean Σ_v min(p, q) = 1 − TV(p, q), the probability that "
              "speculative sampling keeps a draft byte.", "",
-             "| what | value |", "| --- | ---: |",
-             f"| pool of {len(r['ce_block'])} context readouts, CE (nats/byte) | {r['ce_pool']:.4f} |"]
-    lines += [f"| block {b} context readout, CE | {c:.4f} |" for b, c in enumerate(r["ce_block"])]
-    lines += [f"| acceptance, draft = block 0 at τ = {t} | {v:.4f} |" for t, v in r["acceptance_block0"].items()]
-    lines += [f"| acceptance, draft = block {b} (τ = 1) | {v:.4f} |" for b, v in enumerate(r["acceptance_by_drafter"])]
-    lines += [f"| greedy: block 0's argmax = the pool's | {r['greedy_agreement_block0']:.4f} |"]
-    lines += [f"| bytes per traversal of readout spec at K = {k} if acceptances were independent | {v:.2f} |"
-              for k, v in r["bytes_per_traversal_if_independent"].items()]
+             *table(["what", "value"], [
+                 (f"pool of {len(r['ce_block'])} context readouts, CE (nats/byte)", f"{r['ce_pool']:.4f}"),
+                 *((f"block {b} context readout, CE", f"{c:.4f}") for b, c in enumerate(r["ce_block"])),
+                 *((f"acceptance, draft = block 0 at τ = {t}", f"{v:.4f}") for t, v in r["acceptance_block0"].items()),
+                 *((f"acceptance, draft = block {b} (τ = 1)", f"{v:.4f}")
+                   for b, v in enumerate(r["acceptance_by_drafter"])),
+                 ("greedy: block 0's argmax = the pool's", f"{r['greedy_agreement_block0']:.4f}"),
+                 *((f"bytes per traversal of readout spec at K = {k} if acceptances were independent", f"{v:.2f}")
+                   for k, v in r["bytes_per_traversal_if_independent"].items())], "lr")]
     return "\n".join(lines)
 
 

@@ -5,21 +5,21 @@ on their own, as a worker would), then generates 256 new bytes after each fixed 
 K = 16 (temperature 1 and greedy) with n_tail ∈ --n-tail tail steps, and scores the continuations
 with the judge (judge CE, distinct 4-grams, repeat fraction, word rate) beside the real text.
 
-    .venv/bin/python bench/tail.py --main runs/bench-quality/deployed --judge runs/judge --steps 700
+    .venv/bin/python -m bench.tail --main runs/bench-quality/deployed --judge runs/judge --steps 700
 
 Writes <out>/tail.json (one row per setting); the BENCHMARKS notes quote it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.flags import BenchParser
 
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler
@@ -34,8 +34,6 @@ from btnode.serve.window import keep_bytes, window_start
 from btnode.store.models import block_stem, init_block, load_ar, load_block, load_blocks
 from btnode.train.config import TrainConfig
 from btnode.train.trainers import BlockTrainer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def train_tail(cfg: ModelConfig, steps: int, out: Path, lr: float) -> list:
@@ -111,12 +109,12 @@ def continue_prompts(blocks: list, prompts: list[bytes], *, n_bytes: int, k: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(__doc__)
     ap.add_argument("--main", type=Path, required=True, help="train-local folder with the B scoring blocks")
     ap.add_argument("--judge", type=Path, required=True, help="judge checkpoint (AR folder)")
     ap.add_argument("--out", type=Path, default=Path("runs/tail"))
     ap.add_argument("--served", type=Path, help="also write every block (scoring + tail) under the tailed "
-                                               "configuration into this folder, for bench/serving.py")
+                                               "configuration into this folder, for bench.serving")
     ap.add_argument("--steps", type=int, default=700, help="steps per tail block")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--tail-blocks", type=int, default=1)

@@ -3,8 +3,8 @@ plain gRPC streaming and a raw TCP socket on the same loopback, how many bytes a
 worker and codec, the traffic ratio against data-parallel all-reduce, and the CE reached with
 fp32 versus int8 updates.
 
-    .venv/bin/python bench/transport.py          # ~15 min on 2 cores
-    .venv/bin/python bench/transport.py --quick  # a smoke run
+    .venv/bin/python -m bench.transport          # ~15 min on 2 cores
+    .venv/bin/python -m bench.transport --quick  # a smoke run
 
 Servers run in their own processes; the client side runs here. Throughputs are in MB/s of the
 block's fp32 size (10^6 bytes), medians of `--reps` after one warm-up, measured in one run.
@@ -18,16 +18,15 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from concurrent import futures
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, ROOT, SHAPE, update_section  # noqa: E402
+from bench.flags import SHAPE, BenchParser, shape_flags
+from bench.report import ROOT, module_command, publish, table
+from btnode.node.launch import CLI, start_node, stop_processes, wait_port
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 CHUNK = 1 << 20
 
 
@@ -74,19 +73,22 @@ def serve_tcp(port_file: Path) -> None:
 
 
 def child(kind: str, workdir: Path, *args: str) -> tuple[subprocess.Popen, int]:
+    """A server in its own process, returned once it listens: an aggregator (`btnode join`) or one of
+    this module's plain servers (`--serve-raw-grpc`, `--serve-tcp`), which write their port the same way."""
     port_file = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.port"
+    log = workdir / f"{port_file.stem}.log"
     if kind == "aggregator":
-        cmd = CLI + (["-v"] if os.environ.get("BENCH_VERBOSE") else []) + ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
-                     str(workdir / f"state-{port_file.stem}"), "--port-file", str(port_file), *SHAPE, *args]
-    else:
-        cmd = [sys.executable, __file__, f"--serve-{kind}", str(port_file)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{port_file.stem}.log", "w"))
-    deadline = time.monotonic() + 120
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{kind} server did not start; see {workdir}")
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
+        node = start_node([*(["-v"] if os.environ.get("BENCH_VERBOSE") else []), "join", "--role", "aggregator",
+                           "--listen", "127.0.0.1:0", "--state-dir", str(workdir / f"state-{port_file.stem}"),
+                           *shape_flags(SHAPE), *args], port_file=port_file, log=log, name=f"{kind} server")
+        return node.proc, node.port
+    proc = subprocess.Popen(module_command("bench.transport", f"--serve-{kind}", str(port_file)),
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        return proc, wait_port(port_file, proc, name=f"{kind} server")
+    except BaseException:
+        stop_processes([proc], timeout_s=5.0)
+        raise
 
 
 def timed(fn, reps: int) -> float:
@@ -106,13 +108,12 @@ def trained_delta(steps: int):
 
     from btnode.data import corpus
     from btnode.data.windows import WindowSampler
-    from btnode.model.config import ModelConfig
     from btnode.model.targets import target_table
     from btnode.store.models import init_block
     from btnode.train.config import TrainConfig
     from btnode.train.trainers import BlockTrainer
 
-    cfg = ModelConfig(d_model=128, n_heads=4, n_layers=2, n_blocks=3, context=128, segments=(1, 16))
+    cfg = SHAPE
     init = init_block(cfg, 1, 0)
     base = {n: t.clone() for n, t in init.state_dict().items()}
     tr = BlockTrainer(init, TrainConfig(steps=1000, batch=32), block=1, table=target_table(cfg),
@@ -165,8 +166,7 @@ def block_transfers(workdir: Path, cfg, delta, reps: int) -> dict:
                 "fetch_delta_mbps": block_bytes / fetch_s / 1e6}
             c.close()
         finally:
-            proc.terminate()
-            proc.wait()
+            stop_processes([proc])
     return out
 
 
@@ -188,8 +188,7 @@ def raw_transfers(workdir: Path, n_bytes: int, reps: int) -> dict:
         grpc_s = timed(grpc_once, reps)
         ch.close()
     finally:
-        proc.terminate()
-        proc.wait()
+        stop_processes([proc])
     proc, port = child("tcp", workdir)
     try:
         sock = socket.create_connection(("127.0.0.1", port))
@@ -202,8 +201,7 @@ def raw_transfers(workdir: Path, n_bytes: int, reps: int) -> dict:
         tcp_s = timed(tcp_once, reps)
         sock.close()
     finally:
-        proc.terminate()
-        proc.wait()
+        stop_processes([proc])
     return {"bytes": n_bytes, "grpc_s": grpc_s, "grpc_raw_mbps": n_bytes / grpc_s / 1e6,
             "tcp_s": tcp_s, "tcp_raw_mbps": n_bytes / tcp_s / 1e6}
 
@@ -212,7 +210,7 @@ def swarm_ce(workdir: Path, codec: str, rounds: int, h: int, windows: int) -> di
     """Run `btnode swarm` (3 blocks × 2 replicas) and score the result with `btnode eval`."""
     state = workdir / f"swarm-{codec}"
     cmd = CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", str(rounds), "--steps-per-round",
-                 str(h), "--codec", codec, "--deadline", "600", *SHAPE]
+                 str(h), "--codec", codec, "--deadline", "600", *shape_flags(SHAPE)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -221,16 +219,16 @@ def swarm_ce(workdir: Path, codec: str, rounds: int, h: int, windows: int) -> di
                           "--seeds", "8", "--json", str(ev)], check=True, stdout=subprocess.DEVNULL)
     res = json.loads(ev.read_text())
     return {"sce8_k1": res["per_k"]["1"]["sce8"], "sce1_k1": res["per_k"]["1"]["sce1"], "wall_s": wall,
-            "command": " ".join(["btnode"] + cmd[3:]).replace(str(ROOT) + "/", "")}
+            "command": " ".join(["btnode"] + cmd[len(CLI):]).replace(str(ROOT) + "/", "")}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: fewer reps, tiny swarm runs, no report")
+    ap = BenchParser(__doc__)
+    ap.result("transport")
+    ap.quick(help="smoke run: fewer reps, tiny swarm runs, no report", reps=2, h=3, rounds=2, windows=16)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--h", type=int, default=50, help="local steps per round (H) for the update and the swarm")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--windows", type=int, default=256)
+    ap.rounds(rounds=4, h=50, h_help="local steps per round (H) for the update and the swarm")
+    ap.windows(256)
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-transport")
     ap.add_argument("--serve-raw-grpc", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--serve-tcp", type=Path, help=argparse.SUPPRESS)
@@ -239,8 +237,6 @@ def main() -> None:
         return serve_raw_grpc(args.serve_raw_grpc)
     if args.serve_tcp:
         return serve_tcp(args.serve_tcp)
-    if args.quick:
-        args.reps, args.h, args.rounds, args.windows = 2, 3, 2, 16
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     cfg, delta, step_s = trained_delta(args.h)
@@ -273,60 +269,48 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps(res, indent=1))
-    if args.quick:
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "transport.json").write_text(json.dumps(res, indent=1) + "\n")
-    update_section("transport", render(res))
+    publish("transport", res, render, out=args.results)
 
 
 def render(r: dict) -> str:
     mb = lambda b: f"{b / 1e6:.3f} MB"  # noqa: E731
     b = r["blocks"]
-    lines = [
+    fp32 = b["codecs"]["fp32"]
+    transfers = [*(("push (encode, send, decode, validate, judge)", name, f"{c['push_mbps']:.1f}", mb(c["push_wire_bytes"]))
+                   for name, c in b["codecs"].items()),
+                 *(("fetch published delta", name, f"{c['fetch_delta_mbps']:.1f}", mb(c["delta_wire_bytes"]))
+                   for name, c in b["codecs"].items()),
+                 ("pull full block", "fp32", f"{fp32['pull_mbps']:.1f}", mb(fp32["push_wire_bytes"])),
+                 ("plain gRPC client stream of the same bytes (1 MiB messages)", "—", f"{r['grpc_raw_mbps']:.1f}",
+                  mb(r["raw"]["bytes"])),
+                 ("raw TCP socket, same bytes", "—", f"{r['tcp_raw_mbps']:.1f}", mb(r["raw"]["bytes"]))]
+    return "\n".join([
         "## Transport: a block on the wire (`bench/transport.py`)",
         "",
-        f"Command: `.venv/bin/python bench/transport.py` ({r['date']}; 2 cores, loopback). The block is block 1 of the "
+        f"Command: `.venv/bin/python -m bench.transport` ({r['date']}; 2 cores, loopback). The block is block 1 of the "
         f"quality configuration ({b['block_fp32_bytes'] / 1e6:.2f} MB in fp32); the update is its real delta after "
         f"H = {r['h']} local steps. Throughput = fp32 block bytes / seconds, median of {r['reps']} after a warm-up, "
         "servers in their own processes, all measured in the same run.",
         "",
-        "| transfer | codec | MB/s | bytes on the wire |",
-        "| --- | --- | ---: | ---: |",
-    ]
-    for name, c in b["codecs"].items():
-        lines.append(f"| push (encode, send, decode, validate, judge) | {name} | {c['push_mbps']:.1f} | {mb(c['push_wire_bytes'])} |")
-    for name, c in b["codecs"].items():
-        lines.append(f"| fetch published delta | {name} | {c['fetch_delta_mbps']:.1f} | {mb(c['delta_wire_bytes'])} |")
-    lines += [
-        f"| pull full block | fp32 | {b['codecs']['fp32']['pull_mbps']:.1f} | {mb(b['codecs']['fp32']['push_wire_bytes'])} |",
-        f"| plain gRPC client stream of the same bytes (1 MiB messages) | — | {r['grpc_raw_mbps']:.1f} | {mb(r['raw']['bytes'])} |",
-        f"| raw TCP socket, same bytes | — | {r['tcp_raw_mbps']:.1f} | {mb(r['raw']['bytes'])} |",
+        *table(["transfer", "codec", "MB/s", "bytes on the wire"], transfers, "llrr"),
         "",
         f"fp32 push reaches **{100 * r['push_vs_grpc']:.0f}%** of plain gRPC streaming (aim ≥ 60%). int8 pushes "
         f"**{r['int8_bytes_ratio']:.2f}×** fewer bytes than fp32 (aim ≥ 4.5×).",
         "",
-        "| codec | push bytes per round per worker | + fp32 published delta | vs. ring all-reduce every step |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for name, c in r["per_codec"].items():
-        lines.append(f"| {name} | {mb(c['push_wire_bytes'])} | {mb(c['round_bytes_per_worker'])} | "
-                     f"{c['allreduce_ratio']:.0f}× less |")
-    lines += [
+        *table(["codec", "push bytes per round per worker", "+ fp32 published delta", "vs. ring all-reduce every step"],
+               [(name, mb(c["push_wire_bytes"]), mb(c["round_bytes_per_worker"]), f"{c['allreduce_ratio']:.0f}× less")
+                for name, c in r["per_codec"].items()], "lrrr"),
         "",
         f"All-reduce baseline: data-parallel training of the whole model ({r['total_params']:,} parameters, "
         f"all {r['n_workers'] // 2} blocks) on {r['n_workers']} workers, ring all-reduce of fp32 gradients every step: "
         f"{r['allreduce_bytes_per_step_per_worker'] / 1e6:.2f} MB sent + received per worker per step, × H = {r['h']} "
         "steps per round. A BlockTrain worker holds one block and moves one push and one delta per round.",
         "",
-        "| updates | held-out SCE-8, K=1 (nats/byte) | SCE-1 | swarm wall-clock | command |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for name, s in r["swarm"].items():
-        lines.append(f"| {name} | {s['sce8_k1']:.4f} | {s['sce1_k1']:.4f} | {s['wall_s']:.0f} s | `{s['command']}` |")
-    lines.append("")
-    lines.append(f"int8 − fp32: {r['ce_int8_updates'] - r['ce_fp32_updates']:+.4f} nats/byte (aim: within 0.02).")
-    return "\n".join(lines)
+        *table(["updates", "held-out SCE-8, K=1 (nats/byte)", "SCE-1", "swarm wall-clock", "command"],
+               [(name, f"{s['sce8_k1']:.4f}", f"{s['sce1_k1']:.4f}", f"{s['wall_s']:.0f} s", f"`{s['command']}`")
+                for name, s in r["swarm"].items()], "lrrrl"),
+        "",
+        f"int8 − fp32: {r['ce_int8_updates'] - r['ce_fp32_updates']:+.4f} nats/byte (aim: within 0.02)."])
 
 
 if __name__ == "__main__":

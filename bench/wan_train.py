@@ -7,8 +7,8 @@ run two workers (replicas of one block are on different hosts) and reach the hub
 link of `--delay-ms` one way (40 ms round trip by default) at `--rate-mbit` (tbf), through the
 userspace delay line of btnode.netlab. Needs root.
 
-    .venv/bin/python bench/wan_train.py           # ~10 min on 2 cores
-    .venv/bin/python bench/wan_train.py --quick   # a smoke run
+    .venv/bin/python -m bench.wan_train           # ~10 min on 2 cores
+    .venv/bin/python -m bench.wan_train --quick   # a smoke run
 
 Runs, in order, on the same lab:
   idle     τ = --deadline,       workers wait idle for each version
@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import QUICK_SHAPE, RESULTS, SHAPE, update_section  # noqa: E402
+from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
+from bench.report import publish, result_path, table
+from btnode.node.launch import NodeProcess, one_thread_env, spawn_node, start_node
 
-CLI = [sys.executable, "-m", "btnode_cli.main"]
 PORT = 7070
 N_BLOCKS, REPLICAS = 3, 2
 
@@ -45,41 +43,35 @@ def host_of(block: int, replica: int) -> int:
     return 1 + (block + replica) % 3
 
 
-def wait_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (path.exists() and path.read_text().strip()):
-        if proc.poll() is not None:
-            raise SystemExit(f"the aggregator exited with {proc.returncode}; see its log")
-        if time.monotonic() > deadline:
-            raise SystemExit("the aggregator did not start listening")
-        time.sleep(0.1)
+def start_aggregator(lab, d: Path, shape: list[str], tau: float) -> NodeProcess:
+    """The aggregator in the hub h0, listening on PORT, keeping every version (its log and state in d)."""
+    return start_node(["join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir", str(d / "state"),
+                       "--deadline", str(tau), "--keep", "100000", *shape], port_file=d / "port",
+                      log=d / "aggregator.log", env=one_thread_env(), popen=partial(lab.popen, 0), name="aggregator")
+
+
+def spawn_worker(lab, d: Path, host: int, unit: int, worker_id: str, flags: list[str]) -> subprocess.Popen:
+    """A worker of `unit` on `host`, reaching the hub's aggregator over its link; stats in d/WORKER_ID.json."""
+    return spawn_node(["join", "--role", "worker", "--block", str(unit), "--peer", f"{lab.hub_address(host)}:{PORT}",
+                       "--worker-id", worker_id, *flags, "--stats-file", str(d / f"{worker_id}.json")],
+                      log=d / f"{worker_id}.log", env=one_thread_env(), popen=partial(lab.popen, host))
 
 
 def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace, work: Path,
              workers_: list[tuple[int, int]] | None = None) -> dict:
     d = work / name
     d.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agg_log = open(d / "aggregator.log", "wb")
-    agg = lab.popen(0, [*CLI, "join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir",
-                        str(d / "state"), "--deadline", str(tau), "--keep", "100000", "--port-file",
-                        str(d / "port"), *args.shape], env=env, stdout=agg_log, stderr=subprocess.STDOUT)
-    wait_file(d / "port", agg, 120)
+    shape = shape_flags(args.shape)
+    agg = start_aggregator(lab, d, shape, tau)
     t0 = time.perf_counter()
-    workers = []
     chosen = workers_ or [(b, r) for b in range(N_BLOCKS) for r in range(REPLICAS)]
-    for b, r in chosen:
-        h = host_of(b, r)
-        cmd = [*CLI, "join", "--role", "worker", "--block", str(b), "--peer", f"{lab.hub_address(h)}:{PORT}",
-               "--worker-id", f"b{b}r{r}", "--rounds", str(args.rounds), "--steps-per-round", str(args.h),
-               "--batch", str(args.batch), "--warmup", "10", "--stats-file", str(d / f"b{b}r{r}.json"),
-               "--train-while-waiting" if overlap else "--idle-while-waiting", *args.shape]
-        workers.append(lab.popen(h, cmd, env=env, stdout=open(d / f"b{b}r{r}.log", "wb"),
-                                 stderr=subprocess.STDOUT))
+    workers = [spawn_worker(lab, d, host_of(b, r), b, f"b{b}r{r}",
+                            ["--rounds", str(args.rounds), "--steps-per-round", str(args.h), "--batch", str(args.batch),
+                             "--warmup", "10", "--train-while-waiting" if overlap else "--idle-while-waiting", *shape])
+               for b, r in chosen]
     codes = [w.wait(timeout=args.timeout) for w in workers]
     wall = time.perf_counter() - t0
-    agg.send_signal(signal.SIGTERM)
-    agg.wait(timeout=60)
+    agg.stop(timeout_s=60)
     if any(codes):
         raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
     stats = {f"b{b}r{r}": json.loads((d / f"b{b}r{r}.json").read_text()) for b, r in chosen}
@@ -131,24 +123,20 @@ def ce_by_round(state: Path, args: argparse.Namespace) -> list[tuple[int, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--h", type=int, default=5, help="local steps per round")
-    ap.add_argument("--batch", type=int, default=16)
+    ap = BenchParser(__doc__)
+    ap.result("wan-train")
+    ap.rounds(rounds=12, h=5, batch=16)
     ap.add_argument("--deadline", type=float, default=60.0, help="τ of the main runs (s)")
     ap.add_argument("--short-deadline", type=float, default=1.0, help="τ of the short-τ run (s)")
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--rate-mbit", type=float, default=100.0)
-    ap.add_argument("--windows", type=int, default=64)
+    ap.windows(64)
     ap.add_argument("--ce-every", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--quick", action="store_true")
+    ap.shape(SHAPE)
+    ap.quick(rounds=2, h=2, batch=4, windows=8, ce_every=1, shape=QUICK_SHAPE)
     ap.add_argument("--only", nargs="*", help="run only these runs, keeping the others from bench/results/wan_train.json")
     args = ap.parse_args()
-    args.shape = SHAPE
-    if args.quick:
-        args.rounds, args.h, args.batch, args.windows, args.ce_every = 2, 2, 4, 8, 1
-        args.shape = QUICK_SHAPE
     from btnode.netlab.topology import Star
 
     reason = Star.why_unavailable()
@@ -163,7 +151,7 @@ def main() -> None:
                 # shows as lost compute instead of handing the CPU to another worker
                 ("idle_2w", args.deadline, False, [(0, 0), (1, 0)]), ("overlap_2w", args.deadline, True, [(0, 0), (1, 0)])]
         if args.only:
-            previous = json.loads((RESULTS / "wan_train.json").read_text())["runs"]
+            previous = json.loads(result_path("wan-train").read_text())["runs"]
             runs.update({k: v for k, v in previous.items() if k not in args.only})
         for name, tau, overlap, who in plan:
             if not args.only or name in args.only:
@@ -178,32 +166,30 @@ def main() -> None:
            "wan_accept_by_tau": {str(r["tau_s"]): r["accept_fraction"] for r in (runs["overlap"], runs["short_tau"])},
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "rounds": args.rounds, "h": args.h, "batch": args.batch, "quick": args.quick, "runs": runs}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("wan_train_quick.json" if args.quick else "wan_train.json")).write_text(json.dumps(out, indent=1) + "\n")
+    publish("wan-train", out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
-    if args.quick:
-        return
-    lines = ["## Training over an emulated WAN (`bench/wan_train.py`)", "",
-             f"Command: `.venv/bin/python bench/wan_train.py` (2 cores, root). The aggregator in a hub namespace, "
-             f"3 blocks × 2 replicas as 6 `btnode join --role worker` processes on 3 worker hosts, each host linked to "
-             f"the hub at {args.rate_mbit:g} Mbit/s (tbf) with {args.delay_ms:g} ms one way "
-             f"({2 * args.delay_ms:g} ms round trip, userspace delay line). d=128, L=2, N=128, H = {args.h} steps of "
-             f"batch {args.batch} per round, {args.rounds} rounds per worker, int8 updates, fp32 published deltas, "
-             f"1 torch thread per worker (6 workers share 2 cores; the *_2w runs have one worker each for blocks 0 and 1, "
-             f"so no two workers share a core).", "",
-             "| run | τ (s) | train while waiting | wall (s) | versions | accepted / pushed | utilisation | "
-             "MB moved | CE final |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in runs.items():
-        lines.append(f"| {name} | {r['tau_s']:g} | {'yes' if r['train_while_waiting'] else 'no'} | {r['wall_s']:.0f} | "
-                     f"{r['versions']} | {r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f}) | "
-                     f"{r['utilisation']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['ce_final']:.4f} |")
-    lines += ["", "CE (SCE-1, K = 1, nats/byte) against rounds (every block at that version):", "",
-              "| round | " + " | ".join(runs) + " |", "| ---: | " + " | ".join("---:" for _ in runs) + " |"]
-    table = {name: dict(r["ce_by_round"]) for name, r in runs.items()}
-    for rnd in sorted({k for t in table.values() for k in t}):
-        lines.append(f"| {rnd} | " + " | ".join(f"{t[rnd]:.4f}" if rnd in t else "" for t in table.values()) + " |")
-    update_section("wan-train", "\n".join(lines))
+
+
+def render(out: dict) -> str:
+    runs, link = out["runs"], out["link"]
+    ce = {name: dict(r["ce_by_round"]) for name, r in runs.items()}
+    return "\n".join([
+        "## Training over an emulated WAN (`bench/wan_train.py`)", "",
+        f"Command: `.venv/bin/python -m bench.wan_train` (2 cores, root). The aggregator in a hub namespace, "
+        f"3 blocks × 2 replicas as 6 `btnode join --role worker` processes on 3 worker hosts, each host linked to "
+        f"the hub at {link['rate_mbit']:g} Mbit/s (tbf) with {link['delay_ms_one_way']:g} ms one way "
+        f"({link['rtt_ms']:g} ms round trip, userspace delay line). d=128, L=2, N=128, H = {out['h']} steps of "
+        f"batch {out['batch']} per round, {out['rounds']} rounds per worker, int8 updates, fp32 published deltas, "
+        f"1 torch thread per worker (6 workers share 2 cores; the *_2w runs have one worker each for blocks 0 and 1, "
+        f"so no two workers share a core).", "",
+        *table(["run", "τ (s)", "train while waiting", "wall (s)", "versions", "accepted / pushed", "utilisation",
+                "MB moved", "CE final"],
+               [(name, f"{r['tau_s']:g}", "yes" if r["train_while_waiting"] else "no", f"{r['wall_s']:.0f}",
+                 r["versions"], f"{r['accepted']}/{r['pushes']} ({r['accept_fraction']:.2f})", f"{r['utilisation']:.3f}",
+                 f"{r['bytes_total'] / 1e6:.1f}", f"{r['ce_final']:.4f}") for name, r in runs.items()], "lrlrrrrrr"),
+        "", "CE (SCE-1, K = 1, nats/byte) against rounds (every block at that version):", "",
+        *table(["round", *runs], [(rnd, *(f"{t[rnd]:.4f}" if rnd in t else "" for t in ce.values()))
+                                  for rnd in sorted({k for t in ce.values() for k in t})], "r" * (len(runs) + 1))])
 
 
 if __name__ == "__main__":
