@@ -200,22 +200,22 @@ def readme_expected() -> dict[str, list[tuple[Callable[[float], str], float]]]:
     judged = ("serving.json", "quality_t1")
     full = ("memory.json", "sizes", -1)
     return {
-        "Held-out nats/byte, each block 900 s of its own machine; AR: 900 s":
+        "Held-out nats/byte, 900 s per block; AR-6: 900 s":
             [(f3, at("quality.json", "sce8_k1_deployed")), (f3, at("quality.json", "ar_total_ce_deployed"))],
-        "The same at equal total compute: 3 blocks × 300 s; AR: 900 s":
+        "Same, equal total compute: 300 s per block":
             [(f3, at("quality.json", "sce8_k1")), (f3, at("quality.json", "ar_total_ce"))],
-        "Served bytes/s over an emulated WAN; AR: plain and speculative":
+        "Bytes/s served over an emulated WAN; AR plain and speculative":
             [(f1, at(*wan, "blockwise K=16 spec", "bytes_per_s")), (f1, at(*wan, "AR plain", "bytes_per_s")),
              (f1, at(*wan, "AR speculative G=8", "bytes_per_s"))],
-        "Judge CE of the served text, nats/byte; real text in brackets":
+        "Judge CE of the served text (real text)":
             [(f3, at(*judged, "blockwise K=16 spec", "judge_ce")), (f3, at(*judged, "AR plain", "judge_ce")),
              (f3, at("serving.json", "judge_ce_real"))],
-        "Held-out nats/byte after 480 s of 6 workers over an emulated WAN; DiLoCo: 6-layer AR":
+        "Held-out nats/byte, 6 workers, 480 s over a WAN; DiLoCo AR-6":
             [(f3, at("diloco.json", "blocktrain_ce")), (f3, at("diloco.json", "diloco_ce"))],
         "MB per worker-round, same runs":
             [(mb, at("diloco.json", "blocktrain_bytes_per_worker_round")),
              (mb, at("diloco.json", "diloco_bytes_per_worker_round"))],
-        "Peak RSS per worker at d = 1792, B = 4 (MB); full: the 8-layer AR":
+        "Peak RSS per worker (MB), d = 1792; full AR-8 replica":
             [(f0, at(*full, "block_rss_mb")), (f0, at(*full, "full_rss_mb"))],
     }
 
