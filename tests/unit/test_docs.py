@@ -100,11 +100,9 @@ def test_the_readme_shows_btnode_commands():
 @pytest.mark.parametrize("argv", commands("btnode"), ids=shlex.join)
 def test_every_btnode_command_in_the_readme_exists_with_its_flags(argv):
     path, flags = split_btnode(argv)
-    if path == ["join"]:
-        role = argv[argv.index("--role") + 1]
-        shown = help_text("join", "--role", role)
-    else:
-        shown = help_text(*path)
+    if path == ["join"]:  # each role's help lists the options that role uses
+        path = ["join", "--role", argv[argv.index("--role") + 1]]
+    shown = help_text(*path)
     missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", shown)]
     assert not missing, f"`btnode {shlex.join(argv)}`: {missing} not in `btnode {' '.join(path)} --help`"
 
@@ -131,28 +129,20 @@ def at(name: str, *path: str | int) -> float:
     return value
 
 
-def f3(x: float) -> str:
-    return f"{x:.3f}"
+def f(places: int) -> Callable[[float], str]:
+    """A value as a table shows it: `places` decimals, thousands separated by commas."""
+    return lambda x: f"{x:,.{places}f}"
 
 
-def f2(x: float) -> str:
-    return f"{x:.2f}"
-
-
-def f1(x: float) -> str:
-    return f"{x:.1f}"
-
-
-def f0(x: float) -> str:
-    return f"{x:,.0f}"
+f0, f1, f2, f3 = f(0), f(1), f(2), f(3)
 
 
 def pct(x: float) -> str:
-    return f"{100 * x:.1f}"
+    return f1(100 * x)
 
 
 def mb(x: float) -> str:
-    return f"{x / 1e6:.2f}"
+    return f2(x / 1e6)
 
 
 def table_rows(text: str, heading: str) -> list[list[str]]:
