@@ -136,12 +136,4 @@ def scrape(port: int, timeout: float = 30.0) -> str:
 
 def stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
     """Signal every process still running, then wait for each, killing any that outlasts `timeout`."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(sig)
-    for p in procs:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    launch.stop_processes(procs, timeout_s=timeout, sig=sig)

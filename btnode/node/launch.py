@@ -5,6 +5,7 @@ it serves; `start_node` adds that flag, starts the process and returns once the 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,12 +78,13 @@ def one_thread_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def stop_processes(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> list[int]:
-    """SIGTERM every process still running, wait for each, SIGKILL any that outlasts timeout_s;
-    returns the exit codes in order."""
+def stop_processes(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0,
+                   sig: int = signal.SIGTERM) -> list[int]:
+    """Send `sig` (SIGTERM: a graceful drain) to every process still running, wait for each, SIGKILL
+    any that outlasts timeout_s; returns the exit codes in order."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            p.send_signal(sig)
     for p in procs:
         try:
             p.wait(timeout=timeout_s)
