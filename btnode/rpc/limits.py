@@ -69,6 +69,11 @@ class PeerLimiter(grpc.ServerInterceptor):
             self._open[(peer, kind)] += 1
             return None
 
+    def open_streams(self, kind: str = "transfer") -> int:
+        """Streams of `kind` ("transfer" or "watch") admitted and not yet ended, over all peers."""
+        with self._lock:
+            return sum(n for (_, k), n in self._open.items() if k == kind)
+
     def _release(self, peer: str, method: str) -> None:
         kind = "watch" if method == "Watch" else "transfer" if method in TRANSFERS else ""
         if kind:

@@ -217,18 +217,22 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
 
 def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
-          limits: PeerLimits | None = None, health: NodeHealth | None = None) -> tuple[grpc.Server, int, threading.Event]:
+          limits: PeerLimits | PeerLimiter | None = None,
+          health: NodeHealth | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event).
     Health and reflection come too; without a `health` to drive, Health says SERVING from the start.
 
     Past `max_workers` − 4 calls in progress, gRPC itself answers RESOURCE_EXHAUSTED: with the
-    per-peer limits that bounds the memory held by pushes being received."""
+    per-peer limits that bounds the memory held by pushes being received. A `PeerLimiter` given
+    in place of `limits` is used as it is (a caller that wants to watch its open streams)."""
     stop = threading.Event()
     refused = lambda: agg.count("unauthenticated", "token")  # noqa: E731
     limited = lambda reason: agg.count("limited", reason)  # noqa: E731
+    limiter = limits if isinstance(limits, PeerLimiter) else PeerLimiter(limits or PeerLimits())
+    limiter.on_refusal = limited
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
-                         interceptors=[*interceptors(security, refused), PeerLimiter(limits or PeerLimits(), limited),
+                         interceptors=[*interceptors(security, refused), limiter,
                                        DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])

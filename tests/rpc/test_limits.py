@@ -23,7 +23,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc import convert
 from btnode.rpc.client import SwarmClient
-from btnode.rpc.limits import PeerLimits, peer_host
+from btnode.rpc.limits import PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
 from btnode.v1 import swarm_pb2 as pb
@@ -62,18 +62,23 @@ def held_push(address: str, cfg: ModelConfig, worker: str, release: threading.Ev
 @pytest.fixture
 def limited(tmp_path):
     agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
-    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_streams=2, joins_per_minute=3))
-    yield f"127.0.0.1:{port}", agg
+    limiter = PeerLimiter(PeerLimits(max_streams=2, joins_per_minute=3))
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
+    yield f"127.0.0.1:{port}", agg, limiter
     server.stop(0).wait()
 
 
 def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
-    address, agg = limited
+    address, agg, limiter = limited
     release, results = threading.Event(), queue.Queue()
     threads = [threading.Thread(target=held_push, args=(address, CFG, f"w{i}", release, results)) for i in range(3)]
     for t in threads[:2]:
         t.start()
-    assert {results.get(timeout=30)[0] for _ in range(2)} == {"sent"}  # both streams are open, on the server
+    assert {results.get(timeout=30)[0] for _ in range(2)} == {"sent"}  # both clients have sent everything
+    deadline = time.monotonic() + 30  # "sent" is the client's side: wait until the server holds both streams
+    while limiter.open_streams() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert limiter.open_streams() == 2
     threads[2].start()
     outcome = results.get(timeout=30)
     assert outcome == ("refused", grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -90,7 +95,7 @@ def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
 
 
 def test_joins_per_minute_are_limited_per_peer(limited):
-    address, agg = limited
+    address, agg, _ = limited
     c = SwarmClient(address, timeout_s=10)
     for i in range(3):
         c.join(f"w{i}", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))

@@ -40,24 +40,27 @@ def test_notify_sends_fields_and_is_a_noop_outside_systemd(tmp_path, monkeypatch
 
 
 def test_watchdog_is_withheld_when_the_main_loop_stops_reporting(tmp_path, monkeypatch):
-    sock = listen(tmp_path, monkeypatch, watchdog_usec=100_000)
-    alive, stop = threading.Event(), threading.Event()
-    beating = threading.Event()
+    sock = listen(tmp_path, monkeypatch, watchdog_usec=100_000)  # a keep-alive every 0.05 s
+    alive, stop, hang = threading.Event(), threading.Event(), threading.Event()
 
     def main_loop():
-        while not stop.is_set():
-            if beating.is_set():
-                alive.set()
+        while not hang.is_set():
+            alive.set()
             time.sleep(0.01)
 
-    threading.Thread(target=main_loop, daemon=True).start()
-    beating.set()
+    loop = threading.Thread(target=main_loop, daemon=True)
+    loop.start()
     systemd.start_watchdog(alive, stop)
-    assert drain(sock, 0.6).count("WATCHDOG=1") >= 3
-    beating.clear()  # the loop hangs
-    time.sleep(0.1)
-    assert drain(sock, 0.6).count("WATCHDOG=1") == 0
-    stop.set()
+    try:
+        assert drain(sock, 0.6).count("WATCHDOG=1") >= 3
+        hang.set()  # the loop hangs: it reports no more
+        loop.join(timeout=10)
+        # Its last report may still be taken (one keep-alive, possibly already queued in the socket):
+        # let it through and discard it, then nothing more may come.
+        drain(sock, 0.5)
+        assert drain(sock, 0.6).count("WATCHDOG=1") == 0
+    finally:
+        stop.set()  # also when an assertion fails, so the thread does not log past the test
 
 
 def test_a_watchdog_for_another_pid_is_not_ours(monkeypatch):
