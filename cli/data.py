@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from btnode.data.manifest import Manifest, read_manifest
+from btnode.data.manifest import SPLITS, Manifest, read_manifest
 from btnode.data.prepare import PrepareConfig, PrepareProgress, escape, verify
 from btnode.data.prepare import prepare as prepare_dataset
 from btnode.settings import build
@@ -47,7 +47,7 @@ def prepare(sources: Annotated[list[Path], typer.Argument(
 
 
 def _summary(manifest: Manifest) -> None:
-    for s in manifest.splits.values():
+    for s in (manifest.splits[name] for name in SPLITS if name in manifest.splits):
         typer.echo(f"  {s.name:<5} {s.documents:>12,} documents {s.bytes:>16,} bytes {len(s.shards):>5} shards")
     skipped = ", ".join(f"{n:,} {kind}" for kind, n in sorted(manifest.skipped.items()) if n) or "none"
     typer.echo(f"  skipped: {skipped}; cut: {manifest.extra.get('cut', 0):,}")
@@ -69,7 +69,7 @@ def info(folder: Folder) -> None:
     """Print a dataset's manifest in short: splits, separator, split rule, sources and skips."""
     manifest = read_manifest(folder)
     rule = manifest.split_rule
-    typer.echo(f"{folder}: {manifest.documents:,} documents, separator {escape(manifest.separator)!r}, "
+    typer.echo(f"{folder}: {manifest.documents:,} documents, separator '{escape(manifest.separator)}', "
                f"tune {rule.get('tune')} / test {rule.get('test')} by content hash")
     _summary(manifest)
     for s in manifest.sources:

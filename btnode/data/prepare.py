@@ -112,22 +112,24 @@ def prepare(paths: list[Path], out: Path, config: PrepareConfig = PrepareConfig(
     split = HashSplit(config.tune, config.test)
     writers = {name: ShardWriter(out, name, config.separator, config.shard_bytes) for name in SPLITS}
     state = PrepareProgress(bytes_total=sum(s.size for s in found))
-    reports = []
-    for source in found:
-        report = SourceReport(source)
-        reports.append(report)
-        done_before = state.bytes_read
-        for batch in readers.documents(report, text_field=config.text_field, max_document=config.max_document):
-            for name, docs in split.assign(batch).items():
-                writers[name].add_many(docs)
-            state.bytes_read, state.documents = done_before + report.bytes, state.documents + len(batch)
-            if progress is not None:
-                progress(state)
+    reports = [SourceReport(source) for source in found]
+    try:
+        for report in reports:
+            done_before = state.bytes_read
+            for batch in readers.documents(report, text_field=config.text_field, max_document=config.max_document):
+                for name, docs in split.assign(batch).items():
+                    writers[name].add_many(docs)
+                state.bytes_read, state.documents = done_before + report.bytes, state.documents + len(batch)
+                if progress is not None:
+                    progress(state)
+                _strict(config, report)
             _strict(config, report)
-        _strict(config, report)
-        if report.skipped:
-            log.warning("%s: skipped %s", source.path, _kinds(report.skipped))
-    return _finish(Path(out), config, {n: w.close() for n, w in writers.items()}, reports)
+            if report.skipped:
+                log.warning("%s: skipped %s", report.source.path, _kinds(report.skipped))
+        splits = {n: w.close() for n, w in writers.items()}
+    except OSError as exc:  # reading errors are counted in `documents`; this is the output side
+        raise DataError(f"cannot write the dataset in {out}: {exc.strerror or exc}") from exc
+    return _finish(Path(out), config, splits, reports)
 
 
 def _strict(config: PrepareConfig, report: SourceReport) -> None:

@@ -38,7 +38,7 @@ PARQUET_BATCH_ROWS = 1024
 BLANK_LINES = re.compile(rb"\n(?:[ \t\r]*\n)+")
 LEADING_BLANK = re.compile(rb"(?:[ \t\r]*\n)+")
 TRAILING_BLANK = re.compile(rb"(?:\r?\n[ \t\r]*)+\Z")
-TEXT_SUFFIXES = (".txt", ".raw")
+TEXT_SUFFIXES = (".txt", ".raw", ".txt.gz", ".txt.zst")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
 
@@ -84,9 +84,9 @@ class SourceReport:
             log.warning("%s: %s (%s)", self.source.path, why, kind.value)
 
     def to_dict(self) -> dict:
-        doc = {"path": self.source.path.as_posix(), "format": self.source.format.value, "bytes": self.bytes,
-               "documents": self.documents, "skipped": {k.value: n for k, n in sorted(self.skipped.items()) if n}}
-        return {**doc, "cut": self.cut} if self.cut else doc
+        return {"path": self.source.path.as_posix(), "format": self.source.format.value, "bytes": self.bytes,
+                "documents": self.documents, "cut": self.cut,
+                "skipped": {k.value: n for k, n in sorted(self.skipped.items()) if n}}
 
 
 def format_of(path: Path) -> Format | None:
@@ -107,21 +107,27 @@ def sources(paths: list[Path]) -> list[Source]:
     logged and left out). A path that does not exist is an error before anything is written."""
     found: list[Source] = []
     for given in paths:
-        if given.is_dir():
-            files = sorted(p for p in given.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(given).parts))
-            taken = [p for p in files if format_of(p) is not None]
-            if len(taken) < len(files):
-                log.info("%s: %d files left out (names not ending in %s)", given, len(files) - len(taken),
-                         ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES))
-            found.extend(Source(given / p.relative_to(given), format_of(p), p.stat().st_size) for p in taken)
-        elif given.is_file():
-            found.append(Source(given, format_of(given) or Format.TEXT, given.stat().st_size))
-        else:
-            raise DataError(f"{given}: no such file or folder")
+        try:
+            found.extend(_walk(given))
+        except OSError as exc:
+            raise DataError(f"{given} cannot be listed: {exc.strerror or exc}") from exc
     if not found:
         raise DataError(f"no input files in {', '.join(str(p) for p in paths)}")
     return found
+
+
+def _walk(given: Path) -> list[Source]:
+    if given.is_file():
+        return [Source(given, format_of(given) or Format.TEXT, given.stat().st_size)]
+    if not given.is_dir():
+        raise DataError(f"{given}: no such file or folder")
+    files = sorted(p for p in given.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(given).parts))
+    taken = [p for p in files if format_of(p) is not None]
+    if len(taken) < len(files):
+        log.info("%s: %d files left out (names not ending in %s)", given, len(files) - len(taken),
+                 ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES))
+    return [Source(given / p.relative_to(given), format_of(p), p.stat().st_size) for p in taken]
 
 
 def documents(report: SourceReport, *, text_field: str = "text", block: int = BLOCK_BYTES,
@@ -305,7 +311,7 @@ def parquet_documents(report: SourceReport, text_field: str, max_document: int) 
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(report.source.path)
+        pf = pq.ParquetFile(report.source.path, pre_buffer=False)  # pre-buffering reads the whole file ahead
         rows, schema = pf.metadata.num_rows, pf.schema_arrow
         kind = schema.field(text_field).type if text_field in schema.names else None
         if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)

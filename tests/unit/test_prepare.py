@@ -85,12 +85,14 @@ def test_a_folder_is_its_data_files_in_sorted_order(tmp_path):
     (src / "b.txt").write_bytes(b"two")
     (src / "a.raw").write_bytes(b"one\n\nalso one")
     (src / "sub" / "c.jsonl").write_bytes(jsonl([b"three"]))
+    (src / "sub" / "d.txt.gz").write_bytes(gzip.compress(b"four\n"))
     (src / "notes.md").write_bytes(b"left out")
     (src / ".hidden.txt").write_bytes(b"left out")
     m = prepare([src], tmp_path / "out")
     assert [(s["path"], s["format"], s["documents"]) for s in m.sources] == [
-        (f"{src}/a.raw", "text", 2), (f"{src}/b.txt", "text", 1), (f"{src}/sub/c.jsonl", "jsonl", 1)]
-    assert all_docs(tmp_path / "out") == sorted([b"one", b"also one", b"two", b"three"])
+        (f"{src}/a.raw", "text", 2), (f"{src}/b.txt", "text", 1), (f"{src}/sub/c.jsonl", "jsonl", 1),
+        (f"{src}/sub/d.txt.gz", "text", 1)]
+    assert all_docs(tmp_path / "out") == sorted([b"one", b"also one", b"two", b"three", b"four"])
 
 
 def test_paragraphs_are_split_on_blank_lines_whatever_their_line_endings():
