@@ -53,3 +53,45 @@ class ProgressPrinter:
         if finished or (self.every and p.step % self.every == 0):
             log.info("%s step %d/%d loss %.4f ce %.4f K=%d | %.0f bytes/s, ETA %s",
                      p.name, p.step, p.total, p.stats.loss, p.stats.ce, p.stats.k, rate, duration(eta))
+
+
+class ByteProgress:
+    """Progress of work measured in input bytes (`btnode data prepare`, `data verify`). On a terminal:
+    one line rewritten in place with bytes, documents, rate and ETA. Elsewhere (journald, a pipe):
+    the same as a log line every `log_every_s` seconds, and nothing for short runs."""
+
+    def __init__(self, what: str, total: int, stream: TextIO | None = None, refresh_s: float = 0.5,
+                 log_every_s: float = 30.0):
+        self.what, self.total = what, total
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.period = refresh_s if self.tty else log_every_s
+        self.started = time.monotonic()
+        self._shown = self.started
+        self._drawn = False
+
+    def __call__(self, done: int, documents: int | None = None) -> None:
+        now = time.monotonic()
+        if now - self._shown < self.period:
+            return
+        self._shown = now
+        line = self.line(done, documents, now - self.started)
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:200])
+            self.stream.flush()
+            self._drawn = True
+        else:
+            logging.getLogger("btnode.data").info("%s", line)
+
+    def line(self, done: int, documents: int | None, elapsed: float) -> str:
+        rate = done / max(elapsed, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        docs = f", {documents:,} documents" if documents is not None else ""
+        return (f"{self.what}: {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB ({done / max(self.total, 1):.0%}){docs}"
+                f" | {rate / 1e6:,.1f} MB/s | ETA {duration(eta)}")
+
+    def close(self) -> None:
+        """End the terminal line (if one was drawn) so what follows starts on its own."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()

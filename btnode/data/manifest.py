@@ -184,6 +184,14 @@ class ShardWriter:
         self._write(document)
         self.documents += 1
 
+    def add_many(self, documents: list[bytes]) -> None:
+        """Documents in order, written as one block (per-document writes cost more than the hashing)."""
+        if documents:
+            if self.documents:
+                self._write(self.separator)
+            self._write(self.separator.join(documents))
+            self.documents += len(documents)
+
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:

@@ -7,7 +7,7 @@ import logging
 
 from btnode.train.loops import Progress
 from btnode.train.trainers import StepStats
-from btnode_cli.progress import ProgressPrinter, duration
+from btnode_cli.progress import ByteProgress, ProgressPrinter, duration
 
 
 class Tty(io.StringIO):
@@ -42,3 +42,20 @@ def test_a_log_file_stays_quiet_but_for_the_end(caplog):
 
 def test_duration_format():
     assert duration(5) == "5s" and duration(125) == "2m05s" and duration(3725) == "1h02m" and duration(float("nan")) == "?"
+
+
+def test_byte_progress_rewrites_a_terminal_line_and_logs_elsewhere(caplog):
+    out = Tty()
+    shown = ByteProgress("prepare", total=200_000_000, stream=out, refresh_s=0.0)
+    shown.started -= 2.0  # two seconds in
+    shown(50_000_000, 1234)
+    shown.close()
+    text = out.getvalue()
+    assert text.startswith("\r\033[K") and text.endswith("\n") and "50.0/200.0 MB (25%), 1,234 documents" in text
+    assert "25.0 MB/s" in text and "ETA 6s" in text
+    caplog.set_level(logging.INFO, logger="btnode.data")
+    quiet = io.StringIO()
+    logged = ByteProgress("verify", total=10, stream=quiet, log_every_s=0.0)
+    logged(5)
+    logged.close()
+    assert quiet.getvalue() == "" and len(caplog.records) == 1 and "verify: 0.0/0.0 MB (50%)" in caplog.records[0].getMessage()
