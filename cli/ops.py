@@ -107,7 +107,7 @@ def plan(json_out: Json = False, **flags: Any) -> None:
     data = build(HostConfig, flags).load_corpus()  # after the measurements: they are of the model alone
     held = data.train.in_memory()
     data_line = f"data: {data.source}; the training split is " + (
-        f"held in memory ({mib(held)})" if held else "memory-mapped (page cache the kernel reclaims, not in the peak)")
+        f"held in memory ({mib(held)})" if held else "read from disk as windows need it (page cache, not in the peak)")
     swarm = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(worker, Codec.INT8)}  # what `join --role worker` checks
     swarm_e2e = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(e2e, Codec.INT8)}  # a --model ar worker's
     if json_out:

@@ -8,7 +8,7 @@ A user's `--data` may be a prepared dataset (a folder with manifest.json, or an 
 one: its train / tune / test splits), a folder holding wiki.train.raw, wiki.valid.raw and
 wiki.test.raw (full WikiText-2: train / tune / test), or a single file, which becomes the training
 corpus while the tuning slice and held-out test stay the bundled ones. Everything but the bundled
-corpus is memory-mapped, never read whole into memory. Files whose name has a published sha256
+corpus is read from disk as windows need it, never whole into memory. Files whose name has a published sha256
 are checked against it.
 """
 
@@ -87,8 +87,8 @@ def bundled() -> Corpus:
                   source="bundled WikiText-2: train=valid[:-64KiB], tune=valid[-64KiB:], test=test")
 
 
-def mapped_file(path: Path, role: str) -> ShardedBytes:
-    """A user's file, memory-mapped, with clear errors for missing, unreadable or empty files."""
+def file_source(path: Path, role: str) -> ShardedBytes:
+    """A user's file, read as needed, with clear errors for missing, unreadable or empty files."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -109,7 +109,7 @@ def _wikitext(folder: Path) -> Corpus:
     if missing:
         raise DataError(f"data folder {folder} lacks {', '.join(missing)} (expected {', '.join(WIKITEXT_FILES)}, "
                         "or a prepared dataset's manifest.json)")
-    train, tune, test = (mapped_file(folder / n, role) for n, role in zip(WIKITEXT_FILES, SPLITS))
+    train, tune, test = (file_source(folder / n, role) for n, role in zip(WIKITEXT_FILES, SPLITS))
     return Corpus(train=train, tune=tune, test=test, source=f"{folder}: train/valid/test files")
 
 
@@ -119,7 +119,7 @@ def _manifest_digest(manifest: Manifest) -> str:
 
 
 def dataset(manifest: Manifest, locate: Callable[[Shard], Path], origin: str) -> Corpus:
-    """A prepared dataset's splits as memory-mapped streams; a split it lacks is empty (and refused
+    """A prepared dataset's splits as streams over its shard files; a split it lacks is empty (and refused
     by whatever needs windows from it)."""
     parts = {name: ShardedBytes(manifest.splits.get(name) or Split(name, 0, 0, ()), locate,
                                 f"the {name} split of {origin}") for name in SPLITS}
@@ -153,6 +153,6 @@ def load(path: str | Path | None, *, cache_dir: Path | None = None, cache_gb: fl
     if p.is_dir():
         return _wikitext(p)
     base = bundled()
-    train = mapped_file(p, "train")
+    train = file_source(p, "train")
     return Corpus(train=train, tune=base.tune, test=base.test,
-                  source=f"train={p} ({size_text(len(train))}, memory-mapped); tune and test bundled WikiText-2")
+                  source=f"train={p} ({size_text(len(train))}, read from disk); tune and test bundled WikiText-2")
