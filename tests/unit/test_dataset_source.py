@@ -177,3 +177,18 @@ def test_training_on_a_dataset_does_not_hold_it(tmp_path):
     grown = resident_bytes() - before
     assert len(data.train) == 64 << 20 and all(b.shape == (32, 129) for b in batches)
     assert grown < 8 << 20, f"the resident set grew by {grown / 2**20:.1f} MiB"
+
+
+def test_doctor_checks_the_data_a_worker_would_train_on(small_dataset, tmp_path):
+    from btnode.model.config import ModelConfig
+    from btnode.node.doctor import check_data
+    from btnode.node.settings import HostConfig
+
+    ok = check_data(ModelConfig(context=64), HostConfig(data=str(small_dataset[0])))
+    assert ok.level == "OK" and ok.detail.startswith(f"dataset {small_dataset[0]} (manifest sha256 ")
+    folder = broken_copy(small_dataset, tmp_path)
+    (folder / "train" / "000000.bin").unlink()
+    bad = check_data(ModelConfig(context=64), HostConfig(data=str(folder)))
+    assert bad.level == "FAIL" and "shard train/000000.bin of the train split" in bad.detail and bad.fix
+    short = check_data(ModelConfig(context=1 << 20), HostConfig(data=str(small_dataset[0])))
+    assert short.level == "FAIL" and "a window needs 1048577" in short.detail
