@@ -80,7 +80,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
              f"{res.virtual_seconds:.1f} virtual s, utilisation {res.utilisation:.2f}",
              *([f"initial model: {what} {ce_init:.4f} nats/byte"] if ce_init is not None else []),
              f"after {rounds} rounds: {what} {ce:.4f} nats/byte ({'AR, ' if cfg.kind == 'ar' else 'K=1, '}"
-             f"{eval_windows} held-out windows of {data_.test.description}; outer step η={acfg.outer.lr:g}, μ={acfg.outer.momentum:g})"]
+             f"{eval_windows} held-out windows of {data_.test.description}; "
+             f"outer step η={acfg.outer.lr:g}, μ={acfg.outer.momentum:g})"]
     typer.echo("\n".join(lines))
     if json_out is not None:
         json_out.write_text(json.dumps(out, indent=1) + "\n")

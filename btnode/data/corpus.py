@@ -81,7 +81,8 @@ def bundled_file(name: str) -> bytes:
 
 def bundled() -> Corpus:
     valid = bundled_file("wiki.valid.raw")
-    return Corpus(train=MemoryBytes(valid[:-TUNE_BYTES], "bundled WikiText-2 train (wiki.valid.raw less its last 64 KiB)"),
+    return Corpus(train=MemoryBytes(valid[:-TUNE_BYTES],
+                                    "bundled WikiText-2 train (wiki.valid.raw less its last 64 KiB)"),
                   tune=MemoryBytes(valid[-TUNE_BYTES:], "bundled WikiText-2 tune (the last 64 KiB of wiki.valid.raw)"),
                   test=MemoryBytes(bundled_file("wiki.test.raw"), "bundled WikiText-2 test (wiki.test.raw)"),
                   source="bundled WikiText-2: train=valid[:-64KiB], tune=valid[-64KiB:], test=test")

@@ -38,11 +38,12 @@ class ByteSource(ABC):
         """The bytes [start, start + length), cut at the end of the stream (as slicing does)."""
 
     def in_memory(self) -> int:
-        """Bytes this source holds in process memory (bytes read from files pass through the page cache, not counted)."""
+        """Bytes this source holds in process memory (what it reads from files is page cache: not counted)."""
         return 0
 
-    def chunks(self, size: int = READ_CHUNK) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) over the whole stream in pieces of at most `size` bytes."""
+    def chunks(self, size: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) over the whole stream in pieces of at most `size` (READ_CHUNK) bytes."""
+        size = size or READ_CHUNK
         for offset in range(0, len(self), size):
             yield offset, self.read(offset, size)
 
@@ -55,7 +56,7 @@ def positions(starts: torch.Tensor, length: int, total: int) -> torch.Tensor:
 
 
 class MemoryBytes(ByteSource):
-    """Bytes held in memory (the bundled corpus, WikiText files): one tensor over one copy of them."""
+    """Bytes held in memory (the bundled corpus): one tensor over one copy of them."""
 
     def __init__(self, data: bytes, description: str = "bytes in memory"):
         self._buffer = bytearray(data)  # writable, so the tensor shares it without torch's warning

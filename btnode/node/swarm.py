@@ -49,8 +49,8 @@ class SwarmConfig:
 
 
 def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorNodeConfig, train: TrainConfig,
-              worker: WorkerConfig, swarm: SwarmConfig, host: HostConfig = HostConfig(), *, echo: Callable[[str], None] = print,
-              timeout_s: float = 3600.0) -> SwarmResult:
+              worker: WorkerConfig, swarm: SwarmConfig, host: HostConfig = HostConfig(), *,
+              echo: Callable[[str], None] = print, timeout_s: float = 3600.0) -> SwarmResult:
     """Run until every worker has pushed `worker.rounds` updates; returns what was published. The
     aggregator runs `aggregate` in `node.state_dir`; each worker runs `train` and `worker` with its
     unit and name filled in, and trains on `host`'s data."""

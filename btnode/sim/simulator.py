@@ -99,8 +99,8 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig, corpus: ByteSource | bytes,
-                 state_dir: Path, *, device: torch.device):
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig,
+                 corpus: ByteSource | bytes, state_dir: Path, *, device: torch.device):
         self.cfg, self.acfg, self.scfg = cfg, acfg, scfg
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []

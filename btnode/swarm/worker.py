@@ -112,8 +112,8 @@ class Exchanged:
 
 
 class BlockWorker:
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink, corpus: ByteSource | bytes,
-                 *, device: torch.device):
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink,
+                 corpus: ByteSource | bytes, *, device: torch.device):
         self.cfg, self.tc, self.wcfg, self.link = cfg, tc, wcfg, link
         self.sampler = WindowSampler(corpus, cfg.context)
         model = init_unit(cfg, wcfg.block, tc.seed)

@@ -97,8 +97,8 @@ def train_blocks(cfg: ModelConfig, tc: TrainConfig, corpus: ByteSource | bytes, 
     _run(trainers, sampler, tc, folder, checkpoint_every=checkpoint_every, stop_after=stop_after, on_step=on_step)
 
 
-def train_ar(cfg: ModelConfig, tc: TrainConfig, corpus: ByteSource | bytes, folder: Path, *, n_layers: int, device: torch.device,
-             resume: bool = False, checkpoint_every: int = 200, stop_after: int | None = None,
+def train_ar(cfg: ModelConfig, tc: TrainConfig, corpus: ByteSource | bytes, folder: Path, *, n_layers: int,
+             device: torch.device, resume: bool = False, checkpoint_every: int = 200, stop_after: int | None = None,
              on_step: ProgressFn | None = None) -> None:
     """The baseline sees worker 0's windows, the same stream block 0 trains on."""
     sampler = WindowSampler(corpus, cfg.context)
