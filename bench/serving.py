@@ -131,7 +131,7 @@ def quality(args: argparse.Namespace, all_modes: list[dict]) -> tuple[dict, dict
 
     data = corpus.bundled()
     judge = load_ar(args.judge).model.eval()
-    words = J.english_words(fallback_corpus=data.train)
+    words = J.english_words()
     prompts = J.fixed_prompts(data.test, args.prompts)
     models = {"blocks": load_blocks(args.blocks), "ar": load_ar(args.ar).model.eval(),
               "draft": load_ar(args.draft).model.eval()}

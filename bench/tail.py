@@ -144,7 +144,7 @@ def main() -> None:
         write_served(cfg, blocks, args.main, args.out, args.served)
 
     judge = load_ar(args.judge).model.eval()
-    words = J.english_words(fallback_corpus=corpus.bundled().train)
+    words = J.english_words()
     prompts = J.fixed_prompts(corpus.bundled().test, args.prompts)
 
     def score(pairs: list) -> dict:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from btnode.model.readout import DEFAULT_READOUT, SWEEP_READOUTS, Readout
-from btnode_cli.options import Data, Device, device, parse_ints
+from btnode.node.settings import HostConfig
+from btnode.settings import build
+from btnode_cli.options import device, parse_ints, takes
 
 
+@takes(HostConfig)
 def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Checkpoint folder (blocks or AR).")],
              segments: Annotated[Optional[str], typer.Option(
                  "--segments", help="Segment lengths K to score (default: every trained K).")] = None,
@@ -23,26 +26,30 @@ def evaluate(checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Chec
              readout: Annotated[str, typer.Option("--readout", help="pool (the blocks' context readouts pooled with the sweep's last evaluation) or last.")] = DEFAULT_READOUT.value,
              version: Annotated[Optional[int], typer.Option("--version", help="Score this version of every block, or of a DiLoCo run's AR model (aggregator state folders).")] = None,
              alone: Annotated[bool, typer.Option("--alone/--no-alone", help="Also read each block alone at K=1.")] = True,
-             data: Data = None, device_name: Device = "cpu",
-             json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None) -> None:
+             json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
+             **flags: Any) -> None:
     """Score a checkpoint on held-out bytes (nats/byte; bits/byte = nats/ln 2)."""
     import torch
 
-    from btnode.data import corpus
+    from btnode.data.source import unigram_entropy
     from btnode.data.windows import eval_windows
     from btnode.errors import InputError
     from btnode.evaluation.metrics import ar_ce, blocks_alone, sampler_ce
     from btnode.model.noise import default_steps
     from btnode.store.models import kind_of, load_ar, load_blocks
 
-    dev = device(device_name)
+    host = build(HostConfig, flags)
+    dev = device(host.device)
     if seeds < 1 or windows < 1:
         raise InputError("--seeds and --windows must be ≥ 1")
     if readout not in SWEEP_READOUTS:
         raise InputError(f"--readout must be one of {', '.join(r.value for r in SWEEP_READOUTS)}, got {readout!r}")
-    test = corpus.load(data).test
+    data = host.load_corpus()
+    test = data.test
     kind = kind_of(checkpoint)
-    result: dict = {"checkpoint": str(checkpoint), "kind": kind, "unigram": corpus.unigram_entropy(test)}
+    result: dict = {"checkpoint": str(checkpoint), "kind": kind, "data": data.source, "split": test.description,
+                    "unigram": unigram_entropy(test)}
+    typer.echo(f"scored on {test.description}, {len(test):,} bytes ({data.source})")
     if kind == "ar":
         loaded = load_ar(checkpoint, version=version)
         w = eval_windows(test, loaded.cfg.context, windows)

@@ -15,6 +15,7 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig
 from btnode.node.roles import ROLES
+from btnode.node.settings import HostConfig
 from btnode.node.swarm import SwarmConfig
 from btnode.settings import Declared, Section, build, section
 from btnode.swarm.worker import WorkerConfig
@@ -97,7 +98,8 @@ SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(TrainConfig, only=("batch", "lr")),
                   Section(WorkerConfig, only=("rounds", "steps_per_round", "codec"), defaults={"rounds": 5},
                           helps={"rounds": "Pushes per worker."}),
-                  SwarmConfig)
+                  SwarmConfig,
+                  Section(HostConfig, only=("data", "data_cache", "data_cache_gb")))  # the workers' data
 
 
 @takes(*SWARM_SECTIONS)

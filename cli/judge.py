@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from btnode_cli.options import Data, Device, device
+from btnode.node.settings import HostConfig
+from btnode.settings import build
+from btnode_cli.options import device, takes
 
 DEFAULT_JUDGE = Path("runs/judge")  # where bench/judge.py writes the judge checkpoint
 
@@ -55,6 +57,7 @@ def read_samples(path: Path) -> list[dict]:
     return out
 
 
+@takes(HostConfig)
 def judge(samples: Annotated[Optional[Path], typer.Argument(
               help="JSONL of {\"prompt\", \"continuation\"}, bytes as latin-1 strings.")] = None,
           checkpoint: Annotated[Path, typer.Option(
@@ -67,8 +70,8 @@ def judge(samples: Annotated[Optional[Path], typer.Argument(
               "--stride", help="Sliding-window stride in bytes (default: half the judge's context).")] = None,
           words_file: Annotated[Optional[Path], typer.Option(
               "--words", help="Word list, one word a line (default: Debian's wamerican).")] = None,
-          data: Data = None, device_name: Device = "cpu",
-          json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None) -> None:
+          json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the results here.")] = None,
+          **flags: Any) -> None:
     """Judge generated text: judge CE (nats/byte of each continuation given its prompt) and form."""
     from btnode.errors import CheckpointError, InputError
 
@@ -82,11 +85,14 @@ def judge(samples: Annotated[Optional[Path], typer.Argument(
     if words_file is not None and not words_file.is_file():
         raise InputError(f"word list {words_file} does not exist")
 
-    from btnode.data import corpus
     from btnode.evaluation import judge as jd
     from btnode.store.models import kind_of, load_ar
 
-    prompts = jd.fixed_prompts(corpus.load(data).test) if reference or prompts_out else []
+    host = build(HostConfig, flags)
+    data = host.load_corpus() if reference or prompts_out else None
+    prompts = jd.fixed_prompts(data.test) if data is not None else []
+    if data is not None:
+        typer.echo(f"fixed prompts from {data.test.description} ({data.source})")
     if prompts_out is not None:
         with open(prompts_out, "w") as f:
             for p in prompts:
@@ -101,13 +107,14 @@ def judge(samples: Annotated[Optional[Path], typer.Argument(
     if kind_of(checkpoint) != "ar":
         raise CheckpointError(f"{checkpoint} holds blocks; the judge must be an autoregressive checkpoint")
     loaded = load_ar(checkpoint)
-    dev = device(device_name)
+    dev = device(host.device)
     model, cfg = loaded.model.to(dev), loaded.cfg
     words = jd.english_words(words_file) if words_file is not None else jd.english_words()
     result: dict = {"checkpoint": str(checkpoint),
                     "judge": {"n_layers": loaded.meta["n_layers"], "d_model": cfg.d_model, "context": cfg.context,
                               "step": loaded.meta.get("step")},
-                    "word_list": words.source, "encoding": "latin-1"}
+                    "word_list": words.source, "encoding": "latin-1",
+                    **({"data": data.source, "prompts_from": data.test.description} if data is not None else {})}
     typer.echo(f"judge {checkpoint}: {loaded.meta['n_layers']} layers, d_model {cfg.d_model}, context {cfg.context}; "
                f"word list: {words.source}")
     typer.echo(f"{'samples':<28s} {'n':>4s} {'judge CE':>9s} {'distinct4':>9s} {'repeat16':>9s} {'words':>7s}")

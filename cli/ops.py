@@ -59,18 +59,18 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
                    f"({c['labels'].get('reason') or '-'}): {int(c['value'])}")
 
 
-@takes(Section(HostConfig, only=("device_name",)), ModelConfig)
+@takes(HostConfig, ModelConfig)
 def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT of the aggregator to join.")] = None,
            listen: Annotated[Optional[str], typer.Option("--listen", help="HOST:PORT this node will serve on (aggregator, stage).")] = None,
            state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the node keeps its state.")] = Path("."),
            json_out: Json = False, **flags: Any) -> None:
     """Check this host before it joins: peer reachable and its gRPC Health SERVING, port free, clock
-    skew, disk, torch threads and devices, and the run fingerprint against the swarm's. Each problem
-    comes with a fix."""
+    skew, disk, the --data it trains on, torch threads and devices, and the run fingerprint against
+    the swarm's. Each problem comes with a fix."""
     from btnode.node.doctor import run_checks
 
     cfg = build(ModelConfig, flags)
-    findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, device=flags["device_name"])
+    findings = run_checks(cfg, peer=peer, listen=listen, state_dir=state_dir, host=build(HostConfig, flags))
     if json_out:
         typer.echo(json.dumps([f.__dict__ for f in findings], indent=1))
     else:
@@ -83,6 +83,7 @@ def doctor(peer: Annotated[Optional[str], typer.Option("--peer", help="HOST:PORT
 
 
 @takes(Section(TrainConfig, only=("batch",), helps={"batch": "Windows per training step."}),
+       Section(HostConfig, only=("data", "data_cache", "data_cache_gb")),
        Section(ModelConfig, omit=("model",), helps={"ar_layers": "Depth of the AR model of the end-to-end column "
                                                                  "(default B·L; a --model ar worker's replica)."}))
 def plan(json_out: Json = False, **flags: Any) -> None:
@@ -103,15 +104,21 @@ def plan(json_out: Json = False, **flags: Any) -> None:
     n_ar = ar_layers or cfg.n_blocks * cfg.n_layers
     e2e = ar_memory(cfg, batch, n_ar, runtime=runtime)
     traffic = block_bytes(cfg)
+    data = build(HostConfig, flags).load_corpus()  # after the measurements: they are of the model alone
+    held = data.train.in_memory()
+    data_line = f"data: {data.source}; the training split is " + (
+        f"held in memory ({mib(held)})" if held else "read from disk as windows need it (page cache, not in the peak)")
     swarm = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(worker, Codec.INT8)}  # what `join --role worker` checks
     swarm_e2e = {"swarm_worker_peak_bytes": swarm_worker_peak_bytes(e2e, Codec.INT8)}  # a --model ar worker's
     if json_out:
         typer.echo(json.dumps({"config": cfg.to_dict(), "batch": batch, "worker": {**worker.to_dict(), **swarm},
                                "end_to_end": {**e2e.to_dict(), **swarm_e2e, "n_layers": n_ar},
-                               "block_bytes_by_codec": traffic}, indent=1))
+                               "block_bytes_by_codec": traffic,
+                               "data": {"source": data.source, "train_in_memory_bytes": held}}, indent=1))
         return
     typer.echo(f"model: d={cfg.d_model}, {cfg.n_heads} heads, L={cfg.n_layers} layers per block, B={cfg.n_blocks} "
                f"blocks, N={cfg.context}; batch {batch} (fp32; measured in {time.perf_counter() - t0:.1f} s)")
+    typer.echo(data_line)
     typer.echo(f"{'':30}{'worker (1 block)':>18}{f'end to end (AR, {n_ar} layers)':>30}")
     for label, key in (("runtime (python, torch)", "runtime_bytes"), ("parameters", "param_bytes"),
                        ("gradients", "grad_bytes"), ("AdamW state", "adam_bytes"),

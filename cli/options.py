@@ -16,7 +16,7 @@ from btnode.model.config import ModelConfig
 from btnode.node.settings import HostConfig
 from btnode.settings import Declared, Section, declared, parse_ints, section
 
-__all__ = ["Data", "Device", "device", "model_config", "options", "parse_ints", "takes", "typed"]
+__all__ = ["Device", "device", "model_config", "options", "parse_ints", "takes", "typed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,8 +79,7 @@ def _host(name: str) -> Declared:
     return next(d for d in declared(HostConfig) if d.path == (name,))
 
 
-Device = typed(_host("device"))  # for commands that take one host setting (eval, generate, judge)
-Data = typed(_host("data"))
+Device = typed(_host("device"))  # for a command that takes one host setting (generate)
 
 
 def device(name: str):  # -> torch.device

@@ -47,7 +47,6 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
     """Train B blocks × replicas on a virtual clock with seeded participation and delays, then score
     the published model (SCE-1 at K = 1, nats/byte) on held-out windows. With --model ar: replicas of
     the whole AR model (DiLoCo), scored by teacher-forced CE on the same windows and rows."""
-    from btnode.data import corpus
     from btnode.evaluation.metrics import swarm_ce as score
     from btnode.sim.simulator import SimConfig, Simulation
     from btnode_cli.options import parse_ints
@@ -64,7 +63,7 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
     tc = build(TrainConfig, flags)
     tc = replace(tc, steps=total, warmup=min(tc.warmup, max(1, total // 10)))
     host, state_dir = build(HostConfig, flags), build(AggregatorNodeConfig, flags).state_dir
-    data_ = corpus.load(host.data)
+    data_ = host.load_corpus()
     dev = device(host.device)
     with tempfile.TemporaryDirectory(prefix="btnode-sim-") as tmp:
         sim = Simulation(cfg, tc, acfg, scfg, data_.train, state_dir or Path(tmp), device=dev)
@@ -73,14 +72,16 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
         ce = score(sim.blocks(), data_.test, eval_windows, dev)
     out = {"participation": participation, "rounds": rounds, "deadline_s": acfg.round.deadline_s, "ce": ce,
            "ce_init": ce_init, **asdict(res), "sim": {**asdict(scfg), "codec": scfg.codec.name},
-           "model": cfg.to_dict(), "outer": asdict(acfg.outer)}
+           "model": cfg.to_dict(), "outer": asdict(acfg.outer),
+           "data": data_.source, "split": data_.test.description}
     what = "teacher-forced CE" if cfg.kind == "ar" else "SCE-1"
     lines = [f"participation {participation:g}: {res.attempts - res.absent}/{res.attempts} attempts taken part, "
              f"versions {res.versions}, outcomes {res.outcomes}, rounds closed by {res.closed_by}, "
              f"{res.virtual_seconds:.1f} virtual s, utilisation {res.utilisation:.2f}",
              *([f"initial model: {what} {ce_init:.4f} nats/byte"] if ce_init is not None else []),
              f"after {rounds} rounds: {what} {ce:.4f} nats/byte ({'AR, ' if cfg.kind == 'ar' else 'K=1, '}"
-             f"{eval_windows} held-out windows; outer step η={acfg.outer.lr:g}, μ={acfg.outer.momentum:g})"]
+             f"{eval_windows} held-out windows of {data_.test.description}; "
+             f"outer step η={acfg.outer.lr:g}, μ={acfg.outer.momentum:g})"]
     typer.echo("\n".join(lines))
     if json_out is not None:
         json_out.write_text(json.dumps(out, indent=1) + "\n")

@@ -29,12 +29,11 @@ def train_local(out: Out, resume: Resume = False, checkpoint_every: Every = 200,
                     "--block", help="Train only this block (repeatable). Default: all B blocks (and the T tail blocks).")] = None,
                 **flags: Any) -> None:
     """Train all B blocks in one process, each with its own optimizer; one checkpoint per block."""
-    from btnode.data import corpus
     from btnode.train.loops import train_blocks
     from btnode_cli.progress import ProgressPrinter
 
     cfg, tc, host = build(ModelConfig, flags), build(TrainConfig, flags), build(HostConfig, flags)
-    train_blocks(cfg, tc, corpus.load(host.data).train, out, device=device(host.device), resume=resume, blocks=block,
+    train_blocks(cfg, tc, host.load_corpus().train, out, device=device(host.device), resume=resume, blocks=block,
                  checkpoint_every=checkpoint_every, stop_after=stop_after,
                  on_step=ProgressPrinter(log_every, len(block) if block else cfg.total_blocks))
     typer.echo(f"wrote {len(block) if block else cfg.total_blocks} block checkpoints to {out}")
@@ -46,7 +45,6 @@ def train_local(out: Out, resume: Resume = False, checkpoint_every: Every = 200,
 def train_ar(out: Out, resume: Resume = False, checkpoint_every: Every = 200, stop_after: StopAfter = None,
              log_every: LogEvery = None, **flags: Any) -> None:
     """Train the autoregressive byte-transformer baseline on the same windows."""
-    from btnode.data import corpus
     from btnode.train.loops import train_ar as run
     from btnode_cli.progress import ProgressPrinter
 
@@ -55,7 +53,7 @@ def train_ar(out: Out, resume: Resume = False, checkpoint_every: Every = 200, st
     n_layers = ar_layers if ar_layers is not None else cfg.n_blocks * cfg.n_layers
     if n_layers < 1:
         raise typer.BadParameter("--ar-layers must be ≥ 1")
-    run(cfg, tc, corpus.load(host.data).train, out, n_layers=n_layers, device=device(host.device), resume=resume,
+    run(cfg, tc, host.load_corpus().train, out, n_layers=n_layers, device=device(host.device), resume=resume,
         checkpoint_every=checkpoint_every, stop_after=stop_after, on_step=ProgressPrinter(log_every, 1))
     typer.echo(f"wrote a {n_layers}-layer autoregressive checkpoint to {out}")
 

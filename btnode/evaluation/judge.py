@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from btnode.data.source import ByteSource, as_source
 from btnode.errors import DataError, InputError
 from btnode.model.ar import ByteTransformer
 
@@ -36,7 +37,10 @@ class Prompt:
     reference: bytes  # the CONTINUATION_BYTES bytes that really follow it
 
 
-def _sentence_start(data: bytes, lo: int, hi: int) -> int | None:
+SCAN_BYTES = 1 << 20  # a prompt's sentence start is searched for in reads of this size, never a whole split
+
+
+def _sentence_start_in(data: bytes, lo: int, hi: int) -> int | None:
     """First p in [lo, hi) where a sentence starts (". " then a capital) and the next PROMPT_BYTES
     bytes hold no newline, so that the prompt is prose from one paragraph (not a heading)."""
     p = data.find(b". ", max(lo - 2, 0))
@@ -48,24 +52,36 @@ def _sentence_start(data: bytes, lo: int, hi: int) -> int | None:
     return None
 
 
-def fixed_prompts(test: bytes, n: int = N_PROMPTS) -> list[Prompt]:
-    """The n fixed prompts over the held-out file `test` (wiki.test.raw), no randomness.
+def _sentence_start(test: ByteSource, lo: int, hi: int) -> int | None:
+    """`_sentence_start_in` over the stream, read SCAN_BYTES at a time (each read starts 2 bytes early
+    for the ". " and runs PROMPT_BYTES late for the newline test), so a large split is never held."""
+    for a in range(lo, hi, SCAN_BYTES):
+        b, base = min(a + SCAN_BYTES, hi), max(a - 2, 0)
+        found = _sentence_start_in(test.read(base, b + PROMPT_BYTES - base), a - base, b - base)
+        if found is not None:
+            return base + found
+    return None
+
+
+def fixed_prompts(data: ByteSource | bytes, n: int = N_PROMPTS) -> list[Prompt]:
+    """The n fixed prompts over the held-out split (wiki.test.raw by default), no randomness.
 
     The usable span [0, len − 320) is cut into n equal slices; prompt i starts at the first sentence
     start in slice i (a capital letter after ". ", with no newline in the next 64 bytes), or at the
     slice's first byte if it has none (never the case for wiki.test.raw). Each prompt is the 64 bytes
     from there and its reference the 256 bytes after them, so prompts never overlap one another."""
+    test = as_source(data, "held-out file")
     span = PROMPT_BYTES + CONTINUATION_BYTES
     usable = len(test) - span
     if n < 1 or usable < n * span:
-        raise DataError(f"the held-out file has {len(test)} bytes, too short for {n} prompts of {span} bytes")
+        raise DataError(f"{test.description} has {len(test)} bytes, too short for {n} prompts of {span} bytes")
     out = []
     for i in range(n):
         lo, hi = i * usable // n, (i + 1) * usable // n
         start = _sentence_start(test, lo, hi)
         start = lo if start is None else start
-        out.append(Prompt(i, start, test[start:start + PROMPT_BYTES],
-                          test[start + PROMPT_BYTES:start + span]))
+        text = test.read(start, span)
+        out.append(Prompt(i, start, text[:PROMPT_BYTES], text[PROMPT_BYTES:]))
     return out
 
 
@@ -128,7 +144,8 @@ def english_words(path: Path = WORDS_PATH, fallback_corpus: bytes | None = None)
     if fallback_corpus is None:
         from btnode.data import corpus
 
-        fallback_corpus = corpus.bundled().train
+        train = corpus.bundled().train
+        fallback_corpus = train.read(0, len(train))
     counts = Counter(words_of(fallback_corpus))
     words = frozenset(w for w, c in counts.items() if c >= FALLBACK_MIN_COUNT)
     return WordList(words, f"fallback: {path} absent; the {len(words)} words occurring ≥ {FALLBACK_MIN_COUNT} "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from btnode.data.source import ByteSource
 from btnode.data.windows import eval_windows
 from btnode.model.ar import ByteTransformer
 from btnode.model.block import DiffusionBlock
@@ -144,7 +145,7 @@ def ar_ce(model: ByteTransformer, windows: torch.Tensor, *, device: torch.device
     return total / count
 
 
-def sce1_k1(blocks: Sequence[DiffusionBlock], test: bytes, windows: int, device: torch.device) -> float:
+def sce1_k1(blocks: Sequence[DiffusionBlock], test: ByteSource | bytes, windows: int, device: torch.device) -> float:
     """The one-number score the asynchrony benchmarks track: SCE-1 at K = 1 (nats/byte) with
     N_s = 2B+1 and readout LAST on `windows` held-out windows spread evenly over `test`."""
     cfg: ModelConfig = blocks[0].cfg
@@ -154,7 +155,7 @@ def sce1_k1(blocks: Sequence[DiffusionBlock], test: bytes, windows: int, device:
                           device=device, readout=Readout.LAST).sce1
 
 
-def swarm_ce(units: Sequence[torch.nn.Module], test: bytes, windows: int, device: torch.device) -> float:
+def swarm_ce(units: Sequence[torch.nn.Module], test: ByteSource | bytes, windows: int, device: torch.device) -> float:
     """The CE of a swarm's published model on the same held-out windows and rows: SCE-1 at K = 1 for
     blocks, teacher-forced CE for the one AR model of a DiLoCo run (nats/byte)."""
     if len(units) == 1 and isinstance(units[0], ByteTransformer):

@@ -16,6 +16,7 @@ import torch
 
 from btnode.errors import BtnodeError
 from btnode.model.config import ModelConfig
+from btnode.node.settings import HostConfig
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.health import NO_HEALTH, check_health
 from btnode.train.plan import unit_bytes
@@ -122,6 +123,21 @@ def check_disk(cfg: ModelConfig, state_dir: Path, keep: int = 3) -> Finding:
     return Finding("disk", "OK", detail)
 
 
+def check_data(cfg: ModelConfig, host: HostConfig) -> Finding:
+    """The --data a worker would train on opens (a dataset's shards present with their listed sizes,
+    a URL's manifest fetched) and its training split holds at least one window."""
+    try:
+        data = host.load_corpus()
+    except BtnodeError as exc:
+        return Finding("data", "FAIL", str(exc), "point --data at a prepared dataset (its folder or URL), a WikiText "
+                                                 "folder or a file; re-copy a dataset whose shards do not match "
+                                                 "its manifest.json")
+    if len(data.train) < cfg.context + 1:
+        return Finding("data", "FAIL", f"{data.train.description} has {len(data.train)} bytes; a window needs "
+                                       f"{cfg.context + 1}", "use a larger training corpus")
+    return Finding("data", "OK", data.source)
+
+
 def check_torch(device: str) -> list[Finding]:
     threads, cores = torch.get_num_threads(), os.cpu_count() or 1
     out = []
@@ -144,6 +160,6 @@ def check_torch(device: str) -> list[Finding]:
 
 
 def run_checks(cfg: ModelConfig, *, peer: str | None, listen: str | None, state_dir: Path,
-               device: str) -> list[Finding]:
+               host: HostConfig) -> list[Finding]:
     return [*check_peer(cfg, peer), check_health_of(peer), check_listen(listen), check_disk(cfg, state_dir),
-            *check_torch(device)]
+            check_data(cfg, host), *check_torch(host.device)]

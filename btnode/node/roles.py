@@ -42,5 +42,6 @@ ROLES: dict[str, Role] = {
     # a worker's schedule length comes from --rounds × H or --schedule-steps, not --steps
     "worker": role(join_worker, ModelConfig, Section(TrainConfig, omit=("steps",)), WorkerConfig, WorkerNodeConfig,
                    HostConfig),
-    "stage": role(join_stage, StageConfig, ServeConfig, Section(HostConfig, omit=("data",))),
+    "stage": role(join_stage, StageConfig, ServeConfig,
+                  Section(HostConfig, omit=("data", "data_cache", "data_cache_gb"))),  # a stage reads no corpus
 }

@@ -49,11 +49,11 @@ class SwarmConfig:
 
 
 def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorNodeConfig, train: TrainConfig,
-              worker: WorkerConfig, swarm: SwarmConfig, *, echo: Callable[[str], None] = print,
-              timeout_s: float = 3600.0) -> SwarmResult:
+              worker: WorkerConfig, swarm: SwarmConfig, host: HostConfig = HostConfig(), *,
+              echo: Callable[[str], None] = print, timeout_s: float = 3600.0) -> SwarmResult:
     """Run until every worker has pushed `worker.rounds` updates; returns what was published. The
     aggregator runs `aggregate` in `node.state_dir`; each worker runs `train` and `worker` with its
-    unit and name filled in."""
+    unit and name filled in, and trains on `host`'s data."""
     if node.state_dir is None or worker.rounds is None:
         raise BtnodeError("a local swarm needs a state folder and a number of rounds")
     state_dir, rounds, replicas = node.state_dir, worker.rounds, swarm.replicas
@@ -72,11 +72,11 @@ def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorN
         result = SwarmResult(port=port)
         peer = f"127.0.0.1:{port}"
         echo(f"aggregator on {peer}; starting {len(units)} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
-             f"(logs in {logs})")
+             f"on {host.data or 'the bundled WikiText-2'} (logs in {logs})")
         workers = [spawn_node(ROLES["worker"].argv("worker", model, train,
                                                    replace(worker, block=b, worker_id=f"b{b}r{r}"),
                                                    WorkerNodeConfig(peer=peer, stats_file=logs / f"b{b}r{r}.stats.json"),
-                                                   HostConfig()),
+                                                   host),
                               log=logs / f"worker-b{b}r{r}.log", env=env)
                    for b in range(len(units)) for r in range(replicas)]
         procs.extend(workers)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from btnode.data import corpus as corpora
+from btnode.data.source import ByteSource
 from btnode.device import resolve_device
 from btnode.errors import ConfigError, PeerUnavailable
 from btnode.model.config import ModelConfig
@@ -51,7 +51,7 @@ class WorkerNodeConfig:
     metrics_listen: str | None = same_flag(ServeConfig, "metrics_listen")
 
 
-def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: bytes,
+def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: ByteSource | bytes,
                device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
                metrics_listen: str | None = None, stop: threading.Event | None = None,
                memory_limit: MemoryLimit | None = None, memory_check: bool = True) -> WorkerStats:
@@ -111,7 +111,9 @@ def join_worker(model: ModelConfig, train: TrainConfig, worker: WorkerConfig, no
     wcfg = replace(worker, block=block, worker_id=worker.worker_id or f"{socket.gethostname()}-{os.getpid()}")
     stop = threading.Event()
     install_stop_signals(stop)
-    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=corpora.load(host.data).train,
+    data = host.load_corpus()
+    log.info("worker %s trains on %s", wcfg.worker_id, data.train.description)
+    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=data.train,
                        device=resolve_device(host.device), stats_file=node.stats_file,
                        metrics_listen=node.metrics_listen, stop=stop, memory_limit=cap, memory_check=node.memory_check)
     log.info("worker %s done: %d pushes %s", wcfg.worker_id, stats.pushes, stats.outcomes)

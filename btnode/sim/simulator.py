@@ -34,6 +34,7 @@ import torch
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
+from btnode.data.source import ByteSource
 from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome
@@ -98,8 +99,8 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig, corpus: bytes,
-                 state_dir: Path, *, device: torch.device):
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig,
+                 corpus: ByteSource | bytes, state_dir: Path, *, device: torch.device):
         self.cfg, self.acfg, self.scfg = cfg, acfg, scfg
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []

@@ -37,6 +37,7 @@ import zstandard
 
 from btnode.codec.codecs import Codec, decode, parse
 from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
+from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
@@ -111,8 +112,8 @@ class Exchanged:
 
 
 class BlockWorker:
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink, corpus: bytes,
-                 *, device: torch.device):
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink,
+                 corpus: ByteSource | bytes, *, device: torch.device):
         self.cfg, self.tc, self.wcfg, self.link = cfg, tc, wcfg, link
         self.sampler = WindowSampler(corpus, cfg.context)
         model = init_unit(cfg, wcfg.block, tc.seed)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
@@ -76,7 +77,7 @@ def _run(trainers: Sequence[tuple[str, _Trainer, int, dict[str, Any]]], sampler:
                     on_step(Progress(name, tr.step, end, stats, time.perf_counter() - started, tokens))
 
 
-def train_blocks(cfg: ModelConfig, tc: TrainConfig, corpus: bytes, folder: Path, *, device: torch.device,
+def train_blocks(cfg: ModelConfig, tc: TrainConfig, corpus: ByteSource | bytes, folder: Path, *, device: torch.device,
                  blocks: Sequence[int] | None = None, resume: bool = False, checkpoint_every: int = 200,
                  stop_after: int | None = None, on_step: ProgressFn | None = None) -> None:
     blocks = list(range(cfg.total_blocks)) if blocks is None else list(blocks)
@@ -96,8 +97,8 @@ def train_blocks(cfg: ModelConfig, tc: TrainConfig, corpus: bytes, folder: Path,
     _run(trainers, sampler, tc, folder, checkpoint_every=checkpoint_every, stop_after=stop_after, on_step=on_step)
 
 
-def train_ar(cfg: ModelConfig, tc: TrainConfig, corpus: bytes, folder: Path, *, n_layers: int, device: torch.device,
-             resume: bool = False, checkpoint_every: int = 200, stop_after: int | None = None,
+def train_ar(cfg: ModelConfig, tc: TrainConfig, corpus: ByteSource | bytes, folder: Path, *, n_layers: int,
+             device: torch.device, resume: bool = False, checkpoint_every: int = 200, stop_after: int | None = None,
              on_step: ProgressFn | None = None) -> None:
     """The baseline sees worker 0's windows, the same stream block 0 trains on."""
     sampler = WindowSampler(corpus, cfg.context)

@@ -68,7 +68,8 @@ def test_word_list_file_and_fallback(tmp_path):
 
 @pytest.fixture(scope="module")
 def test_bytes() -> bytes:
-    return corpus.bundled().test
+    test = corpus.bundled().test
+    return test.read(0, len(test))
 
 
 def test_fixed_prompts_are_deterministic_and_spread(test_bytes):

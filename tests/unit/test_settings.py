@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import typer
@@ -92,7 +91,7 @@ def test_the_argv_swarm_derives_builds_the_same_configs_back(cli, model, tmp_pat
                    WorkerConfig(worker_id="b1r0", block=0, steps_per_round=9, codec=Codec.FP32, error_feedback=False,
                                 rounds=4, train_while_waiting=False, schedule_by_version=False),
                    WorkerNodeConfig(peer="127.0.0.1:1", stats_file=tmp_path / "s.json", memory_check=False),
-                   HostConfig(device="cpu", data=Path("corpus.txt"))),
+                   HostConfig(device="cpu", data="corpus.txt", data_cache=tmp_path / "cache", data_cache_gb=3.5)),
     }
     for name, given in configs.items():
         role = ROLES[name]
