@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from btnode.data import corpus as corpora
+from btnode.data.identity import data_id
 from btnode.device import resolve_device
 from btnode.errors import ConfigError, PeerUnavailable
 from btnode.model.config import ModelConfig
@@ -54,10 +55,11 @@ class WorkerNodeConfig:
 def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: bytes,
                device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
                metrics_listen: str | None = None, stop: threading.Event | None = None,
-               memory_limit: MemoryLimit | None = None, memory_check: bool = True) -> WorkerStats:
-    """`memory_check`: refuse (InsufficientMemory) before building anything when plan's estimate of
-    this worker's peak exceeds the smallest of `memory_limit`, the cgroup's limit and MemAvailable.
-    Host memory only: on a GPU the unit's state lives in device memory, which this does not check."""
+               memory_limit: MemoryLimit | None = None, memory_check: bool = True, data: str = "") -> WorkerStats:
+    """`data`: the corpus's id (btnode.data.identity), stated at Join. `memory_check`: refuse
+    (InsufficientMemory) before building anything when plan's estimate of this worker's peak exceeds
+    the smallest of `memory_limit`, the cgroup's limit and MemAvailable. Host memory only: on a GPU
+    the unit's state lives in device memory, which this does not check."""
     if memory_check and device.type == "cpu":
         check_worker(cfg, block=wcfg.block, batch=tc.batch, codec=wcfg.codec, setting=memory_limit)
     elif memory_check:
@@ -72,7 +74,7 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
     try:
         deadline = time.monotonic() + connect_timeout_s
         while True:
-            worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
+            worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device, data_id=data)
             worker.heartbeat = alive.set
             worker.on_ready = lambda: notify("READY=1", f"STATUS=training {cfg.unit_name(wcfg.block)}")
             current[:] = [worker]
@@ -111,7 +113,9 @@ def join_worker(model: ModelConfig, train: TrainConfig, worker: WorkerConfig, no
     wcfg = replace(worker, block=block, worker_id=worker.worker_id or f"{socket.gethostname()}-{os.getpid()}")
     stop = threading.Event()
     install_stop_signals(stop)
-    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=corpora.load(host.data).train,
-                       device=resolve_device(host.device), stats_file=node.stats_file,
-                       metrics_listen=node.metrics_listen, stop=stop, memory_limit=cap, memory_check=node.memory_check)
+    corpus, ident = corpora.load(host.data).train, data_id(host.data)
+    log.info("worker %s trains on %s (data id %s)", wcfg.worker_id, host.data or "the bundled corpus", ident)
+    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=corpus, device=resolve_device(host.device),
+                       stats_file=node.stats_file, metrics_listen=node.metrics_listen, stop=stop, memory_limit=cap,
+                       memory_check=node.memory_check, data=ident)
     log.info("worker %s done: %d pushes %s", wcfg.worker_id, stats.pushes, stats.outcomes)
