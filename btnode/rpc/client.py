@@ -126,7 +126,8 @@ class SwarmClient:
             "sent_at_unix": t0, "rtt_s": rtt, "data_id": st.data_id,
             "blocks": [{"block": b.block, **{k: v for k, v in info(b.current).items()
                                              if k in ("version", "sha256")},
-                        "replicas": list(b.replicas), "data_keys": dict(b.data_keys), "round_age_s": b.round_age_s,
+                        "replicas": list(b.replicas), "data_keys": dict(sorted(b.data_keys.items())),
+                        "round_age_s": b.round_age_s,
                         "accepted_in_round": b.accepted_in_round,
                         "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent]}
                        for b in st.blocks],
