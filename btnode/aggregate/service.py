@@ -152,8 +152,9 @@ class SwarmAggregator:
         which windows a worker trains is the swarm's choice (a worker that states none is older)."""
         ours = self.keys.of(header.block).get(header.worker_id)
         if header.data_key and header.data_key != ours:
+            mine = repr(ours) if ours else "none (it never joined this block)"
             raise MalformedInput("data_key", f"{header.worker_id} trained steps {format_steps(header.steps)} with data "
-                                             f"key {header.data_key!r}, but its key here is {ours!r}")
+                                             f"key {header.data_key!r}, but its key here is {mine}")
 
     def drain(self) -> list[VersionInfo]:
         """Publish every open round that accepted updates (see BlockAggregator.drain)."""
