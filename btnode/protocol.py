@@ -16,6 +16,8 @@ import torch
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Frame
 
+MAX_NAME = 256  # characters of a worker id, update id, tensor name or data id a peer may send
+
 
 class Outcome(Enum):
     ACCEPTED = "accepted"
@@ -48,6 +50,8 @@ class PushHeader:
     loss: float  # mean training CE over those steps
     codec: Codec
     update_id: str
+    data_key: str = ""  # the key its windows were drawn with (empty: not stated, an older worker)
+    steps: tuple[int, ...] = ()  # the step of each batch trained into it: windows = batch(seed, data_key, step, …)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class JoinInfo:
     deadline_s: float
     codecs: tuple[Codec, ...]
     max_staleness: int
+    data_key: str = ""  # which windows the worker trains (see btnode/aggregate/datakeys.py); empty: an older aggregator
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Pulled:
 class AggregatorLink(Protocol):
     """What a worker needs from the aggregator that owns its block."""
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo: ...
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo: ...
 
     def leave(self, worker_id: str, block: int) -> None: ...
 
@@ -100,6 +105,17 @@ class AggregatorLink(Protocol):
         """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""
 
     def close(self) -> None: ...
+
+
+def format_steps(steps: Iterable[int]) -> str:
+    """Steps as runs, for logs: (4, 5, 6, 9) → "4-6,9"."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
 
 
 class Meter:

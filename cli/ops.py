@@ -45,11 +45,13 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
 
     shape = ar or f"B={cfg['n_blocks']} L={cfg['n_layers']}"
     typer.echo(f"swarm at {peer}: fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} {shape} "
-               f"N={cfg['context']} K={cfg['segments']}")
+               f"N={cfg['context']} K={cfg['segments']}; data {st['data_id'] or 'not stated yet'}")
     for b in st["blocks"]:
         typer.echo(f"{unit(b['block'])}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "
                    f"[{', '.join(b['replicas'])}], round open {b['round_age_s']:.1f} s with {b['accepted_in_round']} "
                    f"accepted")
+        if b["data_keys"]:
+            typer.echo("    data keys: " + ", ".join(f"{w} {k}" for w, k in b["data_keys"].items()))
         for r in b["recent"][-rounds:]:
             typer.echo(f"    v{r['version']}: {r['accepted']} accepted, {r['late']} late, {r['stale']} stale, "
                        f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}")

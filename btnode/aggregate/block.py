@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,7 @@ from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.codec.codecs import Codec, decode, parse
 from btnode.codec.frames import encode_raw
 from btnode.errors import MalformedInput, PeerInputError
-from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo
+from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.settings import flag
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
@@ -69,6 +69,7 @@ class BlockStatus:
     recent: tuple[RoundSummary, ...]  # the last `history` closed rounds, oldest first
     updates: Mapping[tuple[str, str], int]  # (outcome, reason) → pushes, in the order first seen
     rounds_closed: Mapping[str, int]  # closed_by → rounds
+    data_keys: Mapping[str, str] = field(default_factory=dict)  # worker id → data key (filled by SwarmAggregator)
 
 
 class BlockAggregator:
@@ -152,6 +153,9 @@ class BlockAggregator:
                             samples=header.samples, loss=header.loss, delta=delta, weight=header.samples * factor)
             self.round.add(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
+            log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
+                     self.round.version, header.worker_id, header.data_key or "not stated", format_steps(header.steps),
+                     header.loss)
             answer = self._remember(header.update_id, self.round.judgement(Outcome.ACCEPTED))
             self._maybe_close()
             return answer

@@ -1,6 +1,7 @@
 """`SwarmAggregator`: the aggregator role's domain object. It owns a set of blocks (all of them,
 or a disjoint share when several aggregators split the model), admits workers whose run
-fingerprint matches, and answers status. rpc/server.py is a thin layer over it.
+fingerprint (and data) matches, hands each its data key (aggregate/datakeys.py), and answers
+status. rpc/server.py is a thin layer over it.
 
 In a DiLoCo run (ModelConfig.kind "ar") it owns one unit, block 0, which is the whole AR model:
 the same BlockAggregator, rounds, outer step and version store, only another init (init_unit)."""
@@ -12,14 +13,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatus
+from btnode.aggregate.datakeys import DataKeys
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import JoinInfo, Judgement, Meter, PushHeader, VersionInfo
+from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, PushHeader, VersionInfo, format_steps
 from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
@@ -36,11 +38,14 @@ class SwarmStatus:
     config: ModelConfig
     blocks: tuple[BlockStatus, ...]  # by block number
     events: Mapping[tuple[str, str], int]  # (event, reason) → count, for events outside one block
+    data_id: str | None = None  # what every worker trains on (None: no worker stated one yet)
 
 
 class SwarmAggregator:
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
-                 seed: int = 0, clock: Callable[[], float] = time.time):
+                 seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None):
+        """`data_id`: the data every worker must train on (btnode.data.identity); None: the first
+        one a worker states."""
         self.cfg = cfg
         self.acfg = acfg
         self.fingerprint = cfg.fingerprint()
@@ -49,6 +54,7 @@ class SwarmAggregator:
             raise ConfigError(f"blocks {owned} out of range for {cfg.total_blocks} blocks")
         state_dir.mkdir(parents=True, exist_ok=True)
         self._check_state_dir(state_dir)
+        self.keys = DataKeys(state_dir, fixed=data_id)
         self.blocks = {b: BlockAggregator(b, init_unit(cfg, b, seed).state_dict(),
                                           VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg,
                                           clock=clock, name=cfg.unit_name(b))
@@ -61,8 +67,9 @@ class SwarmAggregator:
         self.counters[(event, reason)] += 1
 
     def status(self) -> SwarmStatus:
-        blocks = tuple(self.blocks[b].status() for b in sorted(self.blocks))
-        return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters))
+        blocks = tuple(replace(self.blocks[b].status(), data_keys=self.keys.of(b)) for b in sorted(self.blocks))
+        return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters),
+                           data_id=self.keys.data_id)
 
     def _check_state_dir(self, state_dir: Path) -> None:
         """A state folder belongs to one run: refuse to mix versions of different configurations."""
@@ -80,7 +87,11 @@ class SwarmAggregator:
             raise UnknownBlock("unknown_block", f"this aggregator owns blocks {sorted(self.blocks)}, not block {b}")
         return agg
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo:
+        """Admit a worker whose fingerprint and stated data id (empty: not stated) match the swarm's,
+        and hand it its data key."""
+        if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
+            raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if fingerprint != self.fingerprint:
             self.count("join_refused", "fingerprint")
             try:
@@ -92,11 +103,16 @@ class SwarmAggregator:
             detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
             raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
         agg = self.block(block)
+        try:
+            key = self.keys.assign(block, worker_id, data_id)
+        except ConfigMismatchError:
+            self.count("join_refused", "data")
+            raise
         agg.register(worker_id)
         self.count("joins")
-        log.info("worker %s joined %s", worker_id, self.cfg.unit_name(block))
+        log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
-                        max_staleness=self.acfg.round.max_staleness)
+                        max_staleness=self.acfg.round.max_staleness, data_key=key)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
@@ -117,6 +133,7 @@ class SwarmAggregator:
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
+            self._check_key(header)
             asm = FrameAssembler.for_spec(block.spec, [header.codec])
             try:
                 for chunk in chunks:
@@ -129,6 +146,15 @@ class SwarmAggregator:
             block.reject(header, exc)
             raise
         return block.submit(header, delta)
+
+    def _check_key(self, header: PushHeader) -> None:
+        """An update trained on windows of another key than the one Join handed out is refused:
+        which windows a worker trains is the swarm's choice (a worker that states none is older)."""
+        ours = self.keys.of(header.block).get(header.worker_id)
+        if header.data_key and header.data_key != ours:
+            mine = repr(ours) if ours else "none (it never joined this block)"
+            raise MalformedInput("data_key", f"{header.worker_id} trained steps {format_steps(header.steps)} with data "
+                                             f"key {header.data_key!r}, but its key here is {mine}")
 
     def drain(self) -> list[VersionInfo]:
         """Publish every open round that accepted updates (see BlockAggregator.drain)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import zstandard
 
 from btnode.data import DEFAULT_CACHE_GB
+from btnode.data.identity import BUNDLED, data_id, manifest_id
 from btnode.data.manifest import SPLITS, Manifest, Shard, Split, is_dataset, read_manifest
 from btnode.data.source import ByteSource, MemoryBytes, ShardedBytes, unigram_entropy, verify_shard
 from btnode.errors import DataError
@@ -46,6 +47,7 @@ class Corpus:
     tune: ByteSource
     test: ByteSource
     source: str  # human-readable: where each role came from (printed beside every number)
+    ident: str = BUNDLED  # what the training data is, stated when a worker joins (btnode.data.identity)
 
 
 def size_text(n: int) -> str:
@@ -111,12 +113,8 @@ def _wikitext(folder: Path) -> Corpus:
         raise DataError(f"data folder {folder} lacks {', '.join(missing)} (expected {', '.join(WIKITEXT_FILES)}, "
                         "or a prepared dataset's manifest.json)")
     train, tune, test = (file_source(folder / n, role) for n, role in zip(WIKITEXT_FILES, SPLITS))
-    return Corpus(train=train, tune=tune, test=test, source=f"{folder}: train/valid/test files")
-
-
-def _manifest_digest(manifest: Manifest) -> str:
-    """sha256 of the manifest in its canonical form (what `write` puts on disk), local or fetched."""
-    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
+    return Corpus(train=train, tune=tune, test=test, source=f"{folder}: train/valid/test files",
+                  ident=data_id(folder))
 
 
 def dataset(manifest: Manifest, locate: Callable[[Shard], Path], origin: str) -> Corpus:
@@ -125,7 +123,8 @@ def dataset(manifest: Manifest, locate: Callable[[Shard], Path], origin: str) ->
     parts = {name: ShardedBytes(manifest.splits.get(name) or Split(name, 0, 0, ()), locate,
                                 f"the {name} split of {origin}") for name in SPLITS}
     sizes = " / ".join(f"{name} {size_text(len(s))}" for name, s in parts.items())
-    return Corpus(**parts, source=f"{origin} (manifest sha256 {_manifest_digest(manifest)[:12]}…): {sizes}")
+    ident = manifest_id(manifest)
+    return Corpus(**parts, source=f"{origin} (manifest {ident[:19]}…): {sizes}", ident=ident)
 
 
 def local_dataset(folder: Path) -> Corpus:
@@ -156,4 +155,5 @@ def load(path: str | Path | None, *, cache_dir: Path | None = None, cache_gb: fl
     base = bundled()
     train = file_source(p, "train")
     return Corpus(train=train, tune=base.tune, test=base.test,
-                  source=f"train={p} ({size_text(len(train))}, read from disk); tune and test bundled WikiText-2")
+                  source=f"train={p} ({size_text(len(train))}, read from disk); tune and test bundled WikiText-2",
+                  ident=data_id(p))

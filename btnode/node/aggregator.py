@@ -36,6 +36,9 @@ class AggregatorNodeConfig:
                                           default=None, param="own_blocks", value=str,
                                           parse=lambda t: parse_ints(t, "--blocks-owned"), format=join_ints)
     seed: int = same_flag(TrainConfig, "seed")  # initialises the units' version 0
+    data_id: str | None = flag("--data-id", "The data id every worker must train on (a worker logs its own at start; "
+                                            "btnode status shows the swarm's). Default: the first worker's.",
+                               default=None)
 
 
 def install_stop_signals(stop: threading.Event) -> None:
@@ -50,11 +53,11 @@ def install_stop_signals(stop: threading.Event) -> None:
 def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path, listen: str,
                    blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
                    metrics_listen: str | None = None, limits: PeerLimits | None = None,
-                   stop: threading.Event | None = None, drain_notice_s: float = 0.0) -> None:
+                   stop: threading.Event | None = None, drain_notice_s: float = 0.0, data_id: str | None = None) -> None:
     """Serve until `stop`; gRPC Health says NOT_SERVING until READY=1, SERVING, then NOT_SERVING for
     `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain."""
     stop = stop or threading.Event()
-    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed)
+    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, data_id=data_id)
     if metrics_listen:
         serve_metrics(metrics_listen, AggregatorCollector(agg))
     health = NodeHealth()
@@ -95,4 +98,5 @@ def join_aggregator(model: ModelConfig, aggregate: AggregatorConfig, limits: Pee
     install_stop_signals(stop)
     run_aggregator(model, aggregate, state_dir=node.state_dir, listen=serve.listen, seed=node.seed,
                    port_file=serve.port_file, stop=stop, metrics_listen=serve.metrics_listen,
-                   drain_notice_s=serve.drain_notice, limits=limits, blocks=list(node.blocks) if node.blocks else None)
+                   drain_notice_s=serve.drain_notice, limits=limits, blocks=list(node.blocks) if node.blocks else None,
+                   data_id=node.data_id)

@@ -54,10 +54,11 @@ class WorkerNodeConfig:
 def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: str, corpus: ByteSource | bytes,
                device: torch.device, connect_timeout_s: float = 60.0, stats_file: Path | None = None,
                metrics_listen: str | None = None, stop: threading.Event | None = None,
-               memory_limit: MemoryLimit | None = None, memory_check: bool = True) -> WorkerStats:
-    """`memory_check`: refuse (InsufficientMemory) before building anything when plan's estimate of
-    this worker's peak exceeds the smallest of `memory_limit`, the cgroup's limit and MemAvailable.
-    Host memory only: on a GPU the unit's state lives in device memory, which this does not check."""
+               memory_limit: MemoryLimit | None = None, memory_check: bool = True, data: str = "") -> WorkerStats:
+    """`data`: the corpus's id (btnode.data.identity), stated at Join. `memory_check`: refuse
+    (InsufficientMemory) before building anything when plan's estimate of this worker's peak exceeds
+    the smallest of `memory_limit`, the cgroup's limit and MemAvailable. Host memory only: on a GPU
+    the unit's state lives in device memory, which this does not check."""
     if memory_check and device.type == "cpu":
         check_worker(cfg, block=wcfg.block, batch=tc.batch, codec=wcfg.codec, setting=memory_limit)
     elif memory_check:
@@ -72,7 +73,7 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
     try:
         deadline = time.monotonic() + connect_timeout_s
         while True:
-            worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device)
+            worker = BlockWorker(cfg, tc, wcfg, link, corpus, device=device, data_id=data)
             worker.heartbeat = alive.set
             worker.on_ready = lambda: notify("READY=1", f"STATUS=training {cfg.unit_name(wcfg.block)}")
             current[:] = [worker]
@@ -112,8 +113,8 @@ def join_worker(model: ModelConfig, train: TrainConfig, worker: WorkerConfig, no
     stop = threading.Event()
     install_stop_signals(stop)
     data = host.load_corpus()
-    log.info("worker %s trains on %s", wcfg.worker_id, data.train.description)
-    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=data.train,
-                       device=resolve_device(host.device), stats_file=node.stats_file,
-                       metrics_listen=node.metrics_listen, stop=stop, memory_limit=cap, memory_check=node.memory_check)
+    log.info("worker %s trains on %s (data id %s)", wcfg.worker_id, data.train.description, data.ident)
+    stats = run_worker(model, tc, wcfg, peer=node.peer, corpus=data.train, device=resolve_device(host.device),
+                       stats_file=node.stats_file, metrics_listen=node.metrics_listen, stop=stop, memory_limit=cap,
+                       memory_check=node.memory_check, data=data.ident)
     log.info("worker %s done: %d pushes %s", wcfg.worker_id, stats.pushes, stats.outcomes)

@@ -35,9 +35,10 @@ class SwarmClient:
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"{what} at {self.address}") from None
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str) -> JoinInfo:
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo:
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
-                                                                  fingerprint=fingerprint, config_json=config_json))
+                                                                  fingerprint=fingerprint, config_json=config_json,
+                                                                  data_id=data_id))
         return convert.join_from_pb(reply)
 
     def leave(self, worker_id: str, block: int) -> None:
@@ -122,10 +123,11 @@ class SwarmClient:
 
         return {
             "fingerprint": st.fingerprint, "config": json.loads(st.config_json), "server_time_unix": st.server_time_unix,
-            "sent_at_unix": t0, "rtt_s": rtt,
+            "sent_at_unix": t0, "rtt_s": rtt, "data_id": st.data_id,
             "blocks": [{"block": b.block, **{k: v for k, v in info(b.current).items()
                                              if k in ("version", "sha256")},
-                        "replicas": list(b.replicas), "round_age_s": b.round_age_s,
+                        "replicas": list(b.replicas), "data_keys": dict(sorted(b.data_keys.items())),
+                        "round_age_s": b.round_age_s,
                         "accepted_in_round": b.accepted_in_round,
                         "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent]}
                        for b in st.blocks],

@@ -10,7 +10,7 @@ from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.protocol import Judgement, JoinInfo, Outcome, PushHeader, VersionInfo
+from btnode.protocol import MAX_NAME, Judgement, JoinInfo, Outcome, PushHeader, VersionInfo
 from btnode.v1 import swarm_pb2 as pb
 
 # The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
@@ -22,7 +22,6 @@ _OUTCOMES = {Outcome.ACCEPTED: pb.ACCEPTED, Outcome.LATE: pb.LATE, Outcome.STALE
              Outcome.REJECTED: pb.REJECTED}
 _OUTCOMES_BACK = {v: k for k, v in _OUTCOMES.items()}
 MAX_DIMS = 8
-MAX_NAME = 256
 
 
 def codec_from_pb(value: int) -> Codec:
@@ -72,7 +71,7 @@ def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
 
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
-                         loss=h.loss, codec=int(h.codec), update_id=h.update_id)
+                         loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps)
 
 
 def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
@@ -80,8 +79,11 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         raise MalformedInput("header", "push header needs a worker_id and an update_id (≤ 256 characters)")
     if not (math.isfinite(m.samples) and m.samples > 0):
         raise MalformedInput("samples", f"update weight must be a positive number, got {m.samples}")
+    if len(m.data_key) > MAX_NAME:
+        raise MalformedInput("header", f"push header's data key is over {MAX_NAME} characters")
     return PushHeader(worker_id=m.worker_id, block=m.block, base_version=m.base_version, samples=m.samples,
-                      loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id)
+                      loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id, data_key=m.data_key,
+                      steps=tuple(m.steps))
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
@@ -96,22 +98,23 @@ def judgement_from_pb(m: pb.PushReply) -> Judgement:
 
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[int(c) for c in j.codecs],
-                        max_staleness=j.max_staleness)
+                        max_staleness=j.max_staleness, data_key=j.data_key)
 
 
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
-                    codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness)
+                    codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness,
+                    data_key=m.data_key)
 
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
     """The Status reply: per-block counts become "updates" counters labelled by block, outcome
     and reason; swarm-wide events follow, labelled by reason."""
     reply = pb.StatusReply(fingerprint=s.fingerprint, config_json=json.dumps(s.config.to_dict()),
-                           server_time_unix=server_time_unix)
+                           server_time_unix=server_time_unix, data_id=s.data_id or "")
     for b in s.blocks:
         bs = reply.blocks.add(block=b.block, current=info_to_pb(b.current), replicas=b.replicas,
-                              round_age_s=b.round_age_s, accepted_in_round=b.accepted_in_round)
+                              round_age_s=b.round_age_s, accepted_in_round=b.accepted_in_round, data_keys=b.data_keys)
         for r in b.recent:
             bs.recent.add(version=info_to_pb(r.info), closed_at_unix=r.closed_at)
         for (outcome, reason), n in b.updates.items():

@@ -130,7 +130,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json)
+        info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
+                             request.data_id)
         return convert.join_to_pb(info)
 
     @_guard

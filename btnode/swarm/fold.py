@@ -1,15 +1,21 @@
-"""`Fold`: what a worker's next update will carry — the CE of each step trained since its last
-push and, while the next version is on its way, the θ that work is measured from — as an
+"""`Fold`: what a worker's next update will carry — each step trained since its last push (its
+number, which names its windows, and its CE) and, while the next version is on its way, the θ that work is measured from — as an
 immutable value that each event of a round (train, push, answer, new version) replaces."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 Tensors = Mapping[str, torch.Tensor]
+
+
+class Trained(NamedTuple):
+    step: int  # the trainer's step: its windows are WindowSampler.batch(seed, data key, step, batch)
+    ce: float
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value; compare the fields
@@ -20,12 +26,12 @@ class Fold:
     v+1). Invariants: `in_flight` is non-empty only between `sent` and the answer; after `landed`
     there is no origin, and `pending` is empty unless a carry was taken."""
 
-    pending: tuple[float, ...] = ()  # CE of each step the next update will carry
-    in_flight: tuple[float, ...] = ()  # CE of the steps of the update awaiting its answer
+    pending: tuple[Trained, ...] = ()  # each step the next update will carry
+    in_flight: tuple[Trained, ...] = ()  # the steps of the update awaiting its answer
     origin: Tensors | None = None  # θ the carry is measured from while waiting; None: nothing to fold
 
-    def trained(self, ce: float) -> Fold:
-        return replace(self, pending=(*self.pending, ce))
+    def trained(self, step: int, ce: float) -> Fold:
+        return replace(self, pending=(*self.pending, Trained(step, ce)))
 
     def due(self, steps_per_round: int) -> int:
         """Steps still to train before the next push (H minus what is already pending)."""
@@ -35,7 +41,12 @@ class Fold:
     def loss(self) -> float:
         """Mean CE over the pending steps: the next update's reported loss."""
         assert self.pending, "no steps pending"
-        return sum(self.pending) / len(self.pending)
+        return sum(t.ce for t in self.pending) / len(self.pending)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The pending steps' numbers, in the order trained: which windows the next update holds."""
+        return tuple(t.step for t in self.pending)
 
     def sent(self) -> Fold:
         """The pending steps went out as an update."""

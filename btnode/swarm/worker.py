@@ -15,6 +15,10 @@ A DiLoCo run (ModelConfig.kind "ar") uses this same loop: its one unit, block 0,
 model, so a worker trains a full replica with its inner AdamW and pushes the replica's delta; only
 the unit's model and trainer differ (store.models.init_unit, train.trainers.unit_trainer).
 
+Which windows it trains is the swarm's choice: Join hands it a data key
+(btnode/aggregate/datakeys.py), and step s trains WindowSampler.batch(seed, key, s, batch); each
+update names its key and steps, so anyone holding the data can re-derive what it was trained on.
+
 It talks to the aggregator only through an AggregatorLink, so the same loop runs over gRPC or
 in-process. Every transfer is counted (raw and wire bytes) for the benchmarks.
 """
@@ -113,8 +117,12 @@ class Exchanged:
 
 class BlockWorker:
     def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink,
-                 corpus: ByteSource | bytes, *, device: torch.device):
+                 corpus: ByteSource | bytes, *, device: torch.device, data_id: str = ""):
+        """`data_id`: what `corpus` is (btnode.data.identity), stated at Join so that the aggregator
+        can refuse a worker that trains on other data than the swarm; empty: not stated."""
         self.cfg, self.tc, self.wcfg, self.link = cfg, tc, wcfg, link
+        self.data_id = data_id
+        self.data_key = ""  # handed out by the aggregator at Join
         self.sampler = WindowSampler(corpus, cfg.context)
         model = init_unit(cfg, wcfg.block, tc.seed)
         self.spec = {n: tuple(t.shape) for n, t in model.state_dict().items()}
@@ -200,8 +208,9 @@ class BlockWorker:
         for _ in range(n):
             if self._stop is not None and self._stop.is_set():
                 break  # draining: stop at a step boundary
-            x = self.sampler.batch(self.tc.seed, self.wcfg.worker_id, self.trainer.step, self.tc.batch)
-            self._fold = self._fold.trained(self.trainer.train_step(x, self.wcfg.worker_id).ce)
+            step = self.trainer.step
+            x = self.sampler.batch(self.tc.seed, self.data_key, step, self.tc.batch)
+            self._fold = self._fold.trained(step, self.trainer.train_step(x, self.wcfg.worker_id).ce)
             self.stats.steps += 1
             self.heartbeat()
         self.stats.train_seconds += time.perf_counter() - t0
@@ -213,11 +222,12 @@ class BlockWorker:
     def make_update(self) -> tuple[PushHeader, dict[str, bytes]]:
         """The header and codec bytes of Δ = θ_local − θ^v (+ residual) over the pending steps."""
         assert self.info is not None and self._fold.pending
-        loss, samples = self._fold.loss, len(self._fold.pending) * self.tc.batch
+        loss, samples, steps = self._fold.loss, len(self._fold.pending) * self.tc.batch, self._fold.steps
         self.stats.losses.append(loss)
         self._fold = self._fold.sent()
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
-                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex)
+                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex,
+                            data_key=self.data_key, steps=steps)
         self._last_update = (header, self._encode())
         return self._last_update
 
@@ -340,11 +350,16 @@ class BlockWorker:
         return got
 
     def start(self) -> None:
-        """Join with the fingerprint and pull the block."""
+        """Join with the fingerprint and data id, take the data key, and pull the block."""
         w = self.wcfg
-        joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()))
+        joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()),
+                                self.data_id)
         if w.codec not in joined.codecs:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
+        self.data_key = joined.data_key or w.worker_id
+        if not joined.data_key:
+            log.warning("worker %s: the aggregator hands out no data key (an older version); drawing windows by the "
+                        "worker id, so replicas with the same id train the same windows", w.worker_id)
         self._pull()
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
@@ -354,8 +369,8 @@ class BlockWorker:
         self.on_ready()
         watcher = threading.Thread(target=self.announcements.follow, args=(stop,), daemon=True, name="watch")
         watcher.start()
-        log.info("worker %s: %s at version %d", w.worker_id, self.cfg.unit_name(w.block),
-                 self.info.version if self.info else -1)
+        log.info("worker %s: %s at version %d, data key %s", w.worker_id, self.cfg.unit_name(w.block),
+                 self.info.version if self.info else -1, self.data_key)
         try:
             while not stop.is_set() and (w.rounds is None or self.stats.pushes < w.rounds):
                 self.train_steps(self.steps_due())

@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62tnode/v1/swarm.proto\x12\tbtnode.v1\"\xa6\x01\n\x0b\x46rameHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.btnode.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x1f\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x11\n\traw_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\x0c\"=\n\x05\x43hunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.btnode.v1.FrameHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xe1\x01\n\x0bVersionInfo\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12%\n\x0b\x64\x65lta_codec\x18\x05 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\r\x12\x0c\n\x04late\x18\x07 \x01(\r\x12\r\n\x05stale\x18\x08 \x01(\r\x12\x10\n\x08rejected\x18\t \x01(\r\x12\x11\n\tmean_loss\x18\n \x01(\x01\x12\x11\n\tclosed_by\x18\x0b \x01(\t\"Y\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\"\x81\x01\n\tJoinReply\x12\'\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.btnode.v1.Codec\x12\x15\n\rmax_staleness\x18\x04 \x01(\r\"0\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\"\x0c\n\nLeaveReply\"/\n\x0bPullRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"3\n\x11\x46\x65tchDeltaRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"a\n\x0cTensorStream\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.btnode.v1.ChunkH\x00\x42\x06\n\x04kind\"\x97\x01\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x1f\n\x05\x63odec\x18\x06 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x11\n\tupdate_id\x18\x07 \x01(\t\"a\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.btnode.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.btnode.v1.ChunkH\x00\x42\x06\n\x04kind\"W\n\tPushReply\x12#\n\x07outcome\x18\x01 \x01(\x0e\x32\x12.btnode.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rround_version\x18\x03 \x01(\x04\"0\n\x0cWatchRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"O\n\x0cRoundSummary\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x16\n\x0e\x63losed_at_unix\x18\x02 \x01(\x01\"\xb0\x01\n\x0b\x42lockStatus\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\'\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x10\n\x08replicas\x18\x03 \x03(\t\x12\x13\n\x0bround_age_s\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_in_round\x18\x05 \x01(\r\x12\'\n\x06recent\x18\x06 \x03(\x0b\x32\x17.btnode.v1.RoundSummary\"\x85\x01\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x06labels\x18\x02 \x03(\x0b\x32\x1e.btnode.v1.Counter.LabelsEntry\x12\r\n\x05value\x18\x03 \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9f\x01\n\x0bStatusReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12&\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x16.btnode.v1.BlockStatus\x12$\n\x08\x63ounters\x18\x04 \x03(\x0b\x32\x12.btnode.v1.Counter\x12\x18\n\x10server_time_unix\x18\x05 \x01(\x01*<\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04INT8\x10\x03*+\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01*S\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x08\n\x04LATE\x10\x02\x12\t\n\x05STALE\x10\x03\x12\x0c\n\x08REJECTED\x10\x04\x32\xa8\x03\n\x05Swarm\x12\x34\n\x04Join\x12\x16.btnode.v1.JoinRequest\x1a\x14.btnode.v1.JoinReply\x12\x37\n\x05Leave\x12\x17.btnode.v1.LeaveRequest\x1a\x15.btnode.v1.LeaveReply\x12\x39\n\x04Pull\x12\x16.btnode.v1.PullRequest\x1a\x17.btnode.v1.TensorStream0\x01\x12\x45\n\nFetchDelta\x12\x1c.btnode.v1.FetchDeltaRequest\x1a\x17.btnode.v1.TensorStream0\x01\x12\x36\n\x04Push\x12\x16.btnode.v1.PushMessage\x1a\x14.btnode.v1.PushReply(\x01\x12:\n\x05Watch\x12\x17.btnode.v1.WatchRequest\x1a\x16.btnode.v1.VersionInfo0\x01\x12:\n\x06Status\x12\x18.btnode.v1.StatusRequest\x1a\x16.btnode.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62tnode/v1/swarm.proto\x12\tbtnode.v1\"\xa6\x01\n\x0b\x46rameHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.btnode.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x1f\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x11\n\traw_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\x0c\"=\n\x05\x43hunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.btnode.v1.FrameHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xe1\x01\n\x0bVersionInfo\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12%\n\x0b\x64\x65lta_codec\x18\x05 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\r\x12\x0c\n\x04late\x18\x07 \x01(\r\x12\r\n\x05stale\x18\x08 \x01(\r\x12\x10\n\x08rejected\x18\t \x01(\r\x12\x11\n\tmean_loss\x18\n \x01(\x01\x12\x11\n\tclosed_by\x18\x0b \x01(\t\"j\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x61ta_id\x18\x05 \x01(\t\"\x93\x01\n\tJoinReply\x12\'\n\x07\x63urrent\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.btnode.v1.Codec\x12\x15\n\rmax_staleness\x18\x04 \x01(\r\x12\x10\n\x08\x64\x61ta_key\x18\x05 \x01(\t\"0\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\"\x0c\n\nLeaveReply\"/\n\x0bPullRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"3\n\x11\x46\x65tchDeltaRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"a\n\x0cTensorStream\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.btnode.v1.ChunkH\x00\x42\x06\n\x04kind\"\xb8\x01\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x1f\n\x05\x63odec\x18\x06 \x01(\x0e\x32\x10.btnode.v1.Codec\x12\x11\n\tupdate_id\x18\x07 \x01(\t\x12\x10\n\x08\x64\x61ta_key\x18\x08 \x01(\t\x12\r\n\x05steps\x18\t \x03(\x04\"a\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.btnode.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.btnode.v1.ChunkH\x00\x42\x06\n\x04kind\"W\n\tPushReply\x12#\n\x07outcome\x18\x01 \x01(\x0e\x32\x12.btnode.v1.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rround_version\x18\x03 \x01(\x04\"0\n\x0cWatchRequest\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"O\n\x0cRoundSummary\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x16\n\x0e\x63losed_at_unix\x18\x02 \x01(\x01\"\x9a\x02\n\x0b\x42lockStatus\x12\r\n\x05\x62lock\x18\x01 \x01(\r\x12\'\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\x16.btnode.v1.VersionInfo\x12\x10\n\x08replicas\x18\x03 \x03(\t\x12\x13\n\x0bround_age_s\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_in_round\x18\x05 \x01(\r\x12\'\n\x06recent\x18\x06 \x03(\x0b\x32\x17.btnode.v1.RoundSummary\x12\x37\n\tdata_keys\x18\x07 \x03(\x0b\x32$.btnode.v1.BlockStatus.DataKeysEntry\x1a/\n\rDataKeysEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x07\x43ounter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x06labels\x18\x02 \x03(\x0b\x32\x1e.btnode.v1.Counter.LabelsEntry\x12\r\n\x05value\x18\x03 \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb0\x01\n\x0bStatusReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12&\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x16.btnode.v1.BlockStatus\x12$\n\x08\x63ounters\x18\x04 \x03(\x0b\x32\x12.btnode.v1.Counter\x12\x18\n\x10server_time_unix\x18\x05 \x01(\x01\x12\x0f\n\x07\x64\x61ta_id\x18\x06 \x01(\t*<\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04INT8\x10\x03*+\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01*S\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x08\n\x04LATE\x10\x02\x12\t\n\x05STALE\x10\x03\x12\x0c\n\x08REJECTED\x10\x04\x32\xa8\x03\n\x05Swarm\x12\x34\n\x04Join\x12\x16.btnode.v1.JoinRequest\x1a\x14.btnode.v1.JoinReply\x12\x37\n\x05Leave\x12\x17.btnode.v1.LeaveRequest\x1a\x15.btnode.v1.LeaveReply\x12\x39\n\x04Pull\x12\x16.btnode.v1.PullRequest\x1a\x17.btnode.v1.TensorStream0\x01\x12\x45\n\nFetchDelta\x12\x1c.btnode.v1.FetchDeltaRequest\x1a\x17.btnode.v1.TensorStream0\x01\x12\x36\n\x04Push\x12\x16.btnode.v1.PushMessage\x1a\x14.btnode.v1.PushReply(\x01\x12:\n\x05Watch\x12\x17.btnode.v1.WatchRequest\x1a\x16.btnode.v1.VersionInfo0\x01\x12:\n\x06Status\x12\x18.btnode.v1.StatusRequest\x1a\x16.btnode.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'btnode.v1.swarm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_BLOCKSTATUS_DATAKEYSENTRY']._loaded_options = None
+  _globals['_BLOCKSTATUS_DATAKEYSENTRY']._serialized_options = b'8\001'
   _globals['_COUNTER_LABELSENTRY']._loaded_options = None
   _globals['_COUNTER_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_CODEC']._serialized_start=1951
-  _globals['_CODEC']._serialized_end=2011
-  _globals['_DTYPE']._serialized_start=2013
-  _globals['_DTYPE']._serialized_end=2056
-  _globals['_OUTCOME']._serialized_start=2058
-  _globals['_OUTCOME']._serialized_end=2141
+  _globals['_CODEC']._serialized_start=2142
+  _globals['_CODEC']._serialized_end=2202
+  _globals['_DTYPE']._serialized_start=2204
+  _globals['_DTYPE']._serialized_end=2247
+  _globals['_OUTCOME']._serialized_start=2249
+  _globals['_OUTCOME']._serialized_end=2332
   _globals['_FRAMEHEADER']._serialized_start=37
   _globals['_FRAMEHEADER']._serialized_end=203
   _globals['_CHUNK']._serialized_start=205
@@ -46,39 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERSIONINFO']._serialized_start=269
   _globals['_VERSIONINFO']._serialized_end=494
   _globals['_JOINREQUEST']._serialized_start=496
-  _globals['_JOINREQUEST']._serialized_end=585
-  _globals['_JOINREPLY']._serialized_start=588
-  _globals['_JOINREPLY']._serialized_end=717
-  _globals['_LEAVEREQUEST']._serialized_start=719
-  _globals['_LEAVEREQUEST']._serialized_end=767
-  _globals['_LEAVEREPLY']._serialized_start=769
-  _globals['_LEAVEREPLY']._serialized_end=781
-  _globals['_PULLREQUEST']._serialized_start=783
-  _globals['_PULLREQUEST']._serialized_end=830
-  _globals['_FETCHDELTAREQUEST']._serialized_start=832
-  _globals['_FETCHDELTAREQUEST']._serialized_end=883
-  _globals['_TENSORSTREAM']._serialized_start=885
-  _globals['_TENSORSTREAM']._serialized_end=982
-  _globals['_PUSHHEADER']._serialized_start=985
-  _globals['_PUSHHEADER']._serialized_end=1136
-  _globals['_PUSHMESSAGE']._serialized_start=1138
-  _globals['_PUSHMESSAGE']._serialized_end=1235
-  _globals['_PUSHREPLY']._serialized_start=1237
-  _globals['_PUSHREPLY']._serialized_end=1324
-  _globals['_WATCHREQUEST']._serialized_start=1326
-  _globals['_WATCHREQUEST']._serialized_end=1374
-  _globals['_STATUSREQUEST']._serialized_start=1376
-  _globals['_STATUSREQUEST']._serialized_end=1391
-  _globals['_ROUNDSUMMARY']._serialized_start=1393
-  _globals['_ROUNDSUMMARY']._serialized_end=1472
-  _globals['_BLOCKSTATUS']._serialized_start=1475
-  _globals['_BLOCKSTATUS']._serialized_end=1651
-  _globals['_COUNTER']._serialized_start=1654
-  _globals['_COUNTER']._serialized_end=1787
-  _globals['_COUNTER_LABELSENTRY']._serialized_start=1742
-  _globals['_COUNTER_LABELSENTRY']._serialized_end=1787
-  _globals['_STATUSREPLY']._serialized_start=1790
-  _globals['_STATUSREPLY']._serialized_end=1949
-  _globals['_SWARM']._serialized_start=2144
-  _globals['_SWARM']._serialized_end=2568
+  _globals['_JOINREQUEST']._serialized_end=602
+  _globals['_JOINREPLY']._serialized_start=605
+  _globals['_JOINREPLY']._serialized_end=752
+  _globals['_LEAVEREQUEST']._serialized_start=754
+  _globals['_LEAVEREQUEST']._serialized_end=802
+  _globals['_LEAVEREPLY']._serialized_start=804
+  _globals['_LEAVEREPLY']._serialized_end=816
+  _globals['_PULLREQUEST']._serialized_start=818
+  _globals['_PULLREQUEST']._serialized_end=865
+  _globals['_FETCHDELTAREQUEST']._serialized_start=867
+  _globals['_FETCHDELTAREQUEST']._serialized_end=918
+  _globals['_TENSORSTREAM']._serialized_start=920
+  _globals['_TENSORSTREAM']._serialized_end=1017
+  _globals['_PUSHHEADER']._serialized_start=1020
+  _globals['_PUSHHEADER']._serialized_end=1204
+  _globals['_PUSHMESSAGE']._serialized_start=1206
+  _globals['_PUSHMESSAGE']._serialized_end=1303
+  _globals['_PUSHREPLY']._serialized_start=1305
+  _globals['_PUSHREPLY']._serialized_end=1392
+  _globals['_WATCHREQUEST']._serialized_start=1394
+  _globals['_WATCHREQUEST']._serialized_end=1442
+  _globals['_STATUSREQUEST']._serialized_start=1444
+  _globals['_STATUSREQUEST']._serialized_end=1459
+  _globals['_ROUNDSUMMARY']._serialized_start=1461
+  _globals['_ROUNDSUMMARY']._serialized_end=1540
+  _globals['_BLOCKSTATUS']._serialized_start=1543
+  _globals['_BLOCKSTATUS']._serialized_end=1825
+  _globals['_BLOCKSTATUS_DATAKEYSENTRY']._serialized_start=1778
+  _globals['_BLOCKSTATUS_DATAKEYSENTRY']._serialized_end=1825
+  _globals['_COUNTER']._serialized_start=1828
+  _globals['_COUNTER']._serialized_end=1961
+  _globals['_COUNTER_LABELSENTRY']._serialized_start=1916
+  _globals['_COUNTER_LABELSENTRY']._serialized_end=1961
+  _globals['_STATUSREPLY']._serialized_start=1964
+  _globals['_STATUSREPLY']._serialized_end=2140
+  _globals['_SWARM']._serialized_start=2335
+  _globals['_SWARM']._serialized_end=2759
 # @@protoc_insertion_point(module_scope)

@@ -91,28 +91,32 @@ class VersionInfo(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config_json")
+    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
     config_json: str
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+    data_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current", "deadline_s", "codecs", "max_staleness")
+    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     current: VersionInfo
     deadline_s: float
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     max_staleness: int
-    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    data_key: str
+    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "block")
@@ -151,7 +155,7 @@ class TensorStream(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id")
+    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,8 @@ class PushHeader(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     base_version: int
@@ -166,7 +172,9 @@ class PushHeader(_message.Message):
     loss: float
     codec: Codec
     update_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ...) -> None: ...
+    data_key: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -207,20 +215,29 @@ class RoundSummary(_message.Message):
     def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., closed_at_unix: _Optional[float] = ...) -> None: ...
 
 class BlockStatus(_message.Message):
-    __slots__ = ("block", "current", "replicas", "round_age_s", "accepted_in_round", "recent")
+    __slots__ = ("block", "current", "replicas", "round_age_s", "accepted_in_round", "recent", "data_keys")
+    class DataKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_IN_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEYS_FIELD_NUMBER: _ClassVar[int]
     block: int
     current: VersionInfo
     replicas: _containers.RepeatedScalarFieldContainer[str]
     round_age_s: float
     accepted_in_round: int
     recent: _containers.RepeatedCompositeFieldContainer[RoundSummary]
-    def __init__(self, block: _Optional[int] = ..., current: _Optional[_Union[VersionInfo, _Mapping]] = ..., replicas: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., accepted_in_round: _Optional[int] = ..., recent: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ...) -> None: ...
+    data_keys: _containers.ScalarMap[str, str]
+    def __init__(self, block: _Optional[int] = ..., current: _Optional[_Union[VersionInfo, _Mapping]] = ..., replicas: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., accepted_in_round: _Optional[int] = ..., recent: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., data_keys: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Counter(_message.Message):
     __slots__ = ("name", "labels", "value")
@@ -240,15 +257,17 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix")
+    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix", "data_id")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DATA_ID_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     config_json: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockStatus]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     server_time_unix: float
-    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ...) -> None: ...
+    data_id: str
+    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ..., data_id: _Optional[str] = ...) -> None: ...

@@ -81,6 +81,7 @@ def test_status_and_doctor_against_a_live_aggregator(aggregator):
     p = btnode("status", "--peer", agg.address)
     assert p.returncode == 0, p.stderr
     assert "block 0: version 1" in p.stdout and "2 replicas [a, b]" in p.stdout
+    assert "    data keys: a 0/0, b 0/1" in p.stdout and "; data not stated yet" in p.stdout, p.stdout
     assert "v1: 2 accepted, 0 late, 0 stale, 0 rejected; closed by all_reported; loss 3.2500" in p.stdout
     st = json.loads(btnode("status", "--peer", agg.address, "--json").stdout)
     assert st["blocks"][0]["version"] == 1 and st["fingerprint"] == CFG.fingerprint()

@@ -75,6 +75,10 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
             assert stats["pushes"] == 3 and stats["outcomes"].get("accepted", 0) >= 1
             held = VersionStore(state, b).load(stats["version"])  # the version the worker ended on
             assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
+    # every worker stated the bundled corpus and got a data key of its own, per block (in order of joining)
+    keys = json.loads((state / "data_keys.json").read_text())
+    assert keys["data_id"] == "bundled:wikitext-2"
+    assert {b: sorted(ws) for b, ws in keys["blocks"].items()} == {str(b): [f"b{b}r0", f"b{b}r1"] for b in range(3)}
     gen = subprocess.run(CLI + ["generate", "--checkpoint", str(state), "--bytes", "16", "--segment", "8", "The"],
                          capture_output=True, timeout=120)
     assert gen.returncode == 0 and len(gen.stdout) == 17, gen.stderr

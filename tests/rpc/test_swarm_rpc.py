@@ -50,6 +50,29 @@ def test_join_with_another_configuration_is_refused_naming_the_fields(live):
     assert live.agg.counters[("join_refused", "fingerprint")] == 2
 
 
+def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
+    cfg = live.agg.cfg
+    fp, cj = cfg.fingerprint(), json.dumps(cfg.to_dict())
+    assert live.client.join("a", 0, fp, cj, "sha256:aa").data_key == "0/0"
+    assert live.client.join("b", 0, fp, cj, "sha256:aa").data_key == "0/1"
+    assert live.client.join("a", 0, fp, cj, "sha256:aa").data_key == "0/0"
+    with pytest.raises(ConfigMismatchError, match="trains on data sha256:bb, but this swarm trains on sha256:aa"):
+        live.client.join("c", 0, fp, cj, "sha256:bb")
+    stub = pb_grpc.SwarmStub(live.client.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(worker_id="c", block=0, fingerprint=fp, config_json=cj, data_id="sha256:bb"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    st = live.client.status_dict()
+    assert st["data_id"] == "sha256:aa" and st["blocks"][0]["data_keys"] == {"a": "0/0", "b": "0/1"}
+    assert st["blocks"][1]["data_keys"] == {}
+    # an update names the key and steps it was trained with; a key not its own is refused
+    ok = PushHeader(**{**hdr("b").__dict__, "data_key": "0/1", "steps": (0, 1, 2)})
+    assert live.client.push(ok, encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    theirs = PushHeader(**{**hdr("a").__dict__, "data_key": "0/1", "steps": (0, 1, 2)})
+    j = live.client.push(theirs, encode_frames(small_delta(live), Codec.FP32))
+    assert j.outcome is Outcome.REJECTED and "a trained steps 0-2 with data key '0/1', but its key here is '0/0'" in j.reason
+
+
 def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live):
     join(live, "r1", "r2")
     base = live.client.pull(0, "r1", spec(live))

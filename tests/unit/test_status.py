@@ -85,6 +85,7 @@ def test_swarm_status_lists_blocks_in_order_and_the_events(swarm):
     assert s.fingerprint == CFG.fingerprint() and s.config == CFG
     assert [b.block for b in s.blocks] == [0, 1]
     assert s.events == {("joins", ""): 4, ("join_refused", "fingerprint"): 1}
+    assert [dict(b.data_keys) for b in s.blocks] == [{"wb": "0/0", "wa": "0/1"}, {"wb": "1/0", "wa": "1/1"}]
 
 
 def test_the_status_reply_carries_the_snapshot(swarm):
@@ -95,6 +96,7 @@ def test_the_status_reply_carries_the_snapshot(swarm):
     assert [b.block for b in reply.blocks] == [0, 1]
     b0 = reply.blocks[0]
     assert info_from_pb(b0.current) == s.blocks[0].current and list(b0.replicas) == ["wa", "wb"]
+    assert dict(b0.data_keys) == {"wb": "0/0", "wa": "0/1"} and reply.data_id == ""  # nobody stated a data id
     assert b0.round_age_s == 12.0 and b0.accepted_in_round == 0 and reply.blocks[1].accepted_in_round == 1
     assert [(info_from_pb(r.version), r.closed_at_unix) for r in b0.recent] == [(r.info, r.closed_at)
                                                                                  for r in s.blocks[0].recent]
