@@ -95,7 +95,7 @@ SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
                   Section(AggregatorNodeConfig, only=("state_dir", "seed"), defaults={"state_dir": Path("runs/swarm")},
                           helps={"state_dir": "Aggregator state and logs."}),
-                  Section(TrainConfig, only=("batch", "lr")),
+                  Section(TrainConfig, only=("batch", "lr", "precision")),
                   Section(WorkerConfig, only=("rounds", "steps_per_round", "codec"), defaults={"rounds": 5},
                           helps={"rounds": "Pushes per worker."}),
                   SwarmConfig,

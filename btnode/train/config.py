@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 from btnode.errors import ConfigError
 from btnode.settings import flag
+
+
+class Precision(str, Enum):
+    """The arithmetic of a training step's forward pass and loss. Local, not swarm-wide: parameters,
+    gradients, AdamW state and so the deltas a worker pushes stay fp32 either way, so the aggregator
+    sees the same fp32 tensors from every worker and replicas of one swarm may differ."""
+
+    FP32 = "fp32"  # the default: every step as it was before the flag existed, bit for bit
+    BF16 = "bf16"  # autocast to bfloat16 around forward and loss (fp32 master weights)
+
+    @classmethod
+    def parse(cls, value: str) -> Precision:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"--precision must be one of {[p.value for p in cls]}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,9 @@ class TrainConfig:
     # the pooled readout uses: every block learns to read the context on its own (issue #10).
     ctx_share: float = flag("--ctx-share", "Share of samples trained as the block's context readout, z = 0 at σ_hi.",
                             default=0.25)
+    precision: Precision = flag("--precision", "Forward and loss arithmetic: fp32, or bf16 autocast (weights, optimizer "
+                                "state and deltas stay fp32).", default=Precision.FP32, value=str,
+                                format=lambda p: p.value)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps < 1 or self.warmup < 0 or self.lr <= 0:
@@ -38,6 +58,10 @@ class TrainConfig:
             raise ConfigError(f"k1_share must be in [0, 1], got {self.k1_share}")
         if not 0 <= self.ctx_share < 1:
             raise ConfigError(f"ctx_share must be in [0, 1), got {self.ctx_share}")
+        try:  # a flag's or a caller's string → Precision
+            object.__setattr__(self, "precision", Precision.parse(self.precision))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def segment_weights(self, segments: tuple[int, ...]) -> list[float]:
         """Sampling weight of each trained K (segments are sorted, so K = 1 comes first)."""

@@ -18,7 +18,7 @@ from btnode.model.layout import window_layout
 from btnode.model.noise import loss_weight, sample_sigma
 from btnode.model.targets import target_table
 from btnode.seeding import generator
-from btnode.train.config import TrainConfig
+from btnode.train.config import Precision, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ class _Trainer:
 
     def train_step(self, x: torch.Tensor, worker: int | str = 0) -> StepStats:
         raise NotImplementedError
+
+    def logits(self, *inputs: object) -> torch.Tensor:
+        """The model's fp32 logits. Under --precision bf16 the forward pass runs in bf16 autocast
+        (the parameters it casts stay fp32, and so do their gradients and the optimizer) and the
+        loss is taken in fp32; under fp32 this is the plain forward call, bit for bit."""
+        if self.tc.precision is Precision.FP32:
+            return self.model(*inputs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            logits = self.model(*inputs)
+        return logits.float()
 
     def _apply(self, loss: torch.Tensor) -> None:
         for group in self.opt.param_groups:
@@ -106,7 +116,7 @@ class BlockTrainer(_Trainer):
         z = keep[:, None, None] * (self.table[tgt] + sigma[:, None, None] * eps)
         layout = window_layout(n, k, phase).to(self.device)
         self.model.train()
-        logits = self.model(ctx, z, sigma, layout)
+        logits = self.logits(ctx, z, sigma, layout)
         ce = F.cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1), reduction="none").view(b, n).mean(1)
         loss = (loss_weight(cfg, sigma) * ce).mean()
         self._apply(loss)
@@ -119,7 +129,7 @@ class ARTrainer(_Trainer):
     def train_step(self, x: torch.Tensor, worker: int | str = 0) -> StepStats:
         x = x.to(self.device)
         self.model.train()
-        logits = self.model(x[:, :-1])
+        logits = self.logits(x[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         self._apply(loss)
         return StepStats(loss=loss.item(), ce=loss.item(), k=1)

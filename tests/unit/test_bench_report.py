@@ -122,7 +122,7 @@ def test_quick_replaces_values_and_the_result_path():
 
 
 # every bench whose table comes from its result JSON renders the stored results (bench/results)
-RENDERED = ("async", "commit", "fuzz", "judge", "memory", "serving", "soak", "spec_accept", "transport", "wan_train")
+RENDERED = ("async", "commit", "fuzz", "judge", "memory", "serving", "soak", "spec_accept", "throughput", "transport", "wan_train")
 
 
 @pytest.mark.parametrize("module", RENDERED)

@@ -23,7 +23,7 @@ from btnode.node.worker import WorkerNodeConfig
 from btnode.rpc.limits import PeerLimits
 from btnode.settings import build, declared, flag
 from btnode.swarm.worker import WorkerConfig
-from btnode.train.config import TrainConfig
+from btnode.train.config import Precision, TrainConfig
 from btnode_cli import main
 from btnode_cli.options import options
 
@@ -87,7 +87,7 @@ def test_the_argv_swarm_derives_builds_the_same_configs_back(cli, model, tmp_pat
                                                outer=outer, publish_codec=Codec.BF16, keep=5),
                        PeerLimits(max_streams=3), ServeConfig(listen="127.0.0.1:0", port_file=tmp_path / "p"),
                        AggregatorNodeConfig(state_dir=tmp_path, blocks=(0, 2), seed=3)),
-        "worker": (model, TrainConfig(batch=4, lr=1e-3, warmup=7, seed=3, k1_share=0.5),
+        "worker": (model, TrainConfig(batch=4, lr=1e-3, warmup=7, seed=3, k1_share=0.5, precision=Precision.BF16),
                    WorkerConfig(worker_id="b1r0", block=0, steps_per_round=9, codec=Codec.FP32, error_feedback=False,
                                 rounds=4, train_while_waiting=False, schedule_by_version=False),
                    WorkerNodeConfig(peer="127.0.0.1:1", stats_file=tmp_path / "s.json", memory_check=False),
