@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from btnode.data import corpus
+from btnode.data import corpus, identity
 from btnode.data import source as source_module
-from btnode.data.manifest import write_dataset
+from btnode.data.manifest import read_manifest, write_dataset
 from btnode.data.source import MemoryBytes
 from btnode.data.windows import WindowSampler, eval_windows
 from btnode.errors import DataError
@@ -120,7 +120,8 @@ def test_prompts_are_found_through_bounded_reads(monkeypatch):
 def test_the_source_says_which_data_each_role_is(small_dataset):
     folder, _ = small_dataset
     data = corpus.load(folder)
-    assert data.source.startswith(f"dataset {folder} (manifest sha256 ") and " train " in data.source
+    assert data.source.startswith(f"dataset {folder} (manifest sha256:") and " train " in data.source
+    assert data.ident == identity.manifest_id(read_manifest(folder))  # what a worker states at Join
     assert data.test.description == f"the test split of dataset {folder}"
 
 
@@ -188,7 +189,7 @@ def test_doctor_checks_the_data_a_worker_would_train_on(small_dataset, tmp_path)
     from btnode.node.settings import HostConfig
 
     ok = check_data(ModelConfig(context=64), HostConfig(data=str(small_dataset[0])))
-    assert ok.level == "OK" and ok.detail.startswith(f"dataset {small_dataset[0]} (manifest sha256 ")
+    assert ok.level == "OK" and ok.detail.startswith(f"dataset {small_dataset[0]} (manifest sha256:")
     folder = broken_copy(small_dataset, tmp_path)
     (folder / "train" / "000000.bin").unlink()
     bad = check_data(ModelConfig(context=64), HostConfig(data=str(folder)))
