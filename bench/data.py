@@ -161,7 +161,7 @@ def render(r: dict) -> str:
         ["prepare rate", f"{r['prepare_mb_per_s']:.1f} MB/s"],
         ["prepare peak RSS", f"{r['prepare_peak_rss_mb']:.0f} MB"],
         ["worker peak RSS, bundled corpus", f"{r['worker_rss_mb_bundled']:.0f} MB"],
-        [f"worker peak RSS, {r['dataset_gb']:.1f} GB dataset (memory-mapped)", f"{r['worker_rss_mb_large']:.0f} MB"],
+        [f"worker peak RSS, {r['dataset_gb']:.1f} GB dataset (read in windows)", f"{r['worker_rss_mb_large']:.0f} MB"],
         ["worker peak RSS, same dataset over HTTP", f"{r['worker_rss_mb_http']:.0f} MB"],
         ["1-step run, bundled (process start to exit)", f"{r['bundled_first_step_s']:.1f} s"],
         ["1-step run over HTTP, cold cache", f"{r['http_first_step_s']:.1f} s "
