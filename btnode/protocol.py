@@ -15,6 +15,7 @@ import torch
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Frame
+from btnode.settings import flag
 
 MAX_NAME = 256  # characters of a worker id, update id, tensor name or data id a peer may send
 
@@ -39,6 +40,14 @@ class VersionInfo:
     rejected: int = 0
     mean_loss: float = float("nan")
     closed_by: str = ""
+
+
+@dataclass(frozen=True)
+class RoundSize:
+    """H, declared once: a worker trains H steps per update, and the aggregator judges the steps an
+    update claims by it (aggregate/claims.py), so both take the one `--steps-per-round`."""
+
+    steps_per_round: int = flag("--steps-per-round", "H: local steps per update.", default=50)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
 from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.codec.codecs import Codec, decode, parse
@@ -42,6 +43,7 @@ INCOMPLETE = {ABORTED, "truncated"}
 class AggregatorConfig:
     round: RoundConfig = RoundConfig()
     outer: OuterConfig = OuterConfig()
+    claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     update_codecs: tuple[Codec, ...] = (Codec.FP32, Codec.BF16, Codec.INT8)
     publish_codec: Codec = flag("--publish-codec", "Codec of published deltas.", default=Codec.FP32, value=str, parse=parse,
                                 format=lambda c: c.name.lower())  # lossless: every replica reaches θ^{v+1} exactly
@@ -139,18 +141,15 @@ class BlockAggregator:
             try:
                 outcome, factor, reason = self.round.judge(header.worker_id, header.base_version)
                 if outcome is Outcome.ACCEPTED:
+                    samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness)
                     self._check_norm(delta)
             except PeerInputError as exc:
                 self.reject(header, exc)
                 raise
             if outcome is not Outcome.ACCEPTED:
                 return self._answer(header, self.round.judgement(outcome, reason))
-            if not header.samples > 0 or not math.isfinite(header.samples):
-                err = MalformedInput("samples", f"update weight must be a positive number, got {header.samples}")
-                self.reject(header, err)
-                raise err
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
-                            samples=header.samples, loss=header.loss, delta=delta, weight=header.samples * factor)
+                            samples=samples, loss=header.loss, delta=delta, weight=samples * factor)
             self.round.add(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,

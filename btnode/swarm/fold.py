@@ -56,9 +56,12 @@ class Fold:
         """The update is in the next version: fold in only what was trained after it (θ − θ at push)."""
         return Fold(pending=self.pending, origin=at_push)
 
-    def refused(self, base: Tensors) -> Fold:
-        """Nothing of the update reaches the next version: fold all of it in (θ − θ^v), its steps too."""
-        return Fold(pending=self.in_flight + self.pending, origin=base)
+    def refused(self, base: Tensors, most: int) -> Fold:
+        """Nothing of the update reaches the next version: fold all of it in (θ − θ^v), its steps too,
+        unless the next update would then hold more than `most` steps (the aggregator refuses more:
+        aggregate/claims.py); then nothing is folded, as in `idle`."""
+        pending = self.in_flight + self.pending
+        return Fold(pending=pending, origin=base) if len(pending) <= most else self.idle()
 
     def idle(self) -> Fold:
         """Nothing is folded in: the next version is adopted exactly and pending steps are dropped."""

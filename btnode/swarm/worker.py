@@ -45,8 +45,8 @@ from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, Transfer, VersionInfo
-from btnode.settings import flag
+from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, RoundSize, Transfer, VersionInfo
+from btnode.settings import flag, same_flag
 from btnode.store.files import state_sha256
 from btnode.store.models import init_unit
 from btnode.swarm.announcements import Announcements
@@ -65,8 +65,7 @@ class WorkerConfig:
 
     worker_id: str = flag("--worker-id", "Unique name (default host-pid; a stage: block-B).")
     block: int = flag("--block", "The block to train or serve (a --model ar worker: 0, the default).")
-    steps_per_round: int = flag("--steps-per-round", "H: local steps per update.",
-                                default=50)  # H: local steps between pushes
+    steps_per_round: int = same_flag(RoundSize, "steps_per_round")  # H: local steps between pushes
     codec: Codec = flag("--codec", "Update codec: fp32, bf16 or int8.", default=Codec.INT8, value=str, parse=parse,
                         format=lambda c: c.name.lower())
     error_feedback: bool = flag("--no-error-feedback", "Drop the codec's rounding error.", default=True,
@@ -244,7 +243,7 @@ class BlockWorker:
         elif accepted:
             self._fold = self._fold.accepted(at_push if at_push is not None else self._params())
         else:
-            self._fold = self._fold.refused(dict(self.base))
+            self._fold = self._fold.refused(dict(self.base), 2 * self.wcfg.steps_per_round)  # claims.max_steps
 
     def advance(self, target: VersionInfo, fetched: tuple[VersionInfo, Tensors] | None = None) -> None:
         """Move to `target` (or to an already `fetched` version) and fold in what was trained since

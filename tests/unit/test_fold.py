@@ -58,7 +58,7 @@ def test_accepted_carries_only_what_was_trained_after_the_push():
 
 def test_refused_folds_the_whole_update_back_in_from_the_base():
     base = theta(0.0)
-    fold = trained(trained(Fold(), 1.0, 2.0).sent(), 3.0).refused(base)
+    fold = trained(trained(Fold(), 1.0, 2.0).sent(), 3.0).refused(base, 8)
     assert ces(fold.pending) == (1.0, 2.0, 3.0) and fold.in_flight == () and fold.origin is base  # pushed steps first
     assert fold.steps == (0, 1, 2)  # and their numbers with them: the next update names its windows
     assert torch.equal(fold.carry(theta(0.25))["w"], torch.full((2, 3), 0.25))
@@ -66,7 +66,7 @@ def test_refused_folds_the_whole_update_back_in_from_the_base():
 
 
 def test_refused_with_nothing_trained_since_still_carries_the_update():
-    fold = trained(Fold(), 1.0).sent().refused(theta(0.0))
+    fold = trained(Fold(), 1.0).sent().refused(theta(0.0), 8)
     assert fold.carries and ces(fold.pending) == (1.0,)
 
 
@@ -81,7 +81,7 @@ def test_idle_drops_the_origin_and_landing_drops_what_was_trained():
     assert fold.origin is None and fold.in_flight == () and not fold.carries
     assert ces(fold.pending) == (2.0, 3.0)  # still counted until the version lands ...
     assert fold.landed().pending == ()  # ... then the worker adopts it exactly and starts afresh
-    refused_then_idle = trained(Fold(), 1.0).sent().refused(theta(0.0)).idle()
+    refused_then_idle = trained(Fold(), 1.0).sent().refused(theta(0.0), 8).idle()
     assert refused_then_idle.origin is None and refused_then_idle.landed().pending == ()
 
 

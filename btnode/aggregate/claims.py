@@ -1,0 +1,121 @@
+"""What a push may claim (docs/security.md): its weight and the size of its delta follow from the
+swarm's training settings, never from numbers the worker sends unchecked.
+
+Weight. A push states the step of each batch it trained (`PushHeader.steps`). They must be
+distinct and increasing (a worker's steps only grow; a jump is allowed, since a worker that catches
+up moves its schedule to version × H), at least one and at most `max_steps` = 2H: an accepted
+update holds exactly H steps, and one refused update folds into the next with at most H wait steps
+(swarm.fold.Fold.refused drops a fold that would exceed it). Its `samples` must equal
+len(steps) × batch, and that is its weight. A push without steps (an older worker) is refused.
+
+Size. An element-wise bound from the settings alone, so it holds from round 0 with no history:
+
+AdamW (torch's, decoupled) moves a coordinate per step by −lr·(m̂/(√v̂+ε) + wd·θ). With
+m_t = (1−β1)Σ_k β1^(t−k) g_k and v_t = (1−β2)Σ_k β2^(t−k) g_k², Cauchy–Schwarz over k gives
+(Σ β1^j |g|)² ≤ Σ (β1²/β2)^j · Σ β2^j g², hence, bias corrections included,
+|m̂_t/√v̂_t| ≤ (1−β1)/(1−β1^t) · √((1−β2^t)/(1−β2)) · √((1−γ^t)/(1−γ)), γ = β1²/β2 < 1.
+That grows with t (1 at t = 1) towards c = (1−β1)/√((1−β2)(1−γ)): 1.165 for β = (0.9, 0.95).
+ε > 0 only shrinks it; clipping scales g, which the ratio does not see. So the Adam part of K
+steps is at most c·S with S = Σ lr_t ≤ K·lr (the peak: the schedule's position is local).
+Weight decay (matrices only, as train.trainers.make_optimizer) adds lr_t·wd·|θ| per step, with
+|θ| ≤ |θ^now| + (2 + s)·cS, θ^now the block's current version (the one the aggregator holds):
+the update's own moves, one round's published move (≤ cS under plain averaging) for the fold's
+carry measured on the previous trajectory, and s more for an update based s versions back. A lossy codec adds the error-feedback residual of the previous update: at most
+half a quantisation step of a frame that was itself within bound, ≤ B/254 for int8 (absmax/127
+per group), less for bf16; and decoding may round the largest value up by 2⁻⁸ (bf16).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from btnode.codec.codecs import Codec
+from btnode.errors import ConfigError, MalformedInput
+from btnode.protocol import PushHeader, RoundSize, format_steps
+from btnode.settings import same_flag
+from btnode.train.config import TrainConfig
+
+Tensors = Mapping[str, torch.Tensor]
+LOSSY_SLACK = 1 / 254  # the residual a lossy codec carries: half an int8 step of the largest value
+ROUNDING = 2.0**-8  # a decoded bf16 value may exceed its source by this share
+
+
+@dataclass(frozen=True)
+class ClaimConfig:
+    """The swarm's training settings the aggregator judges claims by: the same flags a worker trains
+    with (`btnode swarm` hands both the same values), so an honest worker's claims always fit."""
+
+    batch: int = same_flag(TrainConfig, "batch")
+    lr: float = same_flag(TrainConfig, "lr")
+    steps_per_round: int = same_flag(RoundSize, "steps_per_round")  # H
+    beta1: float = TrainConfig.beta1  # AdamW's: no flag sets them, so every worker has these
+    beta2: float = TrainConfig.beta2
+    weight_decay: float = TrainConfig.weight_decay
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.steps_per_round < 1 or not self.lr > 0 or not self.beta1**2 < self.beta2 < 1:
+            raise ConfigError(f"invalid claim settings: {self}")
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps one update may hold: H, plus H wait steps of one refused update folded in."""
+        return 2 * self.steps_per_round
+
+    @property
+    def adam_ratio(self) -> float:
+        """c: the most AdamW's |m̂/(√v̂+ε)| can be at any step (module doc)."""
+        gamma = self.beta1**2 / self.beta2
+        return (1 - self.beta1) / math.sqrt((1 - self.beta2) * (1 - gamma))
+
+    def weight(self, header: PushHeader) -> float:
+        """The update's weight, len(steps) × batch, once its claim holds; MalformedInput("claim") if not."""
+        steps = header.steps
+        if not steps:
+            raise MalformedInput("claim", f"{header.worker_id} states no steps: its weight cannot be derived")
+        if not 1 <= len(steps) <= self.max_steps or steps[0] < 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise MalformedInput("claim", f"{header.worker_id} claims steps {format_steps(steps)}: they must be 1 to "
+                                          f"{self.max_steps} distinct increasing step numbers (H = {self.steps_per_round})")
+        samples = len(steps) * self.batch
+        if header.samples != samples:
+            raise MalformedInput("claim", f"{header.worker_id} claims {header.samples:g} samples for {len(steps)} steps; "
+                                          f"the swarm's batch of {self.batch} makes {samples}")
+        return float(samples)
+
+    def bound(self, steps: int, theta: Tensors, codec: Codec, *, drift: int = 2) -> dict[str, torch.Tensor]:
+        """The most each coordinate of an update of `steps` steps may move, θ the block's current
+        version and `drift` the rounds of moves |θ| may be away from it (module doc)."""
+        top = max((float(t.abs().max()) for t in theta.values() if t.ndim >= 2 and t.numel()), default=0.0)
+        slack = 0.0 if codec is Codec.FP32 else LOSSY_SLACK * float(self._limit(self.max_steps, torch.tensor([[top]]),
+                                                                                drift).max())
+        return {n: (self._limit(steps, t, drift) + slack) * (1 + ROUNDING) for n, t in theta.items()}
+
+    def _limit(self, steps: int, theta: torch.Tensor, drift: int) -> torch.Tensor:
+        """Adam's part plus weight decay's (matrices only) for one tensor, before any codec."""
+        adam = self.adam_ratio * steps * self.lr
+        if theta.ndim < 2:
+            return torch.full_like(theta, adam)
+        return adam + self.weight_decay * steps * self.lr * (theta.abs() + drift * adam)
+
+    def check(self, header: PushHeader, delta: Tensors, theta: Tensors, *, drift: int = 2) -> float:
+        """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not."""
+        weight = self.weight(header)
+        limits = self.bound(len(header.steps), theta, header.codec, drift=drift)
+        for n, d in delta.items():
+            over = d.abs() - limits[n]
+            if bool((over > 0).any()):
+                i = int(over.argmax())
+                raise MalformedInput("bound", f"{header.worker_id}: {n}[{i}] moved {float(d.flatten()[i]):.4g}, over the "
+                                              f"{float(limits[n].flatten()[i]):.4g} that {len(header.steps)} AdamW steps "
+                                              f"at lr {self.lr:g} can move it")
+        return weight
+
+    @classmethod
+    def of(cls, tc: TrainConfig, steps_per_round: int) -> ClaimConfig:
+        """The claims a worker with these settings makes: what tests and in-process swarms pass."""
+        return cls(batch=tc.batch, lr=tc.lr, steps_per_round=steps_per_round, beta1=tc.beta1, beta2=tc.beta2,
+                   weight_decay=tc.weight_decay)
+
