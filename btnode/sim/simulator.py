@@ -26,12 +26,13 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
@@ -105,6 +106,8 @@ class Simulation:
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
+        # every replica here trains with tc and H: the aggregator judges their claims by the same
+        acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round))
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now)
         self.link = LocalLink(self.agg)
         self.replicas: list[Replica] = []

@@ -21,8 +21,8 @@ cfg = ModelConfig.from_dict(json.loads(sys.argv[3]))
 client = SwarmClient(address)
 client.join(worker, 0, cfg.fingerprint(), json.dumps(cfg.to_dict()))
 delta = {n: torch.zeros_like(t) for n, t in init_block(cfg, 0, 0).state_dict().items()}
-header = PushHeader(worker_id=worker, block=0, base_version=0, samples=1.0, loss=0.0, codec=Codec.FP32,
-                    update_id="stalled")
+header = PushHeader(worker_id=worker, block=0, base_version=0, samples=32.0, loss=0.0, codec=Codec.FP32,
+                    update_id="stalled", steps=(0,))
 
 
 def messages():

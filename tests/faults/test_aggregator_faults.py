@@ -89,8 +89,8 @@ def test_kill_9_while_writing_a_checkpoint_never_leaves_a_torn_version(tmp_path)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         for i in range(40):
-            h = PushHeader(worker_id="w", block=0, base_version=base, samples=1.0, loss=1.0, codec=Codec.FP32,
-                           update_id=f"{attempt}-{i}")
+            h = PushHeader(worker_id="w", block=0, base_version=base, samples=32.0, loss=1.0, codec=Codec.FP32,
+                           update_id=f"{attempt}-{i}", steps=(0,))  # one step of the default batch
             try:
                 assert c.push(h, frames).outcome is Outcome.ACCEPTED
             except PeerUnavailable:
@@ -118,7 +118,7 @@ def test_kill_9_while_writing_a_checkpoint_never_leaves_a_torn_version(tmp_path)
 
 def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
     state, port = tmp_path / "state", free_port()
-    agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600")
+    agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", "--steps-per-round", "2", "--batch", "4")
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([*CLI, "join", "--role", "worker", "--block", "0", "--peer", f"127.0.0.1:{port}",
                                "--worker-id", "w", "--steps-per-round", "2", "--batch", "4", *TINY_SHAPE],
@@ -140,7 +140,7 @@ def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
             time.sleep(0.1)
         agg.send_signal(signal.SIGKILL)  # the accepted update lives only in the open round
         agg.wait(timeout=30)
-        agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600")
+        agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", "--steps-per-round", "2", "--batch", "4")
         c.join("ghost", 0, TINY.fingerprint(), json.dumps(TINY.to_dict()))  # registrations live in memory
         deadline = time.monotonic() + 60
         while accepted_in_round() < 1:  # the worker's watch stream reconnects and it re-pushes

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from btnode.aggregate.averaging import OuterConfig
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -50,7 +51,8 @@ class PoisonLink(LocalLink):
 
 
 def run(tmp_path, poison=None, rounds=3):
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=3600), outer=OuterConfig(robust="trimmed"))
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=3600), outer=OuterConfig(robust="trimmed"),
+                            claims=ClaimConfig.of(TC, 4))
     agg = SwarmAggregator(CFG, acfg, tmp_path)
     workers = [BlockWorker(CFG, TC, WorkerConfig(worker_id=f"h{i}", block=0, steps_per_round=4, codec=Codec.INT8,
                                                  train_while_waiting=False), LocalLink(agg), CORPUS,

@@ -9,6 +9,7 @@ import pytest
 
 from btnode.aggregate.averaging import OuterConfig
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
@@ -27,7 +28,10 @@ class Live:
 
 @pytest.fixture
 def live(tmp_path):
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=30.0), outer=OuterConfig(lr=0.7))
+    # batch 32 (tests' headers claim 32 samples a step); an inner lr of 0.01 bounds a step at 0.0117, over
+    # the hand-made deltas (1e-3 · randn)
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=30.0), outer=OuterConfig(lr=0.7),
+                            claims=ClaimConfig(batch=32, lr=0.01, steps_per_round=4))
     agg = SwarmAggregator(CFG, acfg, tmp_path)
     server, port, stop = serve(agg, "127.0.0.1:0")
     done = threading.Event()

@@ -30,7 +30,7 @@ def small_delta(live, scale=1e-3, seed=0):
 
 def hdr(worker, base=0, uid=None, block=0, codec=Codec.FP32, samples=32.0):
     return PushHeader(worker_id=worker, block=block, base_version=base, samples=samples, loss=2.0, codec=codec,
-                      update_id=uid or f"{worker}:{base}")
+                      update_id=uid or f"{worker}:{base}", steps=tuple(range(int(samples) // 32)))  # batch 32
 
 
 def join(live, *workers, block=0):
@@ -66,9 +66,9 @@ def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     assert st["data_id"] == "sha256:aa" and st["blocks"][0]["data_keys"] == {"a": "0/0", "b": "0/1"}
     assert st["blocks"][1]["data_keys"] == {}
     # an update names the key and steps it was trained with; a key not its own is refused
-    ok = PushHeader(**{**hdr("b").__dict__, "data_key": "0/1", "steps": (0, 1, 2)})
+    ok = PushHeader(**{**hdr("b", samples=96.0).__dict__, "data_key": "0/1"})
     assert live.client.push(ok, encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
-    theirs = PushHeader(**{**hdr("a").__dict__, "data_key": "0/1", "steps": (0, 1, 2)})
+    theirs = PushHeader(**{**hdr("a", samples=96.0).__dict__, "data_key": "0/1"})
     j = live.client.push(theirs, encode_frames(small_delta(live), Codec.FP32))
     assert j.outcome is Outcome.REJECTED and "a trained steps 0-2 with data key '0/1', but its key here is '0/0'" in j.reason
 

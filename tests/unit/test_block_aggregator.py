@@ -5,6 +5,7 @@ import torch
 
 from btnode.aggregate.averaging import OuterConfig
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.codec.codecs import Codec, decode
 from btnode.errors import MalformedInput, StaleUpdate
@@ -13,6 +14,8 @@ from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
 INIT = {"a": torch.randn(4, 3), "b": torch.randn(7)}
+# batch 1 and an inner lr of 1: a push of s steps claims s samples and may move a coordinate about 1.165·s
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4)
 
 
 class Clock:
@@ -24,13 +27,14 @@ class Clock:
 
 
 def make(tmp_path, clock=None, **kw):
-    acfg = AggregatorConfig(round=kw.pop("round", RoundConfig(deadline_s=10.0)), **kw)
+    acfg = AggregatorConfig(round=kw.pop("round", RoundConfig(deadline_s=10.0)), claims=CLAIMS, **kw)
     return BlockAggregator(0, INIT, VersionStore(tmp_path, 0, keep=acfg.keep), acfg, clock=clock or Clock())
 
 
 def header(worker, base, samples=1.0, uid=None):
+    """An honest claim: `samples` steps of one window each."""
     return PushHeader(worker_id=worker, block=0, base_version=base, samples=samples, loss=1.0, codec=Codec.FP32,
-                      update_id=uid or f"{worker}-{base}")
+                      update_id=uid or f"{worker}-{base}", steps=tuple(range(int(samples))))
 
 
 def delta(scale):
@@ -79,7 +83,7 @@ def test_deadline_closes_with_a_silent_replica_and_late_updates_are_not_applied(
     info = agg.tick()
     assert info is not None and info.version == 1 and info.closed_by == "deadline"
     before = {n: t.clone() for n, t in agg.params.items()}
-    j = agg.submit(header("slow", 0), delta(5.0))
+    j = agg.submit(header("slow", 0, samples=5.0), delta(5.0))
     assert j.outcome is Outcome.LATE and "closed before" in j.reason
     assert all(torch.equal(before[n], agg.params[n]) for n in before)
     agg.submit(header("x", 1), delta(1.0))
@@ -109,7 +113,7 @@ def test_an_update_far_beyond_the_accepted_norms_is_rejected(tmp_path):
             agg.submit(header(w, v), delta(0.1 if w == "a" else 0.2))
     assert agg.info.version == 3
     with pytest.raises(MalformedInput, match="over 10× the median"):
-        agg.submit(header("a", 3), delta(1000.0))
+        agg.submit(header("a", 3, samples=8.0), delta(5.0))  # within the bound of 8 steps
     assert agg.counters[("rejected", "norm")] == 1 and agg.info.version == 3
 
 
@@ -177,7 +181,7 @@ def test_a_round_with_nothing_accepted_restarts_its_clock_at_the_deadline(tmp_pa
     assert agg.submit(header("x", 0), delta(1.0)).outcome is Outcome.ACCEPTED
     assert agg.info.version == 0  # before the restart this first arrival would have closed the round alone
     clock.t += 3.0
-    assert agg.submit(header("y", 0), delta(2.0)).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("y", 0, samples=2.0), delta(2.0)).outcome is Outcome.ACCEPTED
     clock.t += 5.0
     info = agg.tick()
     assert info is not None and info.accepted == 2 and info.closed_by == "deadline"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.datakeys import KEYS_FILE
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
@@ -33,7 +34,7 @@ CPU = torch.device("cpu")
 
 
 def aggregator(state_dir, **kw) -> SwarmAggregator:
-    return SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0)), state_dir, seed=TC.seed, **kw)
+    return SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=ClaimConfig.of(TC, H)), state_dir, seed=TC.seed, **kw)
 
 
 def join(agg: SwarmAggregator, worker: str, block: int = 0, data_id: str = "") -> JoinInfo:

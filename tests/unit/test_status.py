@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -19,6 +20,7 @@ from btnode.protocol import PushHeader
 from btnode.rpc.convert import info_from_pb, status_to_pb
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4)  # hand-made updates: 4 steps of one window
 
 
 class Clock:
@@ -31,7 +33,7 @@ class Clock:
 
 def header(worker: str, block: int, uid: str, loss: float = 1.0) -> PushHeader:
     return PushHeader(worker_id=worker, block=block, base_version=0, samples=4.0, loss=loss, codec=Codec.FP32,
-                      update_id=uid)
+                      update_id=uid, steps=(0, 1, 2, 3))  # an honest claim: 4 steps of batch 1 (CLAIMS)
 
 
 @pytest.fixture
@@ -39,7 +41,7 @@ def swarm(tmp_path):
     """Two blocks with two replicas each; block 0 published version 1 and rejected one push, block 1
     has one update in its open round; a refused join; 12 s since the rounds opened."""
     clock = Clock()
-    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0)), tmp_path, clock=clock)
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=CLAIMS), tmp_path, clock=clock)
     for b in (0, 1):
         for w in ("wb", "wa"):
             agg.join(w, b, CFG.fingerprint(), "")

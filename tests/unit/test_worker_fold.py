@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -27,7 +28,7 @@ H = 4
 
 
 def make(tmp_path, n_replicas=1, deadline=30.0, **wkw):
-    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=deadline)), tmp_path)
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=deadline), claims=ClaimConfig.of(TC, H)), tmp_path)
     link = LocalLink(agg)
     workers = [BlockWorker(CFG, TC, WorkerConfig(worker_id=f"w{i}", block=0, steps_per_round=H, codec=Codec.FP32,
                                                  **wkw), link, CORPUS, device=torch.device("cpu"))
