@@ -1,0 +1,120 @@
+"""What a push may claim (aggregate/claims.py): real workers' updates always fit the derived weight
+and the history-free bound; the issue's cheats are refused with `claim` or `bound` from round 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames, iter_chunks
+from btnode.errors import MalformedInput
+from btnode.model.config import ModelConfig
+from btnode.protocol import Judgement, Outcome
+from btnode.sim.link import LocalLink
+from btnode.swarm.worker import BlockWorker, WorkerConfig
+from btnode.train.config import TrainConfig
+
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
+TC = TrainConfig(steps=40, batch=4, warmup=2, lr=5e-3)
+CORPUS = bytes(range(256)) * 40
+H = 4
+CLAIMS = ClaimConfig.of(TC, H)
+
+
+def swarm(tmp_path, codec, n=3):
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=CLAIMS), tmp_path)
+    block = agg.block(0)
+    ratios: list[float] = []
+    submit = block.submit
+
+    def measured(header, delta):  # every update that reaches the judge, before it is judged
+        limits = CLAIMS.bound(len(header.steps), block.params, header.codec, drift=2)
+        ratios.append(max(float((d.abs() / limits[k]).max()) for k, d in delta.items()))
+        return submit(header, delta)
+
+    block.submit = measured
+    link = LocalLink(agg)
+    workers = [BlockWorker(CFG, TC, WorkerConfig(worker_id=f"w{i}", block=0, steps_per_round=H, codec=codec,
+                                                 rounds=4), link, CORPUS, device=torch.device("cpu"))
+               for i in range(n)]
+    return agg, workers, ratios
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP32])
+def test_honest_workers_that_fold_wait_steps_are_always_within_the_claims(tmp_path, codec):
+    agg, workers, ratios = swarm(tmp_path, codec)
+    threads = [threading.Thread(target=w.run) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(w.stats.outcomes == {"accepted": 4} for w in workers), [w.stats.outcomes for w in workers]
+    assert sum(w.stats.folds for w in workers) > 0  # wait steps were folded into later updates
+    assert agg.block(0).counters[("rejected", "claim")] == agg.block(0).counters[("rejected", "bound")] == 0
+    assert len(ratios) == 12 and max(ratios) < 1
+    print(f"{codec.name}: max |Δ|/bound over {len(ratios)} honest updates = {max(ratios):.3f}")
+
+
+def one_worker(tmp_path, codec=Codec.INT8):
+    agg, (w,), ratios = swarm(tmp_path, codec, n=1)
+    w.start()
+    w.train_steps(H)
+    return agg, w, ratios
+
+
+def test_a_refused_update_folded_into_the_next_holds_2h_steps_within_the_bound(tmp_path):
+    agg, w, ratios = one_worker(tmp_path)
+    header, _ = w.make_update()
+    w.pushed(Judgement(Outcome.LATE, "round closed", 1))  # as if it arrived after the deadline
+    w.train_steps(H)  # a full round of wait steps
+    w.advance(agg.block(0).current()[0])
+    assert w.steps_due() == 0
+    header2, raw = w.make_update()
+    assert len(header2.steps) == 2 * H == CLAIMS.max_steps
+    assert w.push(header2, raw).outcome is Outcome.ACCEPTED and max(ratios) < 1
+
+
+def encode_chunks(delta, codec):
+    return iter_chunks(encode_frames(delta, codec))
+
+
+def honest(w):
+    """A worker's honest update after H steps, decoded: what the cheats start from."""
+    header, _ = w.make_update()
+    delta = {n: w.trainer.model.state_dict()[n].detach() - w.base[n] for n in w.spec}
+    return header, delta
+
+
+CHEATS = {
+    "x10": lambda h, d: (h, {n: 10 * t for n, t in d.items()}),
+    "zero claiming 1e9 samples": lambda h, d: (dataclasses.replace(h, samples=1e9),
+                                               {n: torch.zeros_like(t) for n, t in d.items()}),
+    "negated claiming 1e9 samples": lambda h, d: (dataclasses.replace(h, samples=1e9), {n: -t for n, t in d.items()}),
+    "5 steps claiming 25": lambda h, d: (dataclasses.replace(h, steps=tuple(range(5)), samples=25.0 * TC.batch), d),
+    "samples not steps × batch": lambda h, d: (dataclasses.replace(h, samples=h.samples + 1), d),
+    "duplicate steps": lambda h, d: (dataclasses.replace(h, steps=(0, 0, 1, 2)), d),
+    "steps out of order": lambda h, d: (dataclasses.replace(h, steps=(0, 2, 1, 3)), d),
+    "more than 2H steps": lambda h, d: (dataclasses.replace(h, steps=tuple(range(2 * H + 1)),
+                                                            samples=float((2 * H + 1) * TC.batch)), d),
+    "no steps": lambda h, d: (dataclasses.replace(h, steps=()), d),
+}
+EXPECTED = {"x10": "bound"}
+
+
+@pytest.mark.parametrize("cheat", CHEATS)
+def test_the_issues_cheats_are_refused_from_round_0(tmp_path, cheat):
+    agg, w, _ = one_worker(tmp_path, Codec.FP32)
+    header, delta = CHEATS[cheat](*honest(w))
+    with pytest.raises(MalformedInput) as err:
+        agg.push(header, encode_chunks(delta, Codec.FP32))
+    reason = EXPECTED.get(cheat, "claim")
+    assert err.value.reason == reason
+    assert agg.block(0).counters[("rejected", reason)] == 1 and agg.block(0).info.version == 0
