@@ -88,6 +88,18 @@ class StaleUpdate(PeerInputError):
     """An update whose base version is older than the staleness bound allows (FAILED_PRECONDITION)."""
 
 
+class Forbidden(PeerInputError):
+    """The peer's identity may not do this (PERMISSION_DENIED): revoked, a role without the right,
+    or a worker id that is not its certificate's name. Not worth retrying."""
+
+    exit_code = 8
+
+
+class Refused(PeerInputError):
+    """A call the peer's identity may make, but not now (FAILED_PRECONDITION): a push to a block it
+    did not join, or a second update in one round."""
+
+
 class PeerUnavailable(BtnodeError):
     """The peer could not be reached, or went away mid-call (UNAVAILABLE). Safe to retry."""
 

@@ -55,6 +55,12 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
         for r in b["recent"][-rounds:]:
             typer.echo(f"    v{r['version']}: {r['accepted']} accepted, {r['late']} late, {r['stale']} stale, "
                        f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}")
+    for r in st["identities"]:
+        state = "REVOKED" if r["revoked_at_unix"] else "admitted"
+        refused_by = ", ".join(f"{k} {v}" for k, v in r["refused"].items()) or "none"
+        typer.echo(f"identity {r['name']} ({r['role']}, {r['fingerprint'][:12]}): {state}; joined "
+                   f"{r['joined'] or 'nothing'}; {r['accepted']} accepted; refused: {refused_by}; "
+                   f"{r['audited']} audited, {r['failed']} failed")
     refused = [c for c in st["counters"] if c["labels"].get("outcome") in ("rejected", "stale") and c["value"]]
     for c in refused:
         typer.echo(f"refused: {unit(c['labels'].get('block'))} {c['labels']['outcome']} "

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
+from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, PushHeader, VersionInfo, format_steps
+from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.store.files import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
@@ -39,6 +40,7 @@ class SwarmStatus:
     blocks: tuple[BlockStatus, ...]  # by block number
     events: Mapping[tuple[str, str], int]  # (event, reason) → count, for events outside one block
     data_id: str | None = None  # what every worker trains on (None: no worker stated one yet)
+    identities: tuple[IdentityRecord, ...] = ()  # under mutual TLS: each certificate's record, by name
 
 
 class SwarmAggregator:
@@ -55,6 +57,7 @@ class SwarmAggregator:
         state_dir.mkdir(parents=True, exist_ok=True)
         self._check_state_dir(state_dir)
         self.keys = DataKeys(state_dir, fixed=data_id)
+        self.identities = Identities(state_dir)
         self.blocks = {b: BlockAggregator(b, init_unit(cfg, b, seed).state_dict(),
                                           VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg,
                                           clock=clock, name=cfg.unit_name(b))
@@ -69,7 +72,7 @@ class SwarmAggregator:
     def status(self) -> SwarmStatus:
         blocks = tuple(replace(self.blocks[b].status(), data_keys=self.keys.of(b)) for b in sorted(self.blocks))
         return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters),
-                           data_id=self.keys.data_id)
+                           data_id=self.keys.data_id, identities=self.identities.records())
 
     def _check_state_dir(self, state_dir: Path) -> None:
         """A state folder belongs to one run: refuse to mix versions of different configurations."""
@@ -87,9 +90,11 @@ class SwarmAggregator:
             raise UnknownBlock("unknown_block", f"this aggregator owns blocks {sorted(self.blocks)}, not block {b}")
         return agg
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo:
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
+             who: Identity | None = None) -> JoinInfo:
         """Admit a worker whose fingerprint and stated data id (empty: not stated) match the swarm's,
-        and hand it its data key."""
+        and hand it its data key. `who`: its proven identity, under mutual TLS (the RPC layer has
+        checked that `worker_id` is its name)."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if fingerprint != self.fingerprint:
@@ -109,6 +114,8 @@ class SwarmAggregator:
             self.count("join_refused", "data")
             raise
         agg.register(worker_id)
+        if who is not None:
+            self.identities.joined(who, block)
         self.count("joins")
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
@@ -118,15 +125,36 @@ class SwarmAggregator:
         self.block(block).unregister(worker_id)
         log.info("worker %s left %s", worker_id, self.cfg.unit_name(block))
 
-    def push(self, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+    def push(self, header: PushHeader, chunks: Iterable[ChunkData], who: Identity | None = None) -> Judgement:
         """Judge one pushed update: its header first (re-push, late, stale answered before any
         payload), then every frame validated against the block's spec, then the round's rules.
-        A refused push is counted with its reason and raised; nothing of it is applied."""
+        A refused push is counted with its reason and raised; nothing of it is applied.
+        `who`: the sender's proven identity (mutual TLS): it must have joined the block and may push
+        one update per round; the outcome goes on its record."""
         try:
             block = self.block(header.block)
         except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
             self.count("rejected", exc.reason)
             raise
+        if who is None:
+            return self._judge(block, header, chunks)
+        self.identities.check_push(who, header, ever_joined=who.name in self.keys.of(header.block))
+        try:
+            judged = self._judge(block, header, chunks)
+        except PeerInputError as exc:
+            self.identities.judged(who, header, False, exc.reason)
+            raise
+        self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
+        return judged
+
+    def revoke(self, name: str) -> float:
+        """Refuse the identity `name` from now on; returns the time of its revocation. Its update
+        already accepted in an open round stays in that round (see docs/security.md)."""
+        at = self.identities.revoke(name)
+        log.warning("identity %s revoked by the operator", name)
+        return at
+
+    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
         try:
             early = block.precheck(header)
             if early is not None:

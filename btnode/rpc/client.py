@@ -11,7 +11,7 @@ import grpc
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
-from btnode.errors import MalformedInput, PeerInputError
+from btnode.errors import Forbidden, MalformedInput, PeerInputError
 from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.security import Security, channel
@@ -89,6 +89,8 @@ class SwarmClient:
 
         try:
             reply = self._call("push", self.stub.Push, messages())
+        except Forbidden:  # this identity may not push (revoked, another's worker id): retrying cannot help
+            raise
         except PeerInputError as exc:
             outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
@@ -106,6 +108,11 @@ class SwarmClient:
         finally:
             if (worker_id, call) in self._watches:
                 self._watches.remove((worker_id, call))
+
+    def revoke(self, name: str) -> float:
+        """Revoke the identity `name` (this client must hold an operator's certificate); returns
+        the aggregator's time of the revocation."""
+        return self._call("revoke", self.stub.Revoke, pb.RevokeRequest(name=name)).revoked_at_unix
 
     def status(self) -> pb.StatusReply:
         return self._call("status", self.stub.Status, pb.StatusRequest())
@@ -132,6 +139,10 @@ class SwarmClient:
                         "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent]}
                        for b in st.blocks],
             "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
+            "identities": [{"name": r.name, "role": r.role, "fingerprint": r.fingerprint, "joined": list(r.joined),
+                            "accepted": r.accepted, "refused": dict(sorted(r.refused.items())), "audited": r.audited,
+                            "failed": r.failed, "revoked_at_unix": r.revoked_at_unix or None}
+                           for r in st.identities],
         }
 
     def cancel_watches(self, worker_id: str | None = None) -> None:

@@ -122,4 +122,8 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
                                value=n)
     for (name, reason), n in s.events.items():
         reply.counters.add(name=name, labels={"reason": reason}, value=n)
+    for r in s.identities:
+        reply.identities.add(name=r.name, role=r.role, fingerprint=r.fingerprint, joined=sorted(r.joined),
+                             accepted=r.accepted, refused=dict(r.refused), audited=r.audited, failed=r.failed,
+                             revoked_at_unix=r.revoked_at or 0.0)
     return reply

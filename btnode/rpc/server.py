@@ -19,15 +19,17 @@ import grpc
 import zstandard
 
 from btnode.aggregate.block import ABORTED
+from btnode.aggregate.identities import Identity
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, iter_chunks, lazy_frames
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
 from btnode.protocol import VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
-from btnode.rpc.security import Security, bind, interceptors
+from btnode.rpc.certs import peer_identity
+from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
@@ -124,30 +126,45 @@ def streaming(method: Callable) -> Callable:
 
 
 class SwarmServicer(pb_grpc.SwarmServicer):
-    def __init__(self, agg: SwarmAggregator, stop: threading.Event):
+    """`identities`: bind every call to its client certificate (under mutual TLS): the identity
+    must be admitted for the call (aggregate/identities.py) and any worker id it claims must be its name."""
+
+    def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False):
         self.agg = agg
         self.stop = stop
+        self.identities = identities
+
+    def _who(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> Identity | None:
+        if not self.identities:
+            return None
+        who = peer_identity(context)
+        self.agg.identities.admit(who, method, claimed)
+        return who
 
     @_guard
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        who = self._who(context, "Join", request.worker_id)
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
-                             request.data_id)
+                             request.data_id, who=who)
         return convert.join_to_pb(info)
 
     @_guard
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self._who(context, "Leave", request.worker_id)
         self.agg.leave(request.worker_id, request.block)
         return pb.LeaveReply()
 
     @_guard
     @streaming
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+        self._who(context, "Pull", request.worker_id)
         info, params = self.agg.block(request.block).current()
         yield from self._send(info, lazy_frames(params, Codec.FP32), "pull")
 
     @_guard
     @streaming
     def FetchDelta(self, request: pb.FetchDeltaRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+        self._who(context, "FetchDelta")
         block = self.agg.block(request.block)
         info, codec, raw = block.delta(request.version)
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
@@ -169,11 +186,14 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
+        who = self._who(context, "Push")
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise MalformedInput("no_header", "a push must start with its header")
             header = convert.push_header_from_pb(first.header)
+            if who is not None:
+                self.agg.identities.admit(who, "Push", header.worker_id)
         except PeerInputError as exc:
             self.agg.count("rejected", exc.reason)
             log.warning("rejected push: %s", exc)
@@ -190,7 +210,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
             if not context.is_active():  # the stream may also just end when the connection drops
                 raise MalformedInput(ABORTED, "the client went away in the middle of the push")
 
-        judged = self.agg.push(header, chunks())
+        judged = self.agg.push(header, chunks(), who=who)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
@@ -200,13 +220,15 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @streaming
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionInfo]:
         """Announce the current version, then every new one, until the client goes away."""
+        who = self._who(context, "Watch", request.worker_id)
         block = self.agg.block(request.block)
         worker = request.worker_id
+        revoked = self.agg.identities.revoked
         if worker:
             block.register(worker)
             context.add_callback(lambda: block.unregister(worker))
         last = -1
-        while context.is_active() and not self.stop.is_set():
+        while context.is_active() and not self.stop.is_set() and (who is None or who.name not in revoked):
             info = block.wait_for(last, timeout=0.5)
             if info is not None:
                 last = info.version
@@ -214,7 +236,16 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        self._who(context, "Status")
         return convert.status_to_pb(self.agg.status(), server_time_unix=time.time())
+
+    @_guard
+    def Revoke(self, request: pb.RevokeRequest, context: grpc.ServicerContext) -> pb.RevokeReply:
+        if not self.identities:
+            raise Refused("no_identities", "this aggregator has no identities to revoke: start it with mutual TLS "
+                                           "(--tls-client-auth) so that worker ids are certificates, not claims")
+        self._who(context, "Revoke")
+        return pb.RevokeReply(revoked_at_unix=self.agg.revoke(request.name))
 
 
 def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
@@ -227,16 +258,17 @@ def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security
     per-peer limits that bounds the memory held by pushes being received. A `PeerLimiter` given
     in place of `limits` is used as it is (a caller that wants to watch its open streams)."""
     stop = threading.Event()
+    sec = security or current()
     refused = lambda: agg.count("unauthenticated", "token")  # noqa: E731
     limited = lambda reason: agg.count("limited", reason)  # noqa: E731
     limiter = limits if isinstance(limits, PeerLimiter) else PeerLimiter(limits or PeerLimits())
     limiter.on_refusal = limited
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
-                         interceptors=[*interceptors(security, refused), limiter,
+                         interceptors=[*interceptors(sec, refused), limiter,
                                        DecodeGuard()])
-    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop), server)
+    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth), server)
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
-    port = bind(server, address, security)
+    port = bind(server, address, sec)
     server.start()
     return server, port, stop

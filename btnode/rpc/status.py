@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import grpc
 
-from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, InputError,
-                           MalformedInput, PeerInputError, PeerUnavailable, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
+from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, Forbidden, InputError,
+                           MalformedInput, PeerInputError, PeerUnavailable, Refused, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
 
 REASON_KEY = "btnode-reason"
+REFUSALS = ("not_joined", "second_push", "no_identities")  # FAILED_PRECONDITION reasons that come back as Refused
 
 _CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
     (MalformedInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Refused, grpc.StatusCode.FAILED_PRECONDITION),
     (InputError, grpc.StatusCode.INVALID_ARGUMENT),
     (CacheMiss, grpc.StatusCode.FAILED_PRECONDITION),
     (TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -52,6 +56,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
         return PeerUnavailable(message)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(f"{message} (check the swarm token: BTNODE_TOKEN or --token-file)")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return Forbidden(reason or "forbidden", message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if reason == "InputError":
             return InputError(message)
@@ -63,6 +69,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         if reason == "fingerprint":
             return ConfigMismatchError(message, [])
+        if reason in REFUSALS:
+            return Refused(reason, message)
         if reason == "cache_miss":
             return CacheMiss(message)
         return StaleUpdate(reason or "stale", message)

@@ -256,18 +256,61 @@ class Counter(_message.Message):
     value: float
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
+class IdentityRecord(_message.Message):
+    __slots__ = ("name", "role", "fingerprint", "joined", "accepted", "refused", "audited", "failed", "revoked_at_unix")
+    class RefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    AUDITED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    fingerprint: str
+    joined: _containers.RepeatedScalarFieldContainer[int]
+    accepted: int
+    refused: _containers.ScalarMap[str, int]
+    audited: int
+    failed: int
+    revoked_at_unix: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix", "data_id")
+    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix", "data_id", "identities")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     config_json: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockStatus]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     server_time_unix: float
     data_id: str
-    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ..., data_id: _Optional[str] = ...) -> None: ...
+    identities: _containers.RepeatedCompositeFieldContainer[IdentityRecord]
+    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ..., data_id: _Optional[str] = ..., identities: _Optional[_Iterable[_Union[IdentityRecord, _Mapping]]] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ("revoked_at_unix",)
+    REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    revoked_at_unix: float
+    def __init__(self, revoked_at_unix: _Optional[float] = ...) -> None: ...

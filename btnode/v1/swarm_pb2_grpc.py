@@ -69,6 +69,11 @@ class SwarmStub:
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.StatusRequest.SerializeToString,
                 response_deserializer=btnode_dot_v1_dot_swarm__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/btnode.v1.Swarm/Revoke',
+                request_serializer=btnode_dot_v1_dot_swarm__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=btnode_dot_v1_dot_swarm__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class SwarmServicer:
@@ -116,6 +121,12 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SwarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_SwarmServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=btnode_dot_v1_dot_swarm__pb2.StatusRequest.FromString,
                     response_serializer=btnode_dot_v1_dot_swarm__pb2.StatusReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.RevokeRequest.FromString,
+                    response_serializer=btnode_dot_v1_dot_swarm__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Swarm:
             '/btnode.v1.Swarm/Status',
             btnode_dot_v1_dot_swarm__pb2.StatusRequest.SerializeToString,
             btnode_dot_v1_dot_swarm__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v1.Swarm/Revoke',
+            btnode_dot_v1_dot_swarm__pb2.RevokeRequest.SerializeToString,
+            btnode_dot_v1_dot_swarm__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,
