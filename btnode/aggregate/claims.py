@@ -36,7 +36,7 @@ import torch
 from btnode.codec.codecs import Codec
 from btnode.errors import ConfigError, MalformedInput
 from btnode.protocol import PushHeader, RoundSize, format_steps
-from btnode.settings import same_flag
+from btnode.settings import flag, same_flag
 from btnode.train.config import TrainConfig
 
 Tensors = Mapping[str, torch.Tensor]
@@ -55,6 +55,11 @@ class ClaimConfig:
     beta1: float = TrainConfig.beta1  # AdamW's: no flag sets them, so every worker has these
     beta2: float = TrainConfig.beta2
     weight_decay: float = TrainConfig.weight_decay
+    enforce: bool = flag("--check-claims/--believe-claims",
+                         "Derive each push's weight from the steps it lists and the swarm's --batch, and bound its "
+                         "delta by --lr and --steps-per-round from round 0 (rejected/claim, rejected/bound; "
+                         "docs/security.md). The workers must train with the same three settings.",
+                         default=False)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps_per_round < 1 or not self.lr > 0 or not self.beta1**2 < self.beta2 < 1:
@@ -101,7 +106,10 @@ class ClaimConfig:
         return adam + self.weight_decay * steps * self.lr * (theta.abs() + drift * adam)
 
     def check(self, header: PushHeader, delta: Tensors, theta: Tensors, *, drift: int = 2) -> float:
-        """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not."""
+        """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not.
+        Not enforced (`--believe-claims`, the default for now): the weight the header states."""
+        if not self.enforce:
+            return header.samples
         weight = self.weight(header)
         limits = self.bound(len(header.steps), theta, header.codec, drift=drift)
         for n, d in delta.items():
@@ -114,8 +122,8 @@ class ClaimConfig:
         return weight
 
     @classmethod
-    def of(cls, tc: TrainConfig, steps_per_round: int) -> ClaimConfig:
-        """The claims a worker with these settings makes: what tests and in-process swarms pass."""
+    def of(cls, tc: TrainConfig, steps_per_round: int, *, enforce: bool = True) -> ClaimConfig:
+        """The claims a worker with these settings makes, checked: what tests and in-process swarms pass."""
         return cls(batch=tc.batch, lr=tc.lr, steps_per_round=steps_per_round, beta1=tc.beta1, beta2=tc.beta2,
-                   weight_decay=tc.weight_decay)
+                   weight_decay=tc.weight_decay, enforce=enforce)
 

@@ -65,8 +65,11 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     host = listen.rsplit(":", 1)[0]
     owns = f"the {cfg.ar_layers}-layer AR model (DiLoCo)" if cfg.kind == "ar" else f"blocks {sorted(agg.blocks)}"
     outer = acfg.outer
-    log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s)", owns, host,
-             port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust)
+    c = acfg.claims
+    claims = (f"claims checked against batch {c.batch}, lr {c.lr:g}, H {c.steps_per_round}" if c.enforce
+              else "claims believed")
+    log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s; %s)", owns,
+             host, port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust, claims)
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
     health.serving()

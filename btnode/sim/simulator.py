@@ -107,7 +107,7 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
         # every replica here trains with tc and H: the aggregator judges their claims by the same
-        acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round))
+        acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round, enforce=acfg.claims.enforce))
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now)
         self.link = LocalLink(self.agg)
         self.replicas: list[Replica] = []

@@ -63,7 +63,7 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
     state = tmp_path / "swarm"
     p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
                               "--steps-per-round", "3", "--batch", "4", "--deadline", "30", "--keep", "100",
-                              *TINY_SHAPE],
+                              "--check-claims", *TINY_SHAPE],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     for b in range(3):
@@ -73,8 +73,10 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
         for r in range(2):
             stats = json.loads((state / "logs" / f"b{b}r{r}.stats.json").read_text())
             assert stats["pushes"] == 3 and stats["outcomes"].get("accepted", 0) >= 1
+            assert stats["outcomes"].get("rejected", 0) == 0  # honest claims fit the swarm's batch, lr and H
             held = VersionStore(state, b).load(stats["version"])  # the version the worker ended on
             assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
+    assert "claims checked against batch 4, lr 0.002, H 3" in (state / "logs" / "aggregator.log").read_text()
     # every worker stated the bundled corpus and got a data key of its own, per block (in order of joining)
     keys = json.loads((state / "data_keys.json").read_text())
     assert keys["data_id"] == "bundled:wikitext-2"

@@ -31,7 +31,7 @@ def live(tmp_path):
     # batch 32 (tests' headers claim 32 samples a step); an inner lr of 0.01 bounds a step at 0.0117, over
     # the hand-made deltas (1e-3 · randn)
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=30.0), outer=OuterConfig(lr=0.7),
-                            claims=ClaimConfig(batch=32, lr=0.01, steps_per_round=4))
+                            claims=ClaimConfig(batch=32, lr=0.01, steps_per_round=4, enforce=True))
     agg = SwarmAggregator(CFG, acfg, tmp_path)
     server, port, stop = serve(agg, "127.0.0.1:0")
     done = threading.Event()

@@ -15,7 +15,7 @@ from btnode.store.versions import VersionStore
 
 INIT = {"a": torch.randn(4, 3), "b": torch.randn(7)}
 # batch 1 and an inner lr of 1: a push of s steps claims s samples and may move a coordinate about 1.165·s
-CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4)
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)
 
 
 class Clock:

@@ -20,7 +20,7 @@ from btnode.protocol import PushHeader
 from btnode.rpc.convert import info_from_pb, status_to_pb
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
-CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4)  # hand-made updates: 4 steps of one window
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)  # hand-made updates: 4 steps of one window
 
 
 class Clock:
