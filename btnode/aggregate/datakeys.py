@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError
-from btnode.store.files import atomic_write
+from btnode.durable import atomic_write
 
 KEYS_FILE = "data_keys.json"
 

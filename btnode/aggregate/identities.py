@@ -20,7 +20,7 @@ from pathlib import Path
 from btnode.aggregate.block import INCOMPLETE
 from btnode.errors import CheckpointError, Forbidden, InputError, Refused
 from btnode.protocol import MAX_NAME, PushHeader
-from btnode.store.files import atomic_write
+from btnode.durable import atomic_write
 
 REVOKED_FILE = "revoked.json"
 

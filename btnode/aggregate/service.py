@@ -23,7 +23,7 @@ from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
-from btnode.store.files import atomic_write
+from btnode.durable import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
 

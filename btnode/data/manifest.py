@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from btnode.durable import atomic_write
 from btnode.errors import DataError
 
 FORMAT = "btnode-dataset"
@@ -113,7 +114,7 @@ class Manifest:
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST
-        write_durably(path, self.to_json().encode())
+        atomic_write(path, self.to_json().encode())
         return path
 
 
@@ -150,16 +151,6 @@ def _digest(value: object, origin: str) -> str:
     if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
         raise DataError(f"{origin}: {value!r} is not a sha256 hex digest")
     return value
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file, fsync'd, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:

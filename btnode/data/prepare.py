@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import hashlib
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 from btnode.data import readers
 from btnode.data.manifest import (DEFAULT_SHARD_BYTES, MANIFEST, SPLITS, Manifest, ShardWriter, read_manifest)
 from btnode.data.readers import Skip, SourceReport
+from btnode.durable import fsync_dir
 from btnode.errors import ConfigError, DataError
 from btnode.settings import flag
 
@@ -158,7 +158,7 @@ def _finish(out: Path, config: PrepareConfig, splits: dict, reports: list[Source
     if manifest.documents == 0:
         raise DataError(f"no documents in {', '.join(r['path'] for r in manifest.sources)}")
     manifest.write(out)
-    _fsync_dir(out)
+    fsync_dir(out)
     return manifest
 
 
@@ -173,18 +173,10 @@ def _clear(out: Path, force: bool) -> None:
     if not force:
         raise DataError(f"--out {out} is not empty (--force replaces the dataset in it)")
     (out / MANIFEST).unlink(missing_ok=True)
-    _fsync_dir(out)
+    fsync_dir(out)
     for name in SPLITS:
         for old in sorted((out / name).glob("*.bin")) if (out / name).is_dir() else ():
             old.unlink()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def verify(folder: Path, progress: Callable[[int, int], None] | None = None) -> Manifest:

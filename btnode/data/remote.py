@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from btnode.data.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, Shard, write_durably
+from btnode.data.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, Shard
+from btnode.durable import atomic_write
 from btnode.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -190,8 +191,8 @@ def load_manifest(transport: Transport, url: str, cache: ShardCache) -> Manifest
     with cache.locked():
         if not kept.is_file() or kept.read_bytes() != text:
             folder.mkdir(parents=True, exist_ok=True)
-            write_durably(folder / "url", url.encode() + b"\n")
-            write_durably(kept, text)
+            atomic_write(folder / "url", url.encode() + b"\n")
+            atomic_write(kept, text)
     return manifest
 
 

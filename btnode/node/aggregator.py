@@ -20,7 +20,7 @@ from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimits
 from btnode.rpc.server import serve
 from btnode.settings import flag, join_ints, parse_ints, same_flag
-from btnode.store.files import atomic_write
+from btnode.durable import atomic_write
 from btnode.train.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from btnode.serve.draft import ARDrafter
 from btnode.serve.kvcache import KV_BUDGET_BYTES
 from btnode.serve.stages import FailoverStage, LocalBlockStage
 from btnode.settings import flag, parse_ints, same_flag
-from btnode.store.files import atomic_write, state_sha256
+from btnode.durable import atomic_write
+from btnode.store.files import state_sha256
 from btnode.store.models import load_ar, load_one_block
 from btnode.swarm.worker import WorkerConfig
 

@@ -27,7 +27,7 @@ from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.client import SwarmClient
 from btnode.settings import flag, same_flag
-from btnode.store.files import atomic_write
+from btnode.durable import atomic_write
 from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
 from btnode.train.config import TrainConfig
 
