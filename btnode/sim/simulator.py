@@ -25,7 +25,7 @@ from collections import Counter
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -45,6 +45,9 @@ from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
 
 DISTRIBUTIONS = ("fixed", "exp", "lognormal")
+# Builds a replica's worker from BlockWorker's constructor arguments (BlockWorker itself, or a
+# subclass: the cheats of btnode/testing/cheats.py)
+WorkerFactory = Callable[..., BlockWorker]
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,10 @@ class SimResult:
 
 class Simulation:
     def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig,
-                 corpus: ByteSource | bytes, state_dir: Path, *, device: torch.device):
+                 corpus: ByteSource | bytes, state_dir: Path, *, device: torch.device,
+                 workers: Mapping[str, WorkerFactory] | None = None):
+        """`workers`: worker id ("b{block}r{replica}") → the factory of that replica's worker, for
+        the replicas that do not run a plain BlockWorker."""
         self.cfg, self.acfg, self.scfg = cfg, acfg, scfg
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -117,10 +123,14 @@ class Simulation:
                                 train_while_waiting=scfg.train_while_waiting,
                                 schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
-            self.replicas.append(Replica(BlockWorker(cfg, tc, wcfg, self.link, corpus, device=device), mean,
+            make = (workers or {}).get(wid, BlockWorker)
+            self.replicas.append(Replica(make(cfg, tc, wcfg, self.link, corpus, device=device), mean,
                                          random.Random(f"turnout/{scfg.seed}/{wid}"),
                                          random.Random(f"delay/{scfg.seed}/{wid}")))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
+
+    def worker(self, worker_id: str) -> BlockWorker:
+        return next(r.worker for r in self.replicas if r.worker.wcfg.worker_id == worker_id)
 
     # -- the event queue and the network ----------------------------------------------------------
     def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
