@@ -1,6 +1,7 @@
-"""How accepted deltas become one step (design §3.3): weighted mean, or a robust coordinate-wise
-trimmed mean / median, then the outer step θ^{v+1} = θ^v + η·Δ̄, optionally with Nesterov
-momentum (DiLoCo: η = 0.7, μ = 0.9).
+"""How accepted deltas become one step (design §3.3): weighted mean (in mode "screened", the
+default, of the updates BlockAggregator._screen kept), or a robust coordinate-wise trimmed mean /
+median, then the outer step θ^{v+1} = θ^v + η·Δ̄, optionally with Nesterov momentum (DiLoCo:
+η = 0.7, μ = 0.9).
 
 Deltas are combined in a fixed order (the caller sorts them by worker id) in fp32, so anyone
 holding the same decoded updates can recompute the new version bit for bit.
@@ -18,7 +19,7 @@ from btnode.errors import ConfigError
 from btnode.settings import fill, flag
 
 Tensors = dict[str, torch.Tensor]
-ROBUST_MODES = ("mean", "trimmed", "median")
+ROBUST_MODES = ("mean", "screened", "trimmed", "median")
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class OuterConfig:
     momentum: float = flag("--outer-momentum", "μ of Nesterov outer momentum, 0 = none (default 0; 0.9 with --model ar). "
                                                "Plain averaging: --outer-lr 1 --outer-momentum 0.", default=0.0,
                            optional=True)  # μ: Nesterov outer momentum when > 0
-    robust: str = flag("--robust", "mean | trimmed | median.",
-                       default="mean")  # mean | trimmed | median (robust modes need ≥ 3 updates, else mean)
+    robust: str = flag("--robust", "screened | mean | trimmed | median (docs/security.md).",
+                       default="screened")  # robust modes need ≥ 3 updates, else mean; screened: see BlockAggregator._screen
     trim: float = 0.2  # trimmed mode: fraction of updates dropped at each end, per coordinate
 
     def __post_init__(self) -> None:
@@ -81,13 +82,16 @@ def median(deltas: Sequence[Tensors]) -> Tensors:
 
 
 def combine(deltas: Sequence[Tensors], weights: Sequence[float], cfg: OuterConfig) -> tuple[Tensors, str]:
-    """(Δ̄, rule used). Robust rules ignore weights and apply only with at least 3 updates."""
+    """(Δ̄, rule used). Robust rules apply only with at least 3 updates; trimmed and median ignore
+    the weights; screened is the weighted mean (its screen ran before)."""
     if not deltas:
         raise ValueError("nothing to combine")
     if len(deltas) >= 3 and cfg.robust == "median":
         return median(deltas), "median"
     if len(deltas) >= 3 and cfg.robust == "trimmed":
         return trimmed_mean(deltas, cfg.trim), "trimmed"
+    if len(deltas) >= 3 and cfg.robust == "screened":
+        return weighted_mean(deltas, weights), "screened"
     return weighted_mean(deltas, weights), "mean"
 
 

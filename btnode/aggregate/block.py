@@ -49,6 +49,7 @@ class AggregatorConfig:
                                 format=lambda c: c.name.lower())  # lossless: every replica reaches θ^{v+1} exactly
     keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
+    screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
     history: int = 20  # round summaries kept for status
 
 
@@ -56,6 +57,7 @@ class AggregatorConfig:
 class RoundSummary:
     info: VersionInfo
     closed_at: float
+    dropped: tuple[tuple[str, str], ...] = ()  # (worker id, reason) of each update the robust screen dropped
 
 
 @dataclass(frozen=True)
@@ -211,35 +213,43 @@ class BlockAggregator:
         reason = self.round.close_reason(self.clock(), self.registered)
         return self._close(reason) if reason else None
 
-    def _screen(self, ups: list[Update]) -> list[Update]:
+    def _screen(self, ups: list[Update]) -> tuple[list[Update], list[tuple[str, str]]]:
         """Robust mode, with at least 3 updates: before combining, drop an update whose norm is
-        over max_norm_ratio × the round's median norm, or which points against the round's
-        coordinate-wise median (negative cosine): scaled or sign-flipped updates. Their senders were
+        outside the band around the round's median norm (screened: `screen_band`, [0.5, 2]×, which
+        also drops zero, tiny and replayed updates; trimmed and median: over max_norm_ratio×), or
+        which points against the round's coordinate-wise median (negative cosine): sign-flipped
+        updates. Deterministic: the same updates in worker-id order drop the same ones. Their senders were
         told ACCEPTED on arrival (the round could not judge them alone); they are counted as
-        rejected here, with the reason, in the counters and metrics."""
+        rejected here, with the reason, in the counters and metrics. Returns the updates kept and
+        (worker id, reason) of those dropped."""
         if self.cfg.outer.robust == "mean" or len(ups) < 3:
-            return ups
+            return ups, []
+        low, high = self.cfg.screen_band if self.cfg.outer.robust == "screened" else (0.0, self.cfg.max_norm_ratio)
         norms = [self._norm(u.delta) for u in ups]
         ref = statistics.median(norms)
         med = median([u.delta for u in ups])
         med_norm = self._norm(med)
-        kept = []
+        kept, dropped = [], []
         for u, norm in zip(ups, norms):
             cos = sum(float((u.delta[n] * med[n]).sum()) for n in med) / max(norm * med_norm, 1e-30)
-            why = ("norm" if ref > 0 and norm > self.cfg.max_norm_ratio * ref else
+            why = ("norm" if ref > 0 and not low * ref <= norm <= high * ref else
                    "direction" if cos < 0 else "")
             if why:
-                self.counters[(Outcome.REJECTED.value, f"{why}_at_close")] += 1
-                self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+                dropped.append((u.worker_id, f"{why}_at_close"))
                 log.warning("%s round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
                             "cosine %.3f with the median update)", self.name, self.round.version, u.worker_id, why,
                             norm, ref, cos)
             else:
                 kept.append(u)
-        return kept or ups
+        if not kept:
+            return ups, []
+        for _, why in dropped:
+            self.counters[(Outcome.REJECTED.value, why)] += 1
+            self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+        return kept, dropped
 
     def _close(self, reason: str) -> VersionInfo:
-        ups = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
+        ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
         mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
         # Each full-size temporary is dropped as soon as it is used: a round's close is the
         # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large.
@@ -256,11 +266,10 @@ class BlockAggregator:
         params = {n: self.params[n] + decoded[n] for n in self.params}
         del decoded
         counts = self.round.counts
-        dropped = len(self.round.accepted) - len(ups)  # by the robust screen
         info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
                            sha256=state_sha256(params), delta_codec=codec, accepted=len(ups),
                            late=counts[Outcome.LATE], stale=counts[Outcome.STALE],
-                           rejected=counts[Outcome.REJECTED] + dropped,
+                           rejected=counts[Outcome.REJECTED] + len(dropped),
                            mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
         outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in self.residual.items()}}  # read, not copied
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
@@ -268,7 +277,7 @@ class BlockAggregator:
         self._norms.extend(self._norm(u.delta) for u in ups)
         self.params, self.info = params, info
         now = self.clock()
-        self.recent.append(RoundSummary(info=info, closed_at=now))
+        self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
         self.rounds_closed[reason] += 1
         self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
         log.info("%s: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",

@@ -47,3 +47,11 @@ def test_invalid_outer_config():
         OuterConfig(robust="mode")
     with pytest.raises(ConfigError):
         OuterConfig(momentum=1.0)
+
+
+def test_the_default_is_the_screened_weighted_mean():
+    assert OuterConfig().robust == "screened"
+    out, rule = combine(deltas([0.0], [1.0], [2.0]), [1.0, 1.0, 2.0], OuterConfig())
+    assert rule == "screened" and out["w"].item() == pytest.approx(1.25)  # the weights count (the screen ran before)
+    _, rule = combine(deltas([0.0], [1.0]), [1.0, 1.0], OuterConfig())
+    assert rule == "mean"

@@ -185,3 +185,28 @@ def test_a_round_with_nothing_accepted_restarts_its_clock_at_the_deadline(tmp_pa
     clock.t += 5.0
     info = agg.tick()
     assert info is not None and info.accepted == 2 and info.closed_by == "deadline"
+
+
+@pytest.mark.parametrize("robust", ["screened", "mean"])
+def test_the_default_screen_drops_zero_and_sign_flipped_updates_at_close(tmp_path, robust):
+    agg = make(tmp_path, outer=OuterConfig(robust=robust))
+    sent = {"a": delta(0.5), "b": delta(0.6), "c": delta(0.55), "d": delta(0.0), "e": delta(-0.55)}
+    sent["d"] = {n: torch.zeros_like(t) for n, t in INIT.items()}
+    for w in sent:
+        agg.register(w)
+    for w, d in sent.items():
+        assert agg.submit(header(w, 0), d).outcome is Outcome.ACCEPTED  # the round cannot judge them alone
+    info, params = agg.current()
+    kept = ["a", "b", "c"] if robust == "screened" else list(sent)
+    assert info.version == 1 and info.accepted == len(kept) and info.rejected == len(sent) - len(kept)
+    for n, t in INIT.items():  # the weighted mean of what was kept, in worker-id order
+        acc = torch.zeros_like(t)
+        for w in kept:
+            acc += (1.0 / len(kept)) * sent[w][n]
+        assert torch.equal(params[n], t + acc)
+    if robust == "screened":
+        assert agg.recent[-1].dropped == (("d", "norm_at_close"), ("e", "direction_at_close"))
+        assert agg.counters[("rejected", "norm_at_close")] == agg.counters[("rejected", "direction_at_close")] == 1
+        assert agg.counters[("accepted", "")] == 3
+    else:
+        assert agg.recent[-1].dropped == ()
