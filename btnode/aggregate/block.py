@@ -50,6 +50,7 @@ class AggregatorConfig:
     keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
+    screen_cosine: float = 0.7  # screened mode: drop a cosine with the median update under this × the round's median cosine
     history: int = 20  # round summaries kept for status
 
 
@@ -217,28 +218,32 @@ class BlockAggregator:
         """Robust mode, with at least 3 updates: before combining, drop an update whose norm is
         outside the band around the round's median norm (screened: `screen_band`, [0.5, 2]×, which
         also drops zero, tiny and replayed updates; trimmed and median: over max_norm_ratio×), or
-        which points against the round's coordinate-wise median (negative cosine): sign-flipped
-        updates. Deterministic: the same updates in worker-id order drop the same ones. Their senders were
-        told ACCEPTED on arrival (the round could not judge them alone); they are counted as
-        rejected here, with the reason, in the counters and metrics. Returns the updates kept and
-        (worker id, reason) of those dropped."""
+        whose cosine with the round's coordinate-wise median update is negative (sign-flipped
+        updates) or, screened, under `screen_cosine` × the round's median cosine (an update
+        trained on other data drifts away from the others). Deterministic: the same updates in
+        worker-id order drop the same ones. Their senders were told ACCEPTED on arrival (the round
+        could not judge them alone); they are counted as rejected here, with the reason, in the
+        counters and metrics. Returns the updates kept and (worker id, reason) of those dropped."""
         if self.cfg.outer.robust == "mean" or len(ups) < 3:
             return ups, []
-        low, high = self.cfg.screen_band if self.cfg.outer.robust == "screened" else (0.0, self.cfg.max_norm_ratio)
+        screened = self.cfg.outer.robust == "screened"
+        low, high = self.cfg.screen_band if screened else (0.0, self.cfg.max_norm_ratio)
         norms = [self._norm(u.delta) for u in ups]
         ref = statistics.median(norms)
         med = median([u.delta for u in ups])
         med_norm = self._norm(med)
+        cosines = [sum(float((u.delta[n] * med[n]).sum()) for n in med) / max(norm * med_norm, 1e-30)
+                   for u, norm in zip(ups, norms)]
+        least = max(0.0, self.cfg.screen_cosine * statistics.median(cosines)) if screened else 0.0
         kept, dropped = [], []
-        for u, norm in zip(ups, norms):
-            cos = sum(float((u.delta[n] * med[n]).sum()) for n in med) / max(norm * med_norm, 1e-30)
+        for u, norm, cos in zip(ups, norms, cosines):
             why = ("norm" if ref > 0 and not low * ref <= norm <= high * ref else
-                   "direction" if cos < 0 else "")
+                   "direction" if cos < least else "")
             if why:
                 dropped.append((u.worker_id, f"{why}_at_close"))
                 log.warning("%s round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
-                            "cosine %.3f with the median update)", self.name, self.round.version, u.worker_id, why,
-                            norm, ref, cos)
+                            "cosine %.3f with the median update, least %.3f)", self.name, self.round.version,
+                            u.worker_id, why, norm, ref, cos, least)
             else:
                 kept.append(u)
         if not kept:

@@ -188,10 +188,12 @@ def test_a_round_with_nothing_accepted_restarts_its_clock_at_the_deadline(tmp_pa
 
 
 @pytest.mark.parametrize("robust", ["screened", "mean"])
-def test_the_default_screen_drops_zero_and_sign_flipped_updates_at_close(tmp_path, robust):
+def test_the_default_screen_drops_zero_sign_flipped_and_off_course_updates_at_close(tmp_path, robust):
     agg = make(tmp_path, outer=OuterConfig(robust=robust))
-    sent = {"a": delta(0.5), "b": delta(0.6), "c": delta(0.55), "d": delta(0.0), "e": delta(-0.55)}
+    sent = {"a": delta(0.5), "b": delta(0.6), "c": delta(0.55), "d": delta(0.0), "e": delta(-0.55), "f": delta(0.0)}
     sent["d"] = {n: torch.zeros_like(t) for n, t in INIT.items()}
+    # signs alternating: a cosine of 0.36 with the round's median update, against 0.95 for a, b and c
+    sent["f"] = {n: 0.55 * torch.tensor([1.0, -1.0] * 6)[:t.numel()].view(t.shape) for n, t in INIT.items()}
     for w in sent:
         agg.register(w)
     for w, d in sent.items():
@@ -205,8 +207,9 @@ def test_the_default_screen_drops_zero_and_sign_flipped_updates_at_close(tmp_pat
             acc += (1.0 / len(kept)) * sent[w][n]
         assert torch.equal(params[n], t + acc)
     if robust == "screened":
-        assert agg.recent[-1].dropped == (("d", "norm_at_close"), ("e", "direction_at_close"))
-        assert agg.counters[("rejected", "norm_at_close")] == agg.counters[("rejected", "direction_at_close")] == 1
+        assert agg.recent[-1].dropped == (("d", "norm_at_close"), ("e", "direction_at_close"),
+                                          ("f", "direction_at_close"))
+        assert agg.counters[("rejected", "norm_at_close")] == 1 and agg.counters[("rejected", "direction_at_close")] == 2
         assert agg.counters[("accepted", "")] == 3
     else:
         assert agg.recent[-1].dropped == ()
