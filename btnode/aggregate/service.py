@@ -10,24 +10,45 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatus
+import torch
+
+from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
+from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.codec.frames import ChunkData, FrameAssembler
-from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
+from btnode.codec.codecs import Codec
+from btnode.data.source import ByteSource
+from btnode.errors import ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
+from btnode.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
+SECRET_FILE = "audit.secret"
+Tensors = Mapping[str, torch.Tensor]
+
+
+def _secret(state_dir: Path) -> bytes:
+    """The key of the audit draws: 32 random bytes made once per state folder, readable by its owner only."""
+    path = state_dir / SECRET_FILE
+    if not path.exists():
+        atomic_write(path, os.urandom(32))
+        path.chmod(0o600)
+    secret = path.read_bytes()
+    if len(secret) != 32:
+        raise ConfigError(f"{path} is not a 32-byte audit key; delete it to make a new one")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -45,9 +66,11 @@ class SwarmStatus:
 
 class SwarmAggregator:
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
-                 seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None):
+                 seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None,
+                 corpus: ByteSource | bytes | None = None, audit_secret: bytes | None = None):
         """`data_id`: the data every worker must train on (btnode.data.identity); None: the first
-        one a worker states."""
+        one a worker states. `corpus`: that data's training split, which replay audits need
+        (acfg.audit); `audit_secret`: the key of their draws (default: made once, kept in the state folder)."""
         self.cfg = cfg
         self.acfg = acfg
         self.fingerprint = cfg.fingerprint()
@@ -64,6 +87,20 @@ class SwarmAggregator:
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
+        self.clock = clock
+        self.audits: Audits | None = None
+        self._trainings: dict[str, TrainConfig] = {}  # worker id → its training settings, as stated at Join
+        self.replayers: dict[int, Replayer] = {}
+        if acfg.audit.on:
+            if corpus is None:
+                raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
+                                  "(the same as the workers')")
+            self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
+            self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
+
+    def training(self, worker_id: str) -> TrainConfig | None:
+        """The training settings a worker stated at Join (what a replay of its updates trains with)."""
+        return self._trainings.get(worker_id)
 
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
@@ -97,6 +134,10 @@ class SwarmAggregator:
         checked that `worker_id` is its name)."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
+        if self.identities.is_revoked(worker_id):
+            self.count("join_refused", "revoked")
+            raise Forbidden("revoked", f"worker {worker_id!r} was revoked (a failed audit or the operator): it may not "
+                                       f"join again under this name")
         if fingerprint != self.fingerprint:
             self.count("join_refused", "fingerprint")
             try:
@@ -114,12 +155,14 @@ class SwarmAggregator:
             self.count("join_refused", "data")
             raise
         agg.register(worker_id)
+        if self.audits is not None:
+            self.audits.joined(block, worker_id)
         if who is not None:
             self.identities.joined(who, block)
         self.count("joins")
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
-                        max_staleness=self.acfg.round.max_staleness, data_key=key)
+                        max_staleness=self.acfg.round.max_staleness, data_key=key, audits=self.audits is not None)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
@@ -136,6 +179,9 @@ class SwarmAggregator:
         except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
             self.count("rejected", exc.reason)
             raise
+        if self.identities.is_revoked(header.worker_id):
+            block.reject(header, exc := Forbidden("revoked", f"worker {header.worker_id!r} was revoked"))
+            raise exc
         if who is None:
             return self._judge(block, header, chunks)
         self.identities.check_push(who, header, ever_joined=who.name in self.keys.of(header.block))
@@ -148,16 +194,103 @@ class SwarmAggregator:
         return judged
 
     def revoke(self, name: str) -> float:
-        """Refuse the identity `name` from now on; returns the time of its revocation. Its update
-        already accepted in an open round stays in that round (see docs/security.md)."""
+        """Refuse the identity `name` from now on; returns the time of its revocation. Its updates
+        accepted in open rounds are dropped from them."""
         at = self.identities.revoke(name)
         log.warning("identity %s revoked by the operator", name)
+        self._drop(name, "revoked")
         return at
 
-    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+    def _punish(self, worker_id: str, reason: str, detail: str) -> None:
+        """A failed audit, a late or wrong start state, or a broken chain: revoke the worker (its
+        certificate's name, or its worker id without mutual TLS) and drop its pending updates."""
+        self.identities.revoke(worker_id, seen_only=False)
+        self.count("revoked", reason)
+        log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
+        self._drop(worker_id, f"audit_{reason}")
+
+    def _drop(self, worker_id: str, reason: str) -> None:
+        for agg in self.blocks.values():
+            agg.drop(worker_id, reason)
+        if self.audits is not None:
+            self.audits.forget(worker_id)
+
+    # -- audits -------------------------------------------------------------------------------
+    def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """The start state of an update drawn for audit (AggregatorLink.submit_state). Refused
+        (MalformedInput) when no audit waits for it; one that fails its claim's hashes fails the audit."""
+        job = self.audits.waiting_for(header.update_id) if self.audits is not None else None
+        if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
+            raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
+                                             f"of {header.worker_id!r}")
+        replayer = self.replayers[job.header.block]
+        asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
         try:
+            for chunk in chunks:
+                asm.add(chunk)
+            state = asm.finish()
+            replayer.check_start(job.claim, state)
+        except PeerInputError as exc:
+            if exc.reason in INCOMPLETE:
+                raise  # a broken stream: the worker may send it again before the timeout
+            self._verdict(Verdict(job.header, False, "state", str(exc), 0.0, job.probation,
+                                  self.clock() - job.arrived))
+            raise
+        self.audits.received(header.update_id, state)
+
+    def run_audits(self) -> list[Verdict]:
+        """Replay every audit whose start state is in, fail those whose state is late; returns the verdicts."""
+        if self.audits is None:
+            return []
+        ready, late = self.audits.due()
+        verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.acfg.audit.state_timeout_s:g} s",
+                            0.0, j.probation, self.clock() - j.arrived) for j in late]
+        for job in ready:
+            if not self.identities.is_revoked(job.header.worker_id):
+                verdicts.append(self.replayers[job.header.block](job, self.clock))
+        for v in verdicts:
+            self._verdict(v)
+        return verdicts
+
+    def _verdict(self, v: Verdict) -> None:
+        assert self.audits is not None
+        self.audits.record(v)
+        self.identities.audited(v.header.worker_id, v.passed)
+        if v.passed:
+            log.info("audit of %s's update on version %d passed (%s%s)", v.header.worker_id, v.header.base_version,
+                     v.detail, ", probation" if v.probation else "")
+            if v.probation:
+                self.block(v.header.block).admit_held(v.header.update_id)
+        else:
+            self._punish(v.header.worker_id, v.reason, v.detail)
+
+    def _open_audit(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes], base: Tensors,
+                    judged: Judgement, probation: bool) -> Judgement:
+        """Draw the update for audit (always on probation) and, if drawn, keep what the replay needs."""
+        assert self.audits is not None and header.claim is not None
+        if judged.outcome not in (Outcome.ACCEPTED, Outcome.PROBATION) or not (probation or
+                                                                              self.audits.drawn(header.update_id)):
+            return judged
+        train = self.training(header.worker_id)
+        if train is None:
+            return judged
+        job = AuditJob(header=header, claim=header.claim, train=train, raw=raw, base=base, arrived=self.clock(),
+                       probation=probation)
+        return replace(judged, audit=self.audits.open(job))
+
+    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+        answered = block.answered(header.update_id)
+        if answered is not None:  # a re-push: the same answer, and the same request for its state
+            waiting = self.audits is not None and self.audits.waiting_for(header.update_id) is not None
+            return replace(answered, audit=waiting)
+        audits = self.audits
+        try:
+            if audits is not None:
+                audits.check_chain(header)
             early = block.precheck(header)
             if early is not None:
+                if audits is not None:
+                    audits.advance(header, early.outcome)
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -172,8 +305,22 @@ class SwarmAggregator:
                 self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
         except PeerInputError as exc:
             block.reject(header, exc)
+            if audits is not None and exc.reason == "chain":
+                self._punish(header.worker_id, "chain", str(exc))
             raise
-        return block.submit(header, delta)
+        if audits is None:
+            return block.submit(header, delta)
+        base = block.current()
+        probation = audits.on_probation(header.worker_id)
+        try:
+            judged = block.submit(header, delta, hold=probation)
+        except PeerInputError:
+            audits.advance(header, Outcome.REJECTED)
+            raise
+        audits.advance(header, judged.outcome)
+        if base[0].version != header.base_version:
+            return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
+        return self._open_audit(block, header, asm.raw, base[1], judged, probation)
 
     def _check_key(self, header: PushHeader) -> None:
         """An update trained on windows of another key than the one Join handed out is refused:

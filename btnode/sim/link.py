@@ -43,6 +43,9 @@ class LocalLink:
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
         return self.agg.push(header, iter_chunks(frames))
 
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+        self.agg.submit_state(header, iter_chunks(frames))
+
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         agg = self.agg.block(block)
         seen = -1
