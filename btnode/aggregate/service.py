@@ -287,6 +287,7 @@ class SwarmAggregator:
         try:
             if audits is not None:
                 audits.check_chain(header)
+                self._check_claim(block, header)
             early = block.precheck(header)
             if early is not None:
                 if audits is not None:
@@ -321,6 +322,19 @@ class SwarmAggregator:
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, asm.raw, base[1], judged, probation)
+
+    def _check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
+        """A work claim must name the swarm's data and, for the current version, its hash: a replay
+        could not start from anything else."""
+        claim = header.claim
+        assert claim is not None  # check_chain refused a push without one
+        if self.keys.data_id and claim.data_id != self.keys.data_id:
+            raise MalformedInput("claim", f"{header.worker_id} claims data {claim.data_id[:24]!r}, the swarm trains on "
+                                          f"{self.keys.data_id[:24]!r}")
+        info = block.current()[0]
+        if header.base_version == info.version and claim.base_sha256 != info.sha256:
+            raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
+                                          f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
 
     def _check_key(self, header: PushHeader) -> None:
         """An update trained on windows of another key than the one Join handed out is refused:
