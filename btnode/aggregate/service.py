@@ -308,6 +308,8 @@ class SwarmAggregator:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
                 self._punish(header.worker_id, "chain", str(exc))
+            elif audits is not None and exc.reason not in INCOMPLETE:  # refused: the worker moves on from it
+                audits.advance(header, Outcome.REJECTED)
             raise
         if audits is None:
             return block.submit(header, delta)
