@@ -92,7 +92,7 @@ class Verdict:
     passed: bool
     reason: str  # "" when passed; else delta, optimizer_end, residual_end, steps, state, late_state, recipe
     detail: str
-    seconds: float  # replay compute
+    seconds: float  # the replay's wall time (what the auditor spent on it)
     probation: bool
     delay_s: float  # from the push's arrival to the verdict
 
@@ -136,9 +136,9 @@ class Replayer:
             raise MalformedInput("state", "the start state sent does not hash to the one its update's claim committed")
 
     def __call__(self, job: AuditJob, clock: Callable[[], float]) -> Verdict:
-        t0 = time.process_time()
+        t0 = time.perf_counter()  # the clock a worker's train_seconds uses, so the two compare
         passed, reason, detail = self._replay(job)
-        return Verdict(job.header, passed, reason, detail, time.process_time() - t0, job.probation,
+        return Verdict(job.header, passed, reason, detail, time.perf_counter() - t0, job.probation,
                        clock() - job.arrived)
 
     def _replay(self, job: AuditJob) -> tuple[bool, str, str]:
@@ -237,7 +237,8 @@ class Audits:
         self.waiting: dict[str, AuditJob] = {}  # update id → job awaiting its start state
         self.ready: list[AuditJob] = []
         self.counts: Counter = Counter()  # (result, reason) → audits
-        self.seconds = 0.0  # replay compute
+        self.seconds = 0.0  # replay wall time, all audits
+        self.probation_seconds = 0.0  # ... of which on probation audits
         self.delays: list[float] = []  # seconds from push to a failed verdict (detection delay)
 
     # -- chains --------------------------------------------------------------------------------
@@ -319,6 +320,7 @@ class Audits:
                 self.delays.append(v.delay_s)
             self.counts[("passed" if v.passed else "failed", v.reason)] += 1
             self.seconds += v.seconds
+            self.probation_seconds += v.seconds if v.probation else 0.0
 
     def forget(self, worker_id: str) -> None:
         """Drop the jobs of a punished worker: there is nothing left to decide about it."""
