@@ -20,12 +20,13 @@ from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatu
 from btnode.aggregate.datakeys import DataKeys
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.codec.frames import ChunkData, FrameAssembler
-from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
+from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
+from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class SwarmAggregator:
                                           clock=clock, name=cfg.unit_name(b))
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
+        self._training: dict[str, TrainingTerms] = {}  # worker id → the terms of its last admitted join
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
 
     def count(self, event: str, reason: str = "") -> None:
@@ -91,10 +93,10 @@ class SwarmAggregator:
         return agg
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None) -> JoinInfo:
-        """Admit a worker whose fingerprint and stated data id (empty: not stated) match the swarm's,
-        and hand it its data key. `who`: its proven identity, under mutual TLS (the RPC layer has
-        checked that `worker_id` is its name)."""
+             who: Identity | None = None, *, training_json: str = "") -> JoinInfo:
+        """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
+        (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
+        identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name)."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if fingerprint != self.fingerprint:
@@ -108,18 +110,48 @@ class SwarmAggregator:
             detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
             raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
         agg = self.block(block)
+        terms = self._check_training(worker_id, training_json)
         try:
             key = self.keys.assign(block, worker_id, data_id)
         except ConfigMismatchError:
             self.count("join_refused", "data")
             raise
         agg.register(worker_id)
+        if terms is not None:
+            self._training[worker_id] = terms
         if who is not None:
             self.identities.joined(who, block)
         self.count("joins")
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
                         max_staleness=self.acfg.round.max_staleness, data_key=key)
+
+    def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
+        """The worker's training terms, once their swarm-wide settings match the claims this
+        aggregator judges by; under --believe-claims they are only read, to be recorded."""
+        claims = self.acfg.claims
+        try:
+            if not training_json:
+                if claims.enforce:
+                    raise ConfigMismatchError(f"worker {worker_id!r} states no training settings (an older worker): "
+                                              f"its claims cannot be checked against this swarm's batch, lr and H "
+                                              f"(an aggregator started with --believe-claims admits it)", [])
+                return None
+            terms = TrainingTerms.from_json(training_json)
+            fields = claims.differences(terms) if claims.enforce else []
+            if fields:
+                detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields)
+                raise ConfigMismatchError(f"worker {worker_id!r} trains with different swarm-wide settings ({detail})",
+                                          fields)
+        except (ConfigMismatchError, MalformedInput):
+            self.count("join_refused", "training")
+            raise
+        return terms
+
+    def training(self, worker_id: str) -> TrainingTerms | None:
+        """The training terms `worker_id` stated at its last admitted Join (None: none stated, or
+        not joined since this aggregator started): what a replay of its updates trains with."""
+        return self._training.get(worker_id)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
@@ -176,13 +208,17 @@ class SwarmAggregator:
         return block.submit(header, delta)
 
     def _check_key(self, header: PushHeader) -> None:
-        """An update trained on windows of another key than the one Join handed out is refused:
-        which windows a worker trains is the swarm's choice (a worker that states none is older)."""
+        """A worker id that never joined the block (it has no data key for it, and keys survive a
+        restart) may not push to it: Join is where its settings are checked. An update trained on
+        windows of another key than the one Join handed out is refused: which windows a worker
+        trains is the swarm's choice (a worker that states none is older)."""
         ours = self.keys.of(header.block).get(header.worker_id)
+        if ours is None:
+            raise Refused("not_joined", f"{header.worker_id!r} pushed to {self.cfg.unit_name(header.block)} without "
+                                        f"joining it: a worker joins before it pushes")
         if header.data_key and header.data_key != ours:
-            mine = repr(ours) if ours else "none (it never joined this block)"
             raise MalformedInput("data_key", f"{header.worker_id} trained steps {format_steps(header.steps)} with data "
-                                             f"key {header.data_key!r}, but its key here is {mine}")
+                                             f"key {header.data_key!r}, but its key here is {ours!r}")
 
     def drain(self) -> list[VersionInfo]:
         """Publish every open round that accepted updates (see BlockAggregator.drain)."""
