@@ -71,16 +71,16 @@ def main() -> None:
         logs = work / "logs"
         logs.mkdir()
 
+        training = ["--steps-per-round", "5", "--batch", "8"]  # the workers', which the aggregator checks claims by
         aggregator = ["join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
-                      "--deadline", "10", "--keep", "100000", *shape]
+                      "--deadline", "10", "--keep", "100000", *training, *shape]
 
         def start_aggregator() -> subprocess.Popen:  # a restart does not wait for the port
             return spawn_node(aggregator, log=logs / "aggregator.log", env=env)
 
         def start_worker(b: int, r: int) -> subprocess.Popen:
             return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
-                               "--worker-id", f"b{b}r{r}", "--steps-per-round", "5", "--batch", "8", "--warmup", "10",
-                               *shape], log=logs / f"b{b}r{r}.log", env=env)
+                               "--worker-id", f"b{b}r{r}", *training, "--warmup", "10", *shape], log=logs / f"b{b}r{r}.log", env=env)
 
         agg = start_node(aggregator, port_file=work / "port", log=logs / "aggregator.log", env=env,
                          name="aggregator").proc
