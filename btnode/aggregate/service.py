@@ -107,8 +107,8 @@ class SwarmAggregator:
                 raise ConfigMismatchError(f"worker {worker_id!r} has run fingerprint {fingerprint[:12]}…, this swarm "
                                           f"runs {self.fingerprint[:12]}… (its settings could not be read)", []) from None
             fields = self.cfg.diff(theirs)
-            detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
-            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
+            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings "
+                                      f"({_named(fields) or 'fingerprint format'})", fields)
         agg = self.block(block)
         terms = self._check_training(worker_id, training_json)
         try:
@@ -140,9 +140,8 @@ class SwarmAggregator:
             terms = TrainingTerms.from_json(training_json)
             fields = claims.differences(terms) if claims.enforce else []
             if fields:
-                detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields)
-                raise ConfigMismatchError(f"worker {worker_id!r} trains with different swarm-wide settings ({detail})",
-                                          fields)
+                raise ConfigMismatchError(f"worker {worker_id!r} trains with different swarm-wide settings "
+                                          f"({_named(fields)})", fields)
         except (ConfigMismatchError, MalformedInput):
             self.count("join_refused", "training")
             raise
@@ -227,3 +226,8 @@ class SwarmAggregator:
     def tick(self) -> None:
         for agg in self.blocks.values():
             agg.tick()
+
+
+def _named(fields: list[tuple[str, object, object]]) -> str:
+    """Differing settings for a refusal: "batch: swarm has 16, worker has 8, ..."."""
+    return ", ".join(f"{k}: swarm has {ours!r}, worker has {theirs!r}" for k, ours, theirs in fields)
