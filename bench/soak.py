@@ -28,7 +28,6 @@ from bench.report import Progress, publish, result_path, table
 from btnode.node.launch import one_thread_env, spawn_node, start_node, stop_processes
 
 WORKERS = [(b, r) for b in range(3) for r in range(2)]
-TRAINING = ["--steps-per-round", "5", "--batch", "8"]  # the workers' and the aggregator's: claims are judged by them
 
 
 def rss_mb(pid: int) -> float:
@@ -81,8 +80,9 @@ def main() -> None:
         logs = work / "logs"
         logs.mkdir()
 
+        training = ["--steps-per-round", "5", "--batch", "8"]  # the workers', which the aggregator checks claims by
         aggregator = ["join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
-                      "--deadline", "10", "--keep", "100000", *TRAINING, *shape]
+                      "--deadline", "10", "--keep", "100000", *training, *shape]
         if args.audit:
             aggregator += ["--audit", str(args.audit), "--probation", "2"]
 
@@ -91,8 +91,7 @@ def main() -> None:
 
         def start_worker(b: int, r: int) -> subprocess.Popen:
             return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
-                               "--worker-id", f"b{b}r{r}", *TRAINING, "--warmup", "10",
-                               *shape], log=logs / f"b{b}r{r}.log", env=env)
+                               "--worker-id", f"b{b}r{r}", *training, "--warmup", "10", *shape], log=logs / f"b{b}r{r}.log", env=env)
 
         agg = start_node(aggregator, port_file=work / "port", log=logs / "aggregator.log", env=env,
                          name="aggregator").proc

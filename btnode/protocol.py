@@ -124,7 +124,10 @@ class Pulled:
 class AggregatorLink(Protocol):
     """What a worker needs from the aggregator that owns its block."""
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo: ...
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "") -> JoinInfo:
+        """`training_json`: the worker's TrainingTerms (btnode.train.terms), which the aggregator judges
+        its claims by; empty: not stated (an older worker)."""
 
     def leave(self, worker_id: str, block: int) -> None: ...
 

@@ -26,16 +26,17 @@ from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
-from btnode.errors import ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, UnknownBlock
+from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
-from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
 SECRET_FILE = "audit.secret"
+TRAINING_FILE = "training.json"  # worker id → the training terms it joined with
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -86,10 +87,11 @@ class SwarmAggregator:
                                           clock=clock, name=cfg.unit_name(b))
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
+        self._training_file = state_dir / TRAINING_FILE
+        self._training = self._read_training()  # worker id → the terms of its last admitted join (durable)
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
         self.clock = clock
         self.audits: Audits | None = None
-        self._trainings: dict[str, TrainConfig] = {}  # worker id → its training settings, as stated at Join
         self.replayers: dict[int, Replayer] = {}
         if acfg.audit.on:
             if corpus is None:
@@ -97,10 +99,6 @@ class SwarmAggregator:
                                   "(the same as the workers')")
             self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
-
-    def training(self, worker_id: str) -> TrainConfig | None:
-        """The training settings a worker stated at Join (what a replay of its updates trains with)."""
-        return self._trainings.get(worker_id)
 
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
@@ -128,10 +126,10 @@ class SwarmAggregator:
         return agg
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None) -> JoinInfo:
-        """Admit a worker whose fingerprint and stated data id (empty: not stated) match the swarm's,
-        and hand it its data key. `who`: its proven identity, under mutual TLS (the RPC layer has
-        checked that `worker_id` is its name)."""
+             who: Identity | None = None, *, training_json: str = "") -> JoinInfo:
+        """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
+        (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
+        identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name)."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if self.identities.is_revoked(worker_id):
@@ -146,15 +144,20 @@ class SwarmAggregator:
                 raise ConfigMismatchError(f"worker {worker_id!r} has run fingerprint {fingerprint[:12]}…, this swarm "
                                           f"runs {self.fingerprint[:12]}… (its settings could not be read)", []) from None
             fields = self.cfg.diff(theirs)
-            detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
-            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
+            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings "
+                                      f"({_named(fields) or 'fingerprint format'})", fields)
         agg = self.block(block)
+        terms = self._check_training(worker_id, training_json)
         try:
             key = self.keys.assign(block, worker_id, data_id)
         except ConfigMismatchError:
             self.count("join_refused", "data")
             raise
         agg.register(worker_id)
+        if terms is not None and self._training.get(worker_id) != terms:
+            self._training[worker_id] = terms
+            atomic_write(self._training_file, json.dumps({w: t.to_json() for w, t in self._training.items()},
+                                                         indent=1, sort_keys=True).encode())
         if self.audits is not None:
             self.audits.joined(block, worker_id)
         if who is not None:
@@ -163,6 +166,40 @@ class SwarmAggregator:
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
                         max_staleness=self.acfg.round.max_staleness, data_key=key, audits=self.audits is not None)
+
+    def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
+        """The worker's training terms, once their swarm-wide settings match the claims this
+        aggregator judges by; under --believe-claims they are only read, to be recorded."""
+        claims = self.acfg.claims
+        try:
+            if not training_json:
+                if claims.enforce:
+                    raise ConfigMismatchError(f"worker {worker_id!r} states no training settings (an older worker): "
+                                              f"its claims cannot be checked against this swarm's batch, lr and H "
+                                              f"(an aggregator started with --believe-claims admits it)", [])
+                return None
+            terms = TrainingTerms.from_json(training_json)
+            fields = claims.differences(terms) if claims.enforce else []
+            if fields:
+                raise ConfigMismatchError(f"worker {worker_id!r} trains with different swarm-wide settings "
+                                          f"({_named(fields)})", fields)
+        except (ConfigMismatchError, MalformedInput):
+            self.count("join_refused", "training")
+            raise
+        return terms
+
+    def training(self, worker_id: str) -> TrainingTerms | None:
+        """The training terms `worker_id` stated at its last admitted Join (None: none stated): what
+        a replay of its updates trains with. Kept in the state folder, so a restart keeps them."""
+        return self._training.get(worker_id)
+
+    def _read_training(self) -> dict[str, TrainingTerms]:
+        if not self._training_file.exists():
+            return {}
+        try:
+            return {w: TrainingTerms.from_json(t) for w, t in json.loads(self._training_file.read_bytes()).items()}
+        except (OSError, ValueError, AttributeError, MalformedInput) as exc:
+            raise CheckpointError(f"{self._training_file} cannot be read as the workers' training settings: {exc}") from exc
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
@@ -271,10 +308,10 @@ class SwarmAggregator:
         if judged.outcome not in (Outcome.ACCEPTED, Outcome.PROBATION) or not (probation or
                                                                               self.audits.drawn(header.update_id)):
             return judged
-        train = self.training(header.worker_id)
-        if train is None:
+        terms = self.training(header.worker_id)
+        if terms is None:  # it joined before this aggregator restarted: its settings are unknown until it rejoins
             return judged
-        job = AuditJob(header=header, claim=header.claim, train=train, raw=raw, base=base, arrived=self.clock(),
+        job = AuditJob(header=header, claim=header.claim, train=terms.train, raw=raw, base=base, arrived=self.clock(),
                        probation=probation)
         return replace(judged, audit=self.audits.open(job))
 
@@ -314,7 +351,7 @@ class SwarmAggregator:
         if audits is None:
             return block.submit(header, delta)
         base = block.current()
-        probation = audits.on_probation(header.worker_id)
+        probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
         try:
             judged = block.submit(header, delta, hold=probation)
         except PeerInputError:
@@ -339,13 +376,17 @@ class SwarmAggregator:
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
 
     def _check_key(self, header: PushHeader) -> None:
-        """An update trained on windows of another key than the one Join handed out is refused:
-        which windows a worker trains is the swarm's choice (a worker that states none is older)."""
+        """A worker id that never joined the block (it has no data key for it, and keys survive a
+        restart) may not push to it: Join is where its settings are checked. An update trained on
+        windows of another key than the one Join handed out is refused: which windows a worker
+        trains is the swarm's choice (a worker that states none is older)."""
         ours = self.keys.of(header.block).get(header.worker_id)
+        if ours is None:
+            raise Refused("not_joined", f"{header.worker_id!r} pushed to {self.cfg.unit_name(header.block)} without "
+                                        f"joining it: a worker joins before it pushes")
         if header.data_key and header.data_key != ours:
-            mine = repr(ours) if ours else "none (it never joined this block)"
             raise MalformedInput("data_key", f"{header.worker_id} trained steps {format_steps(header.steps)} with data "
-                                             f"key {header.data_key!r}, but its key here is {mine}")
+                                             f"key {header.data_key!r}, but its key here is {ours!r}")
 
     def drain(self) -> list[VersionInfo]:
         """Publish every open round that accepted updates (see BlockAggregator.drain)."""
@@ -354,3 +395,8 @@ class SwarmAggregator:
     def tick(self) -> None:
         for agg in self.blocks.values():
             agg.tick()
+
+
+def _named(fields: list[tuple[str, object, object]]) -> str:
+    """Differing settings for a refusal: "batch: swarm has 16, worker has 8, ..."."""
+    return ", ".join(f"{k}: swarm has {ours!r}, worker has {theirs!r}" for k, ours, theirs in fields)

@@ -214,7 +214,6 @@ class Simulation:
     def run(self) -> SimResult:
         for rep in self.replicas:
             rep.worker.start()
-            self.agg._trainings[rep.worker.wcfg.worker_id] = rep.worker.tc  # MERGE: replaced by Join's training terms
         for b, agg in self.agg.blocks.items():
             self._at(agg.round.deadline(), self._tick, b)
         for rep in self.replicas:

@@ -55,6 +55,7 @@ from btnode.swarm.announcements import Announcements
 from btnode.swarm.fold import Fold
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
+from btnode.train.terms import TrainingTerms
 from btnode.train.trainers import unit_trainer
 
 log = logging.getLogger(__name__)
@@ -394,10 +395,10 @@ class BlockWorker:
         return got
 
     def start(self) -> None:
-        """Join with the fingerprint and data id, take the data key, and pull the block."""
+        """Join with the fingerprint, data id and training terms, take the data key, and pull the block."""
         w = self.wcfg
         joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()),
-                                self.data_id)
+                                self.data_id, training_json=TrainingTerms(self.tc, w.steps_per_round).to_json())
         if w.codec not in joined.codecs:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id

@@ -109,7 +109,6 @@ def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
                      corpus, tmp_path, device=torch.device("cpu"))
     w = sim.replicas[0].worker
     w.start()
-    sim.agg._trainings[w.wcfg.worker_id] = w.tc
     w.train_steps(4)
     header, raw = w.make_update()
     forged = dataclasses.replace(header, claim=dataclasses.replace(header.claim, optimizer_start="ab" * 32))
