@@ -44,8 +44,8 @@ from btnode.train.config import TrainConfig
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
 CHEATER, VICTIM = "b0r2", "b0r0"
 STEP_S = 0.1
-# mode → the SimConfig fields it sets. The audit mode goes here once the simulator has it:
-# "audit": {"audit": P} from an --audit P option, with main() measuring both modes.
+# mode → the SimConfig fields it sets. The audit mode goes here: "audit": {"audit": P} from an --audit P
+# option, with main() measuring both modes (its rows, false_positives and audit_cost_share).
 MODES: dict[str, dict] = {"default": {}}
 RULES = (OuterConfig.robust, *(r for r in ROBUST_MODES if r != OuterConfig.robust))  # the shipped rule first
 

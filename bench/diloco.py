@@ -66,14 +66,14 @@ def run_once(lab, name: str, model: ModelConfig, who: list[tuple[int, int, int]]
     d = work / name
     d.mkdir(parents=True)
     shape = shape_flags(model)
-    agg = start_aggregator(lab, d, shape, args.deadline)
+    training = ["--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr)]
+    agg = start_aggregator(lab, d, shape, args.deadline, training)
     workers = {}
     t0 = time.time()
     for unit, r, h in who:
         wid = f"u{unit}r{r}"
         workers[wid] = spawn_worker(lab, d, h, unit, wid, [
-            "--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr), "--warmup",
-            str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), *shape])
+            *training, "--warmup", str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), *shape])
     while time.time() < t0 + args.seconds:
         dead = {w: p.returncode for w, p in workers.items() if p.poll() is not None}
         if dead:

@@ -178,10 +178,11 @@ def run_capped(group: Path, args: list[str], log: Path) -> dict:
             "command": shown([BTNODE, *args]), "log_tail": log.read_text(errors="replace").strip().splitlines()[-3:]}
 
 
-def start_aggregator(out: Path, sh: list[str]) -> tuple[subprocess.Popen, list[str], str]:
-    """A real aggregator on loopback owning every unit of the model `sh` describes: (process, command, peer)."""
+def start_aggregator(out: Path, sh: list[str], training: list[str]) -> tuple[subprocess.Popen, list[str], str]:
+    """A real aggregator on loopback owning every unit of the model `sh` describes, checking claims by
+    the workers' `training` flags (--steps-per-round, --batch): (process, command, peer)."""
     args = ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
-            "--deadline", "300", "--min-updates", "1", "--keep", "2", *sh]
+            "--deadline", "300", "--min-updates", "1", "--keep", "2", *training, *sh]
     agg = start_node(args, port_file=out / "port", log=out / "aggregator.log", timeout_s=600, name="aggregator")
     return agg.proc, [BTNODE, *args, "--port-file", str(out / "port")], agg.address()
 
@@ -209,10 +210,11 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         sh = [*shape(d, heads), *flags]
-        agg, _, peer = start_aggregator(folder, sh)
+        training = ["--steps-per-round", "1", "--batch", str(batch)]
+        agg, _, peer = start_aggregator(folder, sh, training)
         unit = [] if name == "ar" else ["--block", "0"]
         cmd = [BTNODE, "join", "--role", "worker", *unit, "--peer", peer, "--worker-id", f"traffic-{name}",
-               "--rounds", str(TRAFFIC_ROUNDS), "--steps-per-round", "1", "--batch", str(batch), "--codec", "int8",
+               "--rounds", str(TRAFFIC_ROUNDS), *training, "--codec", "int8",
                "--stats-file", str(folder / "stats.json"), *sh]
         try:
             w = measure(cmd)
@@ -251,9 +253,9 @@ def capped(d: int, heads: int, batch: int, out: Path) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    worker = ["--rounds", str(CAPPED_ROUNDS), "--steps-per-round", str(CAPPED_H), "--batch", str(batch),
-              "--codec", "int8"]
-    agg, agg_cmd, peer = start_aggregator(out, sh)
+    training = ["--steps-per-round", str(CAPPED_H), "--batch", str(batch)]
+    worker = ["--rounds", str(CAPPED_ROUNDS), *training, "--codec", "int8"]
+    agg, agg_cmd, peer = start_aggregator(out, sh, training)
     res: dict = {"d_model": d, "heads": heads, "batch": batch, "rounds": CAPPED_ROUNDS, "steps_per_round": CAPPED_H,
                  "cap_bytes": cap, "cap_gb": cap / GB, "plan_block_worker_gb": block_need / GB,
                  "plan_full_worker_gb": full_need / GB, "aggregator": shown(agg_cmd), "blocks": []}

@@ -7,12 +7,15 @@ verify (must be 0), and RSS over time. Writes bench/results/soak.json and a BENC
 
     .venv/bin/python -m bench.soak                 # 10 minutes
     .venv/bin/python -m bench.soak --minutes 1     # a smoke run
+    .venv/bin/python -m bench.soak --minutes 30 --audit 0.25   # honest workers under replay audits
+                                                   # (bench/results/soak_audit.json): must flag nobody
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -49,16 +52,22 @@ def main() -> None:
     ap.add_argument("--worker-kill-every", type=float, default=30.0, help="mean seconds between worker kills")
     ap.add_argument("--aggregator-kills", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--audit", type=float, default=0.0, help="share p of updates the aggregator replays (with "
+                                                              "probation 2): the run reports who was flagged")
     ap.add_argument("--report-only", action="store_true", help="recompute the summary and the report from soak.json")
-    ap.result("soak")
+    ap.add_argument("--out", dest="results", type=Path, metavar="PATH",
+                    help="where the result JSON goes (default bench/results/soak.json, soak_audit.json with --audit; any "
+                         "other path leaves BENCHMARKS.md alone)")
     args = ap.parse_args()
+    name = "soak-audit" if args.audit else "soak"
     if args.report_only:
-        out = json.loads(result_path("soak").read_text())
+        out = json.loads(result_path(name).read_text())
         out["rss_growth_mb"] = rss_growth(out["rss"], [e["t"] for e in out["events"] if e["event"] == "kill -9 aggregator"])
-        publish("soak", out, render)
+        publish(name, out, render)
         return
-    if args.minutes < 10 and args.results == result_path("soak"):  # a smoke run never replaces the published one
-        args.results = result_path("soak", quick=True)
+    if args.results is None:
+        args.results = result_path(name, quick=args.minutes < (30 if args.audit else 10))  # a smoke run never
+        # replaces the published one
     rng = random.Random(args.seed)
     port = free_port()
     env = one_thread_env()
@@ -71,16 +80,18 @@ def main() -> None:
         logs = work / "logs"
         logs.mkdir()
 
+        training = ["--steps-per-round", "5", "--batch", "8"]  # the workers', which the aggregator checks claims by
         aggregator = ["join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
-                      "--deadline", "10", "--keep", "100000", *shape]
+                      "--deadline", "10", "--keep", "100000", *training, *shape]
+        if args.audit:
+            aggregator += ["--audit", str(args.audit), "--probation", "2"]
 
         def start_aggregator() -> subprocess.Popen:  # a restart does not wait for the port
             return spawn_node(aggregator, log=logs / "aggregator.log", env=env)
 
         def start_worker(b: int, r: int) -> subprocess.Popen:
             return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
-                               "--worker-id", f"b{b}r{r}", "--steps-per-round", "5", "--batch", "8", "--warmup", "10",
-                               *shape], log=logs / f"b{b}r{r}.log", env=env)
+                               "--worker-id", f"b{b}r{r}", *training, "--warmup", "10", *shape], log=logs / f"b{b}r{r}.log", env=env)
 
         agg = start_node(aggregator, port_file=work / "port", log=logs / "aggregator.log", env=env,
                          name="aggregator").proc
@@ -122,20 +133,35 @@ def main() -> None:
         finally:
             stop_processes([*workers.values(), agg], timeout_s=60)
         result = audit(state)
+        if args.audit:
+            result.update(audits(state, logs / "aggregator.log"))
     wall = time.monotonic() - t0
     agg_series = [s["aggregator_mb"] for s in samples if s["t"] >= 60]
     worker_series = [max(s["workers_mb"]) for s in samples if s["t"] >= 60]
-    out = {"minutes": wall / 60, **result, "events": events, "rss": samples,
+    out = {"minutes": wall / 60, "audit": args.audit, **result, "events": events, "rss": samples,
            "rss_growth_mb": rss_growth(samples, [e["t"] for e in events if e["event"] == "kill -9 aggregator"]),
            "worker_rss_max_mb": max(worker_series) if worker_series else None,
            "aggregator_rss_max_mb": max(agg_series) if agg_series else None,
            "worker_kills": sum("worker" in e["event"] and "kill" in e["event"] for e in events),
            "aggregator_kills": sum(e["event"] == "kill -9 aggregator" for e in events)}
-    publish("soak", out, render, out=args.results)
+    publish(name, out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k not in ("events", "rss")}, indent=1))
 
 
+def audits(state: Path, log: Path) -> dict:
+    """What the replay audits decided over every aggregator incarnation: from its log (appended
+    across restarts) and the revocations it keeps in the state folder."""
+    text = log.read_text(errors="replace")
+    revoked_file = state / "revoked.json"
+    revoked = sorted(json.loads(revoked_file.read_text())["revoked"]) if revoked_file.exists() else []
+    return {"audits_passed": len(re.findall(r"audit of \S+ update on version \d+ passed", text)),
+            "audits_failed": len(re.findall(r"revoked after a failed audit", text)),
+            "flagged": revoked, "false_positives": len(revoked)}
+
+
 def render(out: dict) -> str:
+    if "flagged" in out:
+        return render_audit(out)
     return "\n".join([
         "## Soak run (`bench/soak.py`)", "",
         "Command: `.venv/bin/python -m bench.soak` (2 cores). A local swarm (aggregator + 3 blocks × 2 replicas, "
@@ -149,6 +175,21 @@ def render(out: dict) -> str:
                [(f"{out['minutes']:.1f}", out["worker_kills"], out["aggregator_kills"], out["versions_min"],
                  f"{out['accept_fraction']:.3f}", out["corrupt_versions"], f"{out['rss_growth_mb']:.1f}",
                  f"{out['aggregator_rss_max_mb']:.0f} / {out['worker_rss_max_mb']:.0f}")], "rrrrrrrl")])
+
+
+def render_audit(out: dict) -> str:
+    return "\n".join([
+        "## Honest soak under replay audits (`bench/soak.py --audit`)", "",
+        f"Command: `.venv/bin/python -m bench.soak --minutes {out['minutes']:.0f} --audit {out['audit']}` (2 cores). "
+        "The soak swarm above (3 blocks × 2 honest replicas, workers killed with SIGKILL and restarted, the "
+        "aggregator killed and restarted) with the aggregator replaying a share p of updates and every new "
+        "worker id on probation for 2 audits. A flag is a revocation (revoked.json): every one is a false "
+        "positive here.", "",
+        *table(["minutes", "worker kills", "aggregator kills", "versions (min over blocks)", "audits passed",
+                "audits failed", "false positives", "versions failing their hash"],
+               [(f"{out['minutes']:.1f}", out["worker_kills"], out["aggregator_kills"], out["versions_min"],
+                 out["audits_passed"], out["audits_failed"], out["false_positives"], out["corrupt_versions"])],
+               "rrrrrrrr")])
 
 
 def rss_growth(samples: list[dict], restarts: list[float], settle_s: float = 60.0) -> float:

@@ -103,7 +103,8 @@ def timed(fn, reps: int) -> float:
 
 # -- measurements -----------------------------------------------------------------------------
 def trained_delta(steps: int):
-    """A real update: block 1 after `steps` local steps from its seeded initialisation."""
+    """A real update: block 1 after `steps` local steps from its seeded initialisation, and the
+    training terms its worker would state at Join (H = `steps`)."""
     import torch
 
     from btnode.data import corpus
@@ -111,22 +112,24 @@ def trained_delta(steps: int):
     from btnode.model.targets import target_table
     from btnode.store.models import init_block
     from btnode.train.config import TrainConfig
+    from btnode.train.terms import TrainingTerms
     from btnode.train.trainers import BlockTrainer
 
-    cfg = SHAPE
+    cfg, tc = SHAPE, TrainConfig(steps=1000, batch=32)
     init = init_block(cfg, 1, 0)
     base = {n: t.clone() for n, t in init.state_dict().items()}
-    tr = BlockTrainer(init, TrainConfig(steps=1000, batch=32), block=1, table=target_table(cfg),
-                      device=torch.device("cpu"))
+    tr = BlockTrainer(init, tc, block=1, table=target_table(cfg), device=torch.device("cpu"))
     data = WindowSampler(corpus.bundled().train, cfg.context)
     t0 = time.perf_counter()
     for i in range(steps):
-        tr.train_step(data.batch(0, "bench", i, 32), "bench")
+        tr.train_step(data.batch(0, "bench", i, tc.batch), "bench")
     step_s = (time.perf_counter() - t0) / steps
-    return cfg, {n: t.detach() - base[n] for n, t in tr.model.state_dict().items()}, step_s
+    return cfg, {n: t.detach() - base[n] for n, t in tr.model.state_dict().items()}, step_s, TrainingTerms(tc, steps)
 
 
-def block_transfers(workdir: Path, cfg, delta, reps: int) -> dict:
+def block_transfers(workdir: Path, cfg, delta, terms, reps: int) -> dict:
+    """Push, pull and fetch one block through an aggregator process that checks the pushes' claims
+    against `terms` (the trained update's batch, lr and H), as by default."""
     from btnode.codec.codecs import Codec
     from btnode.codec.frames import encode_frames, lazy_frames, wire_bytes
     from btnode.protocol import Outcome, PushHeader
@@ -136,24 +139,26 @@ def block_transfers(workdir: Path, cfg, delta, reps: int) -> dict:
     block_bytes = 4 * sum(t.numel() for t in delta.values())
     out: dict = {"block_fp32_bytes": block_bytes, "codecs": {}}
     for codec in Codec:
-        proc, port = child("aggregator", workdir, "--deadline", "3600", "--publish-codec", codec.name.lower())
+        tc, h = terms.train, terms.steps_per_round
+        proc, port = child("aggregator", workdir, "--deadline", "3600", "--publish-codec", codec.name.lower(),
+                           "--batch", str(tc.batch), "--lr", str(tc.lr), "--steps-per-round", str(h))
         try:
             c = SwarmClient(f"127.0.0.1:{port}", timeout_s=120)
             workers = [f"w{i}" for i in range(reps + 2)]
             for w in workers:
-                c.join(w, 1, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+                c.join(w, 1, cfg.fingerprint(), json.dumps(cfg.to_dict()), training_json=terms.to_json())
             who = iter(workers)
 
             def push_once():
                 frames = lazy_frames(delta, codec)  # codec included, encoded as the stream goes (as workers do)
-                h = PushHeader(worker_id=next(who), block=1, base_version=0, samples=32.0, loss=0.0, codec=codec,
-                               update_id=uuid.uuid4().hex)
-                assert c.push(h, frames).outcome is Outcome.ACCEPTED
+                header = PushHeader(worker_id=next(who), block=1, base_version=0, samples=float(h * tc.batch), loss=0.0,
+                                    codec=codec, update_id=uuid.uuid4().hex, steps=tuple(range(h)))
+                assert c.push(header, frames).outcome is Outcome.ACCEPTED
 
             push_s = timed(push_once, reps)
             for w in who:  # the rest report, so the round closes and version 1 exists
-                push_once_as = PushHeader(worker_id=w, block=1, base_version=0, samples=32.0, loss=0.0, codec=codec,
-                                          update_id=uuid.uuid4().hex)
+                push_once_as = PushHeader(worker_id=w, block=1, base_version=0, samples=float(h * tc.batch), loss=0.0,
+                                          codec=codec, update_id=uuid.uuid4().hex, steps=tuple(range(h)))
                 c.push(push_once_as, encode_frames(delta, codec))
             raw, wire = wire_bytes(encode_frames(delta, codec))
             pull_s = timed(lambda: c.pull(1, "w0", spec), reps)
@@ -239,8 +244,8 @@ def main() -> None:
         return serve_tcp(args.serve_tcp)
     args.workdir.mkdir(parents=True, exist_ok=True)
 
-    cfg, delta, step_s = trained_delta(args.h)
-    blocks = block_transfers(args.workdir, cfg, delta, args.reps)
+    cfg, delta, step_s, terms = trained_delta(args.h)
+    blocks = block_transfers(args.workdir, cfg, delta, terms, args.reps)
     raw = raw_transfers(args.workdir, blocks["codecs"]["fp32"]["push_wire_bytes"], args.reps)
     ce = {c: swarm_ce(args.workdir, c, args.rounds, args.h, args.windows) for c in ("fp32", "int8")}
 

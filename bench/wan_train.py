@@ -43,10 +43,11 @@ def host_of(block: int, replica: int) -> int:
     return 1 + (block + replica) % 3
 
 
-def start_aggregator(lab, d: Path, shape: list[str], tau: float) -> NodeProcess:
-    """The aggregator in the hub h0, listening on PORT, keeping every version (its log and state in d)."""
+def start_aggregator(lab, d: Path, shape: list[str], tau: float, training: list[str]) -> NodeProcess:
+    """The aggregator in the hub h0, listening on PORT, keeping every version (its log and state in d).
+    `training`: the workers' --steps-per-round, --batch and --lr flags, which it checks their claims by."""
     return start_node(["join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir", str(d / "state"),
-                       "--deadline", str(tau), "--keep", "100000", *shape], port_file=d / "port",
+                       "--deadline", str(tau), "--keep", "100000", *training, *shape], port_file=d / "port",
                       log=d / "aggregator.log", env=one_thread_env(), popen=partial(lab.popen, 0), name="aggregator")
 
 
@@ -62,12 +63,12 @@ def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace
     d = work / name
     d.mkdir(parents=True)
     shape = shape_flags(args.shape)
-    agg = start_aggregator(lab, d, shape, tau)
+    training = ["--steps-per-round", str(args.h), "--batch", str(args.batch)]
+    agg = start_aggregator(lab, d, shape, tau, training)
     t0 = time.perf_counter()
     chosen = workers_ or [(b, r) for b in range(N_BLOCKS) for r in range(REPLICAS)]
     workers = [spawn_worker(lab, d, host_of(b, r), b, f"b{b}r{r}",
-                            ["--rounds", str(args.rounds), "--steps-per-round", str(args.h), "--batch", str(args.batch),
-                             "--warmup", "10", "--train-while-waiting" if overlap else "--idle-while-waiting", *shape])
+                            ["--rounds", str(args.rounds), *training, "--warmup", "10", "--train-while-waiting" if overlap else "--idle-while-waiting", *shape])
                for b, r in chosen]
     codes = [w.wait(timeout=args.timeout) for w in workers]
     wall = time.perf_counter() - t0

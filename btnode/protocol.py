@@ -4,6 +4,7 @@ an in-process link (tests, the simulator) can implement AggregatorLink without a
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,6 +26,7 @@ class Outcome(Enum):
     LATE = "late"
     STALE = "stale"
     REJECTED = "rejected"
+    PROBATION = "probation"  # valid, held out of the round: its sender is new and is audited first
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,27 @@ class RoundSize:
     steps_per_round: int = flag("--steps-per-round", "H: local steps per update.", default=50)
 
 
+EMPTY_STATE = hashlib.sha256().hexdigest()  # state_sha256 of no tensors: a fresh optimizer, or no residual
+
+
+@dataclass(frozen=True)
+class WorkClaim:
+    """What a pushed delta depends on, committed with it (docs/security.md, "Work claims and replay
+    audits"). With the header's base version, steps and data key, it names everything a replay needs:
+    the base θ by hash, the data by id, how the worker trains (`recipe`: its arithmetic, which decides
+    whether a replay must match bit for bit), and the worker's inner state by hash at the start and
+    end of the round. Each round's start is the previous round's end (a chain the aggregator checks),
+    so no state change between rounds goes unaccounted."""
+
+    base_sha256: str  # θ^base_version's state_sha256
+    data_id: str  # the data the windows were drawn from (btnode.data.identity)
+    recipe: str  # Recipe.to_json() of the worker
+    optimizer_start: str  # state_sha256 of the inner AdamW state before the first step (EMPTY_STATE: fresh)
+    optimizer_end: str  # ... after the last step
+    residual_start: str  # state_sha256 of the error-feedback residual added into this delta (EMPTY_STATE: none)
+    residual_end: str  # ... and of the one it leaves for the next update
+
+
 @dataclass(frozen=True)
 class PushHeader:
     worker_id: str
@@ -61,6 +84,7 @@ class PushHeader:
     update_id: str
     data_key: str = ""  # the key its windows were drawn with (empty: not stated, an older worker)
     steps: tuple[int, ...] = ()  # the step of each batch trained into it: windows = batch(seed, data_key, step, …)
+    claim: WorkClaim | None = None  # what the delta depends on (None: an older worker)
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,7 @@ class Judgement:
     outcome: Outcome
     reason: str
     round_version: int
+    audit: bool = False  # the update was drawn for a replay audit: send its start state (AggregatorLink.submit_state)
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,7 @@ class JoinInfo:
     codecs: tuple[Codec, ...]
     max_staleness: int
     data_key: str = ""  # which windows the worker trains (see btnode/aggregate/datakeys.py); empty: an older aggregator
+    audits: bool = False  # updates may be replayed: train nothing while waiting, and keep each round's start state
 
 
 @dataclass
@@ -98,7 +124,10 @@ class Pulled:
 class AggregatorLink(Protocol):
     """What a worker needs from the aggregator that owns its block."""
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo: ...
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "") -> JoinInfo:
+        """`training_json`: the worker's TrainingTerms (btnode.train.terms), which the aggregator judges
+        its claims by; empty: not stated (an older worker)."""
 
     def leave(self, worker_id: str, block: int) -> None: ...
 
@@ -107,6 +136,10 @@ class AggregatorLink(Protocol):
     def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled: ...
 
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement: ...
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+        """Send the inner state an update drawn for audit started from (its optimizer state and residual,
+        whose hashes its claim commits to); PeerInputError when the aggregator refuses it."""
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 

@@ -1,4 +1,5 @@
-"""Helpers for tests that run real `btnode` processes (imported by tests/conftest.py and tests)."""
+"""Helpers for tests that run real `btnode` processes or join aggregators by hand (imported by
+tests/conftest.py and tests)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,39 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.node import launch
+from btnode.settings import declared
+from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 
 CLI = launch.CLI
 TINY_SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32",
               "--segments", "1,8"]
 BTNODE = str(Path(sys.executable).with_name("btnode"))
 TINY_TRAIN = [*TINY_SHAPE, "--batch", "4", "--warmup", "1"]  # the tiny shape with a tiny training step
+
+
+# the flags of the training settings an aggregator judges claims by (--batch, --lr, --steps-per-round)
+CLAIM_FLAGS = tuple(d.flag.name for d in declared(ClaimConfig) if d.path != ("enforce",))
+
+
+def claim_flags(worker_args: Sequence[str]) -> list[str]:
+    """The swarm-wide training flags among a worker's `worker_args`, for its aggregator: it refuses at
+    Join a worker that trains with other values (--check-claims, the default)."""
+    return [tok for flag, value in zip(worker_args, worker_args[1:]) if flag in CLAIM_FLAGS for tok in (flag, value)]
+
+
+def honest_terms(claims: ClaimConfig = ClaimConfig()) -> str:
+    """The training_json of a worker whose training fits `claims` (a hand-made Join)."""
+    tc = TrainConfig(batch=claims.batch, lr=claims.lr, beta1=claims.beta1, beta2=claims.beta2,
+                     weight_decay=claims.weight_decay)
+    return TrainingTerms(tc, claims.steps_per_round).to_json()
 
 
 def run_cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
 from btnode.aggregate.rounds import Round, RoundConfig, Update
@@ -44,6 +45,7 @@ class AggregatorConfig:
     round: RoundConfig = RoundConfig()
     outer: OuterConfig = OuterConfig()
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
+    audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
     update_codecs: tuple[Codec, ...] = (Codec.FP32, Codec.BF16, Codec.INT8)
     publish_codec: Codec = flag("--publish-codec", "Codec of published deltas.", default=Codec.FP32, value=str, parse=parse,
                                 format=lambda c: c.name.lower())  # lossless: every replica reaches θ^{v+1} exactly
@@ -93,6 +95,7 @@ class BlockAggregator:
         self.rounds_closed: Counter = Counter()  # closed_by → count
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
+        self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
         self._norms: deque[float] = deque(maxlen=50)
         stored = store.latest()
         if stored is None:
@@ -136,8 +139,16 @@ class BlockAggregator:
                 return self._answer(header, self.round.judgement(outcome, reason))
             return None
 
-    def submit(self, header: PushHeader, delta: Tensors) -> Judgement:
-        """Judge and (if accepted) record a decoded, frame-validated update."""
+    def answered(self, update_id: str) -> Judgement | None:
+        """The answer already given to this update id (a re-push gets it again), if any."""
+        with self.lock:
+            return self._answers.get(update_id)
+
+    def submit(self, header: PushHeader, delta: Tensors, *, hold: bool = False) -> Judgement:
+        """Judge and (if accepted) record a decoded, frame-validated update. `hold`: its sender is on
+        probation (aggregate/audit.py): judge it in full, answer PROBATION, and hold it out of the round
+        until its audit passes (`admit_held`); the round does not count its sender as reported meanwhile,
+        so it waits for the audit until its deadline."""
         with self.lock:
             if header.update_id in self._answers:
                 return self._answers[header.update_id]
@@ -153,6 +164,11 @@ class BlockAggregator:
                 return self._answer(header, self.round.judgement(outcome, reason))
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
                             samples=samples, loss=header.loss, delta=delta, weight=samples * factor)
+            if hold:
+                self.held[header.update_id] = update
+                self.counters[(Outcome.PROBATION.value, "")] += 1
+                return self._remember(header.update_id, self.round.judgement(
+                    Outcome.PROBATION, "on probation: applied only once its audit passes"))
             self.round.add(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
@@ -172,6 +188,36 @@ class BlockAggregator:
                 self._maybe_close()
         log.warning("%s: %s update from %s: %s", self.name, outcome.value,
                     header.worker_id if header else "?", exc)
+
+    def admit_held(self, update_id: str) -> bool:
+        """A held update passed its audit: into the round, if the round it was based on is still open.
+        True if it got in."""
+        with self.lock:
+            update = self.held.pop(update_id, None)
+            if update is None:
+                return False
+            if update.base_version != self.round.version or update.worker_id in self.round.accepted:
+                self.counters[(Outcome.LATE.value, "audited_after_close")] += 1
+                return False
+            self.round.add(update)
+            self.counters[(Outcome.ACCEPTED.value, "")] += 1
+            log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
+            self._maybe_close()
+            return True
+
+    def drop(self, worker_id: str, reason: str) -> bool:
+        """Take a worker's update out of the open round (its sender failed an audit, or was revoked):
+        it is counted as rejected with `reason`. True if there was one."""
+        with self.lock:
+            self.held = {k: u for k, u in self.held.items() if u.worker_id != worker_id}
+            update = self.round.accepted.pop(worker_id, None)
+            if update is None:
+                return False
+            self.round.counts[Outcome.ACCEPTED] -= 1
+            self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+            self.counters[(Outcome.REJECTED.value, reason)] += 1
+            log.warning("%s round %d: dropped the update of %s (%s)", self.name, self.round.version, worker_id, reason)
+            return True
 
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
         self.counters[(j.outcome.value, "")] += 1

@@ -38,8 +38,10 @@ from btnode.errors import ConfigError, MalformedInput
 from btnode.protocol import PushHeader, RoundSize, format_steps
 from btnode.settings import flag, same_flag
 from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 
 Tensors = Mapping[str, torch.Tensor]
+SWARM_WIDE = ("batch", "lr", "steps_per_round", "beta1", "beta2", "weight_decay")  # what Join compares
 LOSSY_SLACK = 1 / 254  # the residual a lossy codec carries: half an int8 step of the largest value
 ROUNDING = 2.0**-8  # a decoded bf16 value may exceed its source by this share
 
@@ -58,12 +60,19 @@ class ClaimConfig:
     enforce: bool = flag("--check-claims/--believe-claims",
                          "Derive each push's weight from the steps it lists and the swarm's --batch, and bound its "
                          "delta by --lr and --steps-per-round from round 0 (rejected/claim, rejected/bound; "
-                         "docs/security.md). The workers must train with the same three settings.",
-                         default=False)
+                         "docs/security.md); refuse at Join a worker that trains with other values of the three "
+                         "(join_refused/training). --believe-claims: take the weight a push states.",
+                         default=True)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps_per_round < 1 or not self.lr > 0 or not self.beta1**2 < self.beta2 < 1:
             raise ConfigError(f"invalid claim settings: {self}")
+
+    def differences(self, terms: TrainingTerms) -> list[tuple[str, object, object]]:
+        """The swarm-wide training settings in which a worker's stated terms differ from the swarm's,
+        as (name, ours, theirs): each would make its honest claims fail."""
+        theirs = {n: getattr(terms, n) if n == "steps_per_round" else getattr(terms.train, n) for n in SWARM_WIDE}
+        return [(n, getattr(self, n), theirs[n]) for n in SWARM_WIDE if getattr(self, n) != theirs[n]]
 
     @property
     def max_steps(self) -> int:
@@ -107,7 +116,7 @@ class ClaimConfig:
 
     def check(self, header: PushHeader, delta: Tensors, theta: Tensors, *, drift: int = 2) -> float:
         """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not.
-        Not enforced (`--believe-claims`, the default for now): the weight the header states."""
+        Not enforced (`--believe-claims`): the weight the header states."""
         if not self.enforce:
             return header.samples
         weight = self.weight(header)

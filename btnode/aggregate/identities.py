@@ -136,12 +136,25 @@ class Identities:
             if reason not in INCOMPLETE:  # an update that did not arrive whole may come again
                 self._judged[key] = (header.base_version, header.update_id)
 
-    def revoke(self, name: str) -> float:
-        """Refuse `name` from now on (durably); returns the time of its revocation. Only names this
-        aggregator has seen can be revoked: a typo must not pass for a revocation."""
+    def audited(self, name: str, passed: bool) -> None:
+        """Put an audit of one of `name`'s updates on its record (a worker id's, without mutual TLS)."""
+        with self._lock:
+            rec = self._records.setdefault(name, IdentityRecord(name=name))
+            rec.audited += 1
+            rec.failed += not passed
+
+    def is_revoked(self, name: str) -> bool:
+        with self._lock:
+            return name in self.revoked
+
+    def revoke(self, name: str, *, seen_only: bool = True) -> float:
+        """Refuse `name` from now on (durably); returns the time of its revocation. An operator may
+        revoke only names this aggregator has seen (`seen_only`): a typo must not pass for a revocation."""
         if not name or len(name) > MAX_NAME:
             raise InputError(f"an identity name has 1 to {MAX_NAME} characters, got {len(name)}")
         with self._lock:
+            if not seen_only:
+                self._records.setdefault(name, IdentityRecord(name=name))
             if name not in self._records:
                 known = ", ".join(sorted(self._records)) or "none yet"
                 raise InputError(f"no identity {name!r} has called this aggregator (known: {known})")

@@ -10,24 +10,46 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator, BlockStatus
+import torch
+
+from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
+from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.codec.frames import ChunkData, FrameAssembler
-from btnode.errors import ConfigError, ConfigMismatchError, MalformedInput, PeerInputError, UnknownBlock
+from btnode.codec.codecs import Codec
+from btnode.data.source import ByteSource
+from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
+from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
+SECRET_FILE = "audit.secret"
+TRAINING_FILE = "training.json"  # worker id → the training terms it joined with
+Tensors = Mapping[str, torch.Tensor]
+
+
+def _secret(state_dir: Path) -> bytes:
+    """The key of the audit draws: 32 random bytes made once per state folder, readable by its owner only."""
+    path = state_dir / SECRET_FILE
+    if not path.exists():
+        atomic_write(path, os.urandom(32))
+        path.chmod(0o600)
+    secret = path.read_bytes()
+    if len(secret) != 32:
+        raise ConfigError(f"{path} is not a 32-byte audit key; delete it to make a new one")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -45,9 +67,11 @@ class SwarmStatus:
 
 class SwarmAggregator:
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
-                 seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None):
+                 seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None,
+                 corpus: ByteSource | bytes | None = None, audit_secret: bytes | None = None):
         """`data_id`: the data every worker must train on (btnode.data.identity); None: the first
-        one a worker states."""
+        one a worker states. `corpus`: that data's training split, which replay audits need
+        (acfg.audit); `audit_secret`: the key of their draws (default: made once, kept in the state folder)."""
         self.cfg = cfg
         self.acfg = acfg
         self.fingerprint = cfg.fingerprint()
@@ -63,7 +87,18 @@ class SwarmAggregator:
                                           clock=clock, name=cfg.unit_name(b))
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
+        self._training_file = state_dir / TRAINING_FILE
+        self._training = self._read_training()  # worker id → the terms of its last admitted join (durable)
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
+        self.clock = clock
+        self.audits: Audits | None = None
+        self.replayers: dict[int, Replayer] = {}
+        if acfg.audit.on:
+            if corpus is None:
+                raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
+                                  "(the same as the workers')")
+            self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
+            self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
 
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
@@ -91,12 +126,16 @@ class SwarmAggregator:
         return agg
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None) -> JoinInfo:
-        """Admit a worker whose fingerprint and stated data id (empty: not stated) match the swarm's,
-        and hand it its data key. `who`: its proven identity, under mutual TLS (the RPC layer has
-        checked that `worker_id` is its name)."""
+             who: Identity | None = None, *, training_json: str = "") -> JoinInfo:
+        """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
+        (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
+        identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name)."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
+        if self.identities.is_revoked(worker_id):
+            self.count("join_refused", "revoked")
+            raise Forbidden("revoked", f"worker {worker_id!r} was revoked (a failed audit or the operator): it may not "
+                                       f"join again under this name")
         if fingerprint != self.fingerprint:
             self.count("join_refused", "fingerprint")
             try:
@@ -105,21 +144,62 @@ class SwarmAggregator:
                 raise ConfigMismatchError(f"worker {worker_id!r} has run fingerprint {fingerprint[:12]}…, this swarm "
                                           f"runs {self.fingerprint[:12]}… (its settings could not be read)", []) from None
             fields = self.cfg.diff(theirs)
-            detail = ", ".join(f"{k}: swarm has {ours!r}, worker has {t!r}" for k, ours, t in fields) or "fingerprint format"
-            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings ({detail})", fields)
+            raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings "
+                                      f"({_named(fields) or 'fingerprint format'})", fields)
         agg = self.block(block)
+        terms = self._check_training(worker_id, training_json)
         try:
             key = self.keys.assign(block, worker_id, data_id)
         except ConfigMismatchError:
             self.count("join_refused", "data")
             raise
         agg.register(worker_id)
+        if terms is not None and self._training.get(worker_id) != terms:
+            self._training[worker_id] = terms
+            atomic_write(self._training_file, json.dumps({w: t.to_json() for w, t in self._training.items()},
+                                                         indent=1, sort_keys=True).encode())
+        if self.audits is not None:
+            self.audits.joined(block, worker_id)
         if who is not None:
             self.identities.joined(who, block)
         self.count("joins")
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
-                        max_staleness=self.acfg.round.max_staleness, data_key=key)
+                        max_staleness=self.acfg.round.max_staleness, data_key=key, audits=self.audits is not None)
+
+    def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
+        """The worker's training terms, once their swarm-wide settings match the claims this
+        aggregator judges by; under --believe-claims they are only read, to be recorded."""
+        claims = self.acfg.claims
+        try:
+            if not training_json:
+                if claims.enforce:
+                    raise ConfigMismatchError(f"worker {worker_id!r} states no training settings (an older worker): "
+                                              f"its claims cannot be checked against this swarm's batch, lr and H "
+                                              f"(an aggregator started with --believe-claims admits it)", [])
+                return None
+            terms = TrainingTerms.from_json(training_json)
+            fields = claims.differences(terms) if claims.enforce else []
+            if fields:
+                raise ConfigMismatchError(f"worker {worker_id!r} trains with different swarm-wide settings "
+                                          f"({_named(fields)})", fields)
+        except (ConfigMismatchError, MalformedInput):
+            self.count("join_refused", "training")
+            raise
+        return terms
+
+    def training(self, worker_id: str) -> TrainingTerms | None:
+        """The training terms `worker_id` stated at its last admitted Join (None: none stated): what
+        a replay of its updates trains with. Kept in the state folder, so a restart keeps them."""
+        return self._training.get(worker_id)
+
+    def _read_training(self) -> dict[str, TrainingTerms]:
+        if not self._training_file.exists():
+            return {}
+        try:
+            return {w: TrainingTerms.from_json(t) for w, t in json.loads(self._training_file.read_bytes()).items()}
+        except (OSError, ValueError, AttributeError, MalformedInput) as exc:
+            raise CheckpointError(f"{self._training_file} cannot be read as the workers' training settings: {exc}") from exc
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)
@@ -136,6 +216,9 @@ class SwarmAggregator:
         except PeerInputError as exc:  # no block to charge it to: count it swarm-wide
             self.count("rejected", exc.reason)
             raise
+        if self.identities.is_revoked(header.worker_id):
+            block.reject(header, exc := Forbidden("revoked", f"worker {header.worker_id!r} was revoked"))
+            raise exc
         if who is None:
             return self._judge(block, header, chunks)
         self.identities.check_push(who, header, ever_joined=who.name in self.keys.of(header.block))
@@ -148,16 +231,104 @@ class SwarmAggregator:
         return judged
 
     def revoke(self, name: str) -> float:
-        """Refuse the identity `name` from now on; returns the time of its revocation. Its update
-        already accepted in an open round stays in that round (see docs/security.md)."""
+        """Refuse the identity `name` from now on; returns the time of its revocation. Its updates
+        accepted in open rounds are dropped from them."""
         at = self.identities.revoke(name)
         log.warning("identity %s revoked by the operator", name)
+        self._drop(name, "revoked")
         return at
 
-    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+    def _punish(self, worker_id: str, reason: str, detail: str) -> None:
+        """A failed audit, a late or wrong start state, or a broken chain: revoke the worker (its
+        certificate's name, or its worker id without mutual TLS) and drop its pending updates."""
+        self.identities.revoke(worker_id, seen_only=False)
+        self.count("revoked", reason)
+        log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
+        self._drop(worker_id, f"audit_{reason}")
+
+    def _drop(self, worker_id: str, reason: str) -> None:
+        for agg in self.blocks.values():
+            agg.drop(worker_id, reason)
+        if self.audits is not None:
+            self.audits.forget(worker_id)
+
+    # -- audits -------------------------------------------------------------------------------
+    def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """The start state of an update drawn for audit (AggregatorLink.submit_state). Refused
+        (MalformedInput) when no audit waits for it; one that fails its claim's hashes fails the audit."""
+        job = self.audits.waiting_for(header.update_id) if self.audits is not None else None
+        if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
+            raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
+                                             f"of {header.worker_id!r}")
+        replayer = self.replayers[job.header.block]
+        asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
         try:
+            for chunk in chunks:
+                asm.add(chunk)
+            state = asm.finish()
+            replayer.check_start(job.claim, state)
+        except PeerInputError as exc:
+            if exc.reason in INCOMPLETE:
+                raise  # a broken stream: the worker may send it again before the timeout
+            self._verdict(Verdict(job.header, False, "state", str(exc), 0.0, job.probation,
+                                  self.clock() - job.arrived))
+            raise
+        self.audits.received(header.update_id, state)
+
+    def run_audits(self) -> list[Verdict]:
+        """Replay every audit whose start state is in, fail those whose state is late; returns the verdicts."""
+        if self.audits is None:
+            return []
+        ready, late = self.audits.due()
+        verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.acfg.audit.state_timeout_s:g} s",
+                            0.0, j.probation, self.clock() - j.arrived) for j in late]
+        for job in ready:
+            if not self.identities.is_revoked(job.header.worker_id):
+                verdicts.append(self.replayers[job.header.block](job, self.clock))
+        for v in verdicts:
+            self._verdict(v)
+        return verdicts
+
+    def _verdict(self, v: Verdict) -> None:
+        assert self.audits is not None
+        self.audits.record(v)
+        self.identities.audited(v.header.worker_id, v.passed)
+        if v.passed:
+            log.info("audit of %s's update on version %d passed (%s%s)", v.header.worker_id, v.header.base_version,
+                     v.detail, ", probation" if v.probation else "")
+            if v.probation:
+                self.block(v.header.block).admit_held(v.header.update_id)
+        else:
+            self._punish(v.header.worker_id, v.reason, v.detail)
+
+    def _open_audit(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes], base: Tensors,
+                    judged: Judgement, probation: bool) -> Judgement:
+        """Draw the update for audit (always on probation) and, if drawn, keep what the replay needs."""
+        assert self.audits is not None and header.claim is not None
+        if judged.outcome not in (Outcome.ACCEPTED, Outcome.PROBATION) or not (probation or
+                                                                              self.audits.drawn(header.update_id)):
+            return judged
+        terms = self.training(header.worker_id)
+        if terms is None:  # it joined before this aggregator restarted: its settings are unknown until it rejoins
+            return judged
+        job = AuditJob(header=header, claim=header.claim, train=terms.train, raw=raw, base=base, arrived=self.clock(),
+                       probation=probation)
+        return replace(judged, audit=self.audits.open(job))
+
+    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+        answered = block.answered(header.update_id)
+        if answered is not None:  # a re-push: the same answer, and the same request for its state
+            waiting = self.audits is not None and self.audits.waiting_for(header.update_id) is not None
+            return replace(answered, audit=waiting)
+        audits = self.audits
+        try:
+            if audits is not None:
+                audits.check_chain(header)
+                self._check_claim(block, header)
             early = block.precheck(header)
             if early is not None:
+                if audits is not None:
+                    audits.advance(header, early.outcome)
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -172,17 +343,50 @@ class SwarmAggregator:
                 self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
         except PeerInputError as exc:
             block.reject(header, exc)
+            if audits is not None and exc.reason == "chain":
+                self._punish(header.worker_id, "chain", str(exc))
+            elif audits is not None and exc.reason not in INCOMPLETE:  # refused: the worker moves on from it
+                audits.advance(header, Outcome.REJECTED)
             raise
-        return block.submit(header, delta)
+        if audits is None:
+            return block.submit(header, delta)
+        base = block.current()
+        probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
+        try:
+            judged = block.submit(header, delta, hold=probation)
+        except PeerInputError:
+            audits.advance(header, Outcome.REJECTED)
+            raise
+        audits.advance(header, judged.outcome)
+        if base[0].version != header.base_version:
+            return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
+        return self._open_audit(block, header, asm.raw, base[1], judged, probation)
+
+    def _check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
+        """A work claim must name the swarm's data and, for the current version, its hash: a replay
+        could not start from anything else."""
+        claim = header.claim
+        assert claim is not None  # check_chain refused a push without one
+        if self.keys.data_id and claim.data_id != self.keys.data_id:
+            raise MalformedInput("claim", f"{header.worker_id} claims data {claim.data_id[:24]!r}, the swarm trains on "
+                                          f"{self.keys.data_id[:24]!r}")
+        info = block.current()[0]
+        if header.base_version == info.version and claim.base_sha256 != info.sha256:
+            raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
+                                          f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
 
     def _check_key(self, header: PushHeader) -> None:
-        """An update trained on windows of another key than the one Join handed out is refused:
-        which windows a worker trains is the swarm's choice (a worker that states none is older)."""
+        """A worker id that never joined the block (it has no data key for it, and keys survive a
+        restart) may not push to it: Join is where its settings are checked. An update trained on
+        windows of another key than the one Join handed out is refused: which windows a worker
+        trains is the swarm's choice (a worker that states none is older)."""
         ours = self.keys.of(header.block).get(header.worker_id)
+        if ours is None:
+            raise Refused("not_joined", f"{header.worker_id!r} pushed to {self.cfg.unit_name(header.block)} without "
+                                        f"joining it: a worker joins before it pushes")
         if header.data_key and header.data_key != ours:
-            mine = repr(ours) if ours else "none (it never joined this block)"
             raise MalformedInput("data_key", f"{header.worker_id} trained steps {format_steps(header.steps)} with data "
-                                             f"key {header.data_key!r}, but its key here is {mine}")
+                                             f"key {header.data_key!r}, but its key here is {ours!r}")
 
     def drain(self) -> list[VersionInfo]:
         """Publish every open round that accepted updates (see BlockAggregator.drain)."""
@@ -191,3 +395,8 @@ class SwarmAggregator:
     def tick(self) -> None:
         for agg in self.blocks.values():
             agg.tick()
+
+
+def _named(fields: list[tuple[str, object, object]]) -> str:
+    """Differing settings for a refusal: "batch: swarm has 16, worker has 8, ..."."""
+    return ", ".join(f"{k}: swarm has {ours!r}, worker has {theirs!r}" for k, ours, theirs in fields)

@@ -69,6 +69,21 @@ def encode_raw(tensors: Mapping[str, torch.Tensor], codec: Codec) -> dict[str, b
     return {name: encode(codec, t) for name, t in tensors.items()}
 
 
+def encode_update(params: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor],
+                  residual: Mapping[str, torch.Tensor], codec: Codec, *,
+                  error_feedback: bool) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
+    """The codec bytes of Δ = params − base (+ the residual of the last update, with error feedback)
+    and the residual this one leaves (the codec's rounding error). One function for the worker that
+    pushes and the auditor that replays it, so that the two compute the same bytes."""
+    delta = {n: params[n].detach().cpu() - base[n] for n in base}
+    if error_feedback:
+        delta = {n: d + residual[n] if n in residual else d for n, d in delta.items()}
+    raw = encode_raw(delta, codec)
+    if not error_feedback:
+        return raw, {}
+    return raw, {n: delta[n] - decode(codec, raw[n], tuple(delta[n].shape)) for n in delta}
+
+
 def encode_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> list[Frame]:
     return list(lazy_frames(tensors, codec))
 

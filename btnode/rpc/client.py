@@ -35,10 +35,11 @@ class SwarmClient:
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"{what} at {self.address}") from None
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo:
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "") -> JoinInfo:
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
                                                                   fingerprint=fingerprint, config_json=config_json,
-                                                                  data_id=data_id))
+                                                                  data_id=data_id, training_json=training_json))
         return convert.join_from_pb(reply)
 
     def leave(self, worker_id: str, block: int) -> None:

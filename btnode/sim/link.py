@@ -23,8 +23,9 @@ class LocalLink:
         self.agg = agg
         self._ended: set[str] = set()  # workers whose watch streams were cancelled
 
-    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "") -> JoinInfo:
-        return self.agg.join(worker_id, block, fingerprint, config_json, data_id)
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "") -> JoinInfo:
+        return self.agg.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.agg.leave(worker_id, block)
@@ -42,6 +43,9 @@ class LocalLink:
 
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
         return self.agg.push(header, iter_chunks(frames))
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+        self.agg.submit_state(header, iter_chunks(frames))
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         agg = self.agg.block(block)

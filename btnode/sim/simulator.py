@@ -20,6 +20,7 @@ with `replicas` full-replica workers: nothing here depends on what a unit is.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import Counter
 import itertools
@@ -63,6 +64,8 @@ class SimConfig:
     train_while_waiting: bool = False
     schedule_by_version: bool = True  # see WorkerConfig
     seed: int = 0  # participation and delay streams
+    audit: float = 0.0  # share p of updates replayed by the aggregator (0: no audits); the draw's key follows `seed`
+    probation: int = 2  # with audits: audits a new worker must pass before its updates are applied
 
     def __post_init__(self) -> None:
         if not 0 <= self.participation <= 1:
@@ -113,8 +116,10 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
         # every replica here trains with tc and H: the aggregator judges their claims by the same
-        acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round, enforce=acfg.claims.enforce))
-        self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now)
+        acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round, enforce=acfg.claims.enforce),
+                       audit=replace(acfg.audit, share=scfg.audit, probation=scfg.probation))
+        self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now, corpus=corpus,
+                                   audit_secret=hashlib.sha256(f"audit/{scfg.seed}".encode()).digest())
         self.link = LocalLink(self.agg)
         self.replicas: list[Replica] = []
         for b, r in itertools.product(range(cfg.total_blocks), range(scfg.replicas)):
@@ -186,6 +191,7 @@ class Simulation:
 
     def _arrive(self, rep: Replica, header, raw, sent: float) -> None:
         rep.worker.pushed(rep.worker.push(header, raw))
+        self.agg.run_audits()  # at once: the replay's compute is counted, its time is not simulated
         rep.waiting_for, rep.waiting_since = header.base_version, sent  # it has waited since it sent
         before = self._published[header.block]
         self._after_aggregator()

@@ -31,27 +31,31 @@ import operator
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
 import zstandard
 
-from btnode.codec.codecs import Codec, decode, parse
-from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_raw, frame_from_raw
+from btnode.codec.codecs import Codec, parse
+from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.protocol import AggregatorLink, Judgement, Outcome, PushHeader, RoundSize, Transfer, VersionInfo
+from btnode.protocol import (EMPTY_STATE, AggregatorLink, Judgement, Outcome, PushHeader, RoundSize, Transfer, VersionInfo,
+                             WorkClaim)
 from btnode.settings import flag, same_flag
-from btnode.store.files import state_sha256
+from btnode.store.files import optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
 from btnode.swarm.announcements import Announcements
 from btnode.swarm.fold import Fold
 from btnode.train.config import TrainConfig
+from btnode.train.recipe import Recipe
+from btnode.train.terms import TrainingTerms
 from btnode.train.trainers import unit_trainer
 
 log = logging.getLogger(__name__)
@@ -133,6 +137,10 @@ class BlockWorker:
         self.announcements = Announcements(link, wcfg.block, wcfg.worker_id, wait_timeout_s=wcfg.wait_timeout_s)
         self._fold = Fold()  # what the next update carries (replaced at each step, push, answer and version)
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
+        self.recipe = Recipe.here(device, tc.precision.value, error_feedback=wcfg.error_feedback)
+        self.audits = False  # set at Join: the swarm replays updates, so keep each round's start state
+        self._start: tuple[str, Tensors | None] = (EMPTY_STATE, None)  # the round's optimizer start: hash, state
+        self._states: OrderedDict[str, Tensors] = OrderedDict()  # update id → start state, for an audit
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
         self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
@@ -207,12 +215,28 @@ class BlockWorker:
         for _ in range(n):
             if self._stop is not None and self._stop.is_set():
                 break  # draining: stop at a step boundary
+            if not self._fold.pending:
+                self._mark_start()
             step = self.trainer.step
             x = self.sampler.batch(self.tc.seed, self.data_key, step, self.tc.batch)
             self._fold = self._fold.trained(step, self.trainer.train_step(x, self.wcfg.worker_id).ce)
             self.stats.steps += 1
             self.heartbeat()
         self.stats.train_seconds += time.perf_counter() - t0
+
+    def _mark_start(self) -> None:
+        """The optimizer state a round starts from: its hash goes into the claim, and (audits on) a copy
+        is kept until the update's answer says whether an auditor wants it."""
+        state = optimizer_tensors(self.trainer.opt)[0]
+        kept = {n: t.detach().cpu().clone() for n, t in state.items()} if self.audits else None
+        self._start = (state_sha256(state), kept)
+
+    def _claim(self, residual_start: Tensors, raw_residual_end: Tensors) -> WorkClaim:
+        assert self.info is not None
+        return WorkClaim(base_sha256=self.info.sha256, data_id=self.data_id, recipe=self.recipe.to_json(),
+                         optimizer_start=self._start[0],
+                         optimizer_end=state_sha256(optimizer_tensors(self.trainer.opt)[0]),
+                         residual_start=state_sha256(residual_start), residual_end=state_sha256(raw_residual_end))
 
     def steps_due(self) -> int:
         """Steps still to train before the next push (H minus what was folded in)."""
@@ -224,10 +248,17 @@ class BlockWorker:
         loss, samples, steps = self._fold.loss, len(self._fold.pending) * self.tc.batch, self._fold.steps
         self.stats.losses.append(loss)
         self._fold = self._fold.sent()
+        residual_start = self.residual
+        raw = self._encode()
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex,
-                            data_key=self.data_key, steps=steps)
-        self._last_update = (header, self._encode())
+                            data_key=self.data_key, steps=steps, claim=self._claim(residual_start, self.residual))
+        if self._start[1] is not None:
+            self._states[header.update_id] = {**{"opt." + n: t for n, t in self._start[1].items()},
+                                              **{"ef." + n: t.clone() for n, t in residual_start.items()}}
+            while len(self._states) > 4:  # an audit asks for a state with the push's answer: a few suffice
+                self._states.popitem(last=False)
+        self._last_update = (header, raw)
         return self._last_update
 
     def pushed(self, j: Judgement, at_push: Tensors | None = None) -> None:
@@ -265,13 +296,9 @@ class BlockWorker:
 
     def _encode(self) -> dict[str, bytes]:
         """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback)."""
-        params = self.trainer.model.state_dict()
-        delta = {n: params[n].detach().cpu() - self.base[n] for n in self.spec}
-        if self.wcfg.error_feedback:
-            delta = {n: d + self.residual[n] if n in self.residual else d for n, d in delta.items()}
-        raw = encode_raw(delta, self.wcfg.codec)
-        if self.wcfg.error_feedback:
-            self.residual = {n: delta[n] - decode(self.wcfg.codec, raw[n], self.spec[n]) for n in self.spec}
+        raw, residual = encode_update(self.trainer.model.state_dict(), self.base, self.residual, self.wcfg.codec,
+                                      error_feedback=self.wcfg.error_feedback)
+        self.residual = residual
         return raw
 
     def _frames(self, raw: dict[str, bytes]) -> Iterator[Frame]:
@@ -309,11 +336,30 @@ class BlockWorker:
             return j
 
         try:
-            return self._through_outage("push", once)
+            j = self._through_outage("push", once)
         except PeerInputError as exc:
             outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
             log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)
             return Judgement(outcome=outcome, reason=str(exc), round_version=-1)
+        if j.audit:
+            self._send_state(header)
+        return j
+
+    def _send_state(self, header: PushHeader) -> None:
+        """The aggregator drew this update for a replay audit: send the state its round started from.
+        Not sending it counts as failing the audit, so a refusal is logged loudly."""
+        state = self._states.get(header.update_id)
+        if state is None:
+            log.error("worker %s: update %s was drawn for audit, but its start state is no longer kept",
+                      self.wcfg.worker_id, header.update_id[:8])
+            return
+        try:
+            self._through_outage("state upload", lambda: self.link.submit_state(header, lazy_frames(state, Codec.FP32)))
+            log.info("worker %s: sent the start state of update %s for its audit", self.wcfg.worker_id,
+                     header.update_id[:8])
+        except PeerInputError as exc:
+            log.error("worker %s: the start state of update %s was refused: %s", self.wcfg.worker_id,
+                      header.update_id[:8], exc)
 
     def _exchange(self, header: PushHeader, raw: dict[str, bytes], stop: threading.Event, *,
                   overlap: bool) -> Exchanged:
@@ -349,13 +395,18 @@ class BlockWorker:
         return got
 
     def start(self) -> None:
-        """Join with the fingerprint and data id, take the data key, and pull the block."""
+        """Join with the fingerprint, data id and training terms, take the data key, and pull the block."""
         w = self.wcfg
         joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()),
-                                self.data_id)
+                                self.data_id, training_json=TrainingTerms(self.tc, w.steps_per_round).to_json())
         if w.codec not in joined.codecs:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id
+        self.audits = joined.audits
+        if joined.audits and w.train_while_waiting:
+            log.info("worker %s: the swarm replays updates to audit them, so this worker trains nothing while it "
+                     "waits for a version (work folded in could not be replayed)", w.worker_id)
+            self.wcfg = replace(w, train_while_waiting=False)
         if not joined.data_key:
             log.warning("worker %s: the aggregator hands out no data key (an older version); drawing windows by the "
                         "worker id, so replicas with the same id train the same windows", w.worker_id)
@@ -363,8 +414,8 @@ class BlockWorker:
 
     def run(self, stop: threading.Event | None = None) -> WorkerStats:
         stop = self._stop = stop or threading.Event()
-        w = self.wcfg
         self.start()
+        w = self.wcfg  # as Join left it (audits turn training while waiting off)
         self.on_ready()
         watcher = threading.Thread(target=self.announcements.follow, args=(stop,), daemon=True, name="watch")
         watcher.start()

@@ -16,6 +16,7 @@ The oracle:
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -31,12 +32,15 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, iter_chunks
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
+from btnode.protocol import RoundSize
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.rpc.stages import serve_stage
 from btnode.serve.stages import LocalBlockStage
 from btnode.store.files import state_sha256
 from btnode.store.models import init_block
+from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 from btnode.v1 import serve_pb2, swarm_pb2
 
 CFG = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, segments=(1, 4))
@@ -168,8 +172,9 @@ class Target:
 
 def start_target(state_dir: Path) -> Target:
     agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=3600)), state_dir)
-    for w in ("a", "b"):
-        agg.block(0).register(w)
+    terms = TrainingTerms(TrainConfig(), RoundSize().steps_per_round).to_json()  # the aggregator's claims
+    for w in ("a", "b"):  # joined, so that their pushes reach the frame decoder (others stop at not_joined)
+        agg.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)
     server, port, stop = serve(agg, "127.0.0.1:0")
     stage = LocalBlockStage(init_block(CFG, 1, 0), 1, CFG.n_blocks, next=None, device=torch.device("cpu"))
     sserver, sport, sstop = serve_stage(stage, "127.0.0.1:0")

@@ -35,6 +35,17 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
 
 
+def optimizer_spec(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of make_optimizer's AdamW state once it has stepped, as
+    store.files.optimizer_tensors names them: what a worker's uploaded optimizer state must hold."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    spec: dict[str, tuple[int, ...]] = {}
+    for i, p in enumerate(decay + no_decay):  # state_dict numbers parameters group by group
+        spec.update({f"state.{i}.step": (), f"state.{i}.exp_avg": tuple(p.shape), f"state.{i}.exp_avg_sq": tuple(p.shape)})
+    return spec
+
+
 class _Trainer:
     model: nn.Module
 

@@ -91,18 +91,20 @@ class VersionInfo(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id")
+    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
     config_json: str
     data_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ...) -> None: ...
+    training_json: str
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key")

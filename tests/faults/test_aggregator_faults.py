@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.errors import PeerUnavailable
@@ -25,12 +26,14 @@ from btnode.store.files import state_sha256
 from btnode.store.models import init_block
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE, free_port
+from procs import CLI, TINY_SHAPE, claim_flags, free_port, honest_terms
 
 # wide enough that writing a version (θ, the delta and their hashes, fsync'd) takes a while
 BIG = ModelConfig(d_model=256, n_heads=4, n_layers=2, n_blocks=1, context=32, segments=(1, 8))
 BIG_SHAPE = ["--d-model", "256", "--heads", "4", "--layers", "2", "--blocks", "1", "--context", "32", "--segments", "1,8"]
 TINY = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+TRAINING = ["--steps-per-round", "2", "--batch", "4"]  # the worker's; its aggregator judges its claims by them
+GHOST = honest_terms(ClaimConfig(batch=4, steps_per_round=2))  # a hand-made join with the worker's settings
 
 
 def start_aggregator(state: Path, port: int, shape: list[str], *extra: str) -> subprocess.Popen:
@@ -68,7 +71,7 @@ def test_kill_9_while_writing_a_checkpoint_never_leaves_a_torn_version(tmp_path)
     for attempt in range(2):
         agg = start_aggregator(state, port, BIG_SHAPE, "--deadline", "600")
         c = SwarmClient(f"127.0.0.1:{port}", timeout_s=60)
-        c.join("w", 0, BIG.fingerprint(), json.dumps(BIG.to_dict()))
+        c.join("w", 0, BIG.fingerprint(), json.dumps(BIG.to_dict()), training_json=honest_terms())
         current = info_from_pb(c.status().blocks[0].current)
         stored = VersionStore(state, 0).latest()
         assert stored is not None and stored.version == current.version  # resumed the newest complete version
@@ -118,15 +121,15 @@ def test_kill_9_while_writing_a_checkpoint_never_leaves_a_torn_version(tmp_path)
 
 def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
     state, port = tmp_path / "state", free_port()
-    agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", "--steps-per-round", "2", "--batch", "4")
+    agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", *claim_flags(TRAINING))
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([*CLI, "join", "--role", "worker", "--block", "0", "--peer", f"127.0.0.1:{port}",
-                               "--worker-id", "w", "--steps-per-round", "2", "--batch", "4", *TINY_SHAPE],
+                               "--worker-id", "w", *TRAINING, *TINY_SHAPE],
                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(log, "wb"),
                               stderr=subprocess.STDOUT)
     c = SwarmClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
-        c.join("ghost", 0, TINY.fingerprint(), json.dumps(TINY.to_dict()))  # never pushes: the round stays open
+        c.join("ghost", 0, TINY.fingerprint(), json.dumps(TINY.to_dict()), training_json=GHOST)  # never pushes: the round stays open
 
         def accepted_in_round() -> int:
             try:
@@ -140,8 +143,8 @@ def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
             time.sleep(0.1)
         agg.send_signal(signal.SIGKILL)  # the accepted update lives only in the open round
         agg.wait(timeout=30)
-        agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", "--steps-per-round", "2", "--batch", "4")
-        c.join("ghost", 0, TINY.fingerprint(), json.dumps(TINY.to_dict()))  # registrations live in memory
+        agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", *claim_flags(TRAINING))
+        c.join("ghost", 0, TINY.fingerprint(), json.dumps(TINY.to_dict()), training_json=GHOST)  # registrations live in memory
         deadline = time.monotonic() + 60
         while accepted_in_round() < 1:  # the worker's watch stream reconnects and it re-pushes
             assert time.monotonic() < deadline and worker.poll() is None, log.read_text()

@@ -19,6 +19,7 @@ from btnode.protocol import Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.convert import info_from_pb
 from btnode.store.models import init_block
+from procs import honest_terms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 
@@ -26,7 +27,7 @@ CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, seg
 def test_kill_9_of_a_worker_mid_push_leaves_the_aggregator_serving(aggregator):
     agg = aggregator("--deadline", "3")
     c = SwarmClient(agg.address, timeout_s=30)
-    c.join("good", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    c.join("good", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms())
     victim = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stalled_push.py")), agg.address,
                                "victim", json.dumps(CFG.to_dict())], stdout=subprocess.PIPE, text=True)
     assert victim.stdout.readline().strip() == "pushing"

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
@@ -20,11 +21,13 @@ from btnode.store.files import state_sha256
 from btnode.store.models import init_unit
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE, cli_fails, run_cli
+from procs import CLI, TINY_SHAPE, cli_fails, honest_terms, run_cli
 
 AR_FLAGS = ["--model", "ar", "--ar-layers", "2"]
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8), kind="ar", ar_layers=2)
 SPEC = {n: tuple(t.shape) for n, t in init_unit(CFG, 0, 0).state_dict().items()}
+TRAINING = ["--steps-per-round", "2", "--batch", "4", "--lr", "0.01"]  # the aggregators' and the workers'
+CLAIMS = ClaimConfig(batch=4, lr=0.01, steps_per_round=2)  # a step may move 0.0117: the hand-made deltas 1e-3·randn
 
 
 def deltas(seed: int, workers: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -35,7 +38,7 @@ def deltas(seed: int, workers: tuple[str, ...]) -> dict[str, dict[str, torch.Ten
 def push_round(c: SwarmClient, base: int, d: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]) -> None:
     for w in sorted(d, reverse=True):  # arrival order must not matter
         h = PushHeader(worker_id=w, block=0, base_version=base, samples=weights[w], loss=1.0, codec=Codec.FP32,
-                       update_id=f"{w}:{base}")
+                       update_id=f"{w}:{base}", steps=tuple(range(int(weights[w]) // CLAIMS.batch)))
         assert c.push(h, encode_frames(d[w], Codec.FP32)).outcome is Outcome.ACCEPTED
 
 
@@ -75,11 +78,11 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
 
 
 def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(aggregator):
-    agg = aggregator(*AR_FLAGS, "--deadline", "30")
+    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30")
     c = SwarmClient(agg.address, timeout_s=30)
-    weights = {"r1": 32.0, "r2": 96.0}
+    weights = {"r1": 4.0, "r2": 12.0}  # one step and three
     for w in weights:
-        c.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+        c.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
     base = c.pull(0, "r1", SPEC).tensors
     d1 = deltas(7, ("r1", "r2"))
     push_round(c, 0, d1, weights)
@@ -90,12 +93,12 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
         assert torch.equal(v1.tensors[n], t + 0.7 * (m1[n] + 0.9 * m1[n])), n
     c.close()
     assert agg.stop() == 0
-    again = aggregator(*AR_FLAGS, "--deadline", "30", state_dir=agg.state_dir)
+    again = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", state_dir=agg.state_dir)
     c = SwarmClient(again.address, timeout_s=30)
     (unit,) = c.status().blocks
     assert (info_from_pb(unit.current).version, info_from_pb(unit.current).sha256) == (1, v1.info.sha256)
     for w in weights:
-        c.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+        c.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
     d2 = deltas(8, ("r1", "r2"))
     push_round(c, 1, d2, weights)
     v2 = c.pull(0, "r2", SPEC)
@@ -108,10 +111,10 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
 
 
 def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_worker_is_refused(aggregator, tmp_path):
-    agg = aggregator(*AR_FLAGS, "--deadline", "30", "--outer-lr", "1", "--outer-momentum", "0")
+    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--outer-lr", "1", "--outer-momentum", "0")
     assert "outer step η=1, Nesterov μ=0" in agg.log()
     c = SwarmClient(agg.address, timeout_s=30)
-    c.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    c.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
     base = c.pull(0, "r1", SPEC).tensors
     d = deltas(3, ("r1",))
     push_round(c, 0, d, {"r1": 8.0})
@@ -120,8 +123,8 @@ def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_wor
     c.leave("r1", 0)
     # a real worker process (no --block: an AR run's one unit) trains a full replica for a round
     stats = tmp_path / "w.stats.json"
-    run_cli("join", "--role", "worker", "--peer", agg.address, "--rounds", "1", "--steps-per-round", "2", "--batch",
-            "4", "--worker-id", "w", "--stats-file", str(stats), *TINY_SHAPE, *AR_FLAGS)
+    run_cli("join", "--role", "worker", "--peer", agg.address, "--rounds", "1", *TRAINING, "--worker-id", "w",
+            "--stats-file", str(stats), *TINY_SHAPE, *AR_FLAGS)
     held = json.loads(stats.read_text())
     current = info_from_pb(c.status().blocks[0].current)
     assert held["outcomes"] == {"accepted": 1} and (held["version"], held["sha256"]) == (2, current.sha256)

@@ -17,7 +17,7 @@ from btnode.codec.codecs import Codec
 from btnode.model.config import ModelConfig
 from btnode.train.plan import ar_memory, block_memory, swarm_worker_peak_bytes
 
-from procs import CLI, cli_fails, stop_all
+from procs import CLI, claim_flags, cli_fails, stop_all
 
 SHAPE = ["--d-model", "512", "--heads", "8", "--layers", "2", "--blocks", "4", "--context", "128", "--segments", "1,16"]
 CFG = ModelConfig(d_model=512, n_heads=8, n_layers=2, n_blocks=4, context=128, segments=(1, 16))
@@ -75,7 +75,7 @@ def test_a_full_replica_is_refused_under_the_cap_and_block_workers_train_under_i
     full = swarm_worker_peak_bytes(ar_memory(CFG, 2), Codec.INT8)
     assert full - block > 500e6, (block, full)  # a shape where the full replica clearly needs more
     cap = (block + full) // 2
-    agg = aggregator(*SHAPE, "--deadline", "60")
+    agg = aggregator(*SHAPE, "--deadline", "60", *claim_flags(WORKER))
 
     group = cgroups("ar", cap)
     log = tmp_path / "ar.log"

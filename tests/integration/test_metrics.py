@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import TINY_SHAPE, free_port, scrape, start, stop_all
+from procs import TINY_SHAPE, claim_flags, free_port, scrape, start, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "btnode.json"
@@ -46,18 +46,19 @@ def swarm(tmp_path_factory):
     d = tmp_path_factory.mktemp("metrics")
     procs = []
     ports = {name: free_port() for name in ("aggregator", "w0", "w1", "stage")}
+    training = ["--steps-per-round", "2", "--batch", "4"]  # the workers'
     try:
         port_file = d / "agg.port"
         agg = start(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(d / "state"),
                      "--port-file", str(port_file), "--deadline", "5", "--metrics-listen",
-                     f"127.0.0.1:{ports['aggregator']}", *TINY_SHAPE], d / "aggregator.log")
+                     f"127.0.0.1:{ports['aggregator']}", *claim_flags(training), *TINY_SHAPE], d / "aggregator.log")
         procs.append(agg)
         from procs import wait_port
 
         address = f"127.0.0.1:{wait_port(port_file, agg)}"
         for w in ("w0", "w1"):
             procs.append(start(["join", "--role", "worker", "--block", "0", "--peer", address, "--worker-id", w,
-                                "--steps-per-round", "2", "--batch", "4", "--metrics-listen",
+                                *training, "--metrics-listen",
                                 f"127.0.0.1:{ports[w]}", *TINY_SHAPE], d / f"{w}.log"))
         procs.append(start(["join", "--role", "stage", "--block", "2", "--peer", address, "--listen", "127.0.0.1:0",
                             "--metrics-listen", f"127.0.0.1:{ports['stage']}", *TINY_SHAPE], d / "stage.log"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
@@ -25,7 +26,7 @@ from btnode.rpc.client import SwarmClient
 from btnode.store.models import init_block
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE, start, wait_port
+from procs import CLI, TINY_SHAPE, claim_flags, honest_terms, start, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = sorted((ROOT / "systemd").glob("*.service"))
@@ -99,7 +100,8 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
     env = dict(os.environ, NOTIFY_SOCKET=str(note.path), WATCHDOG_USEC="300000", INVOCATION_ID="test", OMP_NUM_THREADS="1")
     log = tmp_path / "agg.log"
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
-                             str(tmp_path / "state"), "--port-file", str(port_file), "--deadline", "600", *TINY_SHAPE],
+                             str(tmp_path / "state"), "--port-file", str(port_file), "--deadline", "600", "--batch",
+                             "4", "--lr", "0.01", *TINY_SHAPE],
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         address = f"127.0.0.1:{wait_port(port_file, proc)}"
@@ -109,12 +111,13 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
         # one of two replicas pushes: the round (τ = 600 s) is open with one accepted update
         client = SwarmClient(address, timeout_s=30)
         for w in ("a", "b"):
-            client.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+            client.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()),
+                        training_json=honest_terms(ClaimConfig(batch=4, lr=0.01)))
         params = init_block(CFG, 0, 0).state_dict()
         spec = {n: tuple(t.shape) for n, t in params.items()}
         delta = {n: torch.full(s, 0.01) for n, s in spec.items()}
         header = PushHeader(worker_id="a", block=0, base_version=0, samples=4.0, loss=3.0, codec=Codec.FP32,
-                            update_id="u1")
+                            update_id="u1", steps=(0,))  # one step of batch 4 at lr 0.01 may move 0.0117
         assert client.push(header, encode_frames(delta, Codec.FP32)).outcome.value == "accepted"
         client.close()
         proc.send_signal(signal.SIGTERM)
@@ -134,10 +137,11 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
 
 
 def test_worker_stops_at_a_step_boundary_and_exits_0_on_sigterm(aggregator, tmp_path):
-    agg = aggregator("--deadline", "600")
+    training = ["--steps-per-round", "100000", "--batch", "4"]
+    agg = aggregator("--deadline", "600", *claim_flags(training))
     log = tmp_path / "worker.log"
-    proc = start(["join", "--role", "worker", "--block", "1", "--peer", agg.address, "--worker-id", "w",
-                  "--steps-per-round", "100000", "--batch", "4", *TINY_SHAPE], log)
+    proc = start(["join", "--role", "worker", "--block", "1", "--peer", agg.address, "--worker-id", "w", *training,
+                  *TINY_SHAPE], log)
     client = SwarmClient(agg.address, timeout_s=30)
     try:
         deadline = time.monotonic() + 60

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
@@ -18,7 +19,7 @@ from btnode.protocol import PushHeader
 from btnode.rpc.client import SwarmClient
 from btnode.store.models import init_ar, init_block
 
-from procs import TINY_SHAPE
+from procs import TINY_SHAPE, honest_terms
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
@@ -68,14 +69,15 @@ def test_plan_counts_the_parameters_of_a_real_block():
 
 
 def test_status_and_doctor_against_a_live_aggregator(aggregator):
-    agg = aggregator("--deadline", "600")
+    claims = ClaimConfig(batch=4, lr=0.01)  # one step may move 0.0117: the hand-made updates move 0.01
+    agg = aggregator("--deadline", "600", "--batch", "4", "--lr", "0.01")
     client = SwarmClient(agg.address, timeout_s=30)
     for w in ("a", "b"):
-        client.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+        client.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(claims))
     spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
     for w in ("a", "b"):
         header = PushHeader(worker_id=w, block=0, base_version=0, samples=4.0, loss=3.25, codec=Codec.FP32,
-                            update_id=f"{w}-0")
+                            update_id=f"{w}-0", steps=(0,))
         client.push(header, encode_frames({n: torch.full(s, 0.01) for n, s in spec.items()}, Codec.FP32))
     client.close()
     p = btnode("status", "--peer", agg.address)
@@ -112,7 +114,7 @@ def test_status_names_a_diloco_runs_unit_and_doctor_checks_its_fingerprint(aggre
     agg = aggregator("--model", "ar", "--ar-layers", "2", "--deadline", "600")
     cfg = ModelConfig.from_dict({**CFG.to_dict(), "kind": "ar", "ar_layers": 2})
     client = SwarmClient(agg.address, timeout_s=30)
-    client.join("r", 0, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+    client.join("r", 0, cfg.fingerprint(), json.dumps(cfg.to_dict()), training_json=honest_terms())
     client.close()
     out = btnode("status", "--peer", agg.address).stdout
     assert "ar (2 layers) N=32" in out and "ar (2 layers): version 0" in out and "block 0" not in out

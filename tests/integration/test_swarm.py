@@ -12,6 +12,7 @@ import torch
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
+from btnode.errors import ConfigMismatchError
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
@@ -19,9 +20,12 @@ from btnode.rpc.convert import info_from_pb
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE
+from procs import CLI, TINY_SHAPE, claim_flags
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+# the hand-made updates below state their weight and move values by 1e-3·randn: these tests are about
+# rounds and the outer step, so their aggregators believe claims (which tests/unit/test_claims.py checks)
+BELIEVE = "--believe-claims"
 
 
 def client_for(agg) -> SwarmClient:
@@ -63,7 +67,7 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
     state = tmp_path / "swarm"
     p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
                               "--steps-per-round", "3", "--batch", "4", "--deadline", "30", "--keep", "100",
-                              "--check-claims", *TINY_SHAPE],
+                              *TINY_SHAPE],  # claims are checked by default
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     for b in range(3):
@@ -87,7 +91,7 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
 
 
 def test_an_update_after_the_deadline_is_late_and_not_applied(aggregator):
-    agg = aggregator("--deadline", "1.5", "--min-updates", "1")
+    agg = aggregator(BELIEVE, "--deadline", "1.5", "--min-updates", "1")
     c = client_for(agg)
     join(c, "fast", "slow")
     assert push(c, "fast", 0).outcome is Outcome.ACCEPTED
@@ -111,8 +115,23 @@ def test_a_worker_with_another_fingerprint_is_refused(aggregator, tmp_path):
     assert "d_model: swarm has 32, worker has 64" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_worker_with_other_training_settings_is_refused_at_join(aggregator):
+    agg = aggregator(*claim_flags(["--batch", "16", "--steps-per-round", "3"]))
+    p = subprocess.run(CLI + ["join", "--role", "worker", "--block", "0", "--peer", agg.address, "--rounds", "1",
+                              "--worker-id", "odd", "--steps-per-round", "3", "--batch", "8", *TINY_SHAPE],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == ConfigMismatchError.exit_code and "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "worker 'odd' trains with different swarm-wide settings (batch: swarm has " \
+                                          "16, worker has 8)" in last, p.stderr
+    c = client_for(agg)
+    events = {(m.name, m.labels.get("reason")): m.value for m in c.status().counters if "block" not in m.labels}
+    assert events[("join_refused", "training")] == 1 and ("joins", "") not in events
+    c.close()
+
+
 def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator, tmp_path):
-    agg = aggregator("--deadline", "30")
+    agg = aggregator(BELIEVE, "--deadline", "30")
     c = client_for(agg)
     join(c, "w", block=1)
     for v in range(2):
@@ -121,7 +140,7 @@ def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator,
     assert before[1].version == 2 and before[0].version == 0
     c.close()
     assert agg.stop() == 0  # SIGTERM: a clean stop
-    again = aggregator("--deadline", "30", state_dir=agg.state_dir)
+    again = aggregator(BELIEVE, "--deadline", "30", state_dir=agg.state_dir)
     c = client_for(again)
     after = {bs.block: info_from_pb(bs.current) for bs in c.status().blocks}
     assert {b: (i.version, i.sha256) for b, i in after.items()} == {b: (i.version, i.sha256) for b, i in before.items()}
@@ -132,7 +151,7 @@ def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator,
 
 def test_a_new_version_is_exactly_base_plus_eta_times_the_weighted_mean(aggregator):
     """Recomputed here from the updates we sent, against an aggregator process with η = 0.7."""
-    agg = aggregator("--deadline", "30", "--outer-lr", "0.7")
+    agg = aggregator(BELIEVE, "--deadline", "30", "--outer-lr", "0.7")
     c = client_for(agg)
     join(c, "r1", "r2", block=2)
     base = c.pull(2, "r1", spec(c, 2))

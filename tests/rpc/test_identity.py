@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.identities import Identities, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -31,6 +32,9 @@ from btnode.rpc.security import Security
 from btnode.rpc.server import serve
 
 from conftest import CFG
+from procs import honest_terms
+
+CLAIMS = ClaimConfig(batch=1, lr=0.01, steps_per_round=4)  # a step of lr 0.01 may move 0.0117: the pushes move 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def pki(tmp_path_factory) -> Path:
 @pytest.fixture
 def swarm(tmp_path, pki):
     """(address, aggregator, client(name)) of a real aggregator under mutual TLS."""
-    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path / "state")
+    agg = SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path / "state")
     server, port, _ = serve(agg, "127.0.0.1:0", security=Security(cert=pki / "agg.pem", key=pki / "agg.key",
                                                                   ca=pki / "ca" / "ca.pem", client_auth=True))
     clients = []
@@ -68,13 +72,13 @@ def swarm(tmp_path, pki):
 
 
 def join(c: SwarmClient, worker: str, block: int = 0):
-    return c.join(worker, block, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    return c.join(worker, block, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
 
 
 def push(c: SwarmClient, agg: SwarmAggregator, worker: str, update_id: str, base: int = 0):
     spec = agg.block(0).spec
     header = PushHeader(worker_id=worker, block=0, base_version=base, samples=1.0, loss=1.0, codec=Codec.FP32,
-                        update_id=update_id)
+                        update_id=update_id, steps=(base,))  # one step of one window
     return c.push(header, encode_frames({n: torch.full(s, 1e-3) for n, s in spec.items()}, Codec.FP32))
 
 

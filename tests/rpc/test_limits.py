@@ -26,20 +26,22 @@ from btnode.rpc.client import SwarmClient
 from btnode.rpc.limits import PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
+from btnode.train.config import TrainConfig
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
 
 from conftest import CFG
-from procs import CLI, free_port
+from procs import CLI, free_port, honest_terms
 
 import grpc
 
 
 def held_push(address: str, cfg: ModelConfig, worker: str, release: threading.Event, results: queue.Queue) -> None:
-    """A push that sends its header and every chunk, then holds the stream open until `release`."""
+    """A push that sends its header and every chunk, then holds the stream open until `release`: an
+    honest one of a worker that joined (one step of the default batch, moving each value 1e-3)."""
     spec = {n: tuple(t.shape) for n, t in init_block(cfg, 0, 0).state_dict().items()}
-    header = PushHeader(worker_id=worker, block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.INT8,
-                        update_id=f"{worker}-u")
+    header = PushHeader(worker_id=worker, block=0, base_version=0, samples=float(TrainConfig.batch), loss=1.0,
+                        codec=Codec.INT8, update_id=f"{worker}-u", steps=(0,))
     chunks = list(iter_chunks(encode_frames({n: 1e-3 * torch.ones(s) for n, s in spec.items()}, Codec.INT8)))
 
     def messages():
@@ -59,9 +61,16 @@ def held_push(address: str, cfg: ModelConfig, worker: str, release: threading.Ev
         channel.close()
 
 
+def join(c: SwarmAggregator | SwarmClient, cfg: ModelConfig, *workers: str) -> None:
+    """Join block 0 as workers that train with the default settings (the aggregator's claims)."""
+    for w in workers:
+        c.join(w, 0, cfg.fingerprint(), json.dumps(cfg.to_dict()), training_json=honest_terms())
+
+
 @pytest.fixture
 def limited(tmp_path):
     agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1", "w2", "w9")  # in process: the join limit is the transport's, and counts none of these
     limiter = PeerLimiter(PeerLimits(max_streams=2, joins_per_minute=3))
     server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
     yield f"127.0.0.1:{port}", agg, limiter
@@ -97,10 +106,9 @@ def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
 def test_joins_per_minute_are_limited_per_peer(limited):
     address, agg, _ = limited
     c = SwarmClient(address, timeout_s=10)
-    for i in range(3):
-        c.join(f"w{i}", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+    join(c, CFG, "w0", "w1", "w2")
     with pytest.raises(TooLarge, match="join rate"):
-        c.join("w3", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()))
+        join(c, CFG, "w3")
     c.close()
     assert agg.counters[("limited", "join_rate")] == 1
 
@@ -124,7 +132,7 @@ def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
     cfg = ModelConfig()  # d=128, L=2: the swarm's default block
     port = free_port()
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
-                             str(tmp_path / "s"), "--max-streams-per-peer", "64"],
+                             str(tmp_path / "s"), "--max-streams-per-peer", "64", "--max-joins-per-minute", "64"],
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(tmp_path / "agg.log", "wb"),
                             stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
@@ -138,6 +146,7 @@ def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
             except Exception:  # noqa: BLE001 - starting
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.2)
+        join(c, cfg, *(f"w{i}" for i in range(50)))
         c.close()
         idle = rss_mb(proc.pid)
         release, results = threading.Event(), queue.Queue()

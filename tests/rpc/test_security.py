@@ -23,8 +23,10 @@ from btnode.rpc.client import SwarmClient
 from btnode.rpc.security import Security
 from btnode.rpc.server import serve
 from btnode.store.models import init_block
+from btnode.train.config import TrainConfig
 
 from conftest import CFG
+from procs import honest_terms
 
 NO_OPENSSL = "openssl is not installed (it makes the test certificates)"
 
@@ -48,9 +50,11 @@ def node(tmp_path):
 def calls(client: SwarmClient) -> list:
     """One call of each kind: unary (Join, Status), server-streaming (Pull), client-streaming (Push)."""
     spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
-    header = PushHeader(worker_id="w", block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32, update_id="u")
+    header = PushHeader(worker_id="w", block=0, base_version=0, samples=float(TrainConfig.batch), loss=1.0,
+                        codec=Codec.FP32, update_id="u", steps=(0,))  # one step of the default settings' batch
     frames = encode_frames({n: torch.zeros(s) for n, s in spec.items()}, Codec.FP32)
-    return [lambda: client.join("w", 0, CFG.fingerprint(), json.dumps(CFG.to_dict())), client.status,
+    return [lambda: client.join("w", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms()),
+            client.status,
             lambda: client.pull(0, "w", spec), lambda: client.push(header, frames)]
 
 

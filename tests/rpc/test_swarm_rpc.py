@@ -10,13 +10,16 @@ import torch
 
 from btnode.codec.codecs import Codec, encode
 from btnode.codec.frames import encode_frames, frame_from_raw, iter_chunks
-from btnode.errors import ConfigMismatchError, UnknownBlock
+from btnode.errors import ConfigMismatchError, MalformedInput, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
 from btnode.rpc import convert
 from btnode.store.files import state_sha256
+from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from procs import honest_terms
 
 
 def spec(live, block=0):
@@ -36,7 +39,8 @@ def hdr(worker, base=0, uid=None, block=0, codec=Codec.FP32, samples=32.0):
 def join(live, *workers, block=0):
     cfg = live.agg.cfg
     for w in workers:
-        live.client.join(w, block, cfg.fingerprint(), json.dumps(cfg.to_dict()))
+        live.client.join(w, block, cfg.fingerprint(), json.dumps(cfg.to_dict()),
+                         training_json=honest_terms(live.agg.acfg.claims))
 
 
 def test_join_with_another_configuration_is_refused_naming_the_fields(live):
@@ -50,17 +54,32 @@ def test_join_with_another_configuration_is_refused_naming_the_fields(live):
     assert live.agg.counters[("join_refused", "fingerprint")] == 2
 
 
+def test_join_with_other_training_settings_is_refused_naming_them(live):
+    cfg, claims = live.agg.cfg, live.agg.acfg.claims
+    fp, cj = cfg.fingerprint(), json.dumps(cfg.to_dict())
+    theirs = TrainingTerms(TrainConfig(batch=8, lr=claims.lr), claims.steps_per_round + 1).to_json()
+    with pytest.raises(ConfigMismatchError, match=r"batch: swarm has 32, worker has 8, steps_per_round: swarm has 4, "
+                                                  r"worker has 5"):
+        live.client.join("w", 0, fp, cj, training_json=theirs)
+    with pytest.raises(MalformedInput, match="training settings are not JSON"):
+        live.client.join("w", 0, fp, cj, training_json="{not json")
+    assert live.agg.counters[("join_refused", "training")] == 2
+    assert live.agg.training("w") is None and live.agg.keys.of(0) == {}  # nothing of it was recorded
+
+
 def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     cfg = live.agg.cfg
     fp, cj = cfg.fingerprint(), json.dumps(cfg.to_dict())
-    assert live.client.join("a", 0, fp, cj, "sha256:aa").data_key == "0/0"
-    assert live.client.join("b", 0, fp, cj, "sha256:aa").data_key == "0/1"
-    assert live.client.join("a", 0, fp, cj, "sha256:aa").data_key == "0/0"
+    tj = honest_terms(live.agg.acfg.claims)
+    assert live.client.join("a", 0, fp, cj, "sha256:aa", training_json=tj).data_key == "0/0"
+    assert live.client.join("b", 0, fp, cj, "sha256:aa", training_json=tj).data_key == "0/1"
+    assert live.client.join("a", 0, fp, cj, "sha256:aa", training_json=tj).data_key == "0/0"
     with pytest.raises(ConfigMismatchError, match="trains on data sha256:bb, but this swarm trains on sha256:aa"):
-        live.client.join("c", 0, fp, cj, "sha256:bb")
+        live.client.join("c", 0, fp, cj, "sha256:bb", training_json=tj)
     stub = pb_grpc.SwarmStub(live.client.channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Join(pb.JoinRequest(worker_id="c", block=0, fingerprint=fp, config_json=cj, data_id="sha256:bb"))
+        stub.Join(pb.JoinRequest(worker_id="c", block=0, fingerprint=fp, config_json=cj, data_id="sha256:bb",
+                                 training_json=tj))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     st = live.client.status_dict()
     assert st["data_id"] == "sha256:aa" and st["blocks"][0]["data_keys"] == {"a": "0/0", "b": "0/1"}
@@ -148,6 +167,8 @@ BAD = {
                   lambda live: [pb.PushMessage(header=pb.PushHeader(worker_id="w", block=0, samples=1, codec=9,
                                                                     update_id="u"))] + msgs(hdr("w"), frames_of(live))[1:]),
     "unknown_block": (grpc.StatusCode.NOT_FOUND, "unknown_block", lambda live: msgs(hdr("w", block=7), frames_of(live))),
+    "not_joined": (grpc.StatusCode.FAILED_PRECONDITION, "not_joined",
+                   lambda live: msgs(hdr("stranger"), frames_of(live))),  # only w and other joined
 }
 BEFORE_BLOCK = {"no_header", "bad_codec", "unknown_block"}  # refused before a block is known: counted swarm-wide
 

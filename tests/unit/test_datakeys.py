@@ -24,6 +24,7 @@ from btnode.sim.link import LocalLink
 from btnode.store.models import init_unit
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 from btnode.train.trainers import unit_trainer
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
@@ -38,7 +39,8 @@ def aggregator(state_dir, **kw) -> SwarmAggregator:
 
 
 def join(agg: SwarmAggregator, worker: str, block: int = 0, data_id: str = "") -> JoinInfo:
-    return agg.join(worker, block, CFG.fingerprint(), json.dumps(CFG.to_dict()), data_id)
+    return agg.join(worker, block, CFG.fingerprint(), json.dumps(CFG.to_dict()), data_id,
+                    training_json=TrainingTerms(TC, H).to_json())
 
 
 def worker(link: LocalLink, worker_id: str, **kw) -> BlockWorker:
@@ -112,8 +114,8 @@ def test_a_workers_first_update_is_rederived_from_seed_key_and_steps(tmp_path, c
 
 def test_without_a_key_from_the_aggregator_the_worker_draws_by_its_id(tmp_path, caplog):
     class OldLink(LocalLink):  # an aggregator from before data keys
-        def join(self, *args: object) -> JoinInfo:
-            info = super().join(*args)
+        def join(self, *args: object, **kw: str) -> JoinInfo:
+            info = super().join(*args, **kw)
             return JoinInfo(current=info.current, deadline_s=info.deadline_s, codecs=info.codecs,
                             max_staleness=info.max_staleness)
 

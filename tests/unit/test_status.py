@@ -18,6 +18,7 @@ from btnode.errors import ConfigMismatchError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc.convert import info_from_pb, status_to_pb
+from procs import honest_terms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
 CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)  # hand-made updates: 4 steps of one window
@@ -44,7 +45,7 @@ def swarm(tmp_path):
     agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=CLAIMS), tmp_path, clock=clock)
     for b in (0, 1):
         for w in ("wb", "wa"):
-            agg.join(w, b, CFG.fingerprint(), "")
+            agg.join(w, b, CFG.fingerprint(), "", training_json=honest_terms(CLAIMS))
     with pytest.raises(ConfigMismatchError):
         agg.join("x", 0, "another run", "{}")
     b0, b1 = agg.block(0), agg.block(1)

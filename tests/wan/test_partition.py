@@ -14,7 +14,7 @@ import pytest
 
 from btnode.netlab.topology import Star
 
-from procs import TINY_SHAPE, stop_all
+from procs import TINY_SHAPE, claim_flags, stop_all
 
 REASON = Star.why_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable here: {REASON}")
@@ -32,10 +32,12 @@ def test_a_partitioned_worker_is_left_behind_then_catches_up(tmp_path, cut):
     """link-down: the cable is pulled (its end notices, connections fail at once); blackhole: the
     path silently drops everything, so only the round deadline and keepalives can tell."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    training = ["--steps-per-round", "3", "--batch", "4"]  # the workers'
     with Star(3, delay_ms=5, rate_mbit=100) as lab:
         agg = lab.popen(0, [*CLI, "join", "--role", "aggregator", "--listen", "0.0.0.0:7070", "--state-dir",
                             str(tmp_path / "state"), "--deadline", "4", "--port-file", str(tmp_path / "port"),
-                            *TINY_SHAPE], env=env, stdout=open(tmp_path / "agg.log", "wb"), stderr=subprocess.STDOUT)
+                            *claim_flags(training), *TINY_SHAPE], env=env, stdout=open(tmp_path / "agg.log", "wb"),
+                           stderr=subprocess.STDOUT)
         procs = [agg]
         try:
             deadline = time.monotonic() + 60
@@ -44,8 +46,8 @@ def test_a_partitioned_worker_is_left_behind_then_catches_up(tmp_path, cut):
                 time.sleep(0.1)
             for h in (1, 2):
                 procs.append(lab.popen(h, [*CLI, "join", "--role", "worker", "--block", "0", "--peer",
-                                           f"{lab.hub_address(h)}:7070", "--worker-id", f"w{h}", "--steps-per-round",
-                                           "3", "--batch", "4", *TINY_SHAPE], env=env,
+                                           f"{lab.hub_address(h)}:7070", "--worker-id", f"w{h}", *training,
+                                           *TINY_SHAPE], env=env,
                                        stdout=open(tmp_path / f"w{h}.log", "wb"), stderr=subprocess.STDOUT))
 
             def status() -> dict:

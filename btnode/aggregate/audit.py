@@ -1,0 +1,330 @@
+"""Replay audits (docs/security.md, "Work claims and replay audits"): the aggregator re-runs a share
+of accepted updates and compares the result with what was pushed.
+
+Every push carries a `WorkClaim`: the base θ by hash, the data, the worker's recipe, and the hashes
+of its inner AdamW state and error-feedback residual at the start and end of the round. `Chains`
+checks that each round starts where the worker's previous one ended (a fresh state after a join),
+so every change of a worker's state is inside some claimed round.
+
+Which updates are replayed is drawn per update by HMAC(secret, update id) < p, with a secret the
+worker never sees, after the update is committed: a worker cannot tell which of its updates will be
+checked. A drawn update's sender is asked for its start state (`Judgement.audit`); its hashes must
+match the claim. `Replayer` then trains the claimed steps on the claimed windows from θ^base and
+that state, exactly as a worker does (the same trainer, sampler and `encode_update`), and compares
+codec bytes: bit for bit when the worker's recipe equals the auditor's (CPU, same torch and thread
+count), within a relative tolerance otherwise. New workers are on probation: every update is
+replayed, and none is applied, until they have passed `probation` audits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from btnode.codec.codecs import decode
+from btnode.codec.frames import encode_update
+from btnode.data.source import ByteSource
+from btnode.data.windows import WindowSampler
+from btnode.errors import ConfigError, MalformedInput
+from btnode.model.config import ModelConfig
+from btnode.protocol import EMPTY_STATE, Outcome, PushHeader, WorkClaim
+from btnode.settings import flag
+from btnode.store.files import load_optimizer, optimizer_tensors, state_sha256
+from btnode.store.models import init_unit
+from btnode.train.config import TrainConfig
+from btnode.train.recipe import Recipe
+from btnode.train.trainers import optimizer_spec, unit_trainer
+
+log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
+OPT, EF = "opt.", "ef."  # name prefixes of an uploaded start state: optimizer tensors, residual
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    share: float = flag("--audit", "Share p of accepted updates the aggregator replays to check them (0: no audits; "
+                                   "needs the workers' data: --data). docs/security.md.", default=0.0)
+    probation: int = flag("--probation", "With --audit: audits a new worker id must pass before any of its updates is "
+                                         "applied.", default=2)
+    state_timeout_s: float = flag("--audit-timeout", "Seconds a worker has to send the start state of an update "
+                                                     "drawn for audit.", default=120.0)
+    tolerance: float = 1e-3  # relative L2 error allowed when the recipes differ (1 vs 2 threads: 8.5e-5 at H = 25)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1 or self.probation < 0 or self.state_timeout_s <= 0 or not self.tolerance > 0:
+            raise ConfigError(f"invalid audit settings: {self}")
+
+    @property
+    def on(self) -> bool:
+        return self.share > 0
+
+
+@dataclass
+class AuditJob:
+    header: PushHeader
+    claim: WorkClaim
+    train: TrainConfig  # the worker's, as stated at Join
+    raw: dict[str, bytes]  # the pushed codec bytes, kept until the verdict
+    base: Mapping[str, torch.Tensor]  # θ^base_version
+    arrived: float
+    probation: bool
+    start: Tensors | None = None  # the uploaded start state (opt.* and ef.*); {} when both are fresh
+
+    @property
+    def needs_state(self) -> bool:
+        return self.claim.optimizer_start != EMPTY_STATE or self.claim.residual_start != EMPTY_STATE
+
+
+@dataclass(frozen=True)
+class Verdict:
+    header: PushHeader
+    passed: bool
+    reason: str  # "" when passed; else delta, optimizer_end, residual_end, steps, state, late_state, recipe
+    detail: str
+    seconds: float  # the replay's wall time (what the auditor spent on it)
+    probation: bool
+    delay_s: float  # from the push's arrival to the verdict
+
+
+def secret_draw(secret: bytes, update_id: str) -> float:
+    """A uniform number in [0, 1) that only the holder of `secret` can compute before the update exists."""
+    digest = hmac.new(secret, update_id.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_state(state: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
+    """(optimizer tensors, residual) of an uploaded start state."""
+    return ({n[len(OPT):]: t for n, t in state.items() if n.startswith(OPT)},
+            {n[len(EF):]: t for n, t in state.items() if n.startswith(EF)})
+
+
+class Replayer:
+    """Re-runs a claimed round of one unit. Holds no lock and no swarm state: give it a job, get a verdict."""
+
+    def __init__(self, cfg: ModelConfig, unit: int, corpus: ByteSource | bytes, *, tolerance: float):
+        self.cfg, self.unit, self.tolerance = cfg, unit, tolerance
+        self.sampler = WindowSampler(corpus, cfg.context)
+        model = init_unit(cfg, unit, 0)
+        self.shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        self.optimizer_shapes = optimizer_spec(model)
+
+    def start_spec(self, claim: WorkClaim) -> dict[str, tuple[int, ...]]:
+        """What the start state of an update with this claim must hold: the optimizer's tensors unless
+        the optimizer was fresh, and the residual unless there was none."""
+        spec: dict[str, tuple[int, ...]] = {}
+        if claim.optimizer_start != EMPTY_STATE:
+            spec.update({OPT + n: s for n, s in self.optimizer_shapes.items()})
+        if claim.residual_start != EMPTY_STATE:
+            spec.update({EF + n: s for n, s in self.shapes.items()})
+        return spec
+
+    def check_start(self, claim: WorkClaim, state: Mapping[str, torch.Tensor]) -> None:
+        """MalformedInput("state") unless an uploaded start state hashes to what the claim committed."""
+        optim, residual = split_state(state)
+        if state_sha256(optim) != claim.optimizer_start or state_sha256(residual) != claim.residual_start:
+            raise MalformedInput("state", "the start state sent does not hash to the one its update's claim committed")
+
+    def __call__(self, job: AuditJob, clock: Callable[[], float]) -> Verdict:
+        t0 = time.perf_counter()  # the clock a worker's train_seconds uses, so the two compare
+        passed, reason, detail = self._replay(job)
+        return Verdict(job.header, passed, reason, detail, time.perf_counter() - t0, job.probation,
+                       clock() - job.arrived)
+
+    def _replay(self, job: AuditJob) -> tuple[bool, str, str]:
+        steps = job.header.steps
+        if not steps or any(b != a + 1 for a, b in zip(steps, steps[1:])):
+            return False, "steps", f"steps {steps[:3]}… are not one run of consecutive steps, as a worker trains a round"
+        try:
+            theirs = Recipe.from_json(job.claim.recipe)
+        except MalformedInput as exc:
+            return False, "recipe", str(exc)
+        with torch_threads(theirs.threads if theirs.device == "cpu" else torch.get_num_threads()):
+            return self._run(job, theirs)
+
+    def _run(self, job: AuditJob, theirs: Recipe) -> tuple[bool, str, str]:
+        """The replay itself, under the worker's thread count where it trained on CPU."""
+        h, claim, tc, steps = job.header, job.claim, job.train, job.header.steps
+        optim, residual = split_state(job.start or {})
+        model = init_unit(self.cfg, self.unit, tc.seed)
+        model.load_state_dict(dict(job.base))
+        trainer = unit_trainer(self.cfg, self.unit, model, tc, device=torch.device("cpu"))
+        if optim:
+            load_optimizer(trainer.opt, optim, trainer.opt.state_dict()["param_groups"])
+        trainer.step = steps[0]
+        for step in steps:
+            trainer.train_step(self.sampler.batch(tc.seed, h.data_key, step, tc.batch), h.worker_id)
+        raw, res_end = encode_update(trainer.model.state_dict(), job.base, residual, h.codec,
+                                     error_feedback=theirs.error_feedback)
+        exact = theirs.exact_with(Recipe.here(torch.device("cpu"), theirs.precision,
+                                              error_feedback=theirs.error_feedback))
+        if exact and raw != job.raw:
+            bad = next(n for n in raw if raw[n] != job.raw.get(n))
+            return False, "delta", f"the replay's {bad} differs from the pushed bytes (recipe {theirs.to_json()})"
+        if not exact:
+            err = self._relative_error(raw, job.raw, h)
+            if not err <= self.tolerance:
+                return False, "delta", f"the replay differs from the pushed delta by {err:.3g} (relative L2; " \
+                                       f"tolerance {self.tolerance:g} for a recipe other than the auditor's)"
+            return True, "", f"within tolerance ({err:.3g})"
+        if state_sha256(optimizer_state(trainer.opt)) != claim.optimizer_end:
+            return False, "optimizer_end", "the replay's optimizer state differs from the claimed end state"
+        if state_sha256(res_end) != claim.residual_end:
+            return False, "residual_end", "the replay's residual differs from the claimed end residual"
+        return True, "", "bit for bit"
+
+    def _relative_error(self, ours: Mapping[str, bytes], theirs: Mapping[str, bytes], h: PushHeader) -> float:
+        num = den = 0.0
+        for n, shape in self.shapes.items():
+            a, b = decode(h.codec, ours[n], shape), decode(h.codec, theirs[n], shape)
+            num += float(torch.linalg.vector_norm(a - b)) ** 2
+            den += float(torch.linalg.vector_norm(b)) ** 2
+        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with torch's intra-op thread count at n (reductions split by it), then restore it."""
+    before = torch.get_num_threads()
+    if n != before and 1 <= n <= (os.cpu_count() or 1):
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> Tensors:
+    """The optimizer's state as named tensors (store.files.optimizer_tensors' names), for hashing and upload."""
+    return optimizer_tensors(opt)[0]
+
+
+@dataclass
+class ChainEnd:
+    """Where a worker's last round left its state, as its claim said, and what it must start from next."""
+
+    optimizer: str = EMPTY_STATE
+    residual: str = EMPTY_STATE
+
+
+@dataclass
+class AuditRecord:
+    passed: int = 0
+    failed: int = 0
+
+
+class Audits:
+    """The swarm's audit book: chains, draws, jobs waiting for state or replay, verdicts. Thread-safe.
+    The aggregator feeds it pushes and states; `due()` hands out jobs ready to replay (or whose state
+    is late) and `record()` takes their verdicts. It punishes nobody itself: the aggregator does."""
+
+    def __init__(self, cfg: AuditConfig, secret: bytes, clock: Callable[[], float]):
+        self.cfg, self.secret, self.clock = cfg, secret, clock
+        self.lock = threading.Lock()
+        self.chains: dict[tuple[int, str], ChainEnd] = {}
+        self.records: dict[str, AuditRecord] = {}
+        self.waiting: dict[str, AuditJob] = {}  # update id → job awaiting its start state
+        self.ready: list[AuditJob] = []
+        self.counts: Counter = Counter()  # (result, reason) → audits
+        self.seconds = 0.0  # replay wall time, all audits
+        self.probation_seconds = 0.0  # ... of which on probation audits
+        self.delays: list[float] = []  # seconds from push to a failed verdict (detection delay)
+
+    # -- chains --------------------------------------------------------------------------------
+    def joined(self, block: int, worker_id: str) -> None:
+        """A (re)join starts a new chain from a fresh optimizer and no residual."""
+        with self.lock:
+            self.chains[(block, worker_id)] = ChainEnd()
+
+    def check_chain(self, header: PushHeader) -> None:
+        """MalformedInput("chain") unless this update starts where the worker's last round ended."""
+        claim = header.claim
+        if claim is None:
+            raise MalformedInput("claim", f"{header.worker_id} sent no work claim; audits need one with every push")
+        with self.lock:
+            end = self.chains.get((header.block, header.worker_id))
+        if end is None:
+            return  # the aggregator restarted since it joined: the chain starts here
+        if (claim.optimizer_start, claim.residual_start) != (end.optimizer, end.residual):
+            which = "optimizer state" if claim.optimizer_start != end.optimizer else "residual"
+            raise MalformedInput("chain", f"{header.worker_id}'s update starts from another {which} than its last "
+                                          f"round ended with")
+
+    def advance(self, header: PushHeader, outcome: Outcome) -> None:
+        """After the answer: the next round starts from this one's end; the residual only survives an
+        accepted update (a worker drops it otherwise: swarm.worker.BlockWorker.pushed)."""
+        claim = header.claim
+        if claim is None:
+            return
+        residual = claim.residual_end if outcome is Outcome.ACCEPTED else EMPTY_STATE
+        with self.lock:
+            self.chains[(header.block, header.worker_id)] = ChainEnd(claim.optimizer_end, residual)
+
+    # -- draws and jobs -----------------------------------------------------------------------
+    def on_probation(self, worker_id: str) -> bool:
+        with self.lock:
+            return self.records.get(worker_id, AuditRecord()).passed < self.cfg.probation
+
+    def drawn(self, update_id: str) -> bool:
+        return secret_draw(self.secret, update_id) < self.cfg.share
+
+    def open(self, job: AuditJob) -> bool:
+        """Queue a job; True when its sender must send the start state first."""
+        with self.lock:
+            if job.needs_state:
+                self.waiting[job.header.update_id] = job
+                return True
+            job.start = {}
+            self.ready.append(job)
+            return False
+
+    def waiting_for(self, update_id: str) -> AuditJob | None:
+        with self.lock:
+            return self.waiting.get(update_id)
+
+    def received(self, update_id: str, state: Tensors) -> None:
+        with self.lock:
+            job = self.waiting.pop(update_id, None)
+            if job is not None:
+                job.start = state
+                self.ready.append(job)
+
+    def due(self) -> tuple[list[AuditJob], list[AuditJob]]:
+        """(jobs ready to replay, jobs whose start state did not come in time), both taken off the book."""
+        now = self.clock()
+        with self.lock:
+            ready, self.ready = self.ready, []
+            late = [j for j in self.waiting.values() if now - j.arrived > self.cfg.state_timeout_s]
+            for j in late:
+                del self.waiting[j.header.update_id]
+        return ready, late
+
+    def record(self, v: Verdict) -> None:
+        with self.lock:
+            rec = self.records.setdefault(v.header.worker_id, AuditRecord())
+            if v.passed:
+                rec.passed += 1
+            else:
+                rec.failed += 1
+                self.delays.append(v.delay_s)
+            self.counts[("passed" if v.passed else "failed", v.reason)] += 1
+            self.seconds += v.seconds
+            self.probation_seconds += v.seconds if v.probation else 0.0
+
+    def forget(self, worker_id: str) -> None:
+        """Drop the jobs of a punished worker: there is nothing left to decide about it."""
+        with self.lock:
+            self.waiting = {k: j for k, j in self.waiting.items() if j.header.worker_id != worker_id}
+            self.ready = [j for j in self.ready if j.header.worker_id != worker_id]
+

@@ -1,0 +1,147 @@
+"""Work claims and replay audits (aggregate/audit.py) in the one-process simulator: the daemon's own
+aggregator and workers, real training, real frames; only the network and the clock are replaced."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from btnode.aggregate.audit import AuditConfig, secret_draw
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
+from btnode.data.corpus import bundled
+from btnode.errors import MalformedInput
+from btnode.model.config import ModelConfig
+from btnode.protocol import EMPTY_STATE, Outcome
+from btnode.sim.simulator import SimConfig, Simulation
+from btnode.swarm.worker import BlockWorker
+from btnode.train.config import TrainConfig
+from btnode.train.recipe import Recipe
+
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1,))
+TC = TrainConfig(batch=4, steps=200, warmup=5)
+ACFG = AggregatorConfig(claims=ClaimConfig(enforce=True))
+
+
+class Negating(BlockWorker):
+    """Pushes its honest delta negated, with the claims of the honest one."""
+
+    def _encode(self) -> dict[str, bytes]:
+        with torch.no_grad():
+            for n, p in self.trainer.model.state_dict().items():
+                p.copy_(2 * self.base[n] - p)
+        return super()._encode()
+
+
+class Skipping(BlockWorker):
+    """Lazy: trains every other step it claims (the claim lists all of them)."""
+
+    def train_steps(self, n: int) -> None:
+        for _ in range(n):
+            if self.trainer.step % 2:
+                self._fold = self._fold.trained(self.trainer.step, 0.0)
+                self.trainer.step += 1
+            else:
+                super().train_steps(1)
+
+
+def simulate(tmp_path: Path, corpus: bytes, *, rounds: int = 3, audit: float = 1.0, probation: int = 1,
+             cheater: type[BlockWorker] | None = None, seed: int = 0) -> Simulation:
+    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=rounds, replicas=3, steps_per_round=4, audit=audit,
+                                              probation=probation, seed=seed),
+                     corpus, tmp_path, device=torch.device("cpu"))
+    if cheater is not None:
+        rep = sim.replicas[-1]
+        rep.worker = cheater(CFG, TC, rep.worker.wcfg, sim.link, corpus, device=torch.device("cpu"))
+    sim.run()
+    return sim
+
+
+@pytest.fixture(scope="module")
+def corpus() -> bytes:
+    return bundled().train.read(0, 400_000)
+
+
+def test_honest_updates_replay_bit_for_bit(tmp_path, corpus):
+    sim = simulate(tmp_path, corpus, rounds=3)
+    audits = sim.agg.audits
+    assert audits is not None
+    assert audits.counts == {("passed", ""): 9}  # p = 1: every update of 3 workers × 3 rounds
+    assert not sim.agg.identities.revoked
+    counts = sim.agg.block(0).counters
+    assert counts[(Outcome.PROBATION.value, "")] == 3  # each worker's first update, held until audited
+    assert counts[(Outcome.ACCEPTED.value, "")] == 9  # ... then admitted: nothing honest is lost
+    assert sim.agg.block(0).info.version == 3
+
+
+@pytest.mark.parametrize("cheat", [Negating, Skipping])
+def test_a_cheater_on_probation_is_caught_before_any_update_counts(tmp_path, corpus, cheat):
+    sim = simulate(tmp_path, corpus, rounds=3, cheater=cheat)
+    assert sim.agg.identities.is_revoked("b0r2")
+    assert sim.agg.audits.counts[("failed", "delta")] == 1
+    assert sim.agg.audits.counts[("passed", "")] >= 2  # the honest ones pass
+    block = sim.agg.block(0)
+    assert block.counters[(Outcome.REJECTED.value, "revoked")] >= 1  # its later pushes are refused
+    assert [r.name for r in sim.agg.identities.records() if r.failed] == ["b0r2"]
+
+
+def test_without_probation_a_drawn_cheat_is_caught_and_its_pending_update_dropped(tmp_path, corpus):
+    sim = simulate(tmp_path, corpus, rounds=3, probation=0, cheater=Negating)
+    block = sim.agg.block(0)
+    assert sim.agg.identities.is_revoked("b0r2")
+    assert block.counters[(Outcome.REJECTED.value, "audit_delta")] == 1  # taken out of the open round
+
+
+def test_draws_follow_the_secret_and_the_share():
+    ids = [f"{i:032x}" for i in range(4000)]
+    a = [secret_draw(b"k" * 32, u) < 0.25 for u in ids]
+    b = [secret_draw(b"j" * 32, u) < 0.25 for u in ids]
+    assert 0.22 < sum(a) / len(a) < 0.28
+    assert a != b  # another secret, other draws: a worker without the key cannot tell which are checked
+    assert sum(x and y for x, y in zip(a, b)) / len(a) < 0.09  # ≈ 0.0625 if independent
+
+
+def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
+    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=1, replicas=3, steps_per_round=4, audit=0.5, probation=0),
+                     corpus, tmp_path, device=torch.device("cpu"))
+    w = sim.replicas[0].worker
+    w.start()
+    w.train_steps(4)
+    header, raw = w.make_update()
+    forged = dataclasses.replace(header, claim=dataclasses.replace(header.claim, optimizer_start="ab" * 32))
+    with pytest.raises(MalformedInput, match="another optimizer state"):
+        sim.agg.push(forged, iter([]))
+    assert sim.agg.identities.is_revoked(w.wcfg.worker_id)
+
+
+def test_claims_state_fresh_starts_and_chain(tmp_path, corpus):
+    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=1, replicas=3, steps_per_round=4, audit=0.5, probation=0),
+                     corpus, tmp_path, device=torch.device("cpu"))
+    w = sim.replicas[0].worker
+    w.start()
+    w.train_steps(4)
+    first, _ = w.make_update()
+    assert (first.claim.optimizer_start, first.claim.residual_start) == (EMPTY_STATE, EMPTY_STATE)
+    assert first.claim.optimizer_end != EMPTY_STATE and first.claim.residual_end != EMPTY_STATE  # int8 leaves a residual
+    w.train_steps(4)
+    second, _ = w.make_update()
+    assert second.claim.optimizer_start == first.claim.optimizer_end
+    assert second.claim.residual_start == first.claim.residual_end
+    assert Recipe.from_json(first.claim.recipe).threads == torch.get_num_threads()
+
+
+def test_recipes_decide_exactness():
+    here = Recipe.here(torch.device("cpu"), "fp32", error_feedback=True)
+    assert here.exact_with(dataclasses.replace(here))
+    assert not here.exact_with(dataclasses.replace(here, threads=here.threads + 1))
+    assert not dataclasses.replace(here, device="cuda").exact_with(dataclasses.replace(here, device="cuda"))
+    with pytest.raises(MalformedInput):
+        Recipe.from_json('{"torch": 1}')
+
+
+def test_audit_settings_are_checked():
+    with pytest.raises(Exception, match="invalid audit settings"):
+        AuditConfig(share=1.5)
