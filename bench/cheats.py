@@ -19,6 +19,7 @@ import functools
 import multiprocessing
 import statistics
 import tempfile
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,11 +32,13 @@ from btnode.aggregate.averaging import ROBUST_MODES, OuterConfig
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
+from btnode.codec.frames import Frame
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
 from btnode.evaluation.metrics import swarm_ce
 from btnode.model.config import ModelConfig
-from btnode.protocol import Outcome
+from btnode.protocol import Judgement, Outcome, PushHeader
+from btnode.sim.link import LocalLink
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
 from btnode.testing.cheats import CHEATS, cheat_factory
@@ -47,11 +50,14 @@ STEP_S = 0.1
 # mode → the SimConfig fields it sets. The audit mode goes here: "audit": {"audit": P} from an --audit P
 # option, with main() measuring both modes (its rows, false_positives and audit_cost_share).
 MODES: dict[str, dict] = {"default": {}}
+_corpus = functools.cache(bundled)  # once per process
 RULES = (OuterConfig.robust, *(r for r in ROBUST_MODES if r != OuterConfig.robust))  # the shipped rule first
 
 
 @dataclass(frozen=True)
 class Settings:
+    """What every swarm of a run shares (small and picklable: it goes to the worker processes)."""
+
     rounds: int
     h: int
     batch: int
@@ -68,15 +74,15 @@ class Tap:
     """The cheater's link: the shared LocalLink, with the answer to each of its pushes recorded as
     (round, worker id, outcome, reason) (a refusal's reason is the PeerInputError's label)."""
 
-    link: object
+    link: LocalLink
     answers: list[tuple[int, str, str, str]] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.link, name)
 
-    def push(self, header, frames):  # type: ignore[no-untyped-def]
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
         try:
-            j = self.link.push(header, frames)  # type: ignore[attr-defined]
+            j = self.link.push(header, frames)
         except PeerInputError as exc:
             self.answers.append((header.base_version, header.worker_id, Outcome.REJECTED.value, exc.reason))
             raise
@@ -87,7 +93,7 @@ class Tap:
 def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings) -> dict:
     """One simulated swarm; returns its CE and, with a cheat, when and how the cheater was caught."""
     torch.set_num_threads(1)  # a tiny model: more threads only contend (measured 25× slower with 2 on 2 cores)
-    tc, corpus = args.tc, functools.cache(bundled)()
+    tc, corpus = args.tc, _corpus()
     sim: Simulation | None = None
     tap: Tap | None = None
 
@@ -100,7 +106,7 @@ def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings
     scfg = SimConfig(rounds=args.rounds, replicas=3, steps_per_round=args.h, step_time_s=STEP_S, seed=seed,
                      **MODES[mode])
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=1.5 * args.h * STEP_S), outer=OuterConfig(robust=rule),
-                            claims=ClaimConfig.of(tc, args.h, enforce=True))
+                            claims=ClaimConfig.of(tc, args.h, enforce=True), history=args.rounds)  # every round's drops
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp),
                          device=torch.device("cpu"), workers={CHEATER: cheater} if cheat else None)
@@ -110,10 +116,11 @@ def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings
     out = {"cheat": cheat, "rule": rule, "mode": mode, "seed": seed, "ce": ce, "versions": res.versions[0],
            "outcomes": res.outcomes, "honest_dropped": sum(not wid.startswith(CHEATER) for _, wid, _ in dropped)}
     if tap is not None:
-        caught = sorted([(r, why) for r, wid, outcome, why in tap.answers if outcome != Outcome.ACCEPTED.value] +
-                        [(r, why) for r, wid, why in dropped if wid.startswith(CHEATER)])
-        out.update(caught_round=caught[0][0] if caught else None, mechanism=caught[0][1] if caught else None,
-                   caught_rounds=len({r for r, _ in caught}), pushes=len({r for r, *_ in tap.answers}))
+        # (round, 0 on arrival / 1 at close, reason): within a round, a refusal comes before a drop
+        caught = sorted([(r, 0, why) for r, wid, outcome, why in tap.answers if outcome != Outcome.ACCEPTED.value] +
+                        [(r, 1, why) for r, wid, why in dropped if wid.startswith(CHEATER)])
+        out.update(caught_round=caught[0][0] if caught else None, mechanism=caught[0][2] if caught else None,
+                   caught_rounds=len({r for r, *_ in caught}), pushes=len({r for r, *_ in tap.answers}))
     return out
 
 
