@@ -226,9 +226,12 @@ class SwarmAggregator:
         replayer = self.replayers[job.header.block]
         asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
         try:
-            for chunk in chunks:
-                asm.add(chunk)
-            state = asm.finish()
+            try:
+                for chunk in chunks:
+                    asm.add(chunk)
+                state = asm.finish()
+            finally:
+                self._received(asm)
             replayer.check_start(job.claim, state)
         except PeerInputError as exc:
             if exc.reason in INCOMPLETE:
@@ -301,8 +304,7 @@ class SwarmAggregator:
                     asm.add(chunk)
                 delta = asm.finish()
             finally:
-                self.meter.count(("received", "wire"), asm.wire_bytes)
-                self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
+                self._received(asm)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
@@ -321,6 +323,11 @@ class SwarmAggregator:
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, asm.raw, base[1], judged, probation)
+
+    def _received(self, asm: FrameAssembler) -> None:
+        """Count the tensor bytes a push or a state upload brought in (as far as it got)."""
+        self.meter.count(("received", "wire"), asm.wire_bytes)
+        self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
 
     def _check_key(self, header: PushHeader) -> None:
         """An update trained on windows of another key than the one Join handed out is refused:
