@@ -297,12 +297,13 @@ STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
 
-def fuzz_rpc(target: Target, seed: int) -> str:
-    """One RPC case against the live target; returns the status code name, raises on a crash."""
+def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
+    """One RPC case against the live target (`only`: of that swarm call); returns the status code name,
+    raises on a crash."""
     rng = random.Random(seed)
-    stage = rng.random() < 0.3
+    stage = only is None and rng.random() < 0.3
     calls = STAGE_CALLS if stage else SWARM_CALLS
-    name = rng.choice(sorted(calls))
+    name = only or rng.choice(sorted(calls))
     message, kind = calls[name]
     channel = target.stage_channel if stage else target.audit_channel if kind == "state" else target.channel
     method = (STAGE if stage else SWARM) + name
