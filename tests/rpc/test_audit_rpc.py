@@ -29,7 +29,7 @@ from btnode.testing.fuzz import AUDITED, AUDITEE, CFG, await_state, start_state
 from btnode.train.config import TrainConfig
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
-from procs import TINY_TRAIN, start, stop_all, wait_port
+from procs import TINY_TRAIN, cli_fails, start, stop_all, wait_port
 
 CORPUS = bytes(range(256)) * 16
 TRAIN = TrainConfig(batch=4, warmup=1, steps=100)
@@ -174,3 +174,8 @@ def test_worker_processes_push_claims_to_an_auditing_aggregator_process(tmp_path
     log = (state / "aggregator.log").read_text()
     assert "audits: p=1, probation 1 audits" in log and "audits replay on" in log
     assert "trains nothing while it waits" in (tmp_path / "w0.log").read_text()  # JoinReply.audits came through
+
+
+def test_an_auditing_aggregator_refuses_a_data_id_other_than_its_data(tmp_path):
+    cli_fails("join", "--role", "aggregator", "--state-dir", str(tmp_path), "--audit", "0.5", "--data-id",
+              "sha256:" + "0" * 64, *TINY_TRAIN, match="is not the id of --data (bundled:wikitext-2)")
