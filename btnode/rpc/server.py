@@ -45,6 +45,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
@@ -183,10 +184,10 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                 yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 
-    def _pushed(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext,
-                method: str) -> tuple[PushHeader, Iterator[ChunkData], Identity | None]:
+    def _pushed(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext, method: str,
+                refused: str) -> tuple[PushHeader, Iterator[ChunkData], Identity | None]:
         """A Push or SubmitState stream: its header (checked, and admitted for the caller's identity),
-        then its chunks, read lazily; a refusal before the chunks is counted and logged."""
+        then its chunks, read lazily; a refusal before the chunks is counted as the event `refused`."""
         who = self._who(context, method)
         try:
             first = next(request_iterator, None)
@@ -196,8 +197,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
             if who is not None:
                 self.agg.identities.admit(who, method, header.worker_id)
         except PeerInputError as exc:
-            self.agg.count("rejected", exc.reason)
-            log.warning("rejected %s: %s", method, exc)
+            self.agg.count(refused, exc.reason)
+            log.warning("refused %s: %s", method, exc)
             raise
 
         def chunks() -> Iterator[ChunkData]:
@@ -216,7 +217,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @_guard
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
-        header, chunks, who = self._pushed(request_iterator, context, "Push")
+        header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
         judged = self.agg.push(header, chunks, who=who)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
@@ -228,11 +229,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                     context: grpc.ServicerContext) -> pb.SubmitStateReply:
         """The start state of an update drawn for audit: its push header, then fp32 frames."""
         t0 = time.perf_counter()
-        header, chunks, _ = self._pushed(request_iterator, context, "SubmitState")
+        header, chunks, _ = self._pushed(request_iterator, context, "SubmitState", STATE_REFUSED)
         try:
             self.agg.submit_state(header, chunks)
         except PeerInputError as exc:
-            self.agg.count("state_refused", exc.reason)
+            self.agg.count(STATE_REFUSED, exc.reason)
             log.warning("refused the start state of update %s from %s: %s", header.update_id[:16], header.worker_id,
                         exc)
             raise
