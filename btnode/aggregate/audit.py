@@ -224,6 +224,17 @@ class AuditRecord:
     failed: int = 0
 
 
+@dataclass(frozen=True)
+class AuditTotals:
+    """The audit book's totals at one instant (`Audits.totals`), for metrics."""
+
+    counts: dict[tuple[str, str], int]  # (result, reason) → audits
+    seconds: float  # replay compute
+    detections: int  # failed verdicts ...
+    detection_seconds: float  # ... and their seconds from push to verdict, summed
+    waiting: int  # jobs waiting for their start state
+
+
 class Audits:
     """The swarm's audit book: chains, draws, jobs waiting for state or replay, verdicts. Thread-safe.
     The aggregator feeds it pushes and states; `due()` hands out jobs ready to replay (or whose state
@@ -321,6 +332,10 @@ class Audits:
             self.counts[("passed" if v.passed else "failed", v.reason)] += 1
             self.seconds += v.seconds
             self.probation_seconds += v.seconds if v.probation else 0.0
+
+    def totals(self) -> AuditTotals:
+        with self.lock:
+            return AuditTotals(dict(self.counts), self.seconds, len(self.delays), sum(self.delays), len(self.waiting))
 
     def forget(self, worker_id: str) -> None:
         """Drop the jobs of a punished worker: there is nothing left to decide about it."""

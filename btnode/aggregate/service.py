@@ -263,9 +263,12 @@ class SwarmAggregator:
         replayer = self.replayers[job.header.block]
         asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
         try:
-            for chunk in chunks:
-                asm.add(chunk)
-            state = asm.finish()
+            try:
+                for chunk in chunks:
+                    asm.add(chunk)
+                state = asm.finish()
+            finally:
+                self._received(asm)
             replayer.check_start(job.claim, state)
         except PeerInputError as exc:
             if exc.reason in INCOMPLETE:
@@ -339,8 +342,7 @@ class SwarmAggregator:
                     asm.add(chunk)
                 delta = asm.finish()
             finally:
-                self.meter.count(("received", "wire"), asm.wire_bytes)
-                self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
+                self._received(asm)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
@@ -374,6 +376,11 @@ class SwarmAggregator:
         if header.base_version == info.version and claim.base_sha256 != info.sha256:
             raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
+
+    def _received(self, asm: FrameAssembler) -> None:
+        """Count the tensor bytes a push or a state upload brought in (as far as it got)."""
+        self.meter.count(("received", "wire"), asm.wire_bytes)
+        self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
 
     def _check_key(self, header: PushHeader) -> None:
         """A worker id that never joined the block (it has no data key for it, and keys survive a

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from btnode import __version__
+from btnode.aggregate.audit import AuditTotals
 from btnode.aggregate.service import SwarmAggregator
 from btnode.errors import ConfigError
 from btnode.protocol import Meter
@@ -99,7 +100,28 @@ class AggregatorCollector(Collector):
         counts, durations = self.agg.meter.snapshot()
         yield transfer_families(counts)
         yield duration_family("btnode_rpc_duration_seconds", "Time to serve a push (receive, validate, judge), a "
-                              "full pull or a delta fetch.", durations, "call", ("push", "pull", "fetch_delta"))
+                              "full pull, a delta fetch or a start state for an audit.", durations, "call",
+                              ("push", "pull", "fetch_delta", "submit_state"))
+        if self.agg.audits is not None:
+            yield from audit_families(self.agg.audits.totals())
+
+
+def audit_families(t: AuditTotals) -> Iterator[Family]:
+    """Replay audits (aggregate/audit.py): verdicts, their compute, how long a cheat went unseen."""
+    audits = CounterMetricFamily("btnode_audits", "Replay audits by result (passed, failed) and reason (why one "
+                                 "failed: delta, state, late_state, ...).", labels=["result", "reason"])
+    for result in ("passed", "failed"):  # present from the start, at 0
+        if not any(r == result for r, _ in t.counts):
+            audits.add_metric([result, "none"], 0)
+    for (result, reason), n in sorted(t.counts.items()):
+        audits.add_metric([result, reason or "none"], n)
+    cpu = CounterMetricFamily("btnode_audit_cpu_seconds", "CPU time spent replaying updates.")
+    cpu.add_metric([], t.seconds)
+    delay = SummaryMetricFamily("btnode_audit_detection_delay_seconds", "Seconds from the push of an update to "
+                                "its failed audit.", count_value=t.detections, sum_value=t.detection_seconds)
+    waiting = GaugeMetricFamily("btnode_audits_waiting", "Audits waiting for their update's start state.",
+                                value=t.waiting)
+    yield from (audits, cpu, delay, waiting)
 
 
 class WorkerCollector(Collector):
