@@ -255,7 +255,9 @@ class SwarmAggregator:
     # -- audits -------------------------------------------------------------------------------
     def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
         """The start state of an update drawn for audit (AggregatorLink.submit_state). Refused
-        (MalformedInput) when no audit waits for it; one that fails its claim's hashes fails the audit."""
+        (MalformedInput) when no audit waits for it, or when it is not the state the claim committed
+        to; the audit then keeps waiting, and fails only if no right state comes in time. A wrong state
+        does not fail it at once: without mutual TLS anyone who saw the update id could send one."""
         job = self.audits.waiting_for(header.update_id) if self.audits is not None else None
         if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
             raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
@@ -263,19 +265,12 @@ class SwarmAggregator:
         replayer = self.replayers[job.header.block]
         asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
         try:
-            try:
-                for chunk in chunks:
-                    asm.add(chunk)
-                state = asm.finish()
-            finally:
-                self._received(asm)
-            replayer.check_start(job.claim, state)
-        except PeerInputError as exc:
-            if exc.reason in INCOMPLETE:
-                raise  # a broken stream: the worker may send it again before the timeout
-            self._verdict(Verdict(job.header, False, "state", str(exc), 0.0, job.probation,
-                                  self.clock() - job.arrived))
-            raise
+            for chunk in chunks:
+                asm.add(chunk)
+            state = asm.finish()
+        finally:
+            self._received(asm)
+        replayer.check_start(job.claim, state)
         self.audits.received(header.update_id, state)
 
     def run_audits(self) -> list[Verdict]:
@@ -286,8 +281,14 @@ class SwarmAggregator:
         verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.acfg.audit.state_timeout_s:g} s",
                             0.0, j.probation, self.clock() - j.arrived) for j in late]
         for job in ready:
-            if not self.identities.is_revoked(job.header.worker_id):
+            if self.identities.is_revoked(job.header.worker_id):
+                continue
+            try:
                 verdicts.append(self.replayers[job.header.block](job, self.clock))
+            except Exception:  # noqa: BLE001 - a fault of the replay, not of the worker: never a verdict
+                log.exception("the replay of %s's update %s failed; the update is not judged", job.header.worker_id,
+                              job.header.update_id[:8])
+                self.count("audit_errors")
         for v in verdicts:
             self._verdict(v)
         return verdicts
@@ -331,7 +332,7 @@ class SwarmAggregator:
             early = block.precheck(header)
             if early is not None:
                 if audits is not None:
-                    audits.advance(header, early.outcome)
+                    audits.advance(header)
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -348,7 +349,7 @@ class SwarmAggregator:
             if audits is not None and exc.reason == "chain":
                 self._punish(header.worker_id, "chain", str(exc))
             elif audits is not None and exc.reason not in INCOMPLETE:  # refused: the worker moves on from it
-                audits.advance(header, Outcome.REJECTED)
+                audits.advance(header)
             raise
         if audits is None:
             return block.submit(header, delta)
@@ -357,9 +358,9 @@ class SwarmAggregator:
         try:
             judged = block.submit(header, delta, hold=probation)
         except PeerInputError:
-            audits.advance(header, Outcome.REJECTED)
+            audits.advance(header)
             raise
-        audits.advance(header, judged.outcome)
+        audits.advance(header)
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, asm.raw, base[1], judged, probation)

@@ -88,7 +88,7 @@ def test_each_role_exports_its_metrics(swarm):
         sample(agg, "btnode_transfer_bytes_total", direction="received", form="wire")  # int8 then zstd
     assert sample(agg, "btnode_rpc_duration_seconds_count", call="push") >= 4
     assert sample(agg, "btnode_build_info", role="aggregator") == 1
-    assert {"btnode_audits_total", "btnode_audit_cpu_seconds_total", "btnode_audit_detection_delay_seconds_count",
+    assert {"btnode_audits_total", "btnode_audit_seconds_total", "btnode_audit_detection_delay_seconds_count",
             "btnode_audits_waiting"} <= names(agg)  # audits on (p = 1, no probation: updates count at once)
     assert sample(worker, "btnode_worker_pushes_total", block="0", outcome="accepted") >= 1
     assert sample(worker, "btnode_worker_train_seconds_total", block="0") > 0

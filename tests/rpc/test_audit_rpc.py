@@ -112,20 +112,19 @@ def test_a_state_no_audit_waits_for_is_invalid_argument_with_reason_no_audit(aud
     assert dict(err.value.trailing_metadata())[REASON_KEY] == "no_header"
 
 
-def test_a_state_its_claim_did_not_commit_to_fails_the_audit_and_revokes_its_sender(audited):
+def test_a_state_its_claim_did_not_commit_to_is_refused_and_the_right_one_still_taken(audited):
     agg, address = audited
     await_state(agg)
     client = SwarmClient(address, timeout_s=10)
     with pytest.raises(MalformedInput, match="does not hash to the one its update's claim committed") as exc:
         client.submit_state(state_header(AUDITED), lazy_frames(start_state(seed=1), Codec.FP32))
     assert exc.value.reason == "state"
-    assert agg.audits is not None and agg.audits.totals().counts == {("failed", "state"): 1}
-    assert agg.identities.is_revoked(AUDITEE)
-    # the audit is decided: the right state, sent now, has nothing to go to
-    with pytest.raises(MalformedInput) as exc:
-        client.submit_state(state_header(AUDITED), lazy_frames(start_state(), Codec.FP32))
+    # not a verdict: without mutual TLS anyone who saw the update id could have sent it
+    assert agg.audits is not None and agg.audits.waiting_for(AUDITED) is not None
+    assert not agg.identities.is_revoked(AUDITEE)
+    client.submit_state(state_header(AUDITED), lazy_frames(start_state(), Codec.FP32))
     client.close()
-    assert exc.value.reason == "no_audit"
+    assert agg.audits.waiting_for(AUDITED) is None
 
 
 def test_a_state_stream_cut_short_may_be_sent_again(audited):
