@@ -100,6 +100,15 @@ class SwarmAggregator:
             self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
 
+    def admit(self, who: Identity, method: str, claimed: str = "") -> None:
+        """Let a call of `who` through (aggregate/identities.py), or count its refusal
+        (`identity_refused/<reason>`, so that operators see them in metrics) and raise it."""
+        try:
+            self.identities.admit(who, method, claimed)
+        except PeerInputError as exc:
+            self.count("identity_refused", exc.reason)
+            raise
+
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
         self.counters[(event, reason)] += 1

@@ -139,7 +139,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         if not self.identities:
             return None
         who = peer_identity(context)
-        self.agg.identities.admit(who, method, claimed)
+        self.agg.admit(who, method, claimed)
         return who
 
     @_guard
