@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--audit", type=float, default=0.0, help="share p of updates the aggregator replays (with "
                                                               "probation 2): the run reports who was flagged")
+    ap.add_argument("--keep", type=Path, help="run in this folder and keep its state and logs (default: a temporary one)")
     ap.add_argument("--report-only", action="store_true", help="recompute the summary and the report from soak.json")
     ap.add_argument("--out", dest="results", type=Path, metavar="PATH",
                     help="where the result JSON goes (default bench/results/soak.json, soak_audit.json with --audit; any "
@@ -75,7 +76,7 @@ def main() -> None:
     duration = args.minutes * 60
     agg_kills = sorted(rng.uniform(0.15, 0.85) * duration for _ in range(args.aggregator_kills))
     with tempfile.TemporaryDirectory(prefix="btnode-soak-") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
         state = work / "state"
         logs = work / "logs"
         logs.mkdir()

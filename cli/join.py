@@ -91,7 +91,8 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
 
 SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
-                  Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum", "check_claims"),
+                  Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum", "check_claims",
+                                                  "audit", "probation"),
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
                   Section(AggregatorNodeConfig, only=("state_dir", "seed"), defaults={"state_dir": Path("runs/swarm")},
                           helps={"state_dir": "Aggregator state and logs."}),
@@ -99,7 +100,7 @@ SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(WorkerConfig, only=("rounds", "steps_per_round", "codec"), defaults={"rounds": 5},
                           helps={"rounds": "Pushes per worker."}),
                   SwarmConfig,
-                  Section(HostConfig, only=("data", "data_cache", "data_cache_gb")))  # the workers' data
+                  Section(HostConfig, only=("data", "data_cache", "data_cache_gb")))  # the workers' (and audits') data
 
 
 @takes(*SWARM_SECTIONS)

@@ -38,7 +38,7 @@ from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import ConfigError, MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.protocol import EMPTY_STATE, Outcome, PushHeader, WorkClaim
+from btnode.protocol import EMPTY_STATE, PushHeader, WorkClaim
 from btnode.settings import flag
 from btnode.store.files import load_optimizer, optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
@@ -224,6 +224,17 @@ class AuditRecord:
     failed: int = 0
 
 
+@dataclass(frozen=True)
+class AuditTotals:
+    """The audit book's totals at one instant (`Audits.totals`), for metrics."""
+
+    counts: dict[tuple[str, str], int]  # (result, reason) → audits
+    seconds: float  # replay compute
+    detections: int  # failed verdicts ...
+    detection_seconds: float  # ... and their seconds from push to verdict, summed
+    waiting: int  # jobs waiting for their start state
+
+
 class Audits:
     """The swarm's audit book: chains, draws, jobs waiting for state or replay, verdicts. Thread-safe.
     The aggregator feeds it pushes and states; `due()` hands out jobs ready to replay (or whose state
@@ -256,20 +267,24 @@ class Audits:
             end = self.chains.get((header.block, header.worker_id))
         if end is None:
             return  # the aggregator restarted since it joined: the chain starts here
-        if (claim.optimizer_start, claim.residual_start) != (end.optimizer, end.residual):
-            which = "optimizer state" if claim.optimizer_start != end.optimizer else "residual"
-            raise MalformedInput("chain", f"{header.worker_id}'s update starts from another {which} than its last "
+        if claim.optimizer_start != end.optimizer:
+            raise MalformedInput("chain", f"{header.worker_id}'s update starts from another optimizer state than its "
+                                          f"last round ended with")
+        if claim.residual_start not in (end.residual, EMPTY_STATE):
+            raise MalformedInput("chain", f"{header.worker_id}'s update starts from another residual than its last "
                                           f"round ended with")
 
-    def advance(self, header: PushHeader, outcome: Outcome) -> None:
-        """After the answer: the next round starts from this one's end; the residual only survives an
-        accepted update (a worker drops it otherwise: swarm.worker.BlockWorker.pushed)."""
+    def advance(self, header: PushHeader) -> None:
+        """After the answer: the next round starts from this one's optimizer state, and from its
+        residual or none. A worker keeps the residual when told its update was accepted and drops it
+        otherwise (swarm.worker.BlockWorker.pushed), and the answer it acted on may not be this
+        aggregator's (a re-push after a restart is judged again), so either is a valid start. Dropping
+        a residual only loses the dropper's error feedback; keeping one is checked against this end."""
         claim = header.claim
         if claim is None:
             return
-        residual = claim.residual_end if outcome is Outcome.ACCEPTED else EMPTY_STATE
         with self.lock:
-            self.chains[(header.block, header.worker_id)] = ChainEnd(claim.optimizer_end, residual)
+            self.chains[(header.block, header.worker_id)] = ChainEnd(claim.optimizer_end, claim.residual_end)
 
     # -- draws and jobs -----------------------------------------------------------------------
     def on_probation(self, worker_id: str) -> bool:
@@ -321,6 +336,10 @@ class Audits:
             self.counts[("passed" if v.passed else "failed", v.reason)] += 1
             self.seconds += v.seconds
             self.probation_seconds += v.seconds if v.probation else 0.0
+
+    def totals(self) -> AuditTotals:
+        with self.lock:
+            return AuditTotals(dict(self.counts), self.seconds, len(self.delays), sum(self.delays), len(self.waiting))
 
     def forget(self, worker_id: str) -> None:
         """Drop the jobs of a punished worker: there is nothing left to decide about it."""

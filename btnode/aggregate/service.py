@@ -100,6 +100,15 @@ class SwarmAggregator:
             self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
 
+    def admit(self, who: Identity, method: str, claimed: str = "") -> None:
+        """Let a call of `who` through (aggregate/identities.py), or count its refusal
+        (`identity_refused/<reason>`, so that operators see them in metrics) and raise it."""
+        try:
+            self.identities.admit(who, method, claimed)
+        except PeerInputError as exc:
+            self.count("identity_refused", exc.reason)
+            raise
+
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
         self.counters[(event, reason)] += 1
@@ -255,7 +264,9 @@ class SwarmAggregator:
     # -- audits -------------------------------------------------------------------------------
     def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
         """The start state of an update drawn for audit (AggregatorLink.submit_state). Refused
-        (MalformedInput) when no audit waits for it; one that fails its claim's hashes fails the audit."""
+        (MalformedInput) when no audit waits for it, or when it is not the state the claim committed
+        to; the audit then keeps waiting, and fails only if no right state comes in time. A wrong state
+        does not fail it at once: without mutual TLS anyone who saw the update id could send one."""
         job = self.audits.waiting_for(header.update_id) if self.audits is not None else None
         if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
             raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
@@ -266,13 +277,9 @@ class SwarmAggregator:
             for chunk in chunks:
                 asm.add(chunk)
             state = asm.finish()
-            replayer.check_start(job.claim, state)
-        except PeerInputError as exc:
-            if exc.reason in INCOMPLETE:
-                raise  # a broken stream: the worker may send it again before the timeout
-            self._verdict(Verdict(job.header, False, "state", str(exc), 0.0, job.probation,
-                                  self.clock() - job.arrived))
-            raise
+        finally:
+            self._received(asm)
+        replayer.check_start(job.claim, state)
         self.audits.received(header.update_id, state)
 
     def run_audits(self) -> list[Verdict]:
@@ -283,8 +290,14 @@ class SwarmAggregator:
         verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.acfg.audit.state_timeout_s:g} s",
                             0.0, j.probation, self.clock() - j.arrived) for j in late]
         for job in ready:
-            if not self.identities.is_revoked(job.header.worker_id):
+            if self.identities.is_revoked(job.header.worker_id):
+                continue
+            try:
                 verdicts.append(self.replayers[job.header.block](job, self.clock))
+            except Exception:  # noqa: BLE001 - a fault of the replay, not of the worker: never a verdict
+                log.exception("the replay of %s's update %s failed; the update is not judged", job.header.worker_id,
+                              job.header.update_id[:8])
+                self.count("audit_errors")
         for v in verdicts:
             self._verdict(v)
         return verdicts
@@ -328,7 +341,7 @@ class SwarmAggregator:
             early = block.precheck(header)
             if early is not None:
                 if audits is not None:
-                    audits.advance(header, early.outcome)
+                    audits.advance(header)
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -339,14 +352,13 @@ class SwarmAggregator:
                     asm.add(chunk)
                 delta = asm.finish()
             finally:
-                self.meter.count(("received", "wire"), asm.wire_bytes)
-                self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
+                self._received(asm)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
                 self._punish(header.worker_id, "chain", str(exc))
             elif audits is not None and exc.reason not in INCOMPLETE:  # refused: the worker moves on from it
-                audits.advance(header, Outcome.REJECTED)
+                audits.advance(header)
             raise
         if audits is None:
             return block.submit(header, delta)
@@ -355,9 +367,9 @@ class SwarmAggregator:
         try:
             judged = block.submit(header, delta, hold=probation)
         except PeerInputError:
-            audits.advance(header, Outcome.REJECTED)
+            audits.advance(header)
             raise
-        audits.advance(header, judged.outcome)
+        audits.advance(header)
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, asm.raw, base[1], judged, probation)
@@ -374,6 +386,11 @@ class SwarmAggregator:
         if header.base_version == info.version and claim.base_sha256 != info.sha256:
             raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
+
+    def _received(self, asm: FrameAssembler) -> None:
+        """Count the tensor bytes a push or a state upload brought in (as far as it got)."""
+        self.meter.count(("received", "wire"), asm.wire_bytes)
+        self.meter.count(("received", "raw"), sum(len(b) for b in asm.raw.values()))
 
     def _check_key(self, header: PushHeader) -> None:
         """A worker id that never joined the block (it has no data key for it, and keys survive a

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
+from btnode.data.source import ByteSource
 from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, serve_metrics
-from btnode.node.settings import ServeConfig
+from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimits
@@ -25,6 +26,7 @@ from btnode.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often deadlines are checked
+AUDIT_TICK_S = 0.2  # how often the auditor looks for audits to run
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,13 @@ def install_stop_signals(stop: threading.Event) -> None:
 def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path, listen: str,
                    blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
                    metrics_listen: str | None = None, limits: PeerLimits | None = None,
-                   stop: threading.Event | None = None, drain_notice_s: float = 0.0, data_id: str | None = None) -> None:
+                   stop: threading.Event | None = None, drain_notice_s: float = 0.0, data_id: str | None = None,
+                   corpus: ByteSource | bytes | None = None) -> None:
     """Serve until `stop`; gRPC Health says NOT_SERVING until READY=1, SERVING, then NOT_SERVING for
-    `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain."""
+    `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain.
+    With audits on (`acfg.audit`), an auditor thread replays on `corpus`, the workers' training data."""
     stop = stop or threading.Event()
-    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, data_id=data_id)
+    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, data_id=data_id, corpus=corpus)
     if metrics_listen:
         serve_metrics(metrics_listen, AggregatorCollector(agg))
     health = NodeHealth()
@@ -70,6 +74,7 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
               else "claims believed")
     log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s; %s)", owns,
              host, port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust, claims)
+    auditor = _start_auditor(agg, stop) if agg.audits is not None else None
     if port_file is not None:
         atomic_write(port_file, f"{port}\n".encode())
     health.serving()
@@ -86,20 +91,49 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
         health.draining(drain_notice_s)
         server_stop.set()
         server.stop(grace=5.0).wait()  # in-flight pushes finish (and are judged) first
+        if auditor is not None:
+            auditor.join()  # it saw `stop`: at most the replay in progress finishes
         for info in agg.drain():
             log.info("drain: block %d published version %d with the round's accepted updates", info.block,
                      info.version)
         log.info("aggregator stopped")
 
 
+def _start_auditor(agg: SwarmAggregator, stop: threading.Event) -> threading.Thread:
+    """Replay audits as their states come in, off the RPC threads, until `stop`. A round of audits
+    that fails unexpectedly is logged and the aggregator keeps serving (an auditor bug is not a reason
+    to stop the swarm; the jobs it had taken are lost, and their held updates miss their round)."""
+    a = agg.acfg.audit
+    log.info("audits: p=%g, probation %d audits, start states within %g s", a.share, a.probation, a.state_timeout_s)
+
+    def loop() -> None:
+        while not stop.wait(AUDIT_TICK_S):
+            try:
+                agg.run_audits()
+            except Exception:  # noqa: BLE001 - an auditor bug must not take the aggregator down
+                log.exception("auditor: a round of audits failed")
+
+    thread = threading.Thread(target=loop, name="auditor", daemon=True)
+    thread.start()
+    return thread
+
+
 def join_aggregator(model: ModelConfig, aggregate: AggregatorConfig, limits: PeerLimits, serve: ServeConfig,
-                    node: AggregatorNodeConfig) -> None:
-    """`btnode join --role aggregator`: serve until SIGTERM/SIGINT."""
+                    node: AggregatorNodeConfig, host: HostConfig) -> None:
+    """`btnode join --role aggregator`: serve until SIGTERM/SIGINT. With --audit it loads --data (the
+    workers' data, which replays train on), and that data's id is the one workers must state."""
     if node.state_dir is None:
         raise ConfigError("the aggregator needs --state-dir")
+    data_id, corpus = node.data_id, None
+    if aggregate.audit.on:
+        data = host.load_corpus()
+        if data_id is not None and data_id != data.ident:
+            raise ConfigError(f"--data-id {data_id} is not the id of --data ({data.ident}), which audits replay on")
+        data_id, corpus = data.ident, data.train
+        log.info("audits replay on %s (data id %s)", data.train.description, data.ident)
     stop = threading.Event()
     install_stop_signals(stop)
     run_aggregator(model, aggregate, state_dir=node.state_dir, listen=serve.listen, seed=node.seed,
                    port_file=serve.port_file, stop=stop, metrics_listen=serve.metrics_listen,
                    drain_notice_s=serve.drain_notice, limits=limits, blocks=list(node.blocks) if node.blocks else None,
-                   data_id=node.data_id)
+                   data_id=data_id, corpus=corpus)

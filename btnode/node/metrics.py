@@ -23,9 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from btnode import __version__
+from btnode.aggregate.audit import AuditTotals
 from btnode.aggregate.service import SwarmAggregator
 from btnode.errors import ConfigError
-from btnode.protocol import Meter
+from btnode.protocol import Meter, Outcome
 from btnode.swarm.worker import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class AggregatorCollector(Collector):
             accepted_open.add_metric([lb], s.accepted_in_round)
             for reason in ("deadline", "all_reported", "drain"):
                 rounds.add_metric([lb, reason], s.rounds_closed.get(reason, 0))
-            for outcome in ("accepted", "late", "stale", "rejected"):  # present from the start, at 0
+            for outcome in (o.value for o in Outcome):  # present from the start, at 0
                 if not any(o == outcome for o, _ in s.updates):
                     updates.add_metric([lb, outcome, "none"], 0)
             for (outcome, reason), n in sorted(s.updates.items()):
@@ -99,7 +100,28 @@ class AggregatorCollector(Collector):
         counts, durations = self.agg.meter.snapshot()
         yield transfer_families(counts)
         yield duration_family("btnode_rpc_duration_seconds", "Time to serve a push (receive, validate, judge), a "
-                              "full pull or a delta fetch.", durations, "call", ("push", "pull", "fetch_delta"))
+                              "full pull, a delta fetch or a start state for an audit.", durations, "call",
+                              ("push", "pull", "fetch_delta", "submit_state"))
+        if self.agg.audits is not None:
+            yield from audit_families(self.agg.audits.totals())
+
+
+def audit_families(t: AuditTotals) -> Iterator[Family]:
+    """Replay audits (aggregate/audit.py): verdicts, their compute, how long a cheat went unseen."""
+    audits = CounterMetricFamily("btnode_audits", "Replay audits by result (passed, failed) and reason (why one "
+                                 "failed: delta, state, late_state, ...).", labels=["result", "reason"])
+    for result in ("passed", "failed"):  # present from the start, at 0
+        if not any(r == result for r, _ in t.counts):
+            audits.add_metric([result, "none"], 0)
+    for (result, reason), n in sorted(t.counts.items()):
+        audits.add_metric([result, reason or "none"], n)
+    cpu = CounterMetricFamily("btnode_audit_seconds", "Wall time spent replaying updates (the auditor's cost).")
+    cpu.add_metric([], t.seconds)
+    delay = SummaryMetricFamily("btnode_audit_detection_delay_seconds", "Seconds from the push of an update to "
+                                "its failed audit.", count_value=t.detections, sum_value=t.detection_seconds)
+    waiting = GaugeMetricFamily("btnode_audits_waiting", "Audits waiting for their update's start state.",
+                                value=t.waiting)
+    yield from (audits, cpu, delay, waiting)
 
 
 class WorkerCollector(Collector):
@@ -115,7 +137,7 @@ class WorkerCollector(Collector):
         lb = [str(self.block)]
         pushes = CounterMetricFamily("btnode_worker_pushes", "Updates pushed, by the aggregator's answer.",
                                      labels=["block", "outcome"])
-        for outcome in ("accepted", "late", "stale", "rejected"):
+        for outcome in (o.value for o in Outcome):
             pushes.add_metric([*lb, outcome], s.outcomes.get(outcome, 0))
         yield pushes
         version = GaugeMetricFamily("btnode_worker_version", "The block version this worker holds.", labels=["block"])

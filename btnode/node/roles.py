@@ -38,7 +38,8 @@ def role(run: Callable[..., None], *sections: Section | type) -> Role:
 
 
 ROLES: dict[str, Role] = {
-    "aggregator": role(join_aggregator, ModelConfig, AggregatorConfig, PeerLimits, ServeConfig, AggregatorNodeConfig),
+    "aggregator": role(join_aggregator, ModelConfig, AggregatorConfig, PeerLimits, ServeConfig, AggregatorNodeConfig,
+                       Section(HostConfig, omit=("device",))),  # its data: audits replay on it, on the CPU
     # a worker's schedule length comes from --rounds × H or --schedule-steps, not --steps
     "worker": role(join_worker, ModelConfig, Section(TrainConfig, omit=("steps",)), WorkerConfig, WorkerNodeConfig,
                    HostConfig),

@@ -53,7 +53,7 @@ def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorN
               echo: Callable[[str], None] = print, timeout_s: float = 3600.0) -> SwarmResult:
     """Run until every worker has pushed `worker.rounds` updates; returns what was published. The
     aggregator runs `aggregate` in `node.state_dir`; each worker runs `train` and `worker` with its
-    unit and name filled in, and trains on `host`'s data."""
+    unit and name filled in, and trains on `host`'s data (which the aggregator's audits replay on)."""
     if node.state_dir is None or worker.rounds is None:
         raise BtnodeError("a local swarm needs a state folder and a number of rounds")
     state_dir, rounds, replicas = node.state_dir, worker.rounds, swarm.replicas
@@ -63,7 +63,7 @@ def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorN
     logs = state_dir / "logs"
     procs: list[subprocess.Popen] = []
     serve = ServeConfig(listen="127.0.0.1:0")  # start_node adds --port-file
-    started = start_node(ROLES["aggregator"].argv("aggregator", model, aggregate, PeerLimits(), serve, node),
+    started = start_node(ROLES["aggregator"].argv("aggregator", model, aggregate, PeerLimits(), serve, node, host),
                          port_file=state_dir / "aggregator.port", log=logs / "aggregator.log", env=env, name="aggregator")
     agg = started.proc
     procs.append(agg)

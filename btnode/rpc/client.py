@@ -82,20 +82,19 @@ class SwarmClient:
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
         """Push an update; invalid or stale updates come back as REJECTED/STALE judgements.
         `frames` may be a lazy iterator: it is consumed by gRPC's sending thread, chunk by chunk."""
-
-        def messages() -> Iterator[pb.PushMessage]:
-            yield pb.PushMessage(header=convert.push_header_to_pb(header))
-            for chunk in iter_chunks(frames):
-                yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))
-
         try:
-            reply = self._call("push", self.stub.Push, messages())
+            reply = self._call("push", self.stub.Push, _messages(header, frames))
         except Forbidden:  # this identity may not push (revoked, another's worker id): retrying cannot help
             raise
         except PeerInputError as exc:
             outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
         return convert.judgement_from_pb(reply)
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+        """Send the start state of an update drawn for audit (AggregatorLink.submit_state): its push
+        header, then its fp32 frames. A refusal raises its PeerInputError (no_audit, state, ...)."""
+        self._call("state upload", self.stub.SubmitState, _messages(header, frames))
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""
@@ -156,3 +155,8 @@ class SwarmClient:
         self.channel.close()
 
 
+def _messages(header: PushHeader, frames: Iterable[Frame]) -> Iterator[pb.PushMessage]:
+    """A Push or SubmitState stream: the header, then the frames' chunks."""
+    yield pb.PushMessage(header=convert.push_header_to_pb(header))
+    for chunk in iter_chunks(frames):
+        yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))

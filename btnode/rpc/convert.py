@@ -10,7 +10,7 @@ from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.protocol import MAX_NAME, Judgement, JoinInfo, Outcome, PushHeader, VersionInfo
+from btnode.protocol import MAX_NAME, Judgement, JoinInfo, Outcome, PushHeader, VersionInfo, WorkClaim
 from btnode.v1 import swarm_pb2 as pb
 
 # The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
@@ -19,9 +19,11 @@ if _WIRE_CODECS != {c.value for c in Codec} or any(pb.Codec.Name(c.value) != c.n
     raise ImportError(f"btnode.v1.Codec {sorted(_WIRE_CODECS)} and btnode.codec.Codec {list(Codec)} disagree")
 
 _OUTCOMES = {Outcome.ACCEPTED: pb.ACCEPTED, Outcome.LATE: pb.LATE, Outcome.STALE: pb.STALE,
-             Outcome.REJECTED: pb.REJECTED}
+             Outcome.REJECTED: pb.REJECTED, Outcome.PROBATION: pb.PROBATION}
 _OUTCOMES_BACK = {v: k for k, v in _OUTCOMES.items()}
 MAX_DIMS = 8
+MAX_RECIPE = 1024  # characters of a claim's recipe (Recipe.to_json(): a few short fields)
+_CLAIM_HASHES = ("base_sha256", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
 
 
 def codec_from_pb(value: int) -> Codec:
@@ -69,9 +71,23 @@ def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
                        rejected=m.rejected, mean_loss=m.mean_loss, closed_by=m.closed_by)
 
 
+def claim_to_pb(c: WorkClaim) -> pb.WorkClaim:
+    return pb.WorkClaim(data_id=c.data_id, recipe=c.recipe, **{f: bytes.fromhex(getattr(c, f)) for f in _CLAIM_HASHES})
+
+
+def claim_from_pb(m: pb.WorkClaim) -> WorkClaim:
+    if any(len(getattr(m, f)) != 32 for f in _CLAIM_HASHES):
+        raise MalformedInput("claim", "a work claim's state hashes are sha256 digests of 32 bytes")
+    if len(m.data_id) > MAX_NAME or len(m.recipe) > MAX_RECIPE:
+        raise MalformedInput("claim", f"a work claim's data id is at most {MAX_NAME} characters and its recipe at "
+                                      f"most {MAX_RECIPE}")
+    return WorkClaim(data_id=m.data_id, recipe=m.recipe, **{f: getattr(m, f).hex() for f in _CLAIM_HASHES})
+
+
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
-                         loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps)
+                         loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps,
+                         claim=claim_to_pb(h.claim) if h.claim is not None else None)
 
 
 def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
@@ -83,28 +99,29 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         raise MalformedInput("header", f"push header's data key is over {MAX_NAME} characters")
     return PushHeader(worker_id=m.worker_id, block=m.block, base_version=m.base_version, samples=m.samples,
                       loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id, data_key=m.data_key,
-                      steps=tuple(m.steps))
+                      steps=tuple(m.steps), claim=claim_from_pb(m.claim) if m.HasField("claim") else None)
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
-    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version)
+    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version, audit=j.audit)
 
 
 def judgement_from_pb(m: pb.PushReply) -> Judgement:
     if m.outcome not in _OUTCOMES_BACK:
         raise MalformedInput("outcome", f"unknown push outcome {m.outcome}")
-    return Judgement(outcome=_OUTCOMES_BACK[m.outcome], reason=m.reason, round_version=m.round_version)
+    return Judgement(outcome=_OUTCOMES_BACK[m.outcome], reason=m.reason, round_version=m.round_version,
+                     audit=m.audit)
 
 
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[int(c) for c in j.codecs],
-                        max_staleness=j.max_staleness, data_key=j.data_key)
+                        max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits)
 
 
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
                     codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness,
-                    data_key=m.data_key)
+                    data_key=m.data_key, audits=m.audits)
 
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:

@@ -3,7 +3,7 @@ may join. A peer is its IP address (ports change per connection). Over a limit t
 refused with RESOURCE_EXHAUSTED before its handler runs, and counted.
 
 Watch streams are long-lived by design (one per worker), so they have their own, larger limit;
-the transfer streams (Push, Pull, FetchDelta) share `max_streams`. Frame, chunk and update sizes
+the transfer streams (Push, SubmitState, Pull, FetchDelta) share `max_streams`. Frame, chunk and update sizes
 are limited where they are parsed (codec/frames.py: a chunk ≤ 1 MiB, a frame ≤ its tensor's fp32
 size plus slack, an update = exactly the block's tensors; gRPC messages ≤ 4 MiB).
 """
@@ -21,12 +21,13 @@ import grpc
 
 from btnode.settings import flag
 
-TRANSFERS = ("Push", "Pull", "FetchDelta")
+TRANSFERS = ("Push", "SubmitState", "Pull", "FetchDelta")
 
 
 @dataclass(frozen=True)
 class PeerLimits:
-    max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/Pull/FetchDelta streams one IP may hold.",
+    max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/SubmitState/Pull/FetchDelta streams one IP "
+                                                     "may hold.",
                             default=8)
     max_watches: int = 64  # concurrent Watch streams per peer (one per worker on that host)
     joins_per_minute: int = flag("--max-joins-per-minute", "Join attempts one IP may make per minute.", default=30)

@@ -24,7 +24,7 @@ from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, iter_chunks, lazy_frames
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
-from btnode.protocol import VersionInfo
+from btnode.protocol import PushHeader, VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
@@ -45,6 +45,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
@@ -138,7 +139,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         if not self.identities:
             return None
         who = peer_identity(context)
-        self.agg.identities.admit(who, method, claimed)
+        self.agg.admit(who, method, claimed)
         return who
 
     @_guard
@@ -183,38 +184,61 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                 yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 
-    @_guard
-    def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
-        t0 = time.perf_counter()
-        who = self._who(context, "Push")
+    def _pushed(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext, method: str,
+                refused: str) -> tuple[PushHeader, Iterator[ChunkData], Identity | None]:
+        """A Push or SubmitState stream: its header (checked, and admitted for the caller's identity),
+        then its chunks, read lazily; a refusal before the chunks is counted as the event `refused`."""
+        who = self._who(context, method)
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
-                raise MalformedInput("no_header", "a push must start with its header")
+                raise MalformedInput("no_header", f"a {method} stream must start with its header")
             header = convert.push_header_from_pb(first.header)
             if who is not None:
-                self.agg.identities.admit(who, "Push", header.worker_id)
+                self.agg.identities.admit(who, method, header.worker_id)
         except PeerInputError as exc:
-            self.agg.count("rejected", exc.reason)
-            log.warning("rejected push: %s", exc)
+            self.agg.count(refused, exc.reason)
+            log.warning("refused %s: %s", method, exc)
             raise
 
         def chunks() -> Iterator[ChunkData]:
             try:
                 for msg in request_iterator:
                     if msg.WhichOneof("kind") != "chunk":
-                        raise MalformedInput("header", "a push carries one header, then chunks only")
+                        raise MalformedInput("header", f"a {method} stream carries one header, then chunks only")
                     yield convert.chunk_from_pb(msg.chunk)
             except grpc.RpcError:  # the client went away mid-stream (killed, cancelled, network gone)
-                raise MalformedInput(ABORTED, "the client went away in the middle of the push") from None
+                raise MalformedInput(ABORTED, f"the client went away in the middle of the {method}") from None
             if not context.is_active():  # the stream may also just end when the connection drops
-                raise MalformedInput(ABORTED, "the client went away in the middle of the push")
+                raise MalformedInput(ABORTED, f"the client went away in the middle of the {method}")
 
-        judged = self.agg.push(header, chunks(), who=who)
+        return header, chunks(), who
+
+    @_guard
+    def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        t0 = time.perf_counter()
+        header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
+        judged = self.agg.push(header, chunks, who=who)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
         return convert.judgement_to_pb(judged)
+
+    @_guard
+    def SubmitState(self, request_iterator: Iterator[pb.PushMessage],
+                    context: grpc.ServicerContext) -> pb.SubmitStateReply:
+        """The start state of an update drawn for audit: its push header, then fp32 frames."""
+        t0 = time.perf_counter()
+        header, chunks, _ = self._pushed(request_iterator, context, "SubmitState", STATE_REFUSED)
+        try:
+            self.agg.submit_state(header, chunks)
+        except PeerInputError as exc:
+            self.agg.count(STATE_REFUSED, exc.reason)
+            log.warning("refused the start state of update %s from %s: %s", header.update_id[:16], header.worker_id,
+                        exc)
+            raise
+        self.agg.meter.observe("submit_state", time.perf_counter() - t0)
+        return pb.SubmitStateReply()
 
     @_guard
     @streaming

@@ -37,7 +37,7 @@ from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
-from btnode.errors import ConfigError
+from btnode.errors import ConfigError, Forbidden
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome
 from btnode.sim.link import LocalLink
@@ -190,7 +190,13 @@ class Simulation:
         self._at(sent + self._delay(rep), self._arrive, rep, header, raw, sent)
 
     def _arrive(self, rep: Replica, header, raw, sent: float) -> None:
-        rep.worker.pushed(rep.worker.push(header, raw))
+        try:
+            rep.worker.pushed(rep.worker.push(header, raw))
+        except Forbidden:  # revoked after a failed audit: it stops, as a worker process does
+            rep.finished, rep.finished_at = True, self.now
+            self.agg.run_audits()
+            self._after_aggregator()
+            return
         self.agg.run_audits()  # at once: the replay's compute is counted, its time is not simulated
         rep.waiting_for, rep.waiting_since = header.base_version, sent  # it has waited since it sent
         before = self._published[header.block]

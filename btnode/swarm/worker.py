@@ -44,7 +44,7 @@ from btnode.codec.codecs import Codec, parse
 from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError, PeerUnavailable
+from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.protocol import (EMPTY_STATE, AggregatorLink, Judgement, Outcome, PushHeader, RoundSize, Transfer, VersionInfo,
                              WorkClaim)
@@ -337,6 +337,8 @@ class BlockWorker:
 
         try:
             j = self._through_outage("push", once)
+        except Forbidden:
+            raise  # revoked (a failed audit, the operator): no later push can be taken, so stop
         except PeerInputError as exc:
             outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
             log.warning("worker %s: update %s: %s", self.wcfg.worker_id, outcome.value, exc)

@@ -11,6 +11,9 @@ The oracle:
   we stop waiting on); INTERNAL or UNKNOWN means a handler raised something unplanned: a crash.
   Afterwards the node still answers, and no block moved past version 0 unless valid updates were
   accepted (`Target.model_changed`).
+SubmitState goes to a second aggregator, one with audits on and an audit always waiting for the start
+state of update `AUDITED` (so that state streams reach their decoding; audits on the first would refuse
+the fuzzed pushes for their missing claims before their frames are read).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from btnode.aggregate.audit import AuditConfig, AuditJob
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
@@ -32,7 +36,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, iter_chunks
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
-from btnode.protocol import RoundSize
+from btnode.protocol import EMPTY_STATE, PushHeader, RoundSize, WorkClaim
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.rpc.stages import serve_stage
@@ -41,12 +45,14 @@ from btnode.store.files import state_sha256
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
+from btnode.train.trainers import optimizer_spec
 from btnode.v1 import serve_pb2, swarm_pb2
 
 CFG = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, segments=(1, 4))
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED}
 SWARM = "/btnode.v1.Swarm/"
+AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
 STAGE = "/btnode.v1.Stage/"
 
 
@@ -143,19 +149,47 @@ def fuzz_frames(seed: int) -> str:
     return "ok"
 
 
+def start_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A start state of block 0 as a worker uploads it for an audit: optimizer (opt.*) and residual (ef.*)."""
+    model = init_block(CFG, 0, 0)
+    g = torch.Generator().manual_seed(seed)
+    shapes = {**{"opt." + n: s for n, s in optimizer_spec(model).items()},
+              **{"ef." + n: tuple(t.shape) for n, t in model.state_dict().items()}}
+    return {n: torch.rand(s, generator=g) for n, s in shapes.items()}
+
+
+def await_state(agg: SwarmAggregator) -> None:
+    """Have an audit wait for `start_state()` as the start of update AUDITED (unless one already does)."""
+    assert agg.audits is not None
+    if agg.audits.waiting_for(AUDITED) is not None:
+        return
+    state = start_state()
+    claim = WorkClaim(base_sha256=EMPTY_STATE, data_id="", recipe="{}", optimizer_end=EMPTY_STATE, residual_end=EMPTY_STATE,
+                      optimizer_start=state_sha256({n[4:]: t for n, t in state.items() if n.startswith("opt.")}),
+                      residual_start=state_sha256({n[3:]: t for n, t in state.items() if n.startswith("ef.")}))
+    header = PushHeader(worker_id=AUDITEE, block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32,
+                        update_id=AUDITED, claim=claim)
+    agg.audits.open(AuditJob(header=header, claim=claim, train=TrainConfig(), raw={}, base={}, arrived=agg.clock(),
+                             probation=False))
+
+
 @dataclass
 class Target:
-    """A live aggregator (two replicas of block 0 registered, τ long) and a live stage, on loopback."""
+    """A live aggregator (two replicas of block 0 registered, τ long), one with audits on (`audit_agg`,
+    for SubmitState) and a live stage, on loopback."""
 
     address: str
+    audit_address: str
     stage_address: str
     agg: SwarmAggregator
+    audit_agg: SwarmAggregator
     initial: dict[int, str]
     close: Callable[[], None]
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.audit_channel = grpc.insecure_channel(self.audit_address, options=CHANNEL_OPTIONS)
         self.stage_channel = grpc.insecure_channel(self.stage_address, options=CHANNEL_OPTIONS)
 
     def model_changed(self) -> bool:
@@ -166,27 +200,33 @@ class Target:
 
     def shutdown(self) -> None:
         self.channel.close()
+        self.audit_channel.close()
         self.stage_channel.close()
         self.close()
 
 
 def start_target(state_dir: Path) -> Target:
-    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=3600)), state_dir)
+    rounds = RoundConfig(deadline_s=3600)
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=rounds), state_dir)
     terms = TrainingTerms(TrainConfig(), RoundSize().steps_per_round).to_json()  # the aggregator's claims
     for w in ("a", "b"):  # joined, so that their pushes reach the frame decoder (others stop at not_joined)
         agg.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)
     server, port, stop = serve(agg, "127.0.0.1:0")
+    audit_agg = SwarmAggregator(CFG, AggregatorConfig(round=rounds, audit=AuditConfig(share=1.0)), state_dir / "audit",
+                                corpus=bytes(range(256)) * 4, audit_secret=bytes(32))
+    await_state(audit_agg)
+    aserver, aport, astop = serve(audit_agg, "127.0.0.1:0")
     stage = LocalBlockStage(init_block(CFG, 1, 0), 1, CFG.n_blocks, next=None, device=torch.device("cpu"))
     sserver, sport, sstop = serve_stage(stage, "127.0.0.1:0")
 
     def close() -> None:
-        stop.set()
-        sstop.set()
-        server.stop(0).wait()
-        sserver.stop(0).wait()
+        for ev in (stop, astop, sstop):
+            ev.set()
+        for srv in (server, aserver, sserver):
+            srv.stop(0).wait()
 
     initial = {b: state_sha256(a.current()[1]) for b, a in agg.blocks.items()}
-    return Target(f"127.0.0.1:{port}", f"127.0.0.1:{sport}", agg, initial, close)
+    return Target(f"127.0.0.1:{port}", f"127.0.0.1:{aport}", f"127.0.0.1:{sport}", agg, audit_agg, initial, close)
 
 
 def _push_messages(rng: random.Random) -> list[bytes]:
@@ -195,9 +235,27 @@ def _push_messages(rng: random.Random) -> list[bytes]:
                                                                                                    float("nan"), 1e308]),
                                   loss=rng.choice([1.0, float("inf")]), codec=rng.choice([1, 2, 3, 0, 99]),
                                   update_id=f"u{rng.randrange(2**32)}")
-    msgs = [swarm_pb2.PushMessage(header=header).SerializeToString()]
     chunks = mutate_chunks(rng, valid_chunks(rng, codec=Codec.INT8, chunk_bytes=rng.choice([256, 1 << 20])),
                            list(_spec()))
+    return _stream(rng, header, chunks)
+
+
+def _state_messages(rng: random.Random) -> list[bytes]:
+    """A SubmitState stream: mostly for the update an audit waits for, its state whole or mutated."""
+    header = swarm_pb2.PushHeader(worker_id=rng.choice([AUDITEE, AUDITEE, "a", ""]), block=rng.choice([0, 0, 0, 1]),
+                                  samples=1.0, codec=1, update_id=rng.choice([AUDITED, AUDITED, "nobody", ""]))
+    if rng.random() < 0.3:  # a malformed claim on the header
+        header.claim.optimizer_start = _junk(rng)
+    state = start_state(seed=0 if rng.random() < 0.5 else rng.randrange(2**31))  # the claimed state, or another
+    chunks = list(iter_chunks(encode_frames(state, Codec.FP32), rng.choice([256, 4096, 1 << 20])))
+    if rng.random() < 0.7:
+        chunks = mutate_chunks(rng, chunks, list(state))
+    return _stream(rng, header, chunks)
+
+
+def _stream(rng: random.Random, header: swarm_pb2.PushHeader, chunks: list[ChunkData]) -> list[bytes]:
+    """A header then chunks, serialised, now and then with junk inserted or the header left out."""
+    msgs = [swarm_pb2.PushMessage(header=header).SerializeToString()]
     msgs += [swarm_pb2.PushMessage(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
     if rng.random() < 0.2:
         msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
@@ -237,19 +295,20 @@ def _random_request(rng: random.Random, message: type) -> bytes:
 SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.LeaveRequest, "unary"),
                "Status": (swarm_pb2.StatusRequest, "unary"), "Pull": (swarm_pb2.PullRequest, "stream"),
                "FetchDelta": (swarm_pb2.FetchDeltaRequest, "stream"), "Watch": (swarm_pb2.WatchRequest, "stream"),
-               "Push": (None, "push")}
+               "Push": (None, "push"), "SubmitState": (None, "state")}
 STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
 
-def fuzz_rpc(target: Target, seed: int) -> str:
-    """One RPC case against the live target; returns the status code name, raises on a crash."""
+def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
+    """One RPC case against the live target (`only`: of that swarm call); returns the status code name,
+    raises on a crash."""
     rng = random.Random(seed)
-    stage = rng.random() < 0.3
+    stage = only is None and rng.random() < 0.3
     calls = STAGE_CALLS if stage else SWARM_CALLS
-    name = rng.choice(sorted(calls))
+    name = only or rng.choice(sorted(calls))
     message, kind = calls[name]
-    channel = target.stage_channel if stage else target.channel
+    channel = target.stage_channel if stage else target.audit_channel if kind == "state" else target.channel
     method = (STAGE if stage else SWARM) + name
     ident = lambda b: b  # noqa: E731  (raw bytes on the wire)
     try:
@@ -264,8 +323,10 @@ def fuzz_rpc(target: Target, seed: int) -> str:
                     call.cancel()
                     break
         else:
+            if kind == "state":
+                await_state(target.audit_agg)  # a case before may have failed the audit, or passed its state
             channel.stream_unary(method, request_serializer=ident, response_deserializer=ident)(
-                iter(_push_messages(rng)), timeout=10)
+                iter(_push_messages(rng) if kind == "push" else _state_messages(rng)), timeout=10)
         return "OK"
     except grpc.RpcError as err:
         code = err.code()

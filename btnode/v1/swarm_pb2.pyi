@@ -26,6 +26,7 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LATE: _ClassVar[Outcome]
     STALE: _ClassVar[Outcome]
     REJECTED: _ClassVar[Outcome]
+    PROBATION: _ClassVar[Outcome]
 CODEC_UNSPECIFIED: Codec
 FP32: Codec
 BF16: Codec
@@ -37,6 +38,7 @@ ACCEPTED: Outcome
 LATE: Outcome
 STALE: Outcome
 REJECTED: Outcome
+PROBATION: Outcome
 
 class FrameHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "raw_bytes", "payload_bytes", "sha256")
@@ -107,18 +109,20 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key")
+    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     DATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
     current: VersionInfo
     deadline_s: float
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     max_staleness: int
     data_key: str
-    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ...) -> None: ...
+    audits: bool
+    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ..., audits: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "block")
@@ -157,7 +161,7 @@ class TensorStream(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps")
+    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps", "claim")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,7 @@ class PushHeader(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     base_version: int
@@ -176,7 +181,26 @@ class PushHeader(_message.Message):
     update_id: str
     data_key: str
     steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    claim: WorkClaim
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ...) -> None: ...
+
+class WorkClaim(_message.Message):
+    __slots__ = ("base_sha256", "data_id", "recipe", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
+    BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_ID_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_START_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_END_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_START_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_END_FIELD_NUMBER: _ClassVar[int]
+    base_sha256: bytes
+    data_id: str
+    recipe: str
+    optimizer_start: bytes
+    optimizer_end: bytes
+    residual_start: bytes
+    residual_end: bytes
+    def __init__(self, base_sha256: _Optional[bytes] = ..., data_id: _Optional[str] = ..., recipe: _Optional[str] = ..., optimizer_start: _Optional[bytes] = ..., optimizer_end: _Optional[bytes] = ..., residual_start: _Optional[bytes] = ..., residual_end: _Optional[bytes] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -187,14 +211,20 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "reason", "round_version")
+    __slots__ = ("outcome", "reason", "round_version", "audit")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     reason: str
     round_version: int
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ...) -> None: ...
+    audit: bool
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ..., audit: _Optional[bool] = ...) -> None: ...
+
+class SubmitStateReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("block", "worker_id")

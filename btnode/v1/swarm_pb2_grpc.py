@@ -59,6 +59,11 @@ class SwarmStub:
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
                 response_deserializer=btnode_dot_v1_dot_swarm__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.SubmitState = channel.stream_unary(
+                '/btnode.v1.Swarm/SubmitState',
+                request_serializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
+                response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/btnode.v1.Swarm/Watch',
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.WatchRequest.SerializeToString,
@@ -109,6 +114,14 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitState(self, request_iterator, context):
+        """The start state of an update drawn for audit: the update's own push header, then the chunks of
+        its fp32 frames (opt.* optimizer tensors, ef.* residual).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -154,6 +167,11 @@ def add_SwarmServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.FromString,
                     response_serializer=btnode_dot_v1_dot_swarm__pb2.PushReply.SerializeToString,
+            ),
+            'SubmitState': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitState,
+                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.FromString,
+                    response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -306,6 +324,33 @@ class Swarm:
             '/btnode.v1.Swarm/Push',
             btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
             btnode_dot_v1_dot_swarm__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/btnode.v1.Swarm/SubmitState',
+            btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
+            btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,7 +42,7 @@ def names(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    """An aggregator, two workers of block 0 and a stage, each with /metrics; yields their ports."""
+    """An aggregator (auditing), two workers of block 0 and a stage, each with /metrics; yields their ports."""
     d = tmp_path_factory.mktemp("metrics")
     procs = []
     ports = {name: free_port() for name in ("aggregator", "w0", "w1", "stage")}
@@ -51,7 +51,7 @@ def swarm(tmp_path_factory):
         port_file = d / "agg.port"
         agg = start(["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(d / "state"),
                      "--port-file", str(port_file), "--deadline", "5", "--metrics-listen",
-                     f"127.0.0.1:{ports['aggregator']}", *claim_flags(training), *TINY_SHAPE], d / "aggregator.log")
+                     f"127.0.0.1:{ports['aggregator']}", *claim_flags(training), "--audit", "1", "--probation", "0", *TINY_SHAPE], d / "aggregator.log")
         procs.append(agg)
         from procs import wait_port
 
@@ -88,6 +88,8 @@ def test_each_role_exports_its_metrics(swarm):
         sample(agg, "btnode_transfer_bytes_total", direction="received", form="wire")  # int8 then zstd
     assert sample(agg, "btnode_rpc_duration_seconds_count", call="push") >= 4
     assert sample(agg, "btnode_build_info", role="aggregator") == 1
+    assert {"btnode_audits_total", "btnode_audit_seconds_total", "btnode_audit_detection_delay_seconds_count",
+            "btnode_audits_waiting"} <= names(agg)  # audits on (p = 1, no probation: updates count at once)
     assert sample(worker, "btnode_worker_pushes_total", block="0", outcome="accepted") >= 1
     assert sample(worker, "btnode_worker_train_seconds_total", block="0") > 0
     assert 0 < sample(worker, "btnode_worker_utilisation_ratio", block="0") <= 1

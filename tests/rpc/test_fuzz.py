@@ -5,6 +5,8 @@ the one number that reproduces it."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,6 +34,12 @@ def target(tmp_path_factory):
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_rpc_handlers_refuse_with_a_status_and_never_crash(target, seed):
     fuzz_rpc(target, seed)
+
+
+def test_state_uploads_for_audits_are_taken_or_refused_with_a_status(target):
+    codes = Counter(fuzz_rpc(target, seed, only="SubmitState") for seed in range(150))
+    assert codes["OK"] and codes["INVALID_ARGUMENT"], codes  # whole claimed states taken, the rest refused
+    assert target.audit_agg.counters[("state_refused", "no_audit")], target.audit_agg.counters
 
 
 def test_after_the_fuzzing_the_node_serves_and_no_model_changed(target):

@@ -153,6 +153,8 @@ def test_an_operator_revokes_an_identity_at_run_time(swarm, tmp_path):
     rows = {r["name"]: r for r in op.status_dict()["identities"]}
     assert rows["w1"]["revoked_at_unix"] and rows["w1"]["refused"]["revoked"] == 3 and not rows["w2"]["revoked_at_unix"]
     assert "w1" in Identities(tmp_path / "state").revoked  # durable: a restarted aggregator keeps refusing it
+    events = {(c["name"], c["labels"]["reason"]): c["value"] for c in op.status_dict()["counters"]}
+    assert events[("identity_refused", "revoked")] >= 2  # the join and the status call, in the swarm's counters
 
 
 def test_untrusted_and_expired_certificates_fail_the_handshake(swarm, pki):

@@ -11,6 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
@@ -84,9 +85,11 @@ def test_the_argv_swarm_derives_builds_the_same_configs_back(cli, model, tmp_pat
     outer = DILOCO_OUTER if model.kind == "ar" else OuterConfig(lr=0.5, robust="median")
     configs = {
         "aggregator": (model, AggregatorConfig(round=RoundConfig(deadline_s=7.5, min_updates=2, max_staleness=1),
-                                               outer=outer, publish_codec=Codec.BF16, keep=5),
+                                               outer=outer, publish_codec=Codec.BF16, keep=5,
+                                               audit=AuditConfig(share=0.25, probation=3, state_timeout_s=30.0)),
                        PeerLimits(max_streams=3), ServeConfig(listen="127.0.0.1:0", port_file=tmp_path / "p"),
-                       AggregatorNodeConfig(state_dir=tmp_path, blocks=(0, 2), seed=3)),
+                       AggregatorNodeConfig(state_dir=tmp_path, blocks=(0, 2), seed=3),
+                       HostConfig(data="corpus.txt", data_cache=tmp_path / "cache", data_cache_gb=2.0)),
         "worker": (model, TrainConfig(batch=4, lr=1e-3, warmup=7, seed=3, k1_share=0.5, precision=Precision.BF16),
                    WorkerConfig(worker_id="b1r0", block=0, steps_per_round=9, codec=Codec.FP32, error_feedback=False,
                                 rounds=4, train_while_waiting=False, schedule_by_version=False),
