@@ -8,8 +8,13 @@ against the all-honest swarm with the same seeds and the same aggregation rule.
     .venv/bin/python -m bench.cheats --rules screened   # the shipped rule only
     .venv/bin/python -m bench.cheats --quick            # a smoke run
 
-Mode `default` is the swarm as shipped. Audits (a share of updates re-trained and compared) will
-add mode `audit`: `MODES` maps a mode to what it changes in the simulation.
+Mode `default` is the swarm as shipped. Mode `audit` adds replay audits (aggregate/audit.py): the
+aggregator replays a secretly drawn share P of updates (`--audit`, 0.25) and every update of a new
+worker id until it has passed `--probation` (2) audits. Its rows say when the cheater's first failed
+audit (or refusal) came; `draws` measures, over `--draw-seeds` (20) seeded swarms without probation,
+how many rounds a cheater that cheats every round survives the draws alone (the situation of a worker
+that turns after its probation); `audit_cost_share` is the replays' time over the honest workers'
+training time in the honest audited swarms, `false_positives` the failed audits of honest workers there.
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ from btnode.train.config import TrainConfig
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
 CHEATER, VICTIM = "b0r2", "b0r0"
 STEP_S = 0.1
-# mode → the SimConfig fields it sets. The audit mode goes here: "audit": {"audit": P} from an --audit P
-# option, with main() measuring both modes (its rows, false_positives and audit_cost_share).
-MODES: dict[str, dict] = {"default": {}}
+MODES = ("default", "audit")
+DRAWN = "audit_"  # the mechanism of a failed audit: audit_<reason> (btnode.aggregate.service._punish)
+NOT_CAUGHT = {Outcome.ACCEPTED.value, Outcome.PROBATION.value}  # answers that are not a refusal
 _corpus = functools.cache(bundled)  # once per process
 RULES = (OuterConfig.robust, *(r for r in ROBUST_MODES if r != OuterConfig.robust))  # the shipped rule first
 
@@ -62,6 +67,12 @@ class Settings:
     h: int
     batch: int
     windows: int
+    audit: float = 0.0  # mode audit: the share drawn
+    probation: int = 0  # mode audit: audits a new worker must pass first
+
+    def mode(self, mode: str) -> dict:
+        """The SimConfig fields a mode sets."""
+        return {"audit": self.audit, "probation": self.probation} if mode == "audit" else {}
 
     @property
     def tc(self) -> TrainConfig:
@@ -90,8 +101,9 @@ class Tap:
         return j
 
 
-def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings) -> dict:
-    """One simulated swarm; returns its CE and, with a cheat, when and how the cheater was caught."""
+def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings, *, until_caught: bool = False) -> dict:
+    """One simulated swarm; returns its CE and, with a cheat, when and how the cheater was caught.
+    `until_caught`: stop once the cheater is revoked (the draws only need that round)."""
     torch.set_num_threads(1)  # a tiny model: more threads only contend (measured 25× slower with 2 on 2 cores)
     tc, corpus = args.tc, _corpus()
     sim: Simulation | None = None
@@ -104,32 +116,47 @@ def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings
         return make(cfg, tc_, wcfg, tap, corpus, **kw)
 
     scfg = SimConfig(rounds=args.rounds, replicas=3, steps_per_round=args.h, step_time_s=STEP_S, seed=seed,
-                     **MODES[mode])
+                     **args.mode(mode))
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=1.5 * args.h * STEP_S), outer=OuterConfig(robust=rule),
                             claims=ClaimConfig.of(tc, args.h, enforce=True), history=args.rounds)  # every round's drops
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp),
                          device=torch.device("cpu"), workers={CHEATER: cheater} if cheat else None)
-        res = sim.run()
-        ce = swarm_ce(sim.blocks(), corpus.test, args.windows, torch.device("cpu"))
+        stop = (lambda: sim.agg.identities.is_revoked(CHEATER)) if until_caught else None  # type: ignore[union-attr]
+        res = sim.run(until=stop)
+        ce = None if until_caught else swarm_ce(sim.blocks(), corpus.test, args.windows, torch.device("cpu"))
         dropped = [(s.info.base_version, wid, why) for s in sim.agg.block(0).recent for wid, why in s.dropped]
+    honest_verdicts = [v for v in sim.verdicts if v.header.worker_id != CHEATER]
     out = {"cheat": cheat, "rule": rule, "mode": mode, "seed": seed, "ce": ce, "versions": res.versions[0],
-           "outcomes": res.outcomes, "honest_dropped": sum(not wid.startswith(CHEATER) for _, wid, _ in dropped)}
+           "outcomes": res.outcomes, "honest_dropped": sum(not wid.startswith(CHEATER) for _, wid, _ in dropped),
+           "honest_failed": sum(not v.passed for v in honest_verdicts),
+           "audit_s": sum(v.seconds for v in sim.verdicts if not v.probation),
+           "probation_s": sum(v.seconds for v in sim.verdicts if v.probation),
+           "train_s": sum(r.worker.stats.train_seconds for r in sim.replicas if r.worker.wcfg.worker_id != CHEATER)}
     if tap is not None:
-        # (round, 0 on arrival / 1 at close, reason): within a round, a refusal comes before a drop
-        caught = sorted([(r, 0, why) for r, wid, outcome, why in tap.answers if outcome != Outcome.ACCEPTED.value] +
+        # (round, 0 on arrival / 1 at close, reason): within a round, a refusal or failed audit comes before a drop
+        caught = sorted([(r, 0, why) for r, wid, outcome, why in tap.answers
+                         if outcome not in NOT_CAUGHT and why != "revoked"] +
+                        [(v.header.base_version, 0, DRAWN + v.reason) for v in sim.verdicts
+                         if v.header.worker_id == CHEATER and not v.passed] +
                         [(r, 1, why) for r, wid, why in dropped if wid.startswith(CHEATER)])
+        failed = [v.header.base_version for v in sim.verdicts if v.header.worker_id == CHEATER and not v.passed]
         out.update(caught_round=caught[0][0] if caught else None, mechanism=caught[0][2] if caught else None,
+                   audit_round=min(failed) if failed else None,
                    caught_rounds=len({r for r, *_ in caught}), pushes=len({r for r, *_ in tap.answers}))
     return out
 
 
+def settings(args: argparse.Namespace, **changes: object) -> Settings:
+    return replace(Settings(args.rounds, args.h, args.batch, args.windows, args.audit, args.probation), **changes)
+
+
 def measure(rule: str, mode: str, args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
     """The honest CE per seed, and each cheat's runs, for one rule and mode."""
-    settings = Settings(args.rounds, args.h, args.batch, args.windows)
+    settings_ = settings(args)
     seeds = range(args.seeds)
-    honest_runs = {s: pool.submit(run_swarm, rule, None, s, mode, settings) for s in seeds}
-    cheat_runs = {c: [pool.submit(run_swarm, rule, c, s, mode, settings) for s in seeds] for c in args.cheats}
+    honest_runs = {s: pool.submit(run_swarm, rule, None, s, mode, settings_) for s in seeds}
+    cheat_runs = {c: [pool.submit(run_swarm, rule, c, s, mode, settings_) for s in seeds] for c in args.cheats}
     honest_done = {s: f.result() for s, f in honest_runs.items()}
     honest = {s: r["ce"] for s, r in honest_done.items()}
     dropped = sum(r["honest_dropped"] for r in honest_done.values())
@@ -147,7 +174,28 @@ def measure(rule: str, mode: str, args: argparse.Namespace, pool: ProcessPoolExe
         rows.append(row)
         print(f"[cheats] {rule} {cheat}: ΔCE {row['delta_ce']:+.4f}, caught round {row['caught_round']} "
               f"({row['mechanism']}), caught in {row['caught_rounds']} of {row['pushes']} rounds", flush=True)
-    return {"honest_ce": list(honest.values()), "honest_dropped": dropped, "rows": rows}
+    return {"honest_ce": list(honest.values()), "honest_dropped": dropped, "rows": rows,
+            "honest_failed": sum(r["honest_failed"] for r in honest_done.values()),
+            "audit_s": sum(r["audit_s"] for r in honest_done.values()),
+            "probation_s": sum(r["probation_s"] for r in honest_done.values()),
+            "train_s": sum(r["train_s"] for r in honest_done.values())}
+
+
+def draws(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
+    """Rounds each cheat survives the draws alone: `--draw-seeds` swarms per cheat, no probation,
+    stopped at the cheater's revocation or after `--draw-rounds` rounds. A cheat refused at arrival
+    (the bound) is never applied, so never drawn: it is left out."""
+    s = settings(args, rounds=args.draw_rounds, h=args.draw_h, probation=0)
+    cheats = [c for c in args.cheats if c != "scaled"]
+    runs = {c: [pool.submit(run_swarm, OuterConfig.robust, c, seed, "audit", s, until_caught=True)
+                for seed in range(args.draw_seeds)] for c in cheats}
+    out = {}
+    for cheat, futures in runs.items():
+        rounds = [None if r["audit_round"] is None else r["audit_round"] + 1 for r in (f.result() for f in futures)]
+        within = sum(r is not None and r <= args.within for r in rounds) / len(rounds)
+        out[cheat] = {"rounds_until_caught": rounds, "caught_within": within}
+        print(f"[cheats] draws {cheat}: rounds until caught {rounds}; within {args.within}: {within:.2f}", flush=True)
+    return out
 
 
 def main() -> None:
@@ -157,24 +205,40 @@ def main() -> None:
     ap.windows(64)
     ap.seeds(2, help="seeds (model init, data, delays) per swarm; each cheat is compared with the honest swarm "
                      "of the same seed")
-    ap.quick(rounds=2, h=3, batch=4, windows=8, seeds=1)
+    ap.quick(rounds=2, h=3, batch=4, windows=8, seeds=1, draw_seeds=2, draw_rounds=4, draw_h=2)
     ap.add_argument("--rules", nargs="*", default=list(RULES), choices=ROBUST_MODES,
                     help="aggregation rules to measure; the first gives the rows (default: the shipped "
                          f"{OuterConfig.robust!r}, then the other candidates)")
     ap.add_argument("--cheats", nargs="*", default=list(CHEATS), choices=list(CHEATS), help="cheats to run (default: all)")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="default, audit (default: both)")
+    ap.add_argument("--audit", type=float, default=0.25, help="mode audit: the share p of updates replayed")
+    ap.add_argument("--probation", type=int, default=2, help="mode audit: audits a new worker id must pass first")
+    ap.add_argument("--draw-seeds", type=int, default=20, help="seeded swarms per cheat for the rounds until caught")
+    ap.add_argument("--draw-rounds", type=int, default=40, help="rounds a draw swarm runs at most")
+    ap.add_argument("--draw-h", type=int, default=5, help="H of the draw swarms (the draws do not depend on it)")
+    ap.add_argument("--within", type=int, default=17, help="the rounds the aim allows (1 − 0.75^17 ≈ 0.99 at p = 0.25)")
     ap.add_argument("--jobs", type=int, default=2, help="swarms simulated at once (one process and one thread each)")
     args = ap.parse_args()
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        candidates = {rule: measure(rule, "default", args, pool) for rule in args.rules}
-    shipped = candidates[args.rules[0]]
-    out = {"rule": args.rules[0], "rows": shipped["rows"], "honest_ce": shipped["honest_ce"],
-           "false_positives": None, "audit_cost_share": None,  # the audit mode's, once it runs
+        candidates = {rule: measure(rule, "default", args, pool) for rule in args.rules} if "default" in args.modes else {}
+        audited = measure(RULES[0], "audit", args, pool) if "audit" in args.modes else None
+        drawn = draws(args, pool) if audited is not None else None
+    shipped = candidates.get(args.rules[0], {"rows": [], "honest_ce": []})
+    out = {"rule": args.rules[0], "rows": shipped["rows"] + (audited["rows"] if audited else []),
+           "honest_ce": shipped["honest_ce"],
            "candidates": {rule: {"honest_ce": c["honest_ce"], "honest_dropped": c["honest_dropped"],
                                  "delta_ce": {r["cheat"]: r["delta_ce"] for r in c["rows"]},
                                  "caught": {r["cheat"]: r["mechanism"] for r in c["rows"]}}
                           for rule, c in candidates.items()},
            "rounds": args.rounds, "h": args.h, "batch": args.batch, "windows": args.windows, "seeds": args.seeds,
-           "model": SHAPE.to_dict(), "quick": args.quick}
+           "model": SHAPE.to_dict(), "quick": args.quick, "false_positives": None, "audit_cost_share": None}
+    if audited is not None:
+        out.update(false_positives=audited["honest_failed"],
+                   audit_cost_share=audited["audit_s"] / audited["train_s"],
+                   audit_cost_share_with_probation=(audited["audit_s"] + audited["probation_s"]) / audited["train_s"],
+                   audit={"p": args.audit, "probation": args.probation, "honest_ce": audited["honest_ce"]},
+                   draws={"p": args.audit, "seeds": args.draw_seeds, "max_rounds": args.draw_rounds, "h": args.draw_h,
+                          "within": args.within, "cheats": drawn})
     publish("cheats", out, render, out=args.results)
 
 
@@ -191,22 +255,47 @@ def render(out: dict) -> str:
             for r in out["rows"]]
     rules = list(out["candidates"])
     cand = [(cheat, *(f"{out['candidates'][rule]['delta_ce'].get(cheat, float('nan')):+.4f}" for rule in rules))
-            for cheat in out["candidates"][rules[0]]["delta_ce"]]
+            for cheat in (out["candidates"][rules[0]]["delta_ce"] if rules else [])]
     honest = [("honest CE", *(f"{statistics.mean(out['candidates'][rule]['honest_ce']):.4f}" for rule in rules)),
               ("honest updates dropped", *(str(out["candidates"][rule]["honest_dropped"]) for rule in rules))]
-    return "\n".join([
+    lines = [
         "## Cheats: one cheating replica in three (`bench/cheats.py`)", "",
         f"Command: `.venv/bin/python -m bench.cheats` (2 cores). One block × 3 replicas, d=32, L=1, N=32, "
         f"R = {out['rounds']} rounds of H = {out['h']} (batch {out['batch']}, int8 updates, claims checked), "
         f"aggregation `{out['rule']}`; replica {CHEATER} cheats (btnode/testing/cheats.py). ΔCE: SCE-1 at K = 1 on "
-        f"{out['windows']} held-out windows against the all-honest swarm of the same seed (nats/byte), mean over "
-        f"seeds {', '.join(map(str, range(out['seeds'])))}. Caught: the first round an update of the cheater was "
-        "refused or dropped, and by what. A cheat dropped in every round leaves two honest replicas: its per-seed "
-        f"ΔCE is what one replica's work is worth here, the table's noise floor. {_sybil_note(out)}", "",
-        *table(["cheat", "mode", "caught round", "mechanism", "ΔCE", "per seed"], rows, "llrlrl"), "",
-        "Every candidate rule (`--robust`), same command: the honest swarm's CE (mean over seeds), how many honest "
-        "updates its screen dropped, and each cheat's ΔCE:", "",
-        *table(["cheat", *rules], honest + cand, "l" + "r" * len(rules))])
+        f"{out['windows']} held-out windows against the all-honest swarm of the same seed and mode (nats/byte), mean "
+        f"over seeds {', '.join(map(str, range(out['seeds'])))}. Caught: the first round an update of the cheater was "
+        "refused, failed its audit (`audit_…`) or was dropped, and by what. A cheat dropped in every round leaves two "
+        f"honest replicas: its per-seed ΔCE is what one replica's work is worth here, the table's noise floor. "
+        f"{_sybil_note(out)}", ""]
+    if "audit" in out:
+        a = out["audit"]
+        lines += [f"Mode `audit`: p = {a['p']}, probation {a['probation']} (every cheat here cheats from its first "
+                  f"update, so probation catches it before anything of it is applied). Honest audited swarms: "
+                  f"{out['false_positives']} failed audits of honest workers; the replays took "
+                  f"{out['audit_cost_share']:.3f} of the honest workers' training time "
+                  f"({out['audit_cost_share_with_probation']:.3f} with the probation replays).", ""]
+    lines += table(["cheat", "mode", "caught round", "mechanism", "ΔCE", "per seed"], rows, "llrlrl")
+    if "draws" in out:
+        d = out["draws"]
+        lines += ["", f"Rounds until caught by the draws alone (no probation: a worker that turns after passing it), "
+                      f"p = {d['p']}, {d['seeds']} seeded swarms per cheat (H = {d['h']}, at most {d['max_rounds']} "
+                      f"rounds; `scaled` is refused at arrival and never drawn). Expected share within {d['within']} "
+                      f"rounds: 1 − (1 − p)^{d['within']} = {1 - (1 - d['p']) ** d['within']:.3f}.", "",
+                  *table(["cheat", "rounds until caught (per seed)", "median", f"caught within {d['within']}"],
+                         [(c, " ".join("—" if r is None else str(r) for r in v["rounds_until_caught"]),
+                           _median(v["rounds_until_caught"]), f"{v['caught_within']:.2f}")
+                          for c, v in d["cheats"].items()], "llrr")]
+    if rules:
+        lines += ["", "Every candidate rule (`--robust`), same command: the honest swarm's CE (mean over seeds), how "
+                      "many honest updates its screen dropped, and each cheat's ΔCE:", "",
+                  *table(["cheat", *rules], honest + cand, "l" + "r" * len(rules))]
+    return "\n".join(lines)
+
+
+def _median(rounds: list[int | None]) -> str:
+    caught = sorted(r for r in rounds if r is not None)
+    return str(statistics.median(caught)) if len(caught) == len(rounds) else "—"
 
 
 if __name__ == "__main__":

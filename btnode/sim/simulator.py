@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from btnode.aggregate.audit import Verdict
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
@@ -133,6 +134,7 @@ class Simulation:
                                          random.Random(f"turnout/{scfg.seed}/{wid}"),
                                          random.Random(f"delay/{scfg.seed}/{wid}")))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
+        self.verdicts: list[Verdict] = []  # every audit's, in order
 
     def worker(self, worker_id: str) -> BlockWorker:
         return next(r.worker for r in self.replicas if r.worker.wcfg.worker_id == worker_id)
@@ -194,10 +196,10 @@ class Simulation:
             rep.worker.pushed(rep.worker.push(header, raw))
         except Forbidden:  # revoked after a failed audit: it stops, as a worker process does
             rep.finished, rep.finished_at = True, self.now
-            self.agg.run_audits()
+            self._audit()
             self._after_aggregator()
             return
-        self.agg.run_audits()  # at once: the replay's compute is counted, its time is not simulated
+        self._audit()
         rep.waiting_for, rep.waiting_since = header.base_version, sent  # it has waited since it sent
         before = self._published[header.block]
         self._after_aggregator()
@@ -227,7 +229,12 @@ class Simulation:
         self._attempt(rep)
 
     # -- running -----------------------------------------------------------------------------
-    def run(self) -> SimResult:
+    def _audit(self) -> None:
+        """Replay what is due at once: the replay's compute is counted, its time is not simulated."""
+        self.verdicts.extend(self.agg.run_audits())
+
+    def run(self, until: Callable[[], bool] | None = None) -> SimResult:
+        """Run every replica's rounds (or stop once `until()` holds, checked after each event)."""
         for rep in self.replicas:
             rep.worker.start()
         for b, agg in self.agg.blocks.items():
@@ -238,6 +245,10 @@ class Simulation:
             t, _, fn, args = heapq.heappop(self._queue)
             self.now = max(self.now, t)
             fn(*args)
+            if until is not None and until():
+                for rep in self.replicas:  # stopped early: the unfinished ones end now
+                    rep.finished_at = rep.finished_at if rep.finished else self.now
+                break
         outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
         for agg in self.agg.blocks.values():
             for (outcome, _), n in agg.counters.items():

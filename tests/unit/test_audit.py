@@ -52,10 +52,7 @@ def simulate(tmp_path: Path, corpus: bytes, *, rounds: int = 3, audit: float = 1
              cheater: type[BlockWorker] | None = None, seed: int = 0) -> Simulation:
     sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=rounds, replicas=3, steps_per_round=4, audit=audit,
                                               probation=probation, seed=seed),
-                     corpus, tmp_path, device=torch.device("cpu"))
-    if cheater is not None:
-        rep = sim.replicas[-1]
-        rep.worker = cheater(CFG, TC, rep.worker.wcfg, sim.link, corpus, device=torch.device("cpu"))
+                     corpus, tmp_path, device=torch.device("cpu"), workers={"b0r2": cheater} if cheater else None)
     sim.run()
     return sim
 
@@ -145,3 +142,13 @@ def test_recipes_decide_exactness():
 def test_audit_settings_are_checked():
     with pytest.raises(Exception, match="invalid audit settings"):
         AuditConfig(share=1.5)
+
+
+def test_a_simulation_can_stop_at_the_catch_and_keeps_every_verdict(tmp_path, corpus):
+    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=6, replicas=3, steps_per_round=4, audit=1.0, probation=0),
+                     corpus, tmp_path, device=torch.device("cpu"), workers={"b0r2": Negating})
+    sim.run(until=lambda: sim.agg.identities.is_revoked("b0r2"))
+    last = sim.verdicts[-1]
+    assert (last.header.worker_id, last.passed, last.reason) == ("b0r2", False, "delta")
+    assert last.header.base_version == 0  # p = 1: its first update is drawn, and the run stops there
+    assert all(v.passed for v in sim.verdicts[:-1])
