@@ -272,13 +272,7 @@ class SwarmAggregator:
             raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
                                              f"of {header.worker_id!r}")
         replayer = self.replayers[job.header.block]
-        asm = FrameAssembler.for_spec(replayer.start_spec(job.claim), [Codec.FP32])
-        try:
-            for chunk in chunks:
-                asm.add(chunk)
-            state = asm.finish()
-        finally:
-            self._received(asm)
+        state, _ = self._assemble(replayer.start_spec(job.claim), Codec.FP32, chunks)
         replayer.check_start(job.claim, state)
         self.audits.received(header.update_id, state)
 
@@ -346,13 +340,7 @@ class SwarmAggregator:
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
             self._check_key(header)
-            asm = FrameAssembler.for_spec(block.spec, [header.codec])
-            try:
-                for chunk in chunks:
-                    asm.add(chunk)
-                delta = asm.finish()
-            finally:
-                self._received(asm)
+            delta, raw = self._assemble(block.spec, header.codec, chunks)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
@@ -372,7 +360,7 @@ class SwarmAggregator:
         audits.advance(header)
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
-        return self._open_audit(block, header, asm.raw, base[1], judged, probation)
+        return self._open_audit(block, header, raw, base[1], judged, probation)
 
     def _check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
         """A work claim must name the swarm's data and, for the current version, its hash: a replay
@@ -386,6 +374,18 @@ class SwarmAggregator:
         if header.base_version == info.version and claim.base_sha256 != info.sha256:
             raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
+
+    def _assemble(self, spec: Mapping[str, tuple[int, ...]], codec: Codec,
+                  chunks: Iterable[ChunkData]) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+        """The tensors of a chunk stream, each frame checked against `spec` and `codec`, and their raw
+        codec bytes; its bytes are counted as far as it got."""
+        asm = FrameAssembler.for_spec(spec, [codec])
+        try:
+            for chunk in chunks:
+                asm.add(chunk)
+            return asm.finish(), asm.raw
+        finally:
+            self._received(asm)
 
     def _received(self, asm: FrameAssembler) -> None:
         """Count the tensor bytes a push or a state upload brought in (as far as it got)."""

@@ -101,12 +101,18 @@ def test_draws_follow_the_secret_and_the_share():
     assert sum(x and y for x, y in zip(a, b)) / len(a) < 0.09  # ≈ 0.0625 if independent
 
 
-def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
+def joined_worker(tmp_path: Path, corpus: bytes) -> tuple[Simulation, BlockWorker]:
+    """A swarm (audits on, no probation) and one of its workers, joined and 4 steps into its first round."""
     sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=1, replicas=3, steps_per_round=4, audit=0.5, probation=0),
                      corpus, tmp_path, device=torch.device("cpu"))
     w = sim.replicas[0].worker
     w.start()
     w.train_steps(4)
+    return sim, w
+
+
+def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
+    sim, w = joined_worker(tmp_path, corpus)
     header, raw = w.make_update()
     forged = dataclasses.replace(header, claim=dataclasses.replace(header.claim, optimizer_start="ab" * 32))
     with pytest.raises(MalformedInput, match="another optimizer state"):
@@ -115,11 +121,7 @@ def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
 
 
 def test_claims_state_fresh_starts_and_chain(tmp_path, corpus):
-    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=1, replicas=3, steps_per_round=4, audit=0.5, probation=0),
-                     corpus, tmp_path, device=torch.device("cpu"))
-    w = sim.replicas[0].worker
-    w.start()
-    w.train_steps(4)
+    _, w = joined_worker(tmp_path, corpus)
     first, _ = w.make_update()
     assert (first.claim.optimizer_start, first.claim.residual_start) == (EMPTY_STATE, EMPTY_STATE)
     assert first.claim.optimizer_end != EMPTY_STATE and first.claim.residual_end != EMPTY_STATE  # int8 leaves a residual
