@@ -53,6 +53,7 @@ class RoundSize:
 
 
 EMPTY_STATE = hashlib.sha256().hexdigest()  # state_sha256 of no tensors: a fresh optimizer, or no residual
+OPTIMIZER_PREFIX, RESIDUAL_PREFIX = "opt.", "ef."  # the names of a start state's tensors (SubmitState)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import ConfigError, MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.protocol import EMPTY_STATE, PushHeader, WorkClaim
+from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, PushHeader, WorkClaim
 from btnode.settings import flag
 from btnode.store.files import load_optimizer, optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
@@ -48,7 +48,7 @@ from btnode.train.trainers import optimizer_spec, unit_trainer
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
-OPT, EF = "opt.", "ef."  # name prefixes of an uploaded start state: optimizer tensors, residual
+OPT, EF = OPTIMIZER_PREFIX, RESIDUAL_PREFIX
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.protocol import (EMPTY_STATE, AggregatorLink, Judgement, Outcome, PushHeader, RoundSize, Transfer, VersionInfo,
-                             WorkClaim)
+from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, AggregatorLink, Judgement, Outcome,
+                             PushHeader, RoundSize, Transfer, VersionInfo, WorkClaim)
 from btnode.settings import flag, same_flag
 from btnode.store.files import optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
@@ -231,12 +231,12 @@ class BlockWorker:
         kept = {n: t.detach().cpu().clone() for n, t in state.items()} if self.audits else None
         self._start = (state_sha256(state), kept)
 
-    def _claim(self, residual_start: Tensors, raw_residual_end: Tensors) -> WorkClaim:
+    def _claim(self, residual_start: Tensors, residual_end: Tensors) -> WorkClaim:
         assert self.info is not None
         return WorkClaim(base_sha256=self.info.sha256, data_id=self.data_id, recipe=self.recipe.to_json(),
                          optimizer_start=self._start[0],
                          optimizer_end=state_sha256(optimizer_tensors(self.trainer.opt)[0]),
-                         residual_start=state_sha256(residual_start), residual_end=state_sha256(raw_residual_end))
+                         residual_start=state_sha256(residual_start), residual_end=state_sha256(residual_end))
 
     def steps_due(self) -> int:
         """Steps still to train before the next push (H minus what was folded in)."""
@@ -254,8 +254,8 @@ class BlockWorker:
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex,
                             data_key=self.data_key, steps=steps, claim=self._claim(residual_start, self.residual))
         if self._start[1] is not None:
-            self._states[header.update_id] = {**{"opt." + n: t for n, t in self._start[1].items()},
-                                              **{"ef." + n: t.clone() for n, t in residual_start.items()}}
+            self._states[header.update_id] = {**{OPTIMIZER_PREFIX + n: t for n, t in self._start[1].items()},
+                                              **{RESIDUAL_PREFIX + n: t.clone() for n, t in residual_start.items()}}
             while len(self._states) > 4:  # an audit asks for a state with the push's answer: a few suffice
                 self._states.popitem(last=False)
         self._last_update = (header, raw)

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from btnode.aggregate.audit import AuditConfig, AuditJob
+from btnode.aggregate.audit import AuditConfig, AuditJob, split_state
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
@@ -36,7 +36,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, iter_chunks
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
-from btnode.protocol import EMPTY_STATE, PushHeader, RoundSize, WorkClaim
+from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, PushHeader, RoundSize, WorkClaim
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.rpc.stages import serve_stage
@@ -153,8 +153,8 @@ def start_state(seed: int = 0) -> dict[str, torch.Tensor]:
     """A start state of block 0 as a worker uploads it for an audit: optimizer (opt.*) and residual (ef.*)."""
     model = init_block(CFG, 0, 0)
     g = torch.Generator().manual_seed(seed)
-    shapes = {**{"opt." + n: s for n, s in optimizer_spec(model).items()},
-              **{"ef." + n: tuple(t.shape) for n, t in model.state_dict().items()}}
+    shapes = {**{OPTIMIZER_PREFIX + n: s for n, s in optimizer_spec(model).items()},
+              **{RESIDUAL_PREFIX + n: tuple(t.shape) for n, t in model.state_dict().items()}}
     return {n: torch.rand(s, generator=g) for n, s in shapes.items()}
 
 
@@ -164,9 +164,9 @@ def await_state(agg: SwarmAggregator) -> None:
     if agg.audits.waiting_for(AUDITED) is not None:
         return
     state = start_state()
+    optim, residual = split_state(state)
     claim = WorkClaim(base_sha256=EMPTY_STATE, data_id="", recipe="{}", optimizer_end=EMPTY_STATE, residual_end=EMPTY_STATE,
-                      optimizer_start=state_sha256({n[4:]: t for n, t in state.items() if n.startswith("opt.")}),
-                      residual_start=state_sha256({n[3:]: t for n, t in state.items() if n.startswith("ef.")}))
+                      optimizer_start=state_sha256(optim), residual_start=state_sha256(residual))
     header = PushHeader(worker_id=AUDITEE, block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32,
                         update_id=AUDITED, claim=claim)
     agg.audits.open(AuditJob(header=header, claim=claim, train=TrainConfig(), raw={}, base={}, arrived=agg.clock(),
