@@ -13,7 +13,7 @@ from btnode.aggregate.audit import AuditConfig, secret_draw
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.data.corpus import bundled
-from btnode.errors import MalformedInput
+from btnode.errors import Forbidden, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import EMPTY_STATE, Outcome
 from btnode.sim.simulator import SimConfig, Simulation
@@ -154,3 +154,37 @@ def test_a_simulation_can_stop_at_the_catch_and_keeps_every_verdict(tmp_path, co
     assert (last.header.worker_id, last.passed, last.reason) == ("b0r2", False, "delta")
     assert last.header.base_version == 0  # p = 1: its first update is drawn, and the run stops there
     assert all(v.passed for v in sim.verdicts[:-1])
+
+
+class Crashing(BlockWorker):
+    """Dies between its push and the upload of its start state (the soak's kill -9 found this window)."""
+
+    def _send_state(self, header) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_a_worker_that_rejoins_without_a_drawn_state_is_on_probation_again_and_revoked_past_the_limit(tmp_path,
+                                                                                                       corpus):
+    acfg = dataclasses.replace(ACFG, audit=AuditConfig(abandon_limit=1))
+    sim = Simulation(CFG, TC, acfg, SimConfig(rounds=1, replicas=1, steps_per_round=4, audit=1.0, probation=1),
+                     corpus, tmp_path, device=torch.device("cpu"), workers={"b0r0": Crashing})
+
+    def drawn_round_then_crash() -> None:
+        w = Crashing(CFG, TC, sim.worker("b0r0").wcfg, sim.link, corpus, device=torch.device("cpu"))
+        w.start()  # a (re)join: a fresh process
+        for _ in range(2):  # the first round starts fresh (nothing to send); the second needs its state
+            w.train_steps(4)
+            header, raw = w.make_update()
+            w.pushed(w.push(header, raw))
+            sim.agg.run_audits()
+            w.advance(sim.agg.block(0).info)
+
+    drawn_round_then_crash()
+    assert sim.agg.audits.waiting  # the second update's state never came
+    drawn_round_then_crash()  # rejoined: forgiven once, back on probation
+    assert not sim.agg.identities.is_revoked("b0r0")
+    assert sim.agg.audits.counts[("abandoned", "rejoin")] == 1
+    assert sim.agg.block(0).counters[(Outcome.PROBATION.value, "")] == 2  # its first update after the rejoin was held
+    with pytest.raises(Forbidden, match="left 2 audits without its state"):
+        drawn_round_then_crash()
+    assert sim.agg.identities.is_revoked("b0r0")
