@@ -215,7 +215,8 @@ def main() -> None:
     ap.add_argument("--probation", type=int, default=2, help="mode audit: audits a new worker id must pass first")
     ap.add_argument("--draw-seeds", type=int, default=20, help="seeded swarms per cheat for the rounds until caught")
     ap.add_argument("--draw-rounds", type=int, default=40, help="rounds a draw swarm runs at most")
-    ap.add_argument("--draw-h", type=int, default=5, help="H of the draw swarms (the draws do not depend on it)")
+    ap.add_argument("--draw-h", type=int, default=10, help="H of the draw swarms (the draws do not depend on it; "
+                                                         "above the lazy cheat's 5 steps)")
     ap.add_argument("--within", type=int, default=17, help="the rounds the aim allows (1 − 0.75^17 ≈ 0.99 at p = 0.25)")
     ap.add_argument("--jobs", type=int, default=2, help="swarms simulated at once (one process and one thread each)")
     args = ap.parse_args()

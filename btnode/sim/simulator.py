@@ -118,7 +118,9 @@ class Simulation:
         self._seq = itertools.count()
         # every replica here trains with tc and H: the aggregator judges their claims by the same
         acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round, enforce=acfg.claims.enforce),
-                       audit=replace(acfg.audit, share=scfg.audit, probation=scfg.probation))
+                       # a state comes with the push's answer here, at once: one not in by the next step is late
+                       audit=replace(acfg.audit, share=scfg.audit, probation=scfg.probation,
+                                     state_timeout_s=min(acfg.audit.state_timeout_s, scfg.step_time_s)))
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now, corpus=corpus,
                                    audit_secret=hashlib.sha256(f"audit/{scfg.seed}".encode()).digest())
         self.link = LocalLink(self.agg)
