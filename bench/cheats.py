@@ -269,6 +269,8 @@ def render(out: dict) -> str:
         "refused, failed its audit (`audit_…`) or was dropped, and by what. A cheat dropped in every round leaves two "
         f"honest replicas: its per-seed ΔCE is what one replica's work is worth here, the table's noise floor. "
         f"{_sybil_note(out)}", ""]
+    if "runs" in out:
+        lines += ["Runs: " + "; ".join(f"mode {m}: `{c}`" for m, c in out["runs"].items()) + ".", ""]
     if "audit" in out:
         a = out["audit"]
         lines += [f"Mode `audit`: p = {a['p']}, probation {a['probation']} (every cheat here cheats from its first "
