@@ -59,7 +59,7 @@ class AuditConfig:
                                          "applied.", default=2)
     state_timeout_s: float = flag("--audit-timeout", "Seconds a worker has to send the start state of an update "
                                                      "drawn for audit.", default=120.0)
-    abandon_limit: int = 3  # audits a worker id may leave unanswered by rejoining (a crash) before it is revoked
+    abandon_limit: int = 3  # audits a worker id may leave unanswered by rejoining (a crash), plus one per 20 it passed
     tolerance: float = 1e-3  # relative L2 error allowed when the recipes differ (1 vs 2 threads: 8.5e-5 at H = 25)
 
     def __post_init__(self) -> None:
@@ -224,6 +224,13 @@ class AuditRecord:
     passed: int = 0  # since its last abandoned audit (probation counts these)
     failed: int = 0
     abandoned: int = 0  # audits it left waiting for a state when it rejoined
+    passed_total: int = 0
+
+    def forgiven(self, limit: int) -> int:
+        """Abandoned audits forgiven: `limit`, and one more per 20 passed, so that an honest worker
+        that crashes now and then over a long life is not revoked for it, while dodging draws by
+        rejoining costs a cheater 20 passed audits each."""
+        return limit + self.passed_total // 20
 
 
 @dataclass(frozen=True)
@@ -255,25 +262,25 @@ class Audits:
         self.delays: list[float] = []  # seconds from push to a failed verdict (detection delay)
 
     # -- chains --------------------------------------------------------------------------------
-    def joined(self, block: int, worker_id: str) -> int:
+    def joined(self, block: int, worker_id: str) -> int | None:
         """A (re)join starts a new chain from a fresh optimizer and no residual. Audits its previous
         process left waiting for a start state are abandoned: a worker that crashed between its push
         and the state upload has lost that state, and revoking it for a crash would flag honest
         workers (the soak did, twice in 52 kills). Abandoning puts it back on probation, and only
         `abandon_limit` are forgiven (a cheater cannot dodge every draw by rejoining). Returns how
-        many it has abandoned in all when this join abandoned any, else 0."""
+        many more than forgiven it has abandoned when this join abandoned any (≤ 0: forgiven), else None."""
         with self.lock:
             self.chains[(block, worker_id)] = ChainEnd()
             gone = [k for k, j in self.waiting.items() if (j.header.block, j.header.worker_id) == (block, worker_id)]
             if not gone:
-                return 0
+                return None
             for k in gone:
                 del self.waiting[k]
             rec = self.records.setdefault(worker_id, AuditRecord())
             rec.abandoned += len(gone)
             rec.passed = 0  # on probation again
             self.counts[("abandoned", "rejoin")] += len(gone)
-            return rec.abandoned
+            return rec.abandoned - rec.forgiven(self.cfg.abandon_limit)
 
     def check_chain(self, header: PushHeader) -> None:
         """MalformedInput("chain") unless this update starts where the worker's last round ended."""
@@ -347,6 +354,7 @@ class Audits:
             rec = self.records.setdefault(v.header.worker_id, AuditRecord())
             if v.passed:
                 rec.passed += 1
+                rec.passed_total += 1
             else:
                 rec.failed += 1
                 self.delays.append(v.delay_s)

@@ -162,8 +162,8 @@ class SwarmAggregator:
         except ConfigMismatchError:
             self.count("join_refused", "data")
             raise
-        if self.audits is not None and (abandoned := self.audits.joined(block, worker_id)):
-            self._abandoned(worker_id, abandoned)
+        if self.audits is not None and (over := self.audits.joined(block, worker_id)) is not None:
+            self._abandoned(worker_id, over)
         agg.register(worker_id)
         if terms is not None and self._training.get(worker_id) != terms:
             self._training[worker_id] = terms
@@ -255,18 +255,18 @@ class SwarmAggregator:
         log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
         self._drop(worker_id, f"audit_{reason}")
 
-    def _abandoned(self, worker_id: str, abandoned: int) -> None:
+    def _abandoned(self, worker_id: str, over: int) -> None:
         """It rejoined while an audit waited for its start state (aggregate/audit.py Audits.joined):
-        its update still in an open round is dropped (it cannot be audited now), and past the limit
-        it is revoked and refused (Forbidden)."""
+        its update still in an open round is dropped (it cannot be audited now), and once it has
+        abandoned more than it is forgiven (`over` > 0) it is revoked and refused (Forbidden)."""
         for agg in self.blocks.values():
             agg.drop(worker_id, "audit_abandoned")
-        limit = self.acfg.audit.abandon_limit
-        log.warning("worker %s rejoined without sending the start state of an update drawn for audit (%d abandoned, "
-                    "%d forgiven): on probation again", worker_id, abandoned, limit)
-        if abandoned > limit:
-            self._punish(worker_id, "abandoned", f"{abandoned} audits abandoned by rejoining, over {limit}")
-            raise Forbidden("revoked", f"worker {worker_id!r} was revoked: it left {abandoned} audits without its state")
+        log.warning("worker %s rejoined without sending the start state of an update drawn for audit (%s): on "
+                    "probation again", worker_id, "forgiven" if over <= 0 else "over its allowance")
+        if over > 0:
+            self._punish(worker_id, "abandoned", "more audits abandoned by rejoining than it is forgiven")
+            raise Forbidden("revoked", f"worker {worker_id!r} was revoked: it left audits without its state once too "
+                                       f"often")
 
     def _drop(self, worker_id: str, reason: str) -> None:
         for agg in self.blocks.values():
