@@ -48,7 +48,6 @@ from btnode.train.trainers import optimizer_spec, unit_trainer
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
-OPT, EF = OPTIMIZER_PREFIX, RESIDUAL_PREFIX
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,8 @@ def secret_draw(secret: bytes, update_id: str) -> float:
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
     """(optimizer tensors, residual) of an uploaded start state."""
-    return ({n[len(OPT):]: t for n, t in state.items() if n.startswith(OPT)},
-            {n[len(EF):]: t for n, t in state.items() if n.startswith(EF)})
+    return ({n[len(OPTIMIZER_PREFIX):]: t for n, t in state.items() if n.startswith(OPTIMIZER_PREFIX)},
+            {n[len(RESIDUAL_PREFIX):]: t for n, t in state.items() if n.startswith(RESIDUAL_PREFIX)})
 
 
 class Replayer:
@@ -125,9 +124,9 @@ class Replayer:
         the optimizer was fresh, and the residual unless there was none."""
         spec: dict[str, tuple[int, ...]] = {}
         if claim.optimizer_start != EMPTY_STATE:
-            spec.update({OPT + n: s for n, s in self.optimizer_shapes.items()})
+            spec.update({OPTIMIZER_PREFIX + n: s for n, s in self.optimizer_shapes.items()})
         if claim.residual_start != EMPTY_STATE:
-            spec.update({EF + n: s for n, s in self.shapes.items()})
+            spec.update({RESIDUAL_PREFIX + n: s for n, s in self.shapes.items()})
         return spec
 
     def check_start(self, claim: WorkClaim, state: Mapping[str, torch.Tensor]) -> None:
