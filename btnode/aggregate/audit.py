@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from btnode.codec.codecs import decode
+from btnode.codec.codecs import decode, keep_in
 from btnode.codec.frames import encode_update
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
@@ -165,7 +165,7 @@ class Replayer:
         for step in steps:
             trainer.train_step(self.sampler.batch(tc.seed, h.data_key, step, tc.batch), h.worker_id)
         raw, res_end = encode_update(trainer.model.state_dict(), job.base, residual, h.codec,
-                                     error_feedback=theirs.error_feedback)
+                                     error_feedback=theirs.error_feedback, keep=keep_in(h.codec, job.raw))
         exact = theirs.exact_with(Recipe.here(torch.device("cpu"), theirs.precision,
                                               error_feedback=theirs.error_feedback))
         if exact and raw != job.raw:

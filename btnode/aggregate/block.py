@@ -25,7 +25,8 @@ from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, med
 from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.codec.codecs import Codec, decode, parse
 from btnode.codec.frames import encode_raw
-from btnode.errors import MalformedInput, PeerInputError
+from btnode.codec.sparse import keep_of
+from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.settings import flag
 from btnode.store.files import state_sha256
@@ -46,14 +47,21 @@ class AggregatorConfig:
     outer: OuterConfig = OuterConfig()
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
-    update_codecs: tuple[Codec, ...] = (Codec.FP32, Codec.BF16, Codec.INT8)
-    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas.", default=Codec.FP32, value=str, parse=parse,
-                                format=lambda c: c.name.lower())  # lossless: every replica reaches θ^{v+1} exactly
+    update_codecs: tuple[Codec, ...] = tuple(Codec)
+    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2.",
+                                default=Codec.FP32, value=str, parse=parse,
+                                format=lambda c: c.name.lower())  # every replica applies these same bytes, lossy or not
+    publish_density: float = flag("--publish-density", "Share of values a sparse publish codec sends (0, 1].",
+                                  default=0.03)  # a sparse publish codec keeps the top of step + residual
     keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
     screen_cosine: float = 0.7  # screened mode: drop a cosine with the median update under this × the round's median cosine
     history: int = 20  # round summaries kept for status
+
+    def __post_init__(self) -> None:
+        if not 0 < self.publish_density <= 1:
+            raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
 
 
 @dataclass(frozen=True)
@@ -309,7 +317,7 @@ class BlockAggregator:
         codec = self.cfg.publish_codec
         if codec is not Codec.FP32:  # error feedback on the published step
             step = {n: s + self.residual.get(n, 0) for n, s in step.items()}
-        raw = encode_raw(step, codec)
+        raw = encode_raw(step, codec, keep=keep_of(self.cfg.publish_density))
         decoded = {n: decode(codec, raw[n], self.spec[n]) for n in step}
         if codec is not Codec.FP32:
             self.residual = {n: step[n] - decoded[n] for n in step}

@@ -23,6 +23,10 @@ the update's own moves, one round's published move (≤ cS under plain averaging
 carry measured on the previous trajectory, and s more for an update based s versions back. A lossy codec adds the error-feedback residual of the previous update: at most
 half a quantisation step of a frame that was itself within bound, ≤ B/254 for int8 (absmax/127
 per group), less for bf16; and decoding may round the largest value up by 2⁻⁸ (bf16).
+A sparse codec (codec/sparse.py) sends only the top of Δ + β·e and keeps the rest, so a coordinate
+may wait many rounds and then be sent with all it piled up: with decay β the residual is at most
+β/(1−β) rounds' bounds (19 at β = 0.95), and that much more is allowed. It is a wide bound; the
+screen's norm band (aggregate/block.py) is what keeps such an update's size honest.
 """
 
 from __future__ import annotations
@@ -105,6 +109,10 @@ class ClaimConfig:
         top = max((float(t.abs().max()) for t in theta.values() if t.ndim >= 2 and t.numel()), default=0.0)
         slack = 0.0 if codec is Codec.FP32 else LOSSY_SLACK * float(self._limit(self.max_steps, torch.tensor([[top]]),
                                                                                 drift).max())
+        if codec.sparse:
+            piled = codec.ef_decay / (1 - codec.ef_decay)
+            return {n: (self._limit(steps, t, drift) + piled * self._limit(self.max_steps, t, drift) + slack)
+                    * (1 + ROUNDING) for n, t in theta.items()}
         return {n: (self._limit(steps, t, drift) + slack) * (1 + ROUNDING) for n, t in theta.items()}
 
     def _limit(self, steps: int, theta: torch.Tensor, drift: int) -> torch.Tensor:

@@ -1,20 +1,24 @@
-"""Tensor codecs (design §3.4): fp32 (lossless), bf16, and int8 with one absmax scale per 256
-values. A codec turns an fp32 tensor into its raw representation; frames.py compresses that with
+"""Tensor codecs (design §3.4): fp32 (lossless), bf16, int8 with one absmax scale per 256
+values, and the sparse low-bit codecs of codec/sparse.py (top-k per 4,096-value chunk, Rice-coded
+positions, 8- or 2-bit values; issue #24). A codec turns an fp32 tensor into its raw representation; frames.py compresses that with
 zstd level 1 (levels above 1 buy nothing on float data: the dtype choice is what matters).
 
 Raw layouts, all little-endian:
   FP32  numel × float32
   BF16  numel × bfloat16 (round to nearest even)
   INT8  ceil(numel/256) × float32 scales, then numel × int8; value = q · scale
+  SPARSE8, SPARSE2  see codec/sparse.py: a u16 `keep` (values per chunk), then variable-size sections
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from enum import IntEnum
 
 import torch
 
+from btnode.codec import sparse
 from btnode.errors import MalformedInput
 
 GROUP = 256  # values per int8 scale
@@ -28,9 +32,35 @@ class Codec(IntEnum):
     FP32 = 1
     BF16 = 2
     INT8 = 3
+    SPARSE8 = 4
+    SPARSE2 = 5
+
+    @property
+    def sparse(self) -> bool:
+        return self in (Codec.SPARSE8, Codec.SPARSE2)
+
+    @property
+    def ef_decay(self) -> float:
+        """β of error feedback, acc = Δ + β·residual: 1 for the dense codecs (the residual is one rounding
+        step), sparse.EF_DECAY for the sparse ones (a coordinate may wait many rounds to be sent, and
+        the decay bounds what it can pile up to: the claims bound, aggregate/claims.py)."""
+        return sparse.EF_DECAY if self.sparse else 1.0
+
+
+SPARSE_DENSITY = 0.01  # default share of values a sparse codec keeps
+
+
+def keep_in(codec: Codec, raw: Mapping[str, bytes]) -> int:
+    """The keep of a sparse update's frames (they share one: the first says it); CHUNK otherwise."""
+    first = next(iter(raw.values()), b"")
+    return sparse.keep_in(first) or sparse.CHUNK if codec.sparse else sparse.CHUNK
 
 
 def raw_size(codec: Codec, numel: int) -> int:
+    """The raw size of `numel` values; for a sparse codec, whose size depends on its keep and on
+    where the kept values lie, an upper bound at any keep."""
+    if codec.sparse:
+        return sparse.max_raw_size(numel)
     if codec is Codec.FP32:
         return 4 * numel
     if codec is Codec.BF16:
@@ -38,9 +68,12 @@ def raw_size(codec: Codec, numel: int) -> int:
     return 4 * -(-numel // GROUP) + numel
 
 
-def encode(codec: Codec, x: torch.Tensor) -> bytes:
-    """fp32 tensor (any shape, any device) → raw bytes."""
+def encode(codec: Codec, x: torch.Tensor, *, keep: int = sparse.CHUNK) -> bytes:
+    """fp32 tensor (any shape, any device) → raw bytes. `keep`: values a sparse codec keeps per
+    4,096-value chunk (sparse.keep_of(density)); the dense codecs ignore it."""
     flat = x.detach().to("cpu", torch.float32).contiguous().view(-1)
+    if codec.sparse:
+        return sparse.encode_sparse(flat, keep, codec is Codec.SPARSE2)
     if codec is Codec.FP32:
         return flat.numpy().tobytes()
     if codec is Codec.BF16:
@@ -59,6 +92,9 @@ def decode(codec: Codec, raw: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
+    if codec.sparse:
+        positions, values = sparse.decode_sparse(raw, numel, codec is Codec.SPARSE2)
+        return sparse.densify(positions, values, numel).reshape(shape)
     if len(raw) != raw_size(codec, numel):
         raise MalformedInput("size", f"{codec.name} data for shape {tuple(shape)} must be "
                              f"{raw_size(codec, numel)} bytes, got {len(raw)}")

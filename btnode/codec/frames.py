@@ -17,6 +17,7 @@ import torch
 import zstandard
 
 from btnode.codec.codecs import Codec, decode, encode, raw_size
+from btnode.codec.sparse import CHUNK
 from btnode.errors import MalformedInput, TooLarge
 
 FRAME_SLACK = 64 << 10  # zstd may grow incompressible data slightly
@@ -64,36 +65,40 @@ def frame_from_raw(name: str, shape: tuple[int, ...], codec: Codec, raw: bytes,
     return Frame(header, payload)
 
 
-def encode_raw(tensors: Mapping[str, torch.Tensor], codec: Codec) -> dict[str, bytes]:
-    """Codec representation of each tensor (before zstd), in the mapping's order."""
-    return {name: encode(codec, t) for name, t in tensors.items()}
+def encode_raw(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> dict[str, bytes]:
+    """Codec representation of each tensor (before zstd), in the mapping's order; `keep`: a sparse
+    codec's values per chunk."""
+    return {name: encode(codec, t, keep=keep) for name, t in tensors.items()}
 
 
 def encode_update(params: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor],
-                  residual: Mapping[str, torch.Tensor], codec: Codec, *,
-                  error_feedback: bool) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
-    """The codec bytes of Δ = params − base (+ the residual of the last update, with error feedback)
-    and the residual this one leaves (the codec's rounding error). One function for the worker that
-    pushes and the auditor that replays it, so that the two compute the same bytes."""
+                  residual: Mapping[str, torch.Tensor], codec: Codec, *, error_feedback: bool,
+                  keep: int = CHUNK) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
+    """The codec bytes of Δ = params − base (+ β × the residual of the last update, with error
+    feedback; β = codec.ef_decay) and the residual this one leaves (what the codec did not send).
+    One function for the worker that pushes and the auditor that replays it, so that the two
+    compute the same bytes."""
     delta = {n: params[n].detach().cpu() - base[n] for n in base}
     if error_feedback:
-        delta = {n: d + residual[n] if n in residual else d for n, d in delta.items()}
-    raw = encode_raw(delta, codec)
+        beta = codec.ef_decay
+        delta = {n: (d + (residual[n] if beta == 1 else beta * residual[n]) if n in residual else d)
+                 for n, d in delta.items()}
+    raw = encode_raw(delta, codec, keep=keep)
     if not error_feedback:
         return raw, {}
     return raw, {n: delta[n] - decode(codec, raw[n], tuple(delta[n].shape)) for n in delta}
 
 
-def encode_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> list[Frame]:
-    return list(lazy_frames(tensors, codec))
+def encode_frames(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> list[Frame]:
+    return list(lazy_frames(tensors, codec, keep=keep))
 
 
-def lazy_frames(tensors: Mapping[str, torch.Tensor], codec: Codec) -> Iterator[Frame]:
+def lazy_frames(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> Iterator[Frame]:
     """Frames encoded one at a time as the consumer asks: fed to a gRPC stream, the encoding of
     tensor k+1 overlaps the sending of tensor k (zstd and sha256 release the GIL)."""
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     for name, t in tensors.items():
-        yield frame_from_raw(name, tuple(t.shape), codec, encode(codec, t), compressor)
+        yield frame_from_raw(name, tuple(t.shape), codec, encode(codec, t, keep=keep), compressor)
 
 
 def iter_chunks(frames: Iterable[Frame], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
@@ -184,9 +189,9 @@ class FrameAssembler:
             raise MalformedInput("codec", f"tensor {h.name!r} uses codec {h.codec!r}, accepted: "
                                  f"{sorted(c.name for c in self.codecs)}")
         expected_raw = raw_size(h.codec, math.prod(want))
-        if h.raw_bytes != expected_raw:
-            raise MalformedInput("size", f"tensor {h.name!r} declares {h.raw_bytes} raw bytes, "
-                                 f"{h.codec.name} needs {expected_raw}")
+        if h.raw_bytes > expected_raw if h.codec.sparse else h.raw_bytes != expected_raw:
+            raise MalformedInput("size", f"tensor {h.name!r} declares {h.raw_bytes} raw bytes, {h.codec.name} "
+                                 f"needs {'at most ' if h.codec.sparse else ''}{expected_raw}")
         if h.payload_bytes > self.max_frame_bytes:
             raise TooLarge("frame_size", f"frame {h.name!r} of {h.payload_bytes} bytes exceeds "
                            f"the limit of {self.max_frame_bytes}")

@@ -36,7 +36,7 @@ from btnode.aggregate.audit import Verdict
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec
+from btnode.codec.codecs import SPARSE_DENSITY, Codec
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden
 from btnode.model.config import ModelConfig
@@ -62,6 +62,7 @@ class SimConfig:
     delays_s: tuple[float, ...] = (0.02,)  # mean one-way delay per replica (cycled over replicas)
     delay_dist: str = "exp"  # fixed | exp (exponential) | lognormal (σ = 0.5), with that mean
     codec: Codec = Codec.INT8
+    density: float = SPARSE_DENSITY  # a sparse codec's share of values sent
     train_while_waiting: bool = False
     schedule_by_version: bool = True  # see WorkerConfig
     seed: int = 0  # participation and delay streams
@@ -128,6 +129,7 @@ class Simulation:
         for b, r in itertools.product(range(cfg.total_blocks), range(scfg.replicas)):
             wid = f"b{b}r{r}"
             wcfg = WorkerConfig(worker_id=wid, block=b, steps_per_round=scfg.steps_per_round, codec=scfg.codec,
+                                density=scfg.density,
                                 train_while_waiting=scfg.train_while_waiting,
                                 schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]

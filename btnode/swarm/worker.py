@@ -40,11 +40,12 @@ from typing import TypeVar
 import torch
 import zstandard
 
-from btnode.codec.codecs import Codec, parse
+from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
+from btnode.codec.sparse import keep_of
 from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
-from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
+from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, AggregatorLink, Judgement, Outcome,
                              PushHeader, RoundSize, Transfer, VersionInfo, WorkClaim)
@@ -70,8 +71,10 @@ class WorkerConfig:
     worker_id: str = flag("--worker-id", "Unique name (default host-pid; a stage: block-B).")
     block: int = flag("--block", "The block to train or serve (a --model ar worker: 0, the default).")
     steps_per_round: int = same_flag(RoundSize, "steps_per_round")  # H: local steps between pushes
-    codec: Codec = flag("--codec", "Update codec: fp32, bf16 or int8.", default=Codec.INT8, value=str, parse=parse,
-                        format=lambda c: c.name.lower())
+    codec: Codec = flag("--codec", "Update codec: fp32, bf16, int8, sparse8 or sparse2 (docs/tuning.md).",
+                        default=Codec.INT8, value=str, parse=parse, format=lambda c: c.name.lower())
+    density: float = flag("--density", "Share of values a sparse codec sends (0, 1].",
+                          default=SPARSE_DENSITY)  # sparse codecs: top-k per 4,096-value chunk at this share
     error_feedback: bool = flag("--no-error-feedback", "Drop the codec's rounding error.", default=True,
                                 parse=operator.not_, format=operator.not_)  # carry the rounding error into the next update
     rounds: int | None = flag("--rounds", "Stop after this many pushes.",
@@ -84,6 +87,10 @@ class WorkerConfig:
     schedule_by_version: bool = flag("--schedule-by-version/--schedule-by-own-steps",
                                      "Inner LR schedule position: at least version × H (catch up after an absence), or "
                                      "its own step count.", default=True)  # see _adopt
+
+    def __post_init__(self) -> None:
+        if not 0 < self.density <= 1:
+            raise ConfigError(f"--density must be in (0, 1], got {self.density}")
 
 
 @dataclass
@@ -297,7 +304,7 @@ class BlockWorker:
     def _encode(self) -> dict[str, bytes]:
         """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback)."""
         raw, residual = encode_update(self.trainer.model.state_dict(), self.base, self.residual, self.wcfg.codec,
-                                      error_feedback=self.wcfg.error_feedback)
+                                      error_feedback=self.wcfg.error_feedback, keep=keep_of(self.wcfg.density))
         self.residual = residual
         return raw
 

@@ -13,6 +13,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FP32: _ClassVar[Codec]
     BF16: _ClassVar[Codec]
     INT8: _ClassVar[Codec]
+    SPARSE8: _ClassVar[Codec]
+    SPARSE2: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +33,8 @@ CODEC_UNSPECIFIED: Codec
 FP32: Codec
 BF16: Codec
 INT8: Codec
+SPARSE8: Codec
+SPARSE2: Codec
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 OUTCOME_UNSPECIFIED: Outcome

@@ -10,7 +10,7 @@ def test_fp32_is_lossless_and_sizes_match(n):
     x = torch.randn(n) * 0.01
     for c in Codec:
         raw = encode(c, x)
-        assert len(raw) == raw_size(c, n)
+        assert len(raw) <= raw_size(c, n) if c.sparse else len(raw) == raw_size(c, n)  # sparse: a bound
     assert torch.equal(decode(Codec.FP32, encode(Codec.FP32, x), (n,)), x)
 
 
