@@ -245,6 +245,7 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path, spec: str = "i
                              "aggregator_peak_rss_mb": usage.ru_maxrss / 1024,
                              "bytes_per_worker_round": (st["bytes_pushed_wire"] + st["bytes_pulled_wire"]) / st["pushes"],
                              "bytes_pushed_per_round": st["bytes_pushed_wire"] / st["pushes"],
+                             "bytes_delta_per_fetch": st["bytes_delta_wire"] / max(1, st["delta_fetches"]),
                              "parameters": unit_parameters(d, heads, rank if name == "block_lowrank" else 0, name == "ar")}
         print(f"[memory] traffic {name}: {res['runs'][name]['bytes_per_worker_round'] / 1e6:,.1f} MB per worker-round, "
               f"{res['runs'][name]['parameters']:,} parameters", flush=True)
@@ -391,21 +392,27 @@ def render_traffic_codecs(spec: str, r: dict, int8: dict | None) -> list[str]:
     """The traffic table again with other codecs (issue #24), against the int8 table's bytes."""
     names = {"block": "block 0", "ar": f"DiLoCo replica, {BLOCKS * LAYERS}-layer AR (`--model ar`)"}
 
+    def steady(w: dict) -> float:
+        """A round once joined: one push and one published delta (the join's full pull left out)."""
+        return w["bytes_pushed_per_round"] + w["bytes_delta_per_fetch"]
+
     def fewer(n: str, w: dict) -> str:
         base = (int8 or {}).get("runs", {}).get(n)
-        return f"{base['bytes_per_worker_round'] / w['bytes_per_worker_round']:,.0f}×" if base else "—"
+        return f"{base['bytes_per_worker_round'] / steady(w):,.0f}×" if base else "—"
 
     return [
         f"### Bytes per worker-round at d = {r['d_model']} with `{spec}` (`bench/memory.py --traffic "
         f"--traffic-codecs {spec}`, {r.get('date', '')})",
         "",
-        "The same runs as the table above with these codecs (worker codec:density / publish codec:density); "
-        "bits per parameter = 8 × bytes / parameters.",
+        "The same runs as the table above with these codecs (worker codec:density / publish codec:density). "
+        "A round once joined moves one push and one published delta; the join's full fp32 pull, which the int8 "
+        "table spreads over its rounds, is left out here (it is paid once per join). Bits per parameter = "
+        "8 × (push + delta) / parameters; fewer bytes = the int8 table's MB per worker-round over push + delta.",
         "",
-        *table(["worker", "parameters", "MB per worker-round", "MB pushed per round", "bits/param up + down",
+        *table(["worker", "parameters", "MB pushed per round", "MB per published delta", "bits/param up + down",
                 "fewer bytes than int8", "command"],
-               [(names[n], f"{w['parameters']:,}", f"{w['bytes_per_worker_round'] / 1e6:,.3f}",
-                 f"{w['bytes_pushed_per_round'] / 1e6:,.3f}", f"{8 * w['bytes_per_worker_round'] / w['parameters']:.3f}",
+               [(names[n], f"{w['parameters']:,}", f"{w['bytes_pushed_per_round'] / 1e6:,.3f}",
+                 f"{w['bytes_delta_per_fetch'] / 1e6:,.3f}", f"{8 * steady(w) / w['parameters']:.3f}",
                  fewer(n, w), f"`{w['command']}`") for n, w in r["runs"].items()], "lrrrrrl"),
     ]
 
