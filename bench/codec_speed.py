@@ -191,6 +191,7 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
                 procs.append(clients[name])
             for c in clients.values():
                 assert c.stdout is not None and c.stdout.readline().strip() == "ready", "a push client failed"
+            os.sync()  # the aggregators' version-0 checkpoints on disk, not written back during the pushes
             first = next(iter(clients.values()))
             times: dict[str, list[float]] = {name: [] for name in [*trees, "plain gRPC"]}
             for _ in range(reps + 1):  # the first round of turns is the warm-up

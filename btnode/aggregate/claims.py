@@ -124,6 +124,15 @@ class ClaimConfig:
             torch.abs(theta, out=out).add_(drift * adam).mul_(self.weight_decay * steps * self.lr).add_(adam)
         return out.add_(slack).mul_(1 + ROUNDING)
 
+    def _least(self, steps: int, theta: torch.Tensor, slack: float, drift: int) -> float:
+        """The smallest of one tensor's bounds: its bound at min |θ|, as every operation of the bound is
+        monotone in |θ| (float rounding too: adds and multiplies by non-negative constants)."""
+        if theta.ndim < 2:
+            return float(self._bound_into(torch.empty(1), steps, theta, slack, drift))
+        lo, hi = (float(v) for v in torch.aminmax(theta))
+        least = lo if lo > 0 else -hi if hi < 0 else 0.0
+        return float(self._bound_into(torch.empty(1, 1), steps, torch.tensor([[least]]), slack, drift))
+
     def _limit(self, steps: int, theta: torch.Tensor, drift: int) -> torch.Tensor:
         """Adam's part plus weight decay's (matrices only) for one tensor, before any codec."""
         adam = self.adam_ratio * steps * self.lr
@@ -133,15 +142,20 @@ class ClaimConfig:
 
     def check(self, header: PushHeader, delta: Tensors, theta: Tensors, *, drift: int = 2) -> float:
         """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not.
-        Not enforced (`--believe-claims`): the weight the header states. Each tensor's bound is built
-        in one buffer reused for all (as `bound` computes it)."""
+        Not enforced (`--believe-claims`): the weight the header states. A tensor whose largest move is
+        within its least bound passes without the coordinate-wise check; the others have their bounds
+        built in one buffer reused for all (as `bound` computes them)."""
         if not self.enforce:
             return header.samples
         weight = self.weight(header)
         steps, slack = len(header.steps), self._slack(theta, header.codec, drift)
         largest = max((d.numel() for d in delta.values()), default=0)
-        limit_buf, over_buf = torch.empty(largest), torch.empty(largest)
+        limit_buf = over_buf = None
         for n, d in delta.items():
+            if d.numel() == 0 or _absmax(d) <= self._least(steps, theta[n], slack, drift):
+                continue
+            if limit_buf is None or over_buf is None:
+                limit_buf, over_buf = torch.empty(largest), torch.empty(largest)
             limit = self._bound_into(limit_buf[:d.numel()].view(d.shape), steps, theta[n], slack, drift)
             over = torch.abs(d, out=over_buf[:d.numel()].view(d.shape)).sub_(limit)
             if bool((over > 0).any()):
@@ -157,3 +171,8 @@ class ClaimConfig:
         return cls(batch=tc.batch, lr=tc.lr, steps_per_round=steps_per_round, beta1=tc.beta1, beta2=tc.beta2,
                    weight_decay=tc.weight_decay, enforce=enforce)
 
+
+def _absmax(t: torch.Tensor) -> float:
+    """max |t| without a tensor of |t| (NaN if t holds one)."""
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (lo.isnan() or hi.isnan()) else math.nan
