@@ -125,7 +125,10 @@ def decode(codec: Codec, raw: bytes, shape: tuple[int, ...]) -> torch.Tensor:
         else:
             scale = torch.frombuffer(buf, dtype=torch.float32, count=groups)
             q = torch.frombuffer(buf, dtype=torch.int8, offset=4 * groups)
-            flat = q.float() * scale.repeat_interleave(GROUP)[:numel]
+            flat = q.float()  # scaled in place, group by group: no numel-sized temporaries
+            full = numel - numel % GROUP
+            flat[:full].view(-1, GROUP).mul_(scale[:full // GROUP, None])
+            flat[full:].mul_(scale[-1])
     return flat.reshape(shape)
 
 
