@@ -134,23 +134,31 @@ def test_a_sparse_frame_declaring_more_than_its_bound_is_refused_before_any_payl
     assert err.value.reason == "size" and a.wire_bytes == 0 and not a.tensors
 
 
-HOSTILE_BODIES = {  # reason → the "vec" frame's raw bytes (257 values at keep 41: one chunk, k = 3)
-    "layout": lambda raw: b"\0\0" + raw[2:],  # keep 0
-    "count": lambda raw: raw[:-1] + b"\xff",  # the last gap's zero gone
-    "size": lambda raw: raw + bytes(8),
-    "range": lambda raw: raw[:6] + b"\x80" + raw[7:],  # SPARSE8: the first value −128; SPARSE2: a NaN in its table
-}
+def _keep_zero(raw):
+    return b"\0\0" + raw[2:]
 
 
-@pytest.mark.parametrize("codec", SPARSE, ids=lambda c: c.name)
-@pytest.mark.parametrize("reason", sorted(HOSTILE_BODIES))
-def test_a_sparse_frame_with_a_bad_body_gives_its_reason_and_no_tensor(codec, reason):
-    raw = HOSTILE_BODIES[reason](encode(codec, TENSORS["vec"], keep=41))
-    if codec is Codec.SPARSE2 and reason == "range":
-        raw, reason = raw[:2] + np.float16("nan").tobytes() + raw[4:], "nonfinite"
+def _gap_gone(raw):  # the last gap's zero bit set: one gap fewer than the header's keep needs
+    return raw[:-1] + b"\xff"
+
+
+def _trailing(raw):
+    return raw + bytes(8)
+
+
+HOSTILE_BODIES = [  # (codec, reason, the "vec" frame's raw bytes: 257 values at keep 41, one chunk, k = 3)
+    *((c, reason, bad) for c in SPARSE for reason, bad in (("layout", _keep_zero), ("count", _gap_gone),
+                                                           ("size", _trailing))),
+    (Codec.SPARSE8, "range", lambda raw: raw[:6] + b"\x80" + raw[7:]),  # the first value −128
+    (Codec.SPARSE2, "nonfinite", lambda raw: raw[:2] + np.float16("nan").tobytes() + raw[4:]),  # a NaN bin mean
+]
+
+
+@pytest.mark.parametrize("codec, reason, bad", HOSTILE_BODIES, ids=[f"{c.name}-{r}" for c, r, _ in HOSTILE_BODIES])
+def test_a_sparse_frame_with_a_bad_body_gives_its_reason_and_no_tensor(codec, reason, bad):
     a = assembler()
     with pytest.raises(MalformedInput) as err:
-        for c in iter_chunks(with_vec_raw(codec, raw)):
+        for c in iter_chunks(with_vec_raw(codec, bad(encode(codec, TENSORS["vec"], keep=41)))):
             a.add(c)
     assert err.value.reason == reason and "vec" not in a.tensors and "vec" not in a.raw
 

@@ -228,7 +228,7 @@ def test_duplicate_positions_cannot_be_written(seed, codec, keep):
     n, two = 2 * CHUNK + 300, codec is Codec.SPARSE2
     lay = Layout.of(n, keep)
     rng = np.random.default_rng(seed)
-    head = encode(codec, torch.randn(n), keep=keep)
+    head = frame(codec, n, keep)
     rem_at = lay.fixed_bytes(two) - -(-lay.remainder_bits // 8)
     rem = np.zeros(-(-lay.remainder_bits // 8) * 8, np.uint8)
     rem[:lay.remainder_bits] = rng.integers(0, 2, lay.remainder_bits)
