@@ -138,10 +138,12 @@ def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_wor
 def test_simulate_runs_diloco_with_its_outer_step_and_config_show_prints_its_fingerprint(tmp_path):
     out = tmp_path / "sim.json"
     p = run_cli("simulate", "--rounds", "2", "--steps-per-round", "2", "--batch", "4", "--eval-windows", "4",
-                "--json", str(out), *TINY_SHAPE, *AR_FLAGS)
+                "--json", str(out), "--codec", "sparse2", "--density", "0.03", "--publish-codec", "sparse8",
+                *TINY_SHAPE, *AR_FLAGS)  # the sparse codecs too, as a block run would have them (issue #24)
     assert "after 2 rounds: teacher-forced CE" in p.stdout
     res = json.loads(out.read_text())
     assert res["versions"] == {"0": 2} and res["model"]["kind"] == "ar" and res["ce"] > 0
+    assert (res["sim"]["codec"], res["sim"]["density"], res["outcomes"]["rejected"]) == ("SPARSE2", 0.03, 0)
     assert (res["outer"]["lr"], res["outer"]["momentum"]) == (0.7, 0.9)
     shown = run_cli("config", "show", "join", "--", "--role", "worker", *TINY_SHAPE, *AR_FLAGS).stdout
     assert f"run fingerprint: {CFG.fingerprint()}" in shown
