@@ -59,7 +59,7 @@ def variants(densities: list[float]):
     from btnode.codec.codecs import Codec
 
     for codec in Codec:
-        if not getattr(codec, "sparse", False):
+        if not codec.sparse:
             yield codec, codec.name.lower(), {}
             continue
         from btnode.codec.sparse import keep_of
