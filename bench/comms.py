@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import zstandard
 
+from bench.comms_wan import load, render_wan, run_wan
 from bench.flags import QUICK_SHAPE, BenchParser
 from bench.report import RESULTS, invoked, is_published, publish, pyplot, table
 from btnode.aggregate.averaging import OuterConfig
@@ -106,6 +107,11 @@ def levers(models: Iterable[str]) -> list[Row]:
     return [Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH]
 
 
+def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
+    """BlockTrain's shape, or DiLoCo's AR model of the same width and B·L layers."""
+    return shape if kind == "block" else replace(shape, kind="ar", ar_layers=shape.n_blocks * shape.n_layers)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What every row of a run shares (picklable: it goes to the pool's processes)."""
@@ -117,11 +123,6 @@ class Settings:
     lr: float
     replicas: int
     windows: int
-
-    def model(self, kind: str) -> ModelConfig:
-        if kind == "block":
-            return self.shape
-        return replace(self.shape, kind="ar", ar_layers=self.shape.n_blocks * self.shape.n_layers)
 
     @property
     def tc(self) -> TrainConfig:
@@ -186,7 +187,7 @@ def run_row(row: Row, s: Settings) -> dict:
     """One lockstep swarm: its bytes per worker-round, CE and outcomes."""
     torch.set_num_threads(1)  # a small model: more threads only contend
     t0 = time.perf_counter()
-    cfg, corpus, taps = s.model(row.model), _corpus(), Taps()
+    cfg, corpus, taps = model_of(s.shape, row.model), _corpus(), Taps()
     scfg = SimConfig(rounds=s.rounds, replicas=s.replicas, steps_per_round=s.h, step_time_s=STEP_S, delays_s=(0.0,),
                      delay_dist="fixed", codec=row.codec, density=row.density)
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=1e6), outer=OuterConfig.from_flags({"model": row.model}),
@@ -231,8 +232,9 @@ def best_ratios(rows: list[dict]) -> dict[str, dict]:
         within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in rows
                   if r["model"] == m and Codec[r["codec"].upper()].sparse and r["ce"] <= ref["ce"] + AIM_CE]
         ratio, best = max(within, key=lambda x: x[0], default=(None, None))
+        setting = best and {k: best[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator")}
         out[m] = {"ratio": ratio, "row": best and best["label"], "ce": best and best["ce"], "int8_ce": ref["ce"],
-                  "int8_bytes": total}
+                  "int8_bytes": total, "setting": setting}
     return out
 
 
@@ -253,10 +255,10 @@ def frontier(args: argparse.Namespace) -> None:
            "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
            "command": command, "date": datetime.date.today().isoformat()}
     if args.results.exists():  # the WAN part keeps its rows
-        out["wan"] = json.loads(args.results.read_text()).get("wan")
-        out["wan_rows"] = json.loads(args.results.read_text()).get("wan_rows", [])
-    png = plot(out, RESULTS / "comms.png") if is_published("comms", args.results) else None
-    publish("comms", out, lambda res: render(res, png), out=args.results)
+        before = json.loads(args.results.read_text())
+        out.update(wan=before.get("wan"), wan_rows=before.get("wan_rows", []))
+    out["png"] = is_published("comms", args.results) and plot(out, RESULTS / "comms.png") is not None
+    publish("comms", out, render, out=args.results)
     print(json.dumps({"best": best, "not_all_accepted": bad}, indent=1))
 
 
@@ -298,7 +300,7 @@ def _rows_table(rows: list[dict]) -> list[str]:
                    f"{r['outcomes'].get('accepted', 0)}/{r['pushes']}") for r in rows], "llrrrrrr")
 
 
-def render(out: dict, png: Path | None) -> str:
+def render(out: dict) -> str:
     shape = ModelConfig.from_dict(out["shape"])
     best = out["best"]
     lines = ["## Bytes on the wire: the sparse frontier (`bench/comms.py`)", "",
@@ -328,15 +330,15 @@ def render(out: dict, png: Path | None) -> str:
                   + ", ".join(out["not_all_accepted"]) + "."]
     if out["levers"]:
         lines += ["", "Levers, one setting each (same command):", "", *_rows_table(out["levers"])]
-    if png:
-        lines += ["", f"![CE against bytes per worker-round](bench/results/{png.name})"]
-    return "\n".join(lines)
+    if out["png"]:
+        lines += ["", "![CE against bytes per worker-round](bench/results/comms.png)"]
+    return "\n".join(lines + render_wan(out))
 
 
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.result("comms")
-    ap.rounds(rounds=30, h=10, batch=16)
+    ap.rounds(rounds=30, h=5, batch=8)
     ap.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak lr (cosine to 0.1× over the run)")
     ap.add_argument("--replicas", type=int, default=2, help="replicas per block (BlockTrain), full replicas (DiLoCo)")
     ap.add_argument("--densities", type=float, nargs="*", default=list(DENSITIES), help="sparse upload densities")
@@ -345,9 +347,27 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="rows simulated at once (one process and one thread each)")
     ap.windows(256)
     ap.shape(SHAPE)
-    ap.quick(rounds=3, h=2, batch=4, windows=8, densities=[0.1, 0.01], shape=QUICK_SHAPE)
+    wan = ap.add_argument_group("--wan: int8 against the best sparse row over the WAN lab (root)")
+    wan.add_argument("--wan", action="store_true", help="run the WAN part (after the frontier) and add its rows")
+    wan.add_argument("--seconds", type=float, default=240.0, help="wall-clock of each WAN run from the workers' start")
+    wan.add_argument("--rate-mbit", type=float, default=4.0, help="each worker host's link, each way")
+    wan.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    wan.add_argument("--deadline", type=float, default=120.0, help="τ (s): long, rounds close when all reported")
+    wan.add_argument("--warmup", type=int, default=20, help="inner warmup steps (constant lr after: no run knows its "
+                                                            "step count in advance)")
+    wan.add_argument("--points", type=int, default=4, help="CE time points after t = 0")
+    wan.add_argument("--wan-codec", choices=["sparse8", "sparse2"], help="the sparse setting to run instead of the "
+                                                                         "frontier's best (published sparse8 at the same density)")
+    wan.add_argument("--wan-density", type=float, default=0.01)
+    ap.quick(rounds=3, h=2, batch=4, windows=8, densities=[0.1, 0.01], shape=QUICK_SHAPE, seconds=90.0, points=2,
+             warmup=2)
     args = ap.parse_args()
-    frontier(args)
+    if args.wan:
+        out = run_wan(args, load(args.results), model_of)
+        publish("comms", out, render, out=args.results)
+        print(json.dumps(out["wan_rows"], indent=1))
+    else:
+        frontier(args)
 
 
 if __name__ == "__main__":
