@@ -178,11 +178,12 @@ def run_capped(group: Path, args: list[str], log: Path) -> dict:
             "command": shown([BTNODE, *args]), "log_tail": log.read_text(errors="replace").strip().splitlines()[-3:]}
 
 
-def start_aggregator(out: Path, sh: list[str], training: list[str]) -> tuple[subprocess.Popen, list[str], str]:
+def start_aggregator(out: Path, sh: list[str], training: list[str],
+                     extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[str], str]:
     """A real aggregator on loopback owning every unit of the model `sh` describes, checking claims by
     the workers' `training` flags (--steps-per-round, --batch): (process, command, peer)."""
     args = ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
-            "--deadline", "300", "--min-updates", "1", "--keep", "2", *training, *sh]
+            "--deadline", "300", "--min-updates", "1", "--keep", "2", *training, *extra, *sh]
     agg = start_node(args, port_file=out / "port", log=out / "aggregator.log", timeout_s=600, name="aggregator")
     return agg.proc, [BTNODE, *args, "--port-file", str(out / "port")], agg.address()
 
@@ -196,14 +197,30 @@ def unit_parameters(d: int, heads: int, rank: int, ar: bool) -> int:
     return int(measure([sys.executable, "-c", code]).stdout.split()[-1])
 
 
-def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
+def codec_flags(spec: str) -> tuple[list[str], list[str]]:
+    """"sparse2:0.01/sparse8:0.03" → the worker's (--codec, --density) and the aggregator's
+    (--publish-codec, --publish-density) flags; "int8" → int8 updates, published as today."""
+    up, _, down = spec.partition("/")
+    codec, _, density = up.partition(":")
+    worker = ["--codec", codec, *(["--density", density] if density else [])]
+    if not down:
+        return worker, []
+    pub, _, pub_density = down.partition(":")
+    return worker, ["--publish-codec", pub, *(["--publish-density", pub_density] if pub_density else [])]
+
+
+def traffic(d: int, heads: int, batch: int, rank: int, out: Path, spec: str = "int8") -> dict:
     """Bytes per worker-round at one size (issue #12's bytes aim, measured where the model is large): a
     worker of block 0 with full-rank σ-conditioning, one with --ada-rank RANK, and a DiLoCo worker of the
     B·L-layer AR model (--model ar), each through its own aggregator for TRAFFIC_ROUNDS rounds of one step,
-    int8 updates. Bytes per worker-round = (wire bytes pushed + pulled) / pushes, from the worker's stats
-    file, as bench/diloco.py counts them."""
+    int8 updates (or `spec`'s codecs, codec_flags; then without the low-rank run). Bytes per worker-round =
+    (wire bytes pushed + pulled) / pushes, from the worker's stats file, as bench/diloco.py counts them."""
     runs = {"block": [], "block_lowrank": ["--ada-rank", str(rank)], "ar": ["--model", "ar"]}
-    res: dict = {"d_model": d, "heads": heads, "batch": batch, "ada_rank": rank, "rounds": TRAFFIC_ROUNDS, "runs": {}}
+    if spec != "int8":
+        del runs["block_lowrank"]
+    worker_codec, publish = codec_flags(spec)
+    res: dict = {"d_model": d, "heads": heads, "batch": batch, "ada_rank": rank, "rounds": TRAFFIC_ROUNDS, "runs": {},
+                 "codecs": spec}
     for name, flags in runs.items():
         folder = out / name
         if folder.exists():
@@ -211,10 +228,10 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
         folder.mkdir(parents=True)
         sh = [*shape(d, heads), *flags]
         training = ["--steps-per-round", "1", "--batch", str(batch)]
-        agg, _, peer = start_aggregator(folder, sh, training)
+        agg, _, peer = start_aggregator(folder, sh, training, tuple(publish))
         unit = [] if name == "ar" else ["--block", "0"]
         cmd = [BTNODE, "join", "--role", "worker", *unit, "--peer", peer, "--worker-id", f"traffic-{name}",
-               "--rounds", str(TRAFFIC_ROUNDS), *training, "--codec", "int8",
+               "--rounds", str(TRAFFIC_ROUNDS), *training, *worker_codec,
                "--stats-file", str(folder / "stats.json"), *sh]
         try:
             w = measure(cmd)
@@ -228,13 +245,15 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path) -> dict:
                              "aggregator_peak_rss_mb": usage.ru_maxrss / 1024,
                              "bytes_per_worker_round": (st["bytes_pushed_wire"] + st["bytes_pulled_wire"]) / st["pushes"],
                              "bytes_pushed_per_round": st["bytes_pushed_wire"] / st["pushes"],
+                             "bytes_delta_per_fetch": st["bytes_delta_wire"] / max(1, st["delta_fetches"]),
                              "parameters": unit_parameters(d, heads, rank if name == "block_lowrank" else 0, name == "ar")}
         print(f"[memory] traffic {name}: {res['runs'][name]['bytes_per_worker_round'] / 1e6:,.1f} MB per worker-round, "
               f"{res['runs'][name]['parameters']:,} parameters", flush=True)
         shutil.rmtree(folder)
     ar = res["runs"]["ar"]["bytes_per_worker_round"]
     res["ratio_ar_over_block"] = ar / res["runs"]["block"]["bytes_per_worker_round"]
-    res["ratio_ar_over_block_lowrank"] = ar / res["runs"]["block_lowrank"]["bytes_per_worker_round"]
+    if "block_lowrank" in res["runs"]:
+        res["ratio_ar_over_block_lowrank"] = ar / res["runs"]["block_lowrank"]["bytes_per_worker_round"]
     return res
 
 
@@ -340,6 +359,8 @@ def render(res: dict) -> str:
         lines += ["", *render_capped(res["capped"], res.get("capped_full_replica_refused"))]
     if res.get("traffic"):
         lines += ["", *render_traffic(res["traffic"])]
+    for spec, tr in res.get("traffic_codecs", {}).items():
+        lines += ["", *render_traffic_codecs(spec, tr, res.get("traffic"))]
     return "\n".join(lines)
 
 
@@ -364,6 +385,35 @@ def render_traffic(r: dict) -> list[str]:
         "",
         f"DiLoCo over BlockTrain, bytes per worker-round: **{r['ratio_ar_over_block']:.2f}×** at full rank, "
         f"**{r['ratio_ar_over_block_lowrank']:.2f}×** with `--ada-rank {r['ada_rank']}` (aim ≥ B = {BLOCKS}).",
+    ]
+
+
+def render_traffic_codecs(spec: str, r: dict, int8: dict | None) -> list[str]:
+    """The traffic table again with other codecs (issue #24), against the int8 table's bytes."""
+    names = {"block": "block 0", "ar": f"DiLoCo replica, {BLOCKS * LAYERS}-layer AR (`--model ar`)"}
+
+    def steady(w: dict) -> float:
+        """A round once joined: one push and one published delta (the join's full pull left out)."""
+        return w["bytes_pushed_per_round"] + w["bytes_delta_per_fetch"]
+
+    def fewer(n: str, w: dict) -> str:
+        base = (int8 or {}).get("runs", {}).get(n)
+        return f"{base['bytes_per_worker_round'] / steady(w):,.0f}×" if base else "—"
+
+    return [
+        f"### Bytes per worker-round at d = {r['d_model']} with `{spec}` (`bench/memory.py --traffic "
+        f"--traffic-codecs {spec}`, {r.get('date', '')})",
+        "",
+        "The same runs as the table above with these codecs (worker codec:density / publish codec:density). "
+        "A round once joined moves one push and one published delta; the join's full fp32 pull, which the int8 "
+        "table spreads over its rounds, is left out here (it is paid once per join). Bits per parameter = "
+        "8 × (push + delta) / parameters; fewer bytes = the int8 table's MB per worker-round over push + delta.",
+        "",
+        *table(["worker", "parameters", "MB pushed per round", "MB per published delta", "bits/param up + down",
+                "fewer bytes than int8", "command"],
+               [(names[n], f"{w['parameters']:,}", f"{w['bytes_pushed_per_round'] / 1e6:,.3f}",
+                 f"{w['bytes_delta_per_fetch'] / 1e6:,.3f}", f"{8 * steady(w) / w['parameters']:.3f}",
+                 fewer(n, w), f"`{w['command']}`") for n, w in r["runs"].items()], "lrrrrrl"),
     ]
 
 
@@ -413,6 +463,9 @@ def main() -> None:
                     help="Only the memory-capped workers part (item 4), merged into the existing results.")
     ap.add_argument("--traffic", action="store_true",
                     help="Only the bytes-per-worker-round part (d = 1024), merged into the existing results.")
+    ap.add_argument("--traffic-codecs", default="int8", metavar="SPEC",
+                    help="With --traffic: the codecs, UP[:DENSITY][/PUBLISH[:DENSITY]], e.g. sparse2:0.01/sparse8:0.03 "
+                         "(results under traffic_codecs[SPEC]; int8, the default, is the main traffic table).")
     ap.add_argument("--child", choices=("block", "ar"), help=argparse.SUPPRESS)
     ap.shape(config(128, 4), "d_model", "n_heads", hidden=True)  # the --child's width
     ap.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
@@ -427,9 +480,14 @@ def main() -> None:
         # d = 1024, not the largest size: at d = 1792 the DiLoCo run's aggregator (14.9 GB resident for
         # the 310 M-parameter unit) and its worker do not fit this 24 GB host together (OOM-killed).
         d, h, b = (64, 2, BATCH) if args.quick else sizes[-2]
-        tr = {**traffic(d, h, b, TRAFFIC_RANK, args.out / "traffic"), "date": time.strftime("%Y-%m-%d")}
+        tr = {**traffic(d, h, b, TRAFFIC_RANK, args.out / "traffic", args.traffic_codecs),
+              "date": time.strftime("%Y-%m-%d")}
         print(json.dumps({k: v for k, v in tr.items() if k != "runs"}, indent=1))
         if args.quick:
+            return
+        if args.traffic_codecs != "int8":
+            others = json.loads(args.results.read_text()).get("traffic_codecs", {})
+            merge(args, traffic_codecs={**others, args.traffic_codecs: tr})
             return
         merge(args, traffic=tr, traffic_bytes_ratio_ar_over_block=tr["ratio_ar_over_block"],
               traffic_bytes_ratio_ar_over_block_lowrank=tr["ratio_ar_over_block_lowrank"])

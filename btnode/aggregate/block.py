@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, dense, dot, is_sparse, norm, scaled
 from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
@@ -58,10 +59,16 @@ class AggregatorConfig:
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
     screen_cosine: float = 0.7  # screened mode: drop a cosine with the median update under this × the round's median cosine
     history: int = 20  # round summaries kept for status
+    sparse_mean: str = flag("--sparse-mean", "How sparse updates are averaged per coordinate: senders (over the updates "
+                                             "that sent it) or all (docs/tuning.md).", default="senders")
+    clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
+                                          "down to it before averaging.", default=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.publish_density <= 1:
             raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
+        if self.sparse_mean not in SPARSE_MEANS:
+            raise ConfigError(f"--sparse-mean must be one of {SPARSE_MEANS}, got {self.sparse_mean!r}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,8 @@ class BlockAggregator:
             log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
         self.spec = {n: tuple(t.shape) for n, t in self.params.items()}
         self.round = Round(version=self.info.version, opened_at=self.clock(), cfg=cfg.round)
+        self._sum = self._accumulator()  # the open round's sparse updates, summed as they arrive
+        self._sum_exact = True  # False once an update left the round after being summed
 
     # -- membership -------------------------------------------------------------------------
     def register(self, worker_id: str) -> None:
@@ -164,20 +173,22 @@ class BlockAggregator:
                 outcome, factor, reason = self.round.judge(header.worker_id, header.base_version)
                 if outcome is Outcome.ACCEPTED:
                     samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness)
-                    self._check_norm(delta)
+                    size = norm(delta)
+                    self._check_norm(size)
             except PeerInputError as exc:
                 self.reject(header, exc)
                 raise
             if outcome is not Outcome.ACCEPTED:
                 return self._answer(header, self.round.judgement(outcome, reason))
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
-                            samples=samples, loss=header.loss, delta=delta, weight=samples * factor)
+                            samples=samples, loss=header.loss, delta=self._clipped(delta, size), weight=samples * factor,
+                            norm=size)
             if hold:
                 self.held[header.update_id] = update
                 self.counters[(Outcome.PROBATION.value, "")] += 1
                 return self._remember(header.update_id, self.round.judgement(
                     Outcome.PROBATION, "on probation: applied only once its audit passes"))
-            self.round.add(update)
+            self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
                      self.round.version, header.worker_id, header.data_key or "not stated", format_steps(header.steps),
@@ -207,7 +218,7 @@ class BlockAggregator:
             if update.base_version != self.round.version or update.worker_id in self.round.accepted:
                 self.counters[(Outcome.LATE.value, "audited_after_close")] += 1
                 return False
-            self.round.add(update)
+            self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
             self._maybe_close()
@@ -221,6 +232,7 @@ class BlockAggregator:
             update = self.round.accepted.pop(worker_id, None)
             if update is None:
                 return False
+            self._sum_exact = self._sum_exact and not is_sparse(update.delta)
             self.round.counts[Outcome.ACCEPTED] -= 1
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
             self.counters[(Outcome.REJECTED.value, reason)] += 1
@@ -239,13 +251,29 @@ class BlockAggregator:
             self._answers.popitem(last=False)
         return j
 
-    def _check_norm(self, delta: Tensors) -> None:
-        norm = self._norm(delta)
+    def _check_norm(self, size: float) -> None:
         if len(self._norms) >= 3:
             ref = statistics.median(self._norms)
-            if ref > 0 and norm > self.cfg.max_norm_ratio * ref:
-                raise MalformedInput("norm", f"update norm {norm:.4g} is over {self.cfg.max_norm_ratio:g}× "
+            if ref > 0 and size > self.cfg.max_norm_ratio * ref:
+                raise MalformedInput("norm", f"update norm {size:.4g} is over {self.cfg.max_norm_ratio:g}× "
                                              f"the median accepted norm {ref:.4g}")
+
+    def _clipped(self, delta: dict, size: float) -> dict:
+        """With --clip, an update over the median norm of recent accepted updates, scaled down to it
+        (SparseLoCo clips each peer so; the norm check above refuses far larger ones outright)."""
+        if not self.cfg.clip or len(self._norms) < 3:
+            return delta
+        ref = statistics.median(self._norms)
+        return scaled(delta, ref / size) if size > ref > 0 else delta
+
+    def _accumulator(self) -> Accumulator:
+        return Accumulator(self.spec, self.cfg.sparse_mean)
+
+    def _take(self, update: Update) -> None:
+        """Into the open round; a sparse update also into the round's running sum."""
+        self.round.add(update)
+        if is_sparse(update.delta):
+            self._sum.add(update.delta, update.weight)
 
     # -- closing ----------------------------------------------------------------------------
     def tick(self) -> VersionInfo | None:
@@ -282,22 +310,19 @@ class BlockAggregator:
             return ups, []
         screened = self.cfg.outer.robust == "screened"
         low, high = self.cfg.screen_band if screened else (0.0, self.cfg.max_norm_ratio)
-        norms = [self._norm(u.delta) for u in ups]
+        norms = [u.norm for u in ups]
         ref = statistics.median(norms)
-        med = median([u.delta for u in ups])
-        med_norm = self._norm(med)
-        cosines = [sum(float((u.delta[n] * med[n]).sum()) for n in med) / max(norm * med_norm, 1e-30)
-                   for u, norm in zip(ups, norms)]
+        cosines = self._cosines(ups)
         least = max(0.0, self.cfg.screen_cosine * statistics.median(cosines)) if screened else 0.0
         kept, dropped = [], []
-        for u, norm, cos in zip(ups, norms, cosines):
-            why = ("norm" if ref > 0 and not low * ref <= norm <= high * ref else
+        for u, size, cos in zip(ups, norms, cosines):
+            why = ("norm" if ref > 0 and not low * ref <= size <= high * ref else
                    "direction" if cos < least else "")
             if why:
                 dropped.append((u.worker_id, f"{why}_at_close"))
                 log.warning("%s round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
-                            "cosine %.3f with the median update, least %.3f)", self.name, self.round.version,
-                            u.worker_id, why, norm, ref, cos, least)
+                            "cosine %.3f with the others, least %.3f)", self.name, self.round.version,
+                            u.worker_id, why, size, ref, cos, least)
             else:
                 kept.append(u)
         if not kept:
@@ -307,9 +332,48 @@ class BlockAggregator:
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
         return kept, dropped
 
+    def _cosines(self, ups: list[Update]) -> list[float]:
+        """Each update's cosine with the others: dense rounds, with the coordinate-wise median update;
+        rounds with sparse updates, whose median is 0 almost everywhere, with the weighted sum of the
+        other updates (the round's sum less its own share, no second pass over the others)."""
+        if not any(is_sparse(u.delta) for u in ups):
+            med = median([u.delta for u in ups])
+            med_norm = norm(med)
+            return [dot(u.delta, med) / max(norm(u.delta) * med_norm, 1e-30) for u in ups]
+        total = Accumulator(self.spec, "all")
+        for u in ups:
+            total.add(u.delta, u.weight)
+        s2 = sum(float(t.square().sum()) for t in total.sum.values())
+        out = []
+        for u in ups:
+            own, d = norm(u.delta), dot(u.delta, total.sum)
+            others = math.sqrt(max(s2 - 2 * u.weight * d + (u.weight * own) ** 2, 0.0))
+            out.append((d - u.weight * own**2) / max(own * others, 1e-30))
+        return out
+
+    def _combine(self, ups: list[Update], *, dropped: bool) -> tuple[Tensors, str]:
+        """Δ̄ of the kept updates. Rounds with sparse updates use the running sum (rebuilt if an update
+        left it), with the dense updates of the round added in; trimmed and median need every value,
+        so they make sparse updates dense (N copies: the cost of choosing them)."""
+        if not any(is_sparse(u.delta) for u in ups):
+            return combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
+        if len(ups) >= 3 and self.cfg.outer.robust in ("trimmed", "median"):
+            return combine([dense(u.delta) for u in ups], [u.weight for u in ups], self.cfg.outer)
+        acc = self._sum
+        if dropped or not self._sum_exact:
+            acc = self._accumulator()
+            for u in ups:
+                if is_sparse(u.delta):
+                    acc.add(u.delta, u.weight)
+        for u in ups:
+            if not is_sparse(u.delta):
+                acc.add(u.delta, u.weight)
+        robust = "screened" if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
+        return acc.mean(), f"{robust}/{self.cfg.sparse_mean}"
+
     def _close(self, reason: str) -> VersionInfo:
         ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
-        mean, rule = combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
+        mean, rule = self._combine(ups, dropped=bool(dropped))
         # Each full-size temporary is dropped as soon as it is used: a round's close is the
         # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large.
         step = self.outer.step(mean)
@@ -333,20 +397,17 @@ class BlockAggregator:
         outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in self.residual.items()}}  # read, not copied
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
                          outer=outer_state)
-        self._norms.extend(self._norm(u.delta) for u in ups)
+        self._norms.extend(u.norm for u in ups)
         self.params, self.info = params, info
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
         self.rounds_closed[reason] += 1
         self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
+        self._sum, self._sum_exact = self._accumulator(), True
         log.info("%s: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
                  self.name, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)
         self.lock.notify_all()
         return info
-
-    @staticmethod
-    def _norm(delta: Tensors) -> float:
-        return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in delta.values()))
 
     def _meta(self, info: VersionInfo, rule: str = "") -> dict:
         return {"info": {**info.__dict__, "delta_codec": info.delta_codec.name}, "rule": rule}

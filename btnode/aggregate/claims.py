@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from btnode.codec.codecs import Codec
+from btnode.codec.sparse import SparseTensor
 from btnode.errors import ConfigError, MalformedInput
 from btnode.protocol import PushHeader, RoundSize, format_steps
 from btnode.settings import flag, same_flag
@@ -122,7 +123,8 @@ class ClaimConfig:
             return torch.full_like(theta, adam)
         return adam + self.weight_decay * steps * self.lr * (theta.abs() + drift * adam)
 
-    def check(self, header: PushHeader, delta: Tensors, theta: Tensors, *, drift: int = 2) -> float:
+    def check(self, header: PushHeader, delta: Mapping[str, torch.Tensor | SparseTensor], theta: Tensors, *,
+              drift: int = 2) -> float:
         """The update's weight if its claim and its size hold; MalformedInput("claim" / "bound") if not.
         Not enforced (`--believe-claims`): the weight the header states."""
         if not self.enforce:
@@ -130,11 +132,16 @@ class ClaimConfig:
         weight = self.weight(header)
         limits = self.bound(len(header.steps), theta, header.codec, drift=drift)
         for n, d in delta.items():
-            over = d.abs() - limits[n]
+            if isinstance(d, SparseTensor):  # only the sent coordinates moved
+                moved, limit, where = d.values, limits[n].reshape(-1)[d.positions], d.positions
+            else:
+                moved, limit, where = d.reshape(-1), limits[n].reshape(-1), None
+            over = moved.abs() - limit
             if bool((over > 0).any()):
-                i = int(over.argmax())
-                raise MalformedInput("bound", f"{header.worker_id}: {n}[{i}] moved {float(d.flatten()[i]):.4g}, over the "
-                                              f"{float(limits[n].flatten()[i]):.4g} that {len(header.steps)} AdamW steps "
+                j = int(over.argmax())
+                i = j if where is None else int(where[j])
+                raise MalformedInput("bound", f"{header.worker_id}: {n}[{i}] moved {float(moved[j]):.4g}, over the "
+                                              f"{float(limit[j]):.4g} that {len(header.steps)} AdamW steps "
                                               f"at lr {self.lr:g} can move it")
         return weight
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from btnode.codec.sparse import SparseTensor
 from btnode.errors import ConfigError, MalformedInput, StaleUpdate
 from btnode.protocol import Judgement, Outcome
 from btnode.settings import flag
@@ -40,8 +41,9 @@ class Update:
     base_version: int
     samples: float
     loss: float
-    delta: dict[str, torch.Tensor]
+    delta: dict[str, torch.Tensor | SparseTensor]  # sparse codecs' updates stay sparse (aggregate/accumulate.py)
     weight: float
+    norm: float = 0.0  # ‖Δ‖ as it arrived (before any clipping)
 
 
 @dataclass

@@ -392,7 +392,7 @@ class SwarmAggregator:
                   chunks: Iterable[ChunkData]) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """The tensors of a chunk stream, each frame checked against `spec` and `codec`, and their raw
         codec bytes; its bytes are counted as far as it got."""
-        asm = FrameAssembler.for_spec(spec, [codec])
+        asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True)  # sparse updates stay sparse
         try:
             for chunk in chunks:
                 asm.add(chunk)

@@ -17,7 +17,7 @@ import torch
 import zstandard
 
 from btnode.codec.codecs import Codec, decode, encode, raw_size
-from btnode.codec.sparse import CHUNK
+from btnode.codec.sparse import CHUNK, SparseTensor
 from btnode.errors import MalformedInput, TooLarge
 
 FRAME_SLACK = 64 << 10  # zstd may grow incompressible data slightly
@@ -135,13 +135,14 @@ class FrameAssembler:
     """
 
     def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
-                 max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True):
+                 max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False):
         self.spec = dict(spec)
         self.codecs = set(codecs)
         self.max_frame_bytes = max_frame_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.finite = finite
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.keep_sparse = keep_sparse  # a sparse frame becomes a SparseTensor, not a dense tensor
+        self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
         self.raw: dict[str, bytes] = {}
         self._current: FrameHeader | None = None
         self._parts: list[bytes] = []
@@ -150,10 +151,12 @@ class FrameAssembler:
         self._dctx = zstandard.ZstdDecompressor()
 
     @classmethod
-    def for_spec(cls, spec: Spec, codecs: Iterable[Codec]) -> FrameAssembler:
+    def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False) -> FrameAssembler:
         """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
-        largest = max(raw_size(Codec.FP32, math.prod(s)) for s in spec.values())
-        return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES)
+        codecs = list(codecs)
+        largest = max(raw_size(c, math.prod(s)) for s in spec.values() for c in {Codec.FP32, *codecs})
+        return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES,
+                   keep_sparse=keep_sparse)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -222,14 +225,17 @@ class FrameAssembler:
                                  f"header says {h.raw_bytes}")
         if hashlib.sha256(raw).digest() != h.sha256:
             raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
-        t = decode(h.codec, raw, h.shape)
-        if self.finite and not all_finite(t):
-            raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
+        if h.codec.sparse and self.keep_sparse:
+            t = SparseTensor.decode(raw, h.shape, h.codec is Codec.SPARSE2)  # its values are checked finite
+        else:
+            t = decode(h.codec, raw, h.shape)
+            if self.finite and not all_finite(t):
+                raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
         self.tensors[h.name] = t
         self.raw[h.name] = raw
         self._current, self._parts = None, []
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def finish(self) -> dict[str, torch.Tensor | SparseTensor]:
         if self._current is not None:
             raise MalformedInput("truncated", f"stream ended inside frame {self._current.name!r} "
                                  f"({self._received} of {self._current.payload_bytes} bytes)")

@@ -105,6 +105,7 @@ class WorkerStats:
     pull_seconds: float = 0.0  # summed over full pulls and delta fetches
     full_pulls: int = 0
     delta_fetches: int = 0
+    bytes_delta_wire: int = 0  # the part of bytes_pulled_wire that published deltas took (the rest: full pulls)
     train_seconds: float = 0.0  # wall time inside training steps (utilisation = train_seconds / wall)
     steps: int = 0
     wait_steps: int = 0  # steps trained while waiting for a version, folded into the next update
@@ -189,6 +190,7 @@ class BlockWorker:
             try:
                 got = self.link.fetch_delta(self.wcfg.block, target.version, self.spec)
                 self.stats.delta_fetches += 1
+                self.stats.bytes_delta_wire += got.transfer.wire
                 self._count_pull(got.transfer)
                 params = {n: self.base[n] + got.tensors[n] for n in self.base}  # exactly as the aggregator adds
                 if state_sha256(params) == target.sha256 == got.info.sha256:
