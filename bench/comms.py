@@ -15,7 +15,8 @@ B·L layers, --replicas full replicas, the aggregator's outer Nesterov step, η 
 Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swarm as it is today),
 `int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
 sparse8 at the workers' own density (the download costs what the upload does). Levers, each at one
-setting: the publish density (and fp32 publish) of sparse2 at 1 %.
+setting, sparse2 at 1 %: the publish density (and fp32 publish), and the aggregator's sparse_mean × clip
+(AggregatorConfig fields, set per row).
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
 (level 1) payload bytes of each published delta, mean over versions and units: in lockstep every
@@ -37,7 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -68,6 +69,8 @@ SPARSE = (Codec.SPARSE8, Codec.SPARSE2)
 VALUE_BITS = {Codec.FP32: 32, Codec.BF16: 16, Codec.INT8: 8, Codec.SPARSE8: 8, Codec.SPARSE2: 2}
 LEVER_AT = (Codec.SPARSE2, 0.01)  # the setting the publish levers vary
 LEVER_PUBLISH = ((Codec.SPARSE8, 0.03), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))
+# AggregatorConfig.sparse_mean × clip, less the default (senders, no clip) that the grid row has
+LEVER_AGGREGATOR = (("senders", True), ("all", False), ("all", True))
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
 STEP_S = 0.1  # virtual seconds per step (lockstep: the clock only orders events)
 _corpus = functools.cache(bundled)  # once per process
@@ -104,7 +107,9 @@ def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
 
 def levers(models: Iterable[str]) -> list[Row]:
     codec, d = LEVER_AT
-    return [Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH]
+    return [*(Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH),
+            *(Row(m, codec, d, Codec.SPARSE8, d, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
+              for m in models for mean, clip in LEVER_AGGREGATOR)]
 
 
 def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
@@ -238,12 +243,30 @@ def best_ratios(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
+    """Every row of `plan`, in its order. Each finished row is appended to `done` at once, and a row
+    found there (same label, same settings) is not run again: an interrupted run resumes. `done` is
+    removed when the plan is through."""
+    key = repr(s)
+    have = {(r["model"], r["label"]): r for r in map(json.loads, done.read_text().splitlines() if done.exists() else [])
+            if r["settings"] == key}
+    todo = [r for r in plan if (r.model, r.label) not in have]
+    print(f"[comms] {len(plan) - len(todo)} of {len(plan)} rows from {done}", flush=True)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for fut in as_completed([pool.submit(run_row, r, s) for r in todo]):
+            row = {**fut.result(), "settings": key}
+            have[(row["model"], row["label"])] = row
+            with done.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    done.unlink(missing_ok=True)
+    return [have[(r.model, r.label)] for r in plan]
+
+
 def frontier(args: argparse.Namespace) -> None:
     s = Settings(args.shape, args.rounds, args.h, args.batch, args.lr, args.replicas, args.windows)
     plan = grid(args.models, args.densities) + (levers(args.models) if args.levers else [])
     plan.sort(key=lambda r: r.model != "block")  # the longer block rows first, so the pool ends together
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(run_row, plan, [s] * len(plan)))
+    rows = run_plan(plan, s, args.jobs, args.results.with_suffix(".rows.jsonl"))
     command = invoked()
     for r in rows:
         r["command"] = command
@@ -272,12 +295,12 @@ def plot(out: dict, path: Path) -> Path | None:
     for ax, m in zip(axes[0], models):
         rows = [r for r in out["rows"] + out["levers"] if r["model"] == m]
         for codec in marks:
-            for lever in ("", "publish"):
+            for lever in ("", "publish", "aggregator"):
                 pts = sorted((r["bytes_up"] + r["bytes_down"], r["ce"], r) for r in rows
                              if r["codec"] == codec and r["lever"] == lever)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[codec], ls="-" if not lever else "",
-                            mfc="none" if lever else None, label=codec + (" (publish levers)" if lever else ""))
+                            mfc="none" if lever else None, label=codec + (f" ({lever} levers)" if lever else ""))
         ref = out["best"][m]
         ax.axhline(ref["int8_ce"] + AIM_CE, color="grey", ls=":", lw=1, label="int8 CE + 0.02")
         ax.axvline(ref["int8_bytes"] / AIM_RATIO, color="grey", ls="--", lw=1, label="int8 bytes / 50")
