@@ -16,6 +16,7 @@ TINY = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, se
 
 def row(codec: str, up: float, down: float, ce: float, *, publish: str = "fp32", lever: str = "") -> dict:
     return {"model": "block", "codec": codec, "publish_codec": publish, "bytes_up": up, "bytes_down": down, "ce": ce,
+            "header_up": 1, "header_down": 1,
             "lever": lever, "label": f"{codec} {up}", "density": 0.01, "publish_density": 0.01, "aggregator": {}}
 
 
