@@ -28,17 +28,31 @@ def workers_of(model: ModelConfig, replicas: int) -> list[tuple[int, int, int]]:
             for u in range(model.total_blocks) for r in range(replicas)]
 
 
-def settings_of(out: dict, model: str, args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
-    """(name, codec, density, publish codec, publish density) of a model's two runs: int8, and the frontier's
-    best sparse row (or --wan-codec … when given, or when the frontier has no row within the aim)."""
+INT8 = {"codec": "int8", "density": 1.0, "publish_codec": "fp32", "publish_density": 1.0, "aggregator": {}}
+
+
+def settings_of(out: dict, model: str, args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(name, setting) of a model's two runs: int8, and the frontier's best sparse row (or the one
+    --wan-codec names, which a frontier without a row within the aim needs)."""
     best = out["best"][model]["setting"]
     if args.wan_codec:
         best = {"codec": args.wan_codec, "density": args.wan_density, "publish_codec": "sparse8",
-                "publish_density": args.wan_density}
+                "publish_density": args.wan_density, "aggregator": {}}
     if best is None:
         raise SystemExit(f"the frontier has no sparse {model} row within the aim: name one with --wan-codec/--wan-density")
-    return [("int8", "int8", 1.0, "fp32", 1.0),
-            ("sparse", best["codec"], best["density"], best["publish_codec"], best["publish_density"])]
+    return [("int8", INT8), ("sparse", best)]
+
+
+def flags_of(setting: dict) -> tuple[list[str], list[str]]:
+    """(worker flags, aggregator flags) of a frontier row's setting."""
+    sparse = Codec[setting["codec"].upper()].sparse
+    worker = ["--codec", setting["codec"], *(["--density", str(setting["density"])] if sparse else [])]
+    agg = ["--publish-codec", setting["publish_codec"]]
+    if setting["publish_codec"] != "fp32":
+        agg += ["--publish-density", str(setting["publish_density"])]
+    for name, value in setting["aggregator"].items():  # AggregatorConfig fields: sparse_mean, clip
+        agg += {"sparse_mean": ["--sparse-mean", str(value)], "clip": ["--clip" if value else "--no-clip"]}[name]
+    return worker, agg
 
 
 def run_wan(args: argparse.Namespace, out: dict, model_of) -> dict:  # type: ignore[no-untyped-def]
@@ -55,13 +69,11 @@ def run_wan(args: argparse.Namespace, out: dict, model_of) -> dict:  # type: ign
             Star(4, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as lab:
         for m in args.models:
             cfg = model_of(args.shape, m)
-            for name, codec, density, pub, pub_density in settings_of(out, m, args):
-                flags = ["--codec", codec] + (["--density", str(density)] if Codec[codec.upper()].sparse else [])
-                agg = ["--publish-codec", pub] + (["--publish-density", str(pub_density)] if pub != "fp32" else [])
+            for name, setting in settings_of(out, m, args):
+                worker, agg = flags_of(setting)
                 r = diloco.run_once(lab, f"{m}_{name}", cfg, workers_of(cfg, args.replicas), lab_args, Path(tmp),
-                                    worker_flags=flags, aggregator_flags=agg)
-                rows.append({"model": m, "codec": codec, "density": density, "publish_codec": pub,
-                             "publish_density": pub_density, "rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms,
+                                    worker_flags=worker, aggregator_flags=agg)
+                rows.append({"model": m, **setting, "rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms,
                              "seconds": args.seconds, "rounds": r["versions"], "bytes": r["bytes_per_worker_round"],
                              "bytes_pushed": r["bytes_pushed_per_worker_round"], "ce": r["ce_final"],
                              "ce_by_time": r["ce_by_time"], "accepted": r["accepted"], "pushes": r["pushes"],
@@ -91,7 +103,8 @@ def render_wan(out: dict) -> list[str]:
             *table(["model", "upload / published", "rounds", "bytes per worker-round", "compute s/round",
                     "transfer s/round", "accepted", "CE at the end"],
                    [(r["model"], f"{r['codec']}" + (f"@{r['density']:g}" if r["density"] < 1 else "")
-                     + f" / {r['publish_codec']}" + (f"@{r['publish_density']:g}" if r["publish_density"] < 1 else ""),
+                     + f" / {r['publish_codec']}" + (f"@{r['publish_density']:g}" if r["publish_density"] < 1 else "")
+                     + "".join(f", {k}={v}" for k, v in r["aggregator"].items()),
                      r["rounds"], f"{r['bytes']:,.0f}", f"{r['compute_s_per_round']:.2f}",
                      f"{r['transfer_s_per_round']:.2f}", f"{r['accepted']}/{r['pushes']}", f"{r['ce']:.4f}")
                     for r in out["wan_rows"]], "llrrrrrr")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.comms import Row, Settings, all_accepted, best_ratios, framing, grid, levers, model_of, run_row
+from bench.comms_wan import INT8, flags_of
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, frame_from_raw
 from btnode.model.config import ModelConfig
@@ -50,3 +51,11 @@ def test_a_lockstep_row_trains_every_round_and_counts_both_directions():
         assert all_accepted(r) and r["versions"] == 2 and r["pushes"] == 2 * 2 * 2
         assert r["header_up"] > 0 and r["header_down"] > 0
     assert sparse["bytes_up"] < dense["bytes_up"] / 4 and sparse["bytes_down"] < dense["bytes_down"] / 4
+
+
+def test_a_frontier_setting_becomes_the_flags_of_real_nodes():
+    setting = {"codec": "sparse2", "density": 0.01, "publish_codec": "sparse8", "publish_density": 0.03,
+               "aggregator": {"sparse_mean": "all", "clip": True}}
+    assert flags_of(setting) == (["--codec", "sparse2", "--density", "0.01"],
+                                 ["--publish-codec", "sparse8", "--publish-density", "0.03", "--sparse-mean", "all", "--clip"])
+    assert flags_of(INT8) == (["--codec", "int8"], ["--publish-codec", "fp32"])
