@@ -71,6 +71,7 @@ LEVER_AT = (Codec.SPARSE2, 0.01)  # the setting the publish levers vary
 LEVER_PUBLISH = ((Codec.SPARSE8, 0.03), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))
 # AggregatorConfig.sparse_mean × clip, less the default (senders, no clip) that the grid row has
 LEVER_AGGREGATOR = (("senders", True), ("all", False), ("all", True))
+PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
 STEP_S = 0.1  # virtual seconds per step (lockstep: the clock only orders events)
 _corpus = functools.cache(bundled)  # once per process
@@ -88,13 +89,19 @@ class Row:
     publish_density: float = 1.0
     lever: str = ""  # the lever table it belongs to; "" for the frontier grid
     aggregator: tuple[tuple[str, object], ...] = ()
+    outer: tuple[float, float] | None = None  # (η, μ) of the outer step; None: the model's default
 
     @property
     def label(self) -> str:
         up = self.codec.name.lower() + (f"@{self.density:.3g}" if self.codec.sparse else "")
         down = self.publish.name.lower() + (f"@{self.publish_density:.3g}" if self.publish.sparse else "")
         extra = "".join(f", {k}={v}" for k, v in self.aggregator)
-        return f"{up} / publish {down}{extra}"
+        outer = f", outer η={self.outer[0]:g} μ={self.outer[1]:g}" if self.outer else ""
+        return f"{up} / publish {down}{extra}{outer}"
+
+    def outer_config(self) -> OuterConfig:
+        base = OuterConfig.from_flags({"model": self.model})
+        return replace(base, lr=self.outer[0], momentum=self.outer[1]) if self.outer else base
 
 
 def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
@@ -105,11 +112,19 @@ def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
     return rows
 
 
-def levers(models: Iterable[str]) -> list[Row]:
+def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
+    """One setting each: sparse2 at 1 % with other publish codecs and densities, and with each
+    sparse_mean × clip; every sparse row published at 3× its density (two replicas' top-k overlap
+    little: their mean has up to twice the nonzeros); DiLoCo's sparse rows (and int8) with plain
+    averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum)."""
     codec, d = LEVER_AT
+    sparse = [(c, x) for c in SPARSE for x in densities]
     return [*(Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH),
             *(Row(m, codec, d, Codec.SPARSE8, d, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
-              for m in models for mean, clip in LEVER_AGGREGATOR)]
+              for m in models for mean, clip in LEVER_AGGREGATOR),
+            *(Row(m, c, x, Codec.SPARSE8, min(1.0, 3 * x), lever="publish_3x") for m in models for c, x in sparse),
+            *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, x, lever="outer", outer=PLAIN)
+              for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
 
 
 def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
@@ -195,7 +210,7 @@ def run_row(row: Row, s: Settings) -> dict:
     cfg, corpus, taps = model_of(s.shape, row.model), _corpus(), Taps()
     scfg = SimConfig(rounds=s.rounds, replicas=s.replicas, steps_per_round=s.h, step_time_s=STEP_S, delays_s=(0.0,),
                      delay_dist="fixed", codec=row.codec, density=row.density)
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=1e6), outer=OuterConfig.from_flags({"model": row.model}),
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=1e6), outer=row.outer_config(),
                             publish_codec=row.publish, publish_density=row.publish_density, keep=s.rounds + 1)
     acfg = replace(acfg, **dict(row.aggregator))
     workers = {f"b{b}r{r}": taps.factory for b in range(cfg.total_blocks) for r in range(s.replicas)}
@@ -211,6 +226,7 @@ def run_row(row: Row, s: Settings) -> dict:
     out = {"model": row.model, "codec": row.codec.name.lower(), "density": row.density,
            "value_bits": VALUE_BITS[row.codec], "publish_codec": row.publish.name.lower(),
            "publish_density": row.publish_density, "lever": row.lever, "aggregator": dict(row.aggregator),
+           "outer": row.outer,
            "label": row.label, "bytes_up": up, "bytes_down": down, "header_up": header_up, "header_down": header_down,
            "params": params, "bits_per_param": 8 * (up + down) / params, "bits_per_param_up": 8 * up / params,
            "bits_per_param_down": 8 * down / params, "ce": ce, "versions": versions / cfg.total_blocks,
@@ -237,7 +253,8 @@ def best_ratios(rows: list[dict]) -> dict[str, dict]:
         within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in rows
                   if r["model"] == m and Codec[r["codec"].upper()].sparse and r["ce"] <= ref["ce"] + AIM_CE]
         ratio, best = max(within, key=lambda x: x[0], default=(None, None))
-        setting = best and {k: best[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator")}
+        setting = best and {k: best[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator",
+                                                 "outer")}
         with_headers = best and (total + ref["header_up"] + ref["header_down"]) / sum(
             best[k] for k in ("bytes_up", "bytes_down", "header_up", "header_down"))
         out[m] = {"ratio": ratio, "ratio_with_headers": with_headers, "row": best and best["label"],
@@ -266,7 +283,10 @@ def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
 
 def frontier(args: argparse.Namespace) -> None:
     s = Settings(args.shape, args.rounds, args.h, args.batch, args.lr, args.replicas, args.windows)
-    plan = grid(args.models, args.densities) + (levers(args.models) if args.levers else [])
+    unique: dict[tuple[str, str], Row] = {}  # a lever's row that another table has is run and shown once
+    for r in grid(args.models, args.densities) + (levers(args.models, args.densities) if args.levers else []):
+        unique.setdefault((r.model, r.label), r)
+    plan = list(unique.values())
     plan.sort(key=lambda r: r.model != "block")  # the longer block rows first, so the pool ends together
     rows = run_plan(plan, s, args.jobs, args.results.with_suffix(".rows.jsonl"))
     command = invoked()
@@ -297,11 +317,11 @@ def plot(out: dict, path: Path) -> Path | None:
     for ax, m in zip(axes[0], models):
         rows = [r for r in out["rows"] + out["levers"] if r["model"] == m]
         for codec in marks:
-            for lever in ("", "publish", "aggregator"):
+            for lever in dict.fromkeys(r["lever"] for r in rows):
                 pts = sorted((r["bytes_up"] + r["bytes_down"], r["ce"], r) for r in rows
                              if r["codec"] == codec and r["lever"] == lever)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[codec], ls="-" if not lever else "",
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[codec], ls={"": "-", "publish_3x": "--", "outer": "-."}.get(lever, ""),
                             mfc="none" if lever else None, label=codec + (f" ({lever} levers)" if lever else ""))
         ref = out["best"][m]
         ax.axhline(ref["int8_ce"] + AIM_CE, color="grey", ls=":", lw=1, label="int8 CE + 0.02")

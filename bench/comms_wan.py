@@ -28,7 +28,7 @@ def workers_of(model: ModelConfig, replicas: int) -> list[tuple[int, int, int]]:
             for u in range(model.total_blocks) for r in range(replicas)]
 
 
-INT8 = {"codec": "int8", "density": 1.0, "publish_codec": "fp32", "publish_density": 1.0, "aggregator": {}}
+INT8 = {"codec": "int8", "density": 1.0, "publish_codec": "fp32", "publish_density": 1.0, "aggregator": {}, "outer": None}
 
 
 def settings_of(out: dict, model: str, args: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -37,7 +37,7 @@ def settings_of(out: dict, model: str, args: argparse.Namespace) -> list[tuple[s
     best = out["best"][model]["setting"]
     if args.wan_codec:
         best = {"codec": args.wan_codec, "density": args.wan_density, "publish_codec": "sparse8",
-                "publish_density": args.wan_density, "aggregator": {}}
+                "publish_density": args.wan_density, "aggregator": {}, "outer": None}
     if best is None:
         raise SystemExit(f"the frontier has no sparse {model} row within the aim: name one with --wan-codec/--wan-density")
     return [("int8", INT8), ("sparse", best)]
@@ -52,6 +52,8 @@ def flags_of(setting: dict) -> tuple[list[str], list[str]]:
         agg += ["--publish-density", str(setting["publish_density"])]
     for name, value in setting["aggregator"].items():  # AggregatorConfig fields: sparse_mean, clip
         agg += {"sparse_mean": ["--sparse-mean", str(value)], "clip": ["--clip" if value else "--no-clip"]}[name]
+    if setting["outer"]:  # (η, μ) instead of the model's default outer step
+        agg += ["--outer-lr", f"{setting['outer'][0]:g}", "--outer-momentum", f"{setting['outer'][1]:g}"]
     return worker, agg
 
 
@@ -104,7 +106,8 @@ def render_wan(out: dict) -> list[str]:
                     "transfer s/round", "accepted", "CE at the end"],
                    [(r["model"], f"{r['codec']}" + (f"@{r['density']:g}" if r["density"] < 1 else "")
                      + f" / {r['publish_codec']}" + (f"@{r['publish_density']:g}" if r["publish_density"] < 1 else "")
-                     + "".join(f", {k}={v}" for k, v in r["aggregator"].items()),
+                     + "".join(f", {k}={v}" for k, v in r["aggregator"].items())
+                     + (f", outer η={r['outer'][0]:g} μ={r['outer'][1]:g}" if r["outer"] else ""),
                      r["rounds"], f"{r['bytes']:,.0f}", f"{r['compute_s_per_round']:.2f}",
                      f"{r['transfer_s_per_round']:.2f}", f"{r['accepted']}/{r['pushes']}", f"{r['ce']:.4f}")
                     for r in out["wan_rows"]], "llrrrrrr")]

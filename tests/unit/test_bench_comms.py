@@ -18,7 +18,7 @@ TINY = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, se
 def row(codec: str, up: float, down: float, ce: float, *, publish: str = "fp32", lever: str = "") -> dict:
     return {"model": "block", "codec": codec, "publish_codec": publish, "bytes_up": up, "bytes_down": down, "ce": ce,
             "header_up": 1, "header_down": 1,
-            "lever": lever, "label": f"{codec} {up}", "density": 0.01, "publish_density": 0.01, "aggregator": {}}
+            "lever": lever, "label": f"{codec} {up}", "density": 0.01, "publish_density": 0.01, "aggregator": {}, "outer": None}
 
 
 def test_the_best_ratio_is_the_cheapest_sparse_row_within_two_hundredths_of_int8():
@@ -40,7 +40,9 @@ def test_framing_is_the_chunk_message_less_its_payload():
 def test_the_grid_has_every_codec_and_density_for_each_model():
     rows = grid(["block", "ar"], [0.1, 0.01])
     assert len(rows) == 2 * (3 + 2 * 2) and all(r.publish_density == r.density for r in rows if r.codec.sparse)
-    assert {r.label for r in levers(["ar"])} >= {"sparse2@0.01 / publish fp32", "sparse2@0.01 / publish sparse8@0.1"}
+    labels = {r.label for r in levers(["ar"], [0.01])}
+    assert labels >= {"sparse2@0.01 / publish fp32", "sparse2@0.01 / publish sparse8@0.1",
+                      "sparse8@0.01 / publish sparse8@0.03", "int8 / publish fp32, outer η=1 μ=0"}
     assert model_of(TINY, "ar").ar_layers == 2 and model_of(TINY, "block") == TINY
 
 
@@ -55,7 +57,8 @@ def test_a_lockstep_row_trains_every_round_and_counts_both_directions():
 
 def test_a_frontier_setting_becomes_the_flags_of_real_nodes():
     setting = {"codec": "sparse2", "density": 0.01, "publish_codec": "sparse8", "publish_density": 0.03,
-               "aggregator": {"sparse_mean": "all", "clip": True}}
+               "aggregator": {"sparse_mean": "all", "clip": True}, "outer": [1.0, 0.0]}
     assert flags_of(setting) == (["--codec", "sparse2", "--density", "0.01"],
-                                 ["--publish-codec", "sparse8", "--publish-density", "0.03", "--sparse-mean", "all", "--clip"])
+                                 ["--publish-codec", "sparse8", "--publish-density", "0.03", "--sparse-mean", "all", "--clip",
+                                  "--outer-lr", "1", "--outer-momentum", "0"])
     assert flags_of(INT8) == (["--codec", "int8"], ["--publish-codec", "fp32"])
