@@ -242,9 +242,15 @@ def all_accepted(row: dict) -> bool:
     return (row["outcomes"].get("accepted", 0) == row["pushes"] and set(row["closed_by"]) == {"all_reported"})
 
 
+def setting(row: dict) -> dict:
+    """What a row sets: enough to run it again (bench/comms_wan.py turns it into node flags)."""
+    return {k: row[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator", "outer")}
+
+
 def best_ratios(rows: list[dict]) -> dict[str, dict]:
     """Per model, the sparse row with the most int8 bytes per its own bytes among those within
-    AIM_CE of int8's CE (int8 = int8 up, fp32 published: today's swarm)."""
+    AIM_CE of int8's CE (int8 = int8 up, fp32 published: today's swarm), and the sparse row with
+    the lowest CE."""
     out = {}
     for m in dict.fromkeys(r["model"] for r in rows):
         ref = next(r for r in rows if r["model"] == m and r["codec"] == "int8" and r["publish_codec"] == "fp32"
@@ -253,12 +259,12 @@ def best_ratios(rows: list[dict]) -> dict[str, dict]:
         within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in rows
                   if r["model"] == m and Codec[r["codec"].upper()].sparse and r["ce"] <= ref["ce"] + AIM_CE]
         ratio, best = max(within, key=lambda x: x[0], default=(None, None))
-        setting = best and {k: best[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator",
-                                                 "outer")}
+        closest = min((r for r in rows if r["model"] == m and Codec[r["codec"].upper()].sparse), key=lambda r: r["ce"])
         with_headers = best and (total + ref["header_up"] + ref["header_down"]) / sum(
             best[k] for k in ("bytes_up", "bytes_down", "header_up", "header_down"))
         out[m] = {"ratio": ratio, "ratio_with_headers": with_headers, "row": best and best["label"],
-                  "ce": best and best["ce"], "int8_ce": ref["ce"], "int8_bytes": total, "setting": setting}
+                  "ce": best and best["ce"], "int8_ce": ref["ce"], "int8_bytes": total, "setting": best and setting(best),
+                  "lowest_ce": {"row": closest["label"], "ce": closest["ce"], "setting": setting(closest)}}
     return out
 
 
