@@ -1,9 +1,9 @@
 """Bytes on the wire at the frontier (issue #24, item 4): held-out CE against the bytes a worker moves
 per round (upload + download), at equal steps, for the dense codecs and the sparse ones.
 
-    .venv/bin/python -m bench.comms --jobs 2          # the frontier (~35 min on 2 cores)
+    .venv/bin/python -m bench.comms --jobs 2          # the frontier (~25 min on 2 cores)
     .venv/bin/python -m bench.comms --quick           # a smoke run
-    .venv/bin/python -m bench.comms --wan             # int8 against the best sparse row over the WAN lab (root)
+    .venv/bin/python -m bench.comms --wan             # then the WAN part (~20 min, root; bench/comms_wan.py)
 
 The frontier runs the in-process simulator (btnode/sim: the daemon's own aggregator and workers,
 pushes through the real frame checks) in lockstep: every replica takes part in every round and τ is
@@ -14,9 +14,8 @@ B·L layers, --replicas full replicas, the aggregator's outer Nesterov step, η 
 
 Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swarm as it is today),
 `int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
-sparse8 at the workers' own density (the download costs what the upload does). Levers, each at one
-setting, sparse2 at 1 %: the publish density (and fp32 publish), and the aggregator's sparse_mean × clip
-(AggregatorConfig fields, set per row).
+sparse8 at the workers' own density (the download costs what the upload does). Levers: see `levers`.
+An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
 (level 1) payload bytes of each published delta, mean over versions and units: in lockstep every
@@ -73,6 +72,7 @@ LEVER_PUBLISH = ((Codec.SPARSE8, 0.03), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))
 LEVER_AGGREGATOR = (("senders", True), ("all", False), ("all", True))
 PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
+NAMES = {"block": "BlockTrain", "ar": "DiLoCo"}
 STEP_S = 0.1  # virtual seconds per step (lockstep: the clock only orders events)
 _corpus = functools.cache(bundled)  # once per process
 
@@ -247,23 +247,29 @@ def setting(row: dict) -> dict:
     return {k: row[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator", "outer")}
 
 
-def best_ratios(rows: list[dict]) -> dict[str, dict]:
+def best_ratios(rows: list[dict], outer: tuple[float, float] | None = None) -> dict[str, dict]:
     """Per model, the sparse row with the most int8 bytes per its own bytes among those within
     AIM_CE of int8's CE (int8 = int8 up, fp32 published: today's swarm), and the sparse row with
-    the lowest CE."""
+    the lowest CE. `outer`: only the rows with that outer step (η, μ), against the int8 row with it."""
+    def has(r: dict) -> bool:
+        return tuple(r["outer"] or ()) == outer if outer else True
+
     out = {}
     for m in dict.fromkeys(r["model"] for r in rows):
-        ref = next(r for r in rows if r["model"] == m and r["codec"] == "int8" and r["publish_codec"] == "fp32"
-                   and not r["lever"])
+        ref = next((r for r in rows if r["model"] == m and r["codec"] == "int8" and r["publish_codec"] == "fp32"
+                    and (has(r) if outer else not r["lever"])), None)
+        if ref is None:
+            continue
+        sparse = [r for r in rows if r["model"] == m and Codec[r["codec"].upper()].sparse and has(r)]
         total = ref["bytes_up"] + ref["bytes_down"]
-        within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in rows
-                  if r["model"] == m and Codec[r["codec"].upper()].sparse and r["ce"] <= ref["ce"] + AIM_CE]
+        within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in sparse if r["ce"] <= ref["ce"] + AIM_CE]
         ratio, best = max(within, key=lambda x: x[0], default=(None, None))
-        closest = min((r for r in rows if r["model"] == m and Codec[r["codec"].upper()].sparse), key=lambda r: r["ce"])
+        closest = min(sparse, key=lambda r: r["ce"])
         with_headers = best and (total + ref["header_up"] + ref["header_down"]) / sum(
             best[k] for k in ("bytes_up", "bytes_down", "header_up", "header_down"))
         out[m] = {"ratio": ratio, "ratio_with_headers": with_headers, "row": best and best["label"],
-                  "ce": best and best["ce"], "int8_ce": ref["ce"], "int8_bytes": total, "setting": best and setting(best),
+                  "ce": best and best["ce"], "int8_row": ref["label"], "int8_ce": ref["ce"], "int8_bytes": total,
+                  "setting": best and setting(best),
                   "lowest_ce": {"row": closest["label"], "ce": closest["ce"], "setting": setting(closest)}}
     return out
 
@@ -302,6 +308,7 @@ def frontier(args: argparse.Namespace) -> None:
     best = best_ratios(rows)
     out = {"rows": [r for r in rows if not r["lever"]], "levers": [r for r in rows if r["lever"]],
            "best_ratio_vs_int8_at_002": {m: b["ratio"] for m, b in best.items()}, "best": best,
+           "best_plain_outer": best_ratios(rows, PLAIN),
            "not_all_accepted": bad, "shape": args.shape.to_dict(), "replicas": args.replicas, "rounds": args.rounds,
            "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
            "command": command, "date": datetime.date.today().isoformat()}
@@ -335,7 +342,7 @@ def plot(out: dict, path: Path) -> Path | None:
         ax.set_xscale("log")
         ax.set_xlabel("bytes per worker-round (upload + download, zstd payloads)")
         ax.set_ylabel("held-out CE (nats/byte)")
-        ax.set_title({"block": "BlockTrain", "ar": "DiLoCo"}[m] + f", {out['rounds']} rounds of H = {out['h']}")
+        ax.set_title(NAMES[m] + f", {out['rounds']} rounds of H = {out['h']}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -375,7 +382,7 @@ def render(out: dict) -> str:
              f"{out['windows']} held-out windows, nats/byte.", "",
              *_rows_table(out["rows"], best), ""]
     for m, b in best.items():
-        name = {"block": "BlockTrain", "ar": "DiLoCo"}[m]
+        name = NAMES[m]
         if b["ratio"] is None:
             lines.append(f"- {name}: no sparse row within +{AIM_CE} nats/byte of int8 ({b['int8_ce']:.4f}).")
         else:
@@ -383,6 +390,11 @@ def render(out: dict) -> str:
                          f"worker-round, CE {b['int8_ce']:.4f}) within +{AIM_CE} nats/byte: **{b['ratio']:.1f}×** "
                          f"({b['row']}, CE {b['ce']:.4f}); aim ≥ {AIM_RATIO:g}×. With the frame headers "
                          f"counted on both sides: {b['ratio_with_headers']:.1f}×.")
+    for m, b in out.get("best_plain_outer", {}).items():
+        lines.append(f"- {NAMES[m]}, every row with the outer step as plain averaging (η = 1, μ = 0; the int8 row too: "
+                     f"CE {b['int8_ce']:.4f}): " + (f"best ratio within +{AIM_CE}: **{b['ratio']:.1f}×** ({b['row']}, CE "
+                                                   f"{b['ce']:.4f}; {b['ratio_with_headers']:.1f}× with headers)."
+                                                   if b["ratio"] else f"no sparse row within +{AIM_CE}."))
     if out["not_all_accepted"]:
         lines += ["", "Rows with a push not accepted or a round not closed on all_reported: "
                   + ", ".join(out["not_all_accepted"]) + "."]

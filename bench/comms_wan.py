@@ -36,12 +36,16 @@ def settings_of(out: dict, model: str, args: argparse.Namespace) -> list[tuple[s
     aim (when it has none, its sparse row of the lowest CE; or the one --wan-codec names)."""
     best = out["best"][model]
     if args.wan_codec:
-        chosen = {"codec": args.wan_codec, "density": args.wan_density, "publish_codec": "sparse8",
-                  "publish_density": args.wan_density, "aggregator": {}, "outer": None}
-        return [("int8", INT8, "today's swarm"), ("sparse", chosen, "--wan-codec")]
-    if best["setting"] is not None:
-        return [("int8", INT8, "today's swarm"), ("sparse", best["setting"], "best ratio within the aim")]
-    return [("int8", INT8, "today's swarm"), ("sparse", best["lowest_ce"]["setting"], "lowest CE (none within the aim)")]
+        chosen, why = {"codec": args.wan_codec, "density": args.wan_density, "publish_codec": "sparse8",
+                       "publish_density": args.wan_density, "aggregator": {}, "outer": None}, "--wan-codec"
+    elif best["setting"] is not None:
+        chosen, why = best["setting"], "best ratio within the aim"
+    else:
+        chosen, why = best["lowest_ce"]["setting"], "lowest CE (none within the aim)"
+    runs = [("int8", INT8, "today's swarm"), ("sparse", chosen, why)]
+    if chosen["outer"]:  # the sparse row changes the outer step: int8 with that step too, as a control
+        runs.insert(1, ("int8_outer", {**INT8, "outer": chosen["outer"]}, "int8 with the sparse row's outer step"))
+    return runs
 
 
 def flags_of(setting: dict) -> tuple[list[str], list[str]]:
