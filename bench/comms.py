@@ -326,16 +326,18 @@ def plot(out: dict, path: Path) -> Path | None:
         return None
     models = list(dict.fromkeys(r["model"] for r in out["rows"]))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    marks = {"fp32": "s", "int8": "D", "sparse8": "o", "sparse2": "^"}
+    marks = {"fp32": "s", "int8": "D", "sparse8": "o", "sparse2": "^"}  # the codec by marker, the table by colour
+    colours = {"": "C0", "publish_3x": "C1", "outer": "C2", "publish": "C3", "aggregator": "C4"}
     for ax, m in zip(axes[0], models):
         rows = [r for r in out["rows"] + out["levers"] if r["model"] == m]
-        for codec in marks:
-            for lever in dict.fromkeys(r["lever"] for r in rows):
-                pts = sorted((r["bytes_up"] + r["bytes_down"], r["ce"], r) for r in rows
+        for lever in dict.fromkeys(r["lever"] for r in rows):
+            for codec in marks:
+                pts = sorted((r["bytes_up"] + r["bytes_down"], r["ce"]) for r in rows
                              if r["codec"] == codec and r["lever"] == lever)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[codec], ls={"": "-", "publish_3x": "--", "outer": "-."}.get(lever, ""),
-                            mfc="none" if lever else None, label=codec + (f" ({lever} levers)" if lever else ""))
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marks[codec], color=colours.get(lever),
+                            ls="-" if lever in ("", "publish_3x", "outer") else "", mfc="none" if codec == "sparse2" else None,
+                            label=f"{codec} ({lever or 'grid'})")
         ref = out["best"][m]
         ax.axhline(ref["int8_ce"] + AIM_CE, color="grey", ls=":", lw=1, label="int8 CE + 0.02")
         ax.axvline(ref["int8_bytes"] / AIM_RATIO, color="grey", ls="--", lw=1, label="int8 bytes / 50")
