@@ -369,6 +369,7 @@ def _rows_table(rows: list[dict], best: dict) -> list[str]:
 def render(out: dict) -> str:
     shape = ModelConfig.from_dict(out["shape"])
     best = out["best"]
+    params = {r["model"]: r["params"] for r in out["rows"]}
     lines = ["## Bytes on the wire: the sparse frontier (`bench/comms.py`)", "",
              f"Command: `{out['command']}` ({out['date']}, 2 cores). The in-process simulator in lockstep (every "
              f"replica in every round, every round closed on all_reported), {out['rounds']} rounds of H = {out['h']} "
@@ -380,7 +381,7 @@ def render(out: dict) -> str:
              "Bytes per worker-round: zstd payloads (bytes up: what a worker pushed per round; bytes down: a "
              "published delta, mean over versions and units); the frame headers and chunk framing (protobuf) are "
              "apart, gRPC/HTTP2 framing not counted. Bits/param: (up + down) payload bits per parameter of the "
-             "unit a worker trains. CE: SCE-1 at K = 1 (BlockTrain) or teacher-forced (DiLoCo) on "
+             "unit a worker trains (" + ", ".join(f"{NAMES[m]} {n:,}" for m, n in params.items()) + "). CE: SCE-1 at K = 1 (BlockTrain) or teacher-forced (DiLoCo) on "
              f"{out['windows']} held-out windows, nats/byte.", "",
              *_rows_table(out["rows"], best), ""]
     for m, b in best.items():
@@ -401,7 +402,11 @@ def render(out: dict) -> str:
         lines += ["", "Rows with a push not accepted or a round not closed on all_reported: "
                   + ", ".join(out["not_all_accepted"]) + "."]
     if out["levers"]:
-        lines += ["", "Levers, one setting each (same command):", "", *_rows_table(out["levers"], best)]
+        lines += ["", "Levers (same command; `levers` in bench/comms.py): sparse2 at 1 % with other publish codecs and "
+                      "densities (publish) and each sparse_mean × clip (aggregator); every sparse row published at 3× its "
+                      "density (publish_3x); DiLoCo with plain averaging as the outer step, η = 1, μ = 0 (outer).", ""]
+        for lever in dict.fromkeys(r["lever"] for r in out["levers"]):
+            lines += [f"`{lever}`:", "", *_rows_table([r for r in out["levers"] if r["lever"] == lever], best), ""]
     if out["png"]:
         lines += ["", "![CE against bytes per worker-round](bench/results/comms.png)"]
     return "\n".join(lines + render_wan(out))
