@@ -38,6 +38,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
@@ -62,18 +63,20 @@ def plan_runs(shape: ModelConfig, ada_rank: int) -> list[tuple[str, ModelConfig,
 
 
 def run_once(lab, name: str, model: ModelConfig, who: list[tuple[int, int, int]], args: argparse.Namespace,
-             work: Path) -> dict:
+             work: Path, *, worker_flags: Sequence[str] = (), aggregator_flags: Sequence[str] = ()) -> dict:
+    """One run of `args.seconds` of wall-clock; `worker_flags` / `aggregator_flags`: what a caller adds to
+    the workers' and the aggregator's command lines (bench/comms.py: codecs)."""
     d = work / name
     d.mkdir(parents=True)
     shape = shape_flags(model)
     training = ["--steps-per-round", str(args.h), "--batch", str(args.batch), "--lr", str(args.lr)]
-    agg = start_aggregator(lab, d, shape, args.deadline, training)
+    agg = start_aggregator(lab, d, shape, args.deadline, [*training, *aggregator_flags])
     workers = {}
     t0 = time.time()
     for unit, r, h in who:
         wid = f"u{unit}r{r}"
         workers[wid] = spawn_worker(lab, d, h, unit, wid, [
-            *training, "--warmup", str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), *shape])
+            *training, "--warmup", str(args.warmup), "--schedule-steps", str(args.schedule_steps or 10 ** 9), *worker_flags, *shape])
     while time.time() < t0 + args.seconds:
         dead = {w: p.returncode for w, p in workers.items() if p.poll() is not None}
         if dead:
@@ -95,7 +98,10 @@ def run_once(lab, name: str, model: ModelConfig, who: list[tuple[int, int, int]]
                                                             for s in stats.values()),
            "rss_mb": statistics.mean(s["peak_rss_mb"] for s in stats.values()),
            "rss_mb_max": max(s["peak_rss_mb"] for s in stats.values()),
-           "utilisation": statistics.mean(s["train_seconds"] / s["wall_seconds"] for s in stats.values())}
+           "utilisation": statistics.mean(s["train_seconds"] / s["wall_seconds"] for s in stats.values()),
+           "compute_s_per_round": statistics.mean(s["train_seconds"] / max(s["pushes"], 1) for s in stats.values()),
+           "transfer_s_per_round": statistics.mean((s["push_seconds"] + s["pull_seconds"]) / max(s["pushes"], 1)
+                                                   for s in stats.values())}
     res.update(evaluate(d / "state", t0, args))
     print(f"[diloco] {name}: {res['versions']} versions, accepted {accepted}/{pushes}, "
           f"{res['bytes_per_worker_round'] / 1e6:.2f} MB per worker-round, RSS {res['rss_mb']:.0f} MB, "

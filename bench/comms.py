@@ -1,0 +1,451 @@
+"""Bytes on the wire at the frontier (issue #24, item 4): held-out CE against the bytes a worker moves
+per round (upload + download), at equal steps, for the dense codecs and the sparse ones.
+
+    .venv/bin/python -m bench.comms --jobs 2          # the frontier (~25 min on 2 cores)
+    .venv/bin/python -m bench.comms --quick           # a smoke run
+    .venv/bin/python -m bench.comms --wan             # then the WAN part (~20 min, root; bench/comms_wan.py)
+
+The frontier runs the in-process simulator (btnode/sim: the daemon's own aggregator and workers,
+pushes through the real frame checks) in lockstep: every replica takes part in every round and τ is
+long enough that every round closes on all_reported, so every row trains the same steps from the
+same seeds (model init, data, σ) with the same H, batch and learning rate. Two models of the same
+width: BlockTrain (B blocks × --replicas replicas, the aggregator averages) and DiLoCo (kind "ar",
+B·L layers, --replicas full replicas, the aggregator's outer Nesterov step, η = 0.7, μ = 0.9).
+
+Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swarm as it is today),
+`int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
+sparse8 at the workers' own density (the download costs what the upload does). Levers: see `levers`.
+An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
+
+bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
+(level 1) payload bytes of each published delta, mean over versions and units: in lockstep every
+worker fetches each version of its unit once. Frame headers (the protobuf FrameHeader and chunk
+framing of each tensor, ~60 bytes) are not in either: they are reported apart (header_up,
+header_down), as are gRPC's and HTTP/2's own framing (not counted at all). CE: SCE-1 at K = 1 on
+--windows windows of wiki.test.raw for BlockTrain, teacher-forced CE for DiLoCo, the same windows
+and rows for every row (btnode.evaluation.metrics.swarm_ce).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import zstandard
+
+from bench.comms_wan import load, render_wan, run_wan
+from bench.flags import QUICK_SHAPE, BenchParser
+from bench.report import RESULTS, invoked, is_published, publish, pyplot, table
+from btnode.aggregate.averaging import OuterConfig
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.rounds import RoundConfig
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, FrameHeader
+from btnode.data.corpus import bundled
+from btnode.evaluation.metrics import swarm_ce
+from btnode.model.config import ModelConfig
+from btnode.protocol import Judgement, PushHeader
+from btnode.rpc.convert import chunk_to_pb
+from btnode.sim.link import LocalLink
+from btnode.sim.simulator import SimConfig, Simulation
+from btnode.swarm.worker import BlockWorker
+from btnode.train.config import TrainConfig
+
+SHAPE = ModelConfig(d_model=64, n_heads=4, n_layers=2, n_blocks=3, context=64)
+DENSITIES = (0.1, 0.03, 0.01, 0.003)
+SPARSE = (Codec.SPARSE8, Codec.SPARSE2)
+VALUE_BITS = {Codec.FP32: 32, Codec.BF16: 16, Codec.INT8: 8, Codec.SPARSE8: 8, Codec.SPARSE2: 2}
+LEVER_AT = (Codec.SPARSE2, 0.01)  # the setting the publish levers vary
+LEVER_PUBLISH = ((Codec.SPARSE8, 0.03), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))
+# AggregatorConfig.sparse_mean × clip, less the default (senders, no clip) that the grid row has
+LEVER_AGGREGATOR = (("senders", True), ("all", False), ("all", True))
+PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
+AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
+NAMES = {"block": "BlockTrain", "ar": "DiLoCo"}
+STEP_S = 0.1  # virtual seconds per step (lockstep: the clock only orders events)
+_corpus = functools.cache(bundled)  # once per process
+
+
+@dataclass(frozen=True)
+class Row:
+    """One swarm: what workers push, what the aggregator publishes, and any AggregatorConfig fields
+    the row changes (plain keyword arguments, applied with dataclasses.replace)."""
+
+    model: str  # "block" (BlockTrain) or "ar" (DiLoCo)
+    codec: Codec
+    density: float = 1.0  # share of values a sparse upload keeps (1 for the dense codecs)
+    publish: Codec = Codec.FP32
+    publish_density: float = 1.0
+    lever: str = ""  # the lever table it belongs to; "" for the frontier grid
+    aggregator: tuple[tuple[str, object], ...] = ()
+    outer: tuple[float, float] | None = None  # (η, μ) of the outer step; None: the model's default
+
+    @property
+    def label(self) -> str:
+        up = self.codec.name.lower() + (f"@{self.density:.3g}" if self.codec.sparse else "")
+        down = self.publish.name.lower() + (f"@{self.publish_density:.3g}" if self.publish.sparse else "")
+        extra = "".join(f", {k}={v}" for k, v in self.aggregator)
+        outer = f", outer η={self.outer[0]:g} μ={self.outer[1]:g}" if self.outer else ""
+        return f"{up} / publish {down}{extra}{outer}"
+
+    def outer_config(self) -> OuterConfig:
+        base = OuterConfig.from_flags({"model": self.model})
+        return replace(base, lr=self.outer[0], momentum=self.outer[1]) if self.outer else base
+
+
+def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
+    rows = []
+    for m in models:
+        rows += [Row(m, Codec.FP32), Row(m, Codec.INT8), Row(m, Codec.INT8, publish=Codec.INT8)]
+        rows += [Row(m, c, d, Codec.SPARSE8, d) for c in SPARSE for d in densities]
+    return rows
+
+
+def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
+    """One setting each: sparse2 at 1 % with other publish codecs and densities, and with each
+    sparse_mean × clip; every sparse row published at 3× its density (two replicas' top-k overlap
+    little: their mean has up to twice the nonzeros); DiLoCo's sparse rows (and int8) with plain
+    averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum)."""
+    codec, d = LEVER_AT
+    sparse = [(c, x) for c in SPARSE for x in densities]
+    return [*(Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH),
+            *(Row(m, codec, d, Codec.SPARSE8, d, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
+              for m in models for mean, clip in LEVER_AGGREGATOR),
+            *(Row(m, c, x, Codec.SPARSE8, min(1.0, 3 * x), lever="publish_3x") for m in models for c, x in sparse),
+            *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, x, lever="outer", outer=PLAIN)
+              for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
+
+
+def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
+    """BlockTrain's shape, or DiLoCo's AR model of the same width and B·L layers."""
+    return shape if kind == "block" else replace(shape, kind="ar", ar_layers=shape.n_blocks * shape.n_layers)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every row of a run shares (picklable: it goes to the pool's processes)."""
+
+    shape: ModelConfig
+    rounds: int
+    h: int
+    batch: int
+    lr: float
+    replicas: int
+    windows: int
+
+    @property
+    def tc(self) -> TrainConfig:
+        total = self.rounds * self.h
+        return TrainConfig(batch=self.batch, lr=self.lr, steps=total, warmup=min(20, max(1, total // 10)))
+
+
+@dataclass
+class HeaderTap:
+    """A worker's link: the shared LocalLink, counting the protobuf bytes of each pushed frame's
+    header and chunk framing (what the payload bytes leave out)."""
+
+    link: LocalLink
+    header_bytes: int = 0
+    frames: int = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.link, name)
+
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+        return self.link.push(header, self._counted(frames))
+
+    def _counted(self, frames: Iterable[Frame]) -> Iterator[Frame]:
+        for f in frames:
+            self.header_bytes += framing(f.header, len(f.payload))
+            self.frames += 1
+            yield f
+
+
+def framing(h: FrameHeader, payload: int) -> int:
+    """Protobuf bytes of a one-chunk frame beyond its payload: the header and the chunk's fields."""
+    return chunk_to_pb(ChunkData(h, b"\0" * payload)).ByteSize() - payload
+
+
+@dataclass
+class Taps:
+    """Every replica's HeaderTap, by worker id."""
+
+    taps: dict[str, HeaderTap] = field(default_factory=dict)
+
+    def factory(self, cfg, tc, wcfg, link, corpus, **kw) -> BlockWorker:  # type: ignore[no-untyped-def]
+        tap = self.taps[wcfg.worker_id] = HeaderTap(link)
+        return BlockWorker(cfg, tc, wcfg, tap, corpus, **kw)
+
+
+def downloads(sim: Simulation) -> tuple[float, float, int]:
+    """(zstd payload bytes, framing bytes, versions) of the published deltas per version, mean over units."""
+    payload, header, versions = [], [], 0
+    for agg in sim.agg.blocks.values():
+        zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        for v in range(1, agg.info.version + 1):
+            _, codec, raw = agg.delta(v)
+            sizes = {n: len(zc.compress(r)) for n, r in raw.items()}
+            payload.append(sum(sizes.values()))
+            header.append(sum(framing(FrameHeader(n, agg.spec[n], codec, len(raw[n]), sizes[n], b"\0" * 32), sizes[n])
+                              for n in raw))
+            versions += 1
+    return statistics.mean(payload), statistics.mean(header), versions
+
+
+def run_row(row: Row, s: Settings) -> dict:
+    """One lockstep swarm: its bytes per worker-round, CE and outcomes."""
+    torch.set_num_threads(1)  # a small model: more threads only contend
+    t0 = time.perf_counter()
+    cfg, corpus, taps = model_of(s.shape, row.model), _corpus(), Taps()
+    scfg = SimConfig(rounds=s.rounds, replicas=s.replicas, steps_per_round=s.h, step_time_s=STEP_S, delays_s=(0.0,),
+                     delay_dist="fixed", codec=row.codec, density=row.density)
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=1e6), outer=row.outer_config(),
+                            publish_codec=row.publish, publish_density=row.publish_density, keep=s.rounds + 1)
+    acfg = replace(acfg, **dict(row.aggregator))
+    workers = {f"b{b}r{r}": taps.factory for b in range(cfg.total_blocks) for r in range(s.replicas)}
+    with tempfile.TemporaryDirectory(prefix="btnode-comms-") as tmp:
+        sim = Simulation(cfg, s.tc, acfg, scfg, corpus.train, Path(tmp), device=torch.device("cpu"), workers=workers)
+        res = sim.run()
+        ce = swarm_ce(sim.blocks(), corpus.test, s.windows, torch.device("cpu"))
+        down, header_down, versions = downloads(sim)
+    stats = [r.worker.stats for r in sim.replicas]
+    params = sum(t.numel() for t in sim.blocks()[0].state_dict().values())
+    up = statistics.mean(w.bytes_pushed_wire / w.pushes for w in stats)
+    header_up = statistics.mean(t.header_bytes / sim.worker(w).stats.pushes for w, t in taps.taps.items())
+    out = {"model": row.model, "codec": row.codec.name.lower(), "density": row.density,
+           "value_bits": VALUE_BITS[row.codec], "publish_codec": row.publish.name.lower(),
+           "publish_density": row.publish_density, "lever": row.lever, "aggregator": dict(row.aggregator),
+           "outer": row.outer,
+           "label": row.label, "bytes_up": up, "bytes_down": down, "header_up": header_up, "header_down": header_down,
+           "params": params, "bits_per_param": 8 * (up + down) / params, "bits_per_param_up": 8 * up / params,
+           "bits_per_param_down": 8 * down / params, "ce": ce, "versions": versions / cfg.total_blocks,
+           "pushes": sum(w.pushes for w in stats), "outcomes": res.outcomes, "closed_by": res.closed_by,
+           "steps_per_worker": statistics.mean(w.steps for w in stats), "wall_s": time.perf_counter() - t0}
+    print(f"[comms] {row.model} {row.label}: CE {ce:.4f}, {up:,.0f} B up + {down:,.0f} B down per worker-round "
+          f"({out['bits_per_param']:.3f} bits/param), outcomes {res.outcomes}, {out['wall_s']:.0f} s", flush=True)
+    return out
+
+
+def all_accepted(row: dict) -> bool:
+    """Every push accepted and every round closed on all_reported: the row trained the steps it claims."""
+    return (row["outcomes"].get("accepted", 0) == row["pushes"] and set(row["closed_by"]) == {"all_reported"})
+
+
+def setting(row: dict) -> dict:
+    """What a row sets: enough to run it again (bench/comms_wan.py turns it into node flags)."""
+    return {k: row[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator", "outer")}
+
+
+def best_ratios(rows: list[dict], outer: tuple[float, float] | None = None) -> dict[str, dict]:
+    """Per model, the sparse row with the most int8 bytes per its own bytes among those within
+    AIM_CE of int8's CE (int8 = int8 up, fp32 published: today's swarm), and the sparse row with
+    the lowest CE. `outer`: only the rows with that outer step (η, μ), against the int8 row with it."""
+    def has(r: dict) -> bool:
+        return tuple(r["outer"] or ()) == outer if outer else True
+
+    out = {}
+    for m in dict.fromkeys(r["model"] for r in rows):
+        ref = next((r for r in rows if r["model"] == m and r["codec"] == "int8" and r["publish_codec"] == "fp32"
+                    and (has(r) if outer else not r["lever"])), None)
+        if ref is None:
+            continue
+        sparse = [r for r in rows if r["model"] == m and Codec[r["codec"].upper()].sparse and has(r)]
+        total = ref["bytes_up"] + ref["bytes_down"]
+        within = [(total / (r["bytes_up"] + r["bytes_down"]), r) for r in sparse if r["ce"] <= ref["ce"] + AIM_CE]
+        ratio, best = max(within, key=lambda x: x[0], default=(None, None))
+        closest = min(sparse, key=lambda r: r["ce"])
+        with_headers = best and (total + ref["header_up"] + ref["header_down"]) / sum(
+            best[k] for k in ("bytes_up", "bytes_down", "header_up", "header_down"))
+        out[m] = {"ratio": ratio, "ratio_with_headers": with_headers, "row": best and best["label"],
+                  "ce": best and best["ce"], "int8_row": ref["label"], "int8_ce": ref["ce"], "int8_bytes": total,
+                  "setting": best and setting(best),
+                  "lowest_ce": {"row": closest["label"], "ce": closest["ce"], "setting": setting(closest)}}
+    return out
+
+
+def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
+    """Every row of `plan`, in its order. Each finished row is appended to `done` at once, and a row
+    found there (same label, same settings) is not run again: an interrupted run resumes. `done` is
+    removed when the plan is through."""
+    key = repr(s)
+    have = {(r["model"], r["label"]): r for r in map(json.loads, done.read_text().splitlines() if done.exists() else [])
+            if r["settings"] == key}
+    todo = [r for r in plan if (r.model, r.label) not in have]
+    print(f"[comms] {len(plan) - len(todo)} of {len(plan)} rows from {done}", flush=True)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for fut in as_completed([pool.submit(run_row, r, s) for r in todo]):
+            row = {**fut.result(), "settings": key}
+            have[(row["model"], row["label"])] = row
+            with done.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    done.unlink(missing_ok=True)
+    return [have[(r.model, r.label)] for r in plan]
+
+
+def frontier(args: argparse.Namespace) -> None:
+    s = Settings(args.shape, args.rounds, args.h, args.batch, args.lr, args.replicas, args.windows)
+    unique: dict[tuple[str, str], Row] = {}  # a lever's row that another table has is run and shown once
+    for r in grid(args.models, args.densities) + (levers(args.models, args.densities) if args.levers else []):
+        unique.setdefault((r.model, r.label), r)
+    plan = list(unique.values())
+    plan.sort(key=lambda r: r.model != "block")  # the longer block rows first, so the pool ends together
+    rows = run_plan(plan, s, args.jobs, args.results.with_suffix(".rows.jsonl"))
+    command = invoked()
+    for r in rows:
+        r["command"] = command
+    bad = [r["label"] for r in rows if not all_accepted(r)]
+    best = best_ratios(rows)
+    out = {"rows": [r for r in rows if not r["lever"]], "levers": [r for r in rows if r["lever"]],
+           "best_ratio_vs_int8_at_002": {m: b["ratio"] for m, b in best.items()}, "best": best,
+           "best_plain_outer": best_ratios(rows, PLAIN),
+           "not_all_accepted": bad, "shape": args.shape.to_dict(), "replicas": args.replicas, "rounds": args.rounds,
+           "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
+           "command": command, "date": datetime.date.today().isoformat()}
+    if args.results.exists():  # the WAN part keeps its rows
+        before = json.loads(args.results.read_text())
+        out.update(wan=before.get("wan"), wan_rows=before.get("wan_rows", []))
+    out["png"] = is_published("comms", args.results) and plot(out, RESULTS / "comms.png") is not None
+    publish("comms", out, render, out=args.results)
+    print(json.dumps({"best": best, "not_all_accepted": bad}, indent=1))
+
+
+def plot(out: dict, path: Path) -> Path | None:
+    plt = pyplot("comms")
+    if plt is None:
+        return None
+    models = list(dict.fromkeys(r["model"] for r in out["rows"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    marks = {"fp32": "s", "int8": "D", "sparse8": "o", "sparse2": "^"}  # the codec by marker, the table by colour
+    colours = {"": "C0", "publish_3x": "C1", "outer": "C2", "publish": "C3", "aggregator": "C4"}
+    for ax, m in zip(axes[0], models):
+        rows = [r for r in out["rows"] + out["levers"] if r["model"] == m]
+        for lever in dict.fromkeys(r["lever"] for r in rows):
+            for codec in marks:
+                pts = sorted((r["bytes_up"] + r["bytes_down"], r["ce"]) for r in rows
+                             if r["codec"] == codec and r["lever"] == lever)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marks[codec], color=colours.get(lever),
+                            ls="-" if lever in ("", "publish_3x", "outer") else "", mfc="none" if codec == "sparse2" else None,
+                            label=f"{codec} ({lever or 'grid'})")
+        ref = out["best"][m]
+        ax.axhline(ref["int8_ce"] + AIM_CE, color="grey", ls=":", lw=1, label="int8 CE + 0.02")
+        ax.axvline(ref["int8_bytes"] / AIM_RATIO, color="grey", ls="--", lw=1, label="int8 bytes / 50")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes per worker-round (upload + download, zstd payloads)")
+        ax.set_ylabel("held-out CE (nats/byte)")
+        ax.set_title(NAMES[m] + f", {out['rounds']} rounds of H = {out['h']}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _rows_table(rows: list[dict], best: dict) -> list[str]:
+    """One line per row, with its bytes and CE against int8's (today's swarm) of the same model."""
+    def versus(r: dict) -> tuple[str, str]:
+        ref = best[r["model"]]
+        return f"{ref['int8_bytes'] / (r['bytes_up'] + r['bytes_down']):.1f}×", f"{r['ce'] - ref['int8_ce']:+.4f}"
+
+    return table(["model", "upload / published", "bytes up", "bytes down", "headers up + down", "bits/param",
+                  "fewer bytes than int8", "CE", "ΔCE vs int8", "accepted"],
+                 [(r["model"], r["label"], f"{r['bytes_up']:,.0f}", f"{r['bytes_down']:,.0f}",
+                   f"{r['header_up']:,.0f} + {r['header_down']:,.0f}", f"{r['bits_per_param']:.3f}", versus(r)[0],
+                   f"{r['ce']:.4f}", versus(r)[1], f"{r['outcomes'].get('accepted', 0)}/{r['pushes']}")
+                  for r in rows], "llrrrrrrrr")
+
+
+def render(out: dict) -> str:
+    shape = ModelConfig.from_dict(out["shape"])
+    best = out["best"]
+    params = {r["model"]: r["params"] for r in out["rows"]}
+    lines = ["## Bytes on the wire: the sparse frontier (`bench/comms.py`)", "",
+             f"Command: `{out['command']}` ({out['date']}, 2 cores). The in-process simulator in lockstep (every "
+             f"replica in every round, every round closed on all_reported), {out['rounds']} rounds of H = {out['h']} "
+             f"steps of batch {out['batch']} (AdamW lr {out['lr']:g}, cosine), the same seeds in every row. "
+             f"BlockTrain: d = {shape.d_model}, {shape.n_heads} heads, B = {shape.n_blocks} blocks of L = "
+             f"{shape.n_layers} layers, N = {shape.context}, {out['replicas']} replicas per block, averaged. DiLoCo: "
+             f"the {shape.n_blocks * shape.n_layers}-layer AR model of the same width, {out['replicas']} full "
+             "replicas, outer Nesterov step (η = 0.7, μ = 0.9). Sparse rows publish sparse8 at the workers' density. "
+             "Bytes per worker-round: zstd payloads (bytes up: what a worker pushed per round; bytes down: a "
+             "published delta, mean over versions and units); the frame headers and chunk framing (protobuf) are "
+             "apart, gRPC/HTTP2 framing not counted. Bits/param: (up + down) payload bits per parameter of the "
+             "unit a worker trains (" + ", ".join(f"{NAMES[m]} {n:,}" for m, n in params.items()) + "). CE: SCE-1 at K = 1 (BlockTrain) or teacher-forced (DiLoCo) on "
+             f"{out['windows']} held-out windows, nats/byte.", "",
+             *_rows_table(out["rows"], best), ""]
+    for m, b in best.items():
+        name = NAMES[m]
+        if b["ratio"] is None:
+            lines.append(f"- {name}: no sparse row within +{AIM_CE} nats/byte of int8 ({b['int8_ce']:.4f}).")
+        else:
+            lines.append(f"- {name}: best ratio against int8 (int8 up, fp32 published: {b['int8_bytes']:,.0f} B per "
+                         f"worker-round, CE {b['int8_ce']:.4f}) within +{AIM_CE} nats/byte: **{b['ratio']:.1f}×** "
+                         f"({b['row']}, CE {b['ce']:.4f}); aim ≥ {AIM_RATIO:g}×. With the frame headers "
+                         f"counted on both sides: {b['ratio_with_headers']:.1f}×.")
+    for m, b in out.get("best_plain_outer", {}).items():
+        lines.append(f"- {NAMES[m]}, every row with the outer step as plain averaging (η = 1, μ = 0; the int8 row too: "
+                     f"CE {b['int8_ce']:.4f}): " + (f"best ratio within +{AIM_CE}: **{b['ratio']:.1f}×** ({b['row']}, CE "
+                                                   f"{b['ce']:.4f}; {b['ratio_with_headers']:.1f}× with headers)."
+                                                   if b["ratio"] else f"no sparse row within +{AIM_CE}."))
+    if out["not_all_accepted"]:
+        lines += ["", "Rows with a push not accepted or a round not closed on all_reported: "
+                  + ", ".join(out["not_all_accepted"]) + "."]
+    if out["levers"]:
+        lines += ["", "Levers (same command; `levers` in bench/comms.py): sparse2 at 1 % with other publish codecs and "
+                      "densities (publish) and each sparse_mean × clip (aggregator); every sparse row published at 3× its "
+                      "density (publish_3x); DiLoCo with plain averaging as the outer step, η = 1, μ = 0 (outer).", ""]
+        for lever in dict.fromkeys(r["lever"] for r in out["levers"]):
+            lines += [f"`{lever}`:", "", *_rows_table([r for r in out["levers"] if r["lever"] == lever], best), ""]
+    if out["png"]:
+        lines += ["", "![CE against bytes per worker-round](bench/results/comms.png)"]
+    return "\n".join(lines + render_wan(out))
+
+
+def main() -> None:
+    ap = BenchParser(__doc__)
+    ap.result("comms")
+    ap.rounds(rounds=30, h=5, batch=8)
+    ap.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak lr (cosine to 0.1× over the run)")
+    ap.add_argument("--replicas", type=int, default=2, help="replicas per block (BlockTrain), full replicas (DiLoCo)")
+    ap.add_argument("--densities", type=float, nargs="*", default=list(DENSITIES), help="sparse upload densities")
+    ap.add_argument("--models", nargs="*", default=["block", "ar"], choices=["block", "ar"])
+    ap.add_argument("--no-levers", dest="levers", action="store_false", help="the grid only")
+    ap.add_argument("--jobs", type=int, default=2, help="rows simulated at once (one process and one thread each)")
+    ap.windows(256)
+    ap.shape(SHAPE)
+    wan = ap.add_argument_group("--wan: int8 against the best sparse row over the WAN lab (root)")
+    wan.add_argument("--wan", action="store_true", help="run the WAN part (after the frontier) and add its rows")
+    wan.add_argument("--seconds", type=float, default=240.0, help="wall-clock of each WAN run from the workers' start")
+    wan.add_argument("--rate-mbit", type=float, default=10.0, help="each worker host's link, each way")
+    wan.add_argument("--delay-ms", type=float, default=20.0, help="one way")
+    wan.add_argument("--deadline", type=float, default=120.0, help="τ (s): long, rounds close when all reported")
+    wan.add_argument("--warmup", type=int, default=20, help="inner warmup steps (constant lr after: no run knows its "
+                                                            "step count in advance)")
+    wan.add_argument("--points", type=int, default=4, help="CE time points after t = 0")
+    wan.add_argument("--wan-codec", choices=["sparse8", "sparse2"], help="the sparse setting to run instead of the "
+                                                                         "frontier's best (published sparse8 at the same density)")
+    wan.add_argument("--wan-density", type=float, default=0.01)
+    ap.quick(rounds=3, h=2, batch=4, windows=8, densities=[0.1, 0.01], shape=QUICK_SHAPE, seconds=90.0, points=2,
+             warmup=2)
+    args = ap.parse_args()
+    if args.wan:
+        out = run_wan(args, load(args.results), model_of)
+        publish("comms", out, render, out=args.results)
+        print(json.dumps(out["wan_rows"], indent=1))
+    else:
+        frontier(args)
+
+
+if __name__ == "__main__":
+    main()
