@@ -16,7 +16,7 @@ Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swa
 `int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
 sparse8 at 3× the workers' density (two replicas' top-k overlap little: their mean has up to twice the
 nonzeros; measured against 1× in the `publish` lever), averaged with the aggregator's defaults
-(--sparse-mean all, no clip). Levers: see `levers`.
+(--sparse-mean senders, no clip). Levers: see `levers`.
 An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
@@ -71,8 +71,9 @@ VALUE_BITS = {Codec.FP32: 32, Codec.BF16: 16, Codec.INT8: 8, Codec.SPARSE8: 8, C
 LEVER_AT = (Codec.SPARSE2, 0.01)  # the setting the publish levers vary
 LEVER_PUBLISH = ((Codec.SPARSE8, 0.01), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))  # the grid row: sparse8 at 3 %
 PUBLISH_FACTOR = 3  # a sparse row publishes at 3× its density: two replicas' top-k overlap little
-# AggregatorConfig.sparse_mean × clip, less the default (all, no clip) that the grid row has
-LEVER_AGGREGATOR = (("senders", False), ("senders", True), ("all", True))
+# AggregatorConfig.sparse_mean × clip at LEVER_AT, less the default (senders, no clip) that the grid row has and
+# (all, no clip), which the mean_all table has at every density
+LEVER_AGGREGATOR = (("senders", True), ("all", True))
 PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
 NAMES = {"block": "BlockTrain", "ar": "DiLoCo"}
@@ -116,15 +117,17 @@ def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
 
 
 def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
-    """One setting each: sparse2 at 1 % with other publish codecs and densities, and with each
-    sparse_mean × clip; DiLoCo's rows (int8 and sparse) with plain averaging as the outer step (η = 1,
-    μ = 0: SparseLoCo lets error feedback stand for momentum)."""
+    """sparse2 at 1 % with other publish codecs and densities, and with each other sparse_mean × clip;
+    BlockTrain's sparse rows averaged over all updates (mean_all); DiLoCo's rows (int8 and sparse) with
+    plain averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum)."""
     codec, d = LEVER_AT
     pd = min(1.0, PUBLISH_FACTOR * d)
     sparse = [(c, x) for c in SPARSE for x in densities]
     return [*(Row(m, codec, d, pub, p, lever="publish") for m in models for pub, p in LEVER_PUBLISH),
             *(Row(m, codec, d, Codec.SPARSE8, pd, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
               for m in models for mean, clip in LEVER_AGGREGATOR),
+            *(Row("block", c, x, Codec.SPARSE8, min(1.0, PUBLISH_FACTOR * x), lever="mean_all",
+                  aggregator=(("sparse_mean", "all"),)) for c, x in sparse if "block" in models),
             *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, min(1.0, PUBLISH_FACTOR * x) if c.sparse else 1.0,
                   lever="outer", outer=PLAIN) for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
 
@@ -252,9 +255,11 @@ def setting(row: dict) -> dict:
 def best_ratios(rows: list[dict], outer: tuple[float, float] | None = None) -> dict[str, dict]:
     """Per model, the sparse row with the most int8 bytes per its own bytes among those within
     AIM_CE of int8's CE (int8 = int8 up, fp32 published: today's swarm), and the sparse row with
-    the lowest CE. `outer`: only the rows with that outer step (η, μ), against the int8 row with it."""
+    the lowest CE. `outer`: only the rows with that outer step (η, μ), against the int8 row with it;
+    None: the model's own outer step on both sides (a sparse row with another outer step against the
+    default int8 row would credit the codec with what the outer step did)."""
     def has(r: dict) -> bool:
-        return tuple(r["outer"] or ()) == outer if outer else True
+        return tuple(r["outer"] or ()) == outer if outer else not r["outer"]
 
     out = {}
     for m in dict.fromkeys(r["model"] for r in rows):
@@ -329,7 +334,7 @@ def plot(out: dict, path: Path) -> Path | None:
     models = list(dict.fromkeys(r["model"] for r in out["rows"]))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     marks = {"fp32": "s", "int8": "D", "sparse8": "o", "sparse2": "^"}  # the codec by marker, the table by colour
-    colours = {"": "C0", "publish_3x": "C1", "outer": "C2", "publish": "C3", "aggregator": "C4"}
+    colours = {"": "C0", "mean_all": "C1", "outer": "C2", "publish": "C3", "aggregator": "C4"}
     for ax, m in zip(axes[0], models):
         rows = [r for r in out["rows"] + out["levers"] if r["model"] == m]
         for lever in dict.fromkeys(r["lever"] for r in rows):
@@ -338,7 +343,7 @@ def plot(out: dict, path: Path) -> Path | None:
                              if r["codec"] == codec and r["lever"] == lever)
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marks[codec], color=colours.get(lever),
-                            ls="-" if lever in ("", "publish_3x", "outer") else "", mfc="none" if codec == "sparse2" else None,
+                            ls="-" if lever in ("", "mean_all", "outer") else "", mfc="none" if codec == "sparse2" else None,
                             label=f"{codec} ({lever or 'grid'})")
         ref = out["best"][m]
         ax.axhline(ref["int8_ce"] + AIM_CE, color="grey", ls=":", lw=1, label="int8 CE + 0.02")
@@ -380,7 +385,8 @@ def render(out: dict) -> str:
              f"{shape.n_layers} layers, N = {shape.context}, {out['replicas']} replicas per block, averaged. DiLoCo: "
              f"the {shape.n_blocks * shape.n_layers}-layer AR model of the same width, {out['replicas']} full "
              "replicas, outer Nesterov step (η = 0.7, μ = 0.9). Sparse rows publish sparse8 at 3× the workers' density; "
-             "the aggregator averages them over all updates (`--sparse-mean all`, the default), no clip. "
+             "the aggregator averages each coordinate over the updates that sent it (`--sparse-mean senders`, the "
+             "default), no clip. "
              "Bytes per worker-round: zstd payloads (bytes up: what a worker pushed per round; bytes down: a "
              "published delta, mean over versions and units); the frame headers and chunk framing (protobuf) are "
              "apart, gRPC/HTTP2 framing not counted. Bits/param: (up + down) payload bits per parameter of the "
@@ -406,8 +412,9 @@ def render(out: dict) -> str:
                   + ", ".join(out["not_all_accepted"]) + "."]
     if out["levers"]:
         lines += ["", "Levers (same command; `levers` in bench/comms.py): sparse2 at 1 % with other publish codecs and "
-                      "densities (publish) and each other sparse_mean × clip (aggregator); DiLoCo with plain averaging "
-                      "as the outer step, η = 1, μ = 0 (outer).", ""]
+                      "densities (publish) and each other sparse_mean × clip (aggregator); every BlockTrain sparse row "
+                      "averaged over all updates (mean_all); DiLoCo with plain averaging as the outer step, η = 1, "
+                      "μ = 0 (outer).", ""]
         for lever in dict.fromkeys(r["lever"] for r in out["levers"]):
             lines += [f"`{lever}`:", "", *_rows_table([r for r in out["levers"] if r["lever"] == lever], best), ""]
     if out["png"]:

@@ -60,7 +60,7 @@ class AggregatorConfig:
     screen_cosine: float = 0.7  # screened mode: drop a cosine with the median update under this × the round's median cosine
     history: int = 20  # round summaries kept for status
     sparse_mean: str = flag("--sparse-mean", "How sparse updates are averaged per coordinate: senders (over the updates "
-                                             "that sent it) or all (docs/tuning.md).", default="all")
+                                             "that sent it) or all (docs/tuning.md).", default="senders")
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
 
