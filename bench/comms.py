@@ -14,7 +14,9 @@ B·L layers, --replicas full replicas, the aggregator's outer Nesterov step, η 
 
 Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swarm as it is today),
 `int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
-sparse8 at the workers' own density (the download costs what the upload does). Levers: see `levers`.
+sparse8 at 3× the workers' density (two replicas' top-k overlap little: their mean has up to twice the
+nonzeros; measured against 1× in the `publish` lever), averaged with the aggregator's defaults
+(--sparse-mean all, no clip). Levers: see `levers`.
 An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
@@ -67,9 +69,10 @@ DENSITIES = (0.1, 0.03, 0.01, 0.003)
 SPARSE = (Codec.SPARSE8, Codec.SPARSE2)
 VALUE_BITS = {Codec.FP32: 32, Codec.BF16: 16, Codec.INT8: 8, Codec.SPARSE8: 8, Codec.SPARSE2: 2}
 LEVER_AT = (Codec.SPARSE2, 0.01)  # the setting the publish levers vary
-LEVER_PUBLISH = ((Codec.SPARSE8, 0.03), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))
-# AggregatorConfig.sparse_mean × clip, less the default (senders, no clip) that the grid row has
-LEVER_AGGREGATOR = (("senders", True), ("all", False), ("all", True))
+LEVER_PUBLISH = ((Codec.SPARSE8, 0.01), (Codec.SPARSE8, 0.1), (Codec.FP32, 1.0))  # the grid row: sparse8 at 3 %
+PUBLISH_FACTOR = 3  # a sparse row publishes at 3× its density: two replicas' top-k overlap little
+# AggregatorConfig.sparse_mean × clip, less the default (all, no clip) that the grid row has
+LEVER_AGGREGATOR = (("senders", False), ("senders", True), ("all", True))
 PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
 NAMES = {"block": "BlockTrain", "ar": "DiLoCo"}
@@ -108,23 +111,22 @@ def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
     rows = []
     for m in models:
         rows += [Row(m, Codec.FP32), Row(m, Codec.INT8), Row(m, Codec.INT8, publish=Codec.INT8)]
-        rows += [Row(m, c, d, Codec.SPARSE8, d) for c in SPARSE for d in densities]
+        rows += [Row(m, c, d, Codec.SPARSE8, min(1.0, PUBLISH_FACTOR * d)) for c in SPARSE for d in densities]
     return rows
 
 
 def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
     """One setting each: sparse2 at 1 % with other publish codecs and densities, and with each
-    sparse_mean × clip; every sparse row published at 3× its density (two replicas' top-k overlap
-    little: their mean has up to twice the nonzeros); DiLoCo's sparse rows (and int8) with plain
-    averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum)."""
+    sparse_mean × clip; DiLoCo's rows (int8 and sparse) with plain averaging as the outer step (η = 1,
+    μ = 0: SparseLoCo lets error feedback stand for momentum)."""
     codec, d = LEVER_AT
+    pd = min(1.0, PUBLISH_FACTOR * d)
     sparse = [(c, x) for c in SPARSE for x in densities]
-    return [*(Row(m, codec, d, pub, pd, lever="publish") for m in models for pub, pd in LEVER_PUBLISH),
-            *(Row(m, codec, d, Codec.SPARSE8, d, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
+    return [*(Row(m, codec, d, pub, p, lever="publish") for m in models for pub, p in LEVER_PUBLISH),
+            *(Row(m, codec, d, Codec.SPARSE8, pd, lever="aggregator", aggregator=(("sparse_mean", mean), ("clip", clip)))
               for m in models for mean, clip in LEVER_AGGREGATOR),
-            *(Row(m, c, x, Codec.SPARSE8, min(1.0, 3 * x), lever="publish_3x") for m in models for c, x in sparse),
-            *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, x, lever="outer", outer=PLAIN)
-              for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
+            *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, min(1.0, PUBLISH_FACTOR * x) if c.sparse else 1.0,
+                  lever="outer", outer=PLAIN) for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
 
 
 def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
@@ -377,7 +379,8 @@ def render(out: dict) -> str:
              f"BlockTrain: d = {shape.d_model}, {shape.n_heads} heads, B = {shape.n_blocks} blocks of L = "
              f"{shape.n_layers} layers, N = {shape.context}, {out['replicas']} replicas per block, averaged. DiLoCo: "
              f"the {shape.n_blocks * shape.n_layers}-layer AR model of the same width, {out['replicas']} full "
-             "replicas, outer Nesterov step (η = 0.7, μ = 0.9). Sparse rows publish sparse8 at the workers' density. "
+             "replicas, outer Nesterov step (η = 0.7, μ = 0.9). Sparse rows publish sparse8 at 3× the workers' density; "
+             "the aggregator averages them over all updates (`--sparse-mean all`, the default), no clip. "
              "Bytes per worker-round: zstd payloads (bytes up: what a worker pushed per round; bytes down: a "
              "published delta, mean over versions and units); the frame headers and chunk framing (protobuf) are "
              "apart, gRPC/HTTP2 framing not counted. Bits/param: (up + down) payload bits per parameter of the "
@@ -403,8 +406,8 @@ def render(out: dict) -> str:
                   + ", ".join(out["not_all_accepted"]) + "."]
     if out["levers"]:
         lines += ["", "Levers (same command; `levers` in bench/comms.py): sparse2 at 1 % with other publish codecs and "
-                      "densities (publish) and each sparse_mean × clip (aggregator); every sparse row published at 3× its "
-                      "density (publish_3x); DiLoCo with plain averaging as the outer step, η = 1, μ = 0 (outer).", ""]
+                      "densities (publish) and each other sparse_mean × clip (aggregator); DiLoCo with plain averaging "
+                      "as the outer step, η = 1, μ = 0 (outer).", ""]
         for lever in dict.fromkeys(r["lever"] for r in out["levers"]):
             lines += [f"`{lever}`:", "", *_rows_table([r for r in out["levers"] if r["lever"] == lever], best), ""]
     if out["png"]:

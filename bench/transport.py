@@ -72,18 +72,21 @@ def serve_tcp(port_file: Path) -> None:
                 conn.sendall(b"k")
 
 
-def child(kind: str, workdir: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """A server in its own process, returned once it listens: an aggregator (`btnode join`) or one of
-    this module's plain servers (`--serve-raw-grpc`, `--serve-tcp`), which write their port the same way."""
+def child(kind: str, workdir: Path, *args: str, shape=SHAPE, env: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, int]:
+    """A server in its own process, returned once it listens: an aggregator (`btnode join`, of model
+    `shape`) or one of this module's plain servers (`--serve-raw-grpc`, `--serve-tcp`), which write
+    their port the same way. `env`: the child's environment (another PYTHONPATH: another btnode)."""
     port_file = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.port"
     log = workdir / f"{port_file.stem}.log"
     if kind == "aggregator":
         node = start_node([*(["-v"] if os.environ.get("BENCH_VERBOSE") else []), "join", "--role", "aggregator",
                            "--listen", "127.0.0.1:0", "--state-dir", str(workdir / f"state-{port_file.stem}"),
-                           *shape_flags(SHAPE), *args], port_file=port_file, log=log, name=f"{kind} server")
+                           *shape_flags(shape), *args], port_file=port_file, log=log, env=env,
+                          name=f"{kind} server", timeout_s=600.0)
         return node.proc, node.port
     proc = subprocess.Popen(module_command("bench.transport", f"--serve-{kind}", str(port_file)),
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
     try:
         return proc, wait_port(port_file, proc, name=f"{kind} server")
     except BaseException:

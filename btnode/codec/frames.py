@@ -225,8 +225,8 @@ class FrameAssembler:
                                  f"header says {h.raw_bytes}")
         if hashlib.sha256(raw).digest() != h.sha256:
             raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
-        if h.codec.sparse and self.keep_sparse:
-            t = SparseTensor.decode(raw, h.shape, h.codec is Codec.SPARSE2)  # its values are checked finite
+        if h.codec.sparse and not h.codec.dct and self.keep_sparse:
+            t = SparseTensor.decode(raw, h.shape, h.codec.two_bit)  # its values are checked finite
         else:
             t = decode(h.codec, raw, h.shape)
             if self.finite and not all_finite(t):

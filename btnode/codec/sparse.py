@@ -197,9 +197,14 @@ def decode_sparse(raw: bytes, numel: int, two_bit: bool) -> tuple[torch.Tensor, 
     n_chunks, kept = layout.chunks, layout.kept
     if two_bit:
         table = np.frombuffer(raw, np.float16, count=n_chunks * TABLE, offset=at).astype(np.float32)
+        if not np.all(np.isfinite(table)):  # an unused bin too: an honest encoder writes only finite means
+            raise MalformedInput("nonfinite", f"{name} bin-mean tables must be finite")
         at += n_chunks * 2 * TABLE
         nbytes = -(-2 * kept // 8)
-        codes = np.unpackbits(buf[at:at + nbytes], bitorder="little").reshape(-1, 2)[:kept]
+        bits = np.unpackbits(buf[at:at + nbytes], bitorder="little")
+        if bits[2 * kept:].any():  # else one tensor would have several encodings (and sha256s)
+            raise MalformedInput("size", f"{name} values: padding after the 2-bit codes is not zero")
+        codes = bits.reshape(-1, 2)[:kept]
         at += nbytes
         code = codes[:, 0].astype(np.int64) + 2 * codes[:, 1]
         chunk_of = _chunk_of(layout)
@@ -213,7 +218,8 @@ def decode_sparse(raw: bytes, numel: int, two_bit: bool) -> tuple[torch.Tensor, 
             raise MalformedInput("range", f"{name} value −128 is outside the codec's ±127")
         if not np.all(np.isfinite(scale)) or (scale.size and float(scale.min()) < 0):
             raise MalformedInput("nonfinite", f"{name} chunk scales must be finite and ≥ 0")
-        values = q.astype(np.float32) * scale[_chunk_of(layout)]
+        with np.errstate(over="ignore"):  # a huge scale × 127 overflows to Inf: refused below, no warning
+            values = q.astype(np.float32) * scale[_chunk_of(layout)]
     nrem = -(-layout.remainder_bits // 8)
     rem = np.unpackbits(buf[at:at + nrem], bitorder="little")
     if rem[layout.remainder_bits:].any():

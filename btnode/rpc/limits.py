@@ -102,7 +102,12 @@ class PeerLimiter(grpc.ServerInterceptor):
                 if method == "Join":
                     return fn(request, context)
                 if streaming_response:
-                    return limiter._stream(fn(request, context), peer, method)
+                    try:  # a request refused before its stream exists (one that does not parse) holds no slot
+                        responses = fn(request, context)
+                    except BaseException:
+                        limiter._release(peer, method)
+                        raise
+                    return limiter._stream(responses, peer, method)
                 try:
                     return fn(request, context)
                 finally:

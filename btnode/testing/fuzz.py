@@ -4,8 +4,9 @@ by hypothesis) and bench/fuzz.py (tens of thousands). Every case is a seed: `Cas
 the same input, so a failure is reproduced from one number.
 
 The oracle:
-- frames: FrameAssembler either returns tensors that match the spec exactly or raises a
-  PeerInputError; any other exception is a crash;
+- frames (of every codec, the sparse ones at several densities; some mutated below zstd and sha256,
+  so that they reach the codec's decoder): FrameAssembler either returns tensors that match the spec
+  exactly or raises a PeerInputError; any other exception is a crash;
 - RPCs: every call ends OK or with a status code a refusal may have (INVALID_ARGUMENT,
   RESOURCE_EXHAUSTED, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, DEADLINE_EXCEEDED for streams
   we stop waiting on); INTERNAL or UNKNOWN means a handler raised something unplanned: a crash.
@@ -32,8 +33,8 @@ from btnode.aggregate.audit import AuditConfig, AuditJob, split_state
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, iter_chunks
+from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, frame_from_raw, iter_chunks
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
 from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, PushHeader, RoundSize, WorkClaim
@@ -54,6 +55,8 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 SWARM = "/btnode.v1.Swarm/"
 AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
 STAGE = "/btnode.v1.Stage/"
+KEEPS = (1, 41, 410, 4096)  # a sparse codec's values per chunk: 1 … CHUNK
+PUSH_CODECS = (Codec.INT8, Codec.SPARSE8, Codec.SPARSE2)  # the codecs of fuzzed pushes' frames
 
 
 def _spec(block: int = 0) -> dict[str, tuple[int, ...]]:
@@ -65,7 +68,8 @@ def valid_chunks(rng: random.Random, block: int = 0, codec: Codec | None = None,
     codec = codec or rng.choice(list(Codec))
     tensors = {n: torch.randn(s, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * 0.01
                for n, s in _spec(block).items()}
-    return list(iter_chunks(encode_frames(tensors, codec), chunk_bytes or rng.choice([64, 512, 4096, 1 << 20])))
+    return list(iter_chunks(encode_frames(tensors, codec, keep=rng.choice(KEEPS)),
+                            chunk_bytes or rng.choice([64, 512, 4096, 1 << 20])))
 
 
 def _junk(rng: random.Random, n: int | None = None) -> bytes:
@@ -92,6 +96,22 @@ def mutate_header(rng: random.Random, h: FrameHeader, names: list[str]) -> Frame
     return h
 
 
+def mutate_raw(rng: random.Random, raw: bytes) -> bytes:
+    """Codec bytes with bits flipped, a byte set to an edge value, cut short or lengthened."""
+    data = bytearray(raw)
+    op = rng.randrange(4)
+    if op == 0 and data:
+        for _ in range(rng.randrange(1, 8)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif op == 1 and data:
+        data[rng.randrange(len(data))] = rng.choice([0, 0x80, 0xFF, rng.randrange(256)])
+    elif op == 2:
+        del data[rng.randrange(len(data) + 1):]
+    else:
+        data += rng.choice([b"\0", b"\xff", _junk(rng)])
+    return bytes(data)
+
+
 def mutate_chunks(rng: random.Random, chunks: list[ChunkData], names: list[str]) -> list[ChunkData]:
     out = list(chunks)
     for _ in range(rng.randrange(1, 4)):
@@ -100,7 +120,7 @@ def mutate_chunks(rng: random.Random, chunks: list[ChunkData], names: list[str])
             continue
         i = rng.randrange(len(out))
         c = out[i]
-        op = rng.randrange(10)
+        op = rng.randrange(11)
         if op == 0 and c.header is not None:
             out[i] = ChunkData(mutate_header(rng, c.header, names), c.data)
         elif op == 1 and c.data:  # flip bytes of the payload
@@ -123,18 +143,26 @@ def mutate_chunks(rng: random.Random, chunks: list[ChunkData], names: list[str])
             out[i] = ChunkData(None if c.header is not None else out[0].header, c.data)
         elif op == 8:  # an oversized chunk
             out[i] = ChunkData(c.header, _junk(rng, rng.choice([1 << 20, (1 << 20) + 1, 3 << 20])))
-        else:  # a frame of NaN or Inf with an honest header and checksum
+        elif op == 9:  # a frame of NaN or Inf with an honest header and checksum
             bad = {n: torch.full(s, rng.choice([float("nan"), float("inf")])) for n, s in _spec().items()}
             name = rng.choice(list(bad))
             out[i:i + 1] = list(iter_chunks(encode_frames({name: bad[name]}, rng.choice(list(Codec)))))
+        else:  # mutated codec bytes under an honest header and checksum, in place of a frame: they reach its decoder
+            spec = _spec()
+            name = c.header.name if c.header is not None and c.header.name in spec else rng.choice(sorted(spec))
+            shape, codec = spec[name], c.header.codec if c.header is not None else rng.choice(list(Codec))
+            raw = encode(codec, 0.01 * torch.randn(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31))),
+                         keep=rng.choice(KEEPS))
+            out[i:i + 1] = list(iter_chunks([frame_from_raw(name, shape, codec, mutate_raw(rng, raw))]))
     return out
 
 
-def fuzz_frames(seed: int) -> str:
-    """One frame-decoding case; returns "ok", "refused" or raises (a crash)."""
+def fuzz_frames(seed: int, codec: Codec | None = None) -> str:
+    """One frame-decoding case (`codec`: of the valid frames it mutates; drawn if None); returns "ok",
+    "refused: <reason>" or raises (a crash)."""
     rng = random.Random(seed)
     spec = _spec()
-    chunks = valid_chunks(rng)
+    chunks = valid_chunks(rng, codec=codec)
     if rng.random() < 0.9:
         chunks = mutate_chunks(rng, chunks, list(spec))
     asm = FrameAssembler.for_spec(spec, list(Codec))
@@ -142,8 +170,8 @@ def fuzz_frames(seed: int) -> str:
         for c in chunks:
             asm.add(c)
         got = asm.finish()
-    except PeerInputError:
-        return "refused"
+    except PeerInputError as err:
+        return f"refused: {err.reason}"
     assert set(got) == set(spec) and all(tuple(got[n].shape) == spec[n] for n in spec), "accepted a wrong tensor set"
     assert all(bool(torch.isfinite(t).all()) for t in got.values()), "accepted NaN/Inf"
     return "ok"
@@ -233,10 +261,10 @@ def _push_messages(rng: random.Random) -> list[bytes]:
     header = swarm_pb2.PushHeader(worker_id=rng.choice(["a", "b", "", "z" * 200]), block=rng.choice([0, 0, 1, 7]),
                                   base_version=rng.choice([0, 0, 1, 2**63]), samples=rng.choice([1.0, 0.0, -1.0,
                                                                                                    float("nan"), 1e308]),
-                                  loss=rng.choice([1.0, float("inf")]), codec=rng.choice([1, 2, 3, 0, 99]),
+                                  loss=rng.choice([1.0, float("inf")]), codec=rng.choice([*Codec, 0, 99]),
                                   update_id=f"u{rng.randrange(2**32)}")
-    chunks = mutate_chunks(rng, valid_chunks(rng, codec=Codec.INT8, chunk_bytes=rng.choice([256, 1 << 20])),
-                           list(_spec()))
+    codec = Codec(header.codec) if header.codec in set(Codec) else rng.choice(PUSH_CODECS)  # frames of its codec
+    chunks = mutate_chunks(rng, valid_chunks(rng, codec=codec, chunk_bytes=rng.choice([256, 1 << 20])), list(_spec()))
     return _stream(rng, header, chunks)
 
 

@@ -5,14 +5,16 @@ plain averaging, refused fingerprints, and the simulator."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import pytest
 import torch
 
 from btnode.aggregate.claims import ClaimConfig
-from btnode.codec.codecs import Codec
+from btnode.codec.codecs import Codec, decode, keep_in
 from btnode.codec.frames import encode_frames
+from btnode.codec.sparse import keep_of
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
@@ -136,10 +138,44 @@ def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_wor
 def test_simulate_runs_diloco_with_its_outer_step_and_config_show_prints_its_fingerprint(tmp_path):
     out = tmp_path / "sim.json"
     p = run_cli("simulate", "--rounds", "2", "--steps-per-round", "2", "--batch", "4", "--eval-windows", "4",
-                "--json", str(out), *TINY_SHAPE, *AR_FLAGS)
+                "--json", str(out), "--codec", "sparse2", "--density", "0.03", "--publish-codec", "sparse8",
+                *TINY_SHAPE, *AR_FLAGS)  # the sparse codecs too, as a block run would have them (issue #24)
     assert "after 2 rounds: teacher-forced CE" in p.stdout
     res = json.loads(out.read_text())
     assert res["versions"] == {"0": 2} and res["model"]["kind"] == "ar" and res["ce"] > 0
+    assert (res["sim"]["codec"], res["sim"]["density"], res["outcomes"]["rejected"]) == ("SPARSE2", 0.03, 0)
     assert (res["outer"]["lr"], res["outer"]["momentum"]) == (0.7, 0.9)
     shown = run_cli("config", "show", "join", "--", "--role", "worker", *TINY_SHAPE, *AR_FLAGS).stdout
     assert f"run fingerprint: {CFG.fingerprint()}" in shown
+
+
+def test_a_local_swarm_passes_the_sparse_codecs_to_its_nodes(tmp_path):
+    """Issue #24 through the real CLI: `btnode swarm` hands --codec sparse2 --density to its `join --role
+    worker` processes and --publish-codec sparse8 --publish-density to its `join --role aggregator`."""
+    state = tmp_path / "swarm"
+    p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "2", *TRAINING,
+                              "--deadline", "30", "--keep", "100", "--codec", "sparse2", "--density", "0.03",
+                              "--publish-codec", "sparse8", "--publish-density", "0.03", *TINY_SHAPE, *AR_FLAGS],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    store = VersionStore(state, 0, stem="ar")
+    newest = store.latest()
+    assert newest is not None and newest.version >= 1
+    for v in range(1, newest.version + 1):  # published in sparse8 at 3 %, and each version rebuilds bit for bit
+        codec, raw, meta = store.delta(v)
+        assert codec is Codec.SPARSE8 and keep_in(codec, raw) == keep_of(0.03)
+        before = store.load(v - 1).params
+        rebuilt = {n: before[n] + decode(codec, raw[n], SPEC[n]) for n in SPEC}
+        assert state_sha256(rebuilt) == meta["info"]["sha256"]
+    numel = sum(math.prod(s) for s in SPEC.values())
+    for r in range(2):
+        stats = json.loads((state / "logs" / f"b0r{r}.stats.json").read_text())
+        assert stats["outcomes"] == {"accepted": 2} and stats["sha256"] == store.load(stats["version"]).meta["info"]["sha256"]
+        assert stats["bytes_pushed_raw"] < 0.03 * 4 * numel * stats["pushes"]  # sparse2 at 3 %: under 3 % of fp32
+
+
+@pytest.mark.parametrize("args, match", [(["--role", "worker", "--codec", "sparse2", "--density", "0"], "--density must be"),
+                                         (["--role", "aggregator", "--publish-codec", "sparse8", "--publish-density", "1.5"],
+                                          "--publish-density must be")])
+def test_a_density_outside_zero_one_is_refused_by_the_cli(args, match):
+    cli_fails("join", *args, *TINY_SHAPE, *AR_FLAGS, match=match)

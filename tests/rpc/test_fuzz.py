@@ -11,16 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from btnode.codec.codecs import Codec
 from btnode.rpc.client import SwarmClient
 from btnode.testing.fuzz import fuzz_frames, fuzz_rpc, start_target
 
 SEEDS = st.integers(min_value=0, max_value=2**63)
 
 
-@given(SEEDS)
+@given(SEEDS, st.sampled_from([None, Codec.SPARSE8, Codec.SPARSE2]))
 @settings(max_examples=300, deadline=None, derandomize=True)
-def test_frame_decoding_accepts_only_whole_valid_blocks(seed):
-    assert fuzz_frames(seed) in ("ok", "refused")
+def test_frame_decoding_accepts_only_whole_valid_blocks(seed, codec):
+    """Frames of any codec (None: drawn per case), and of each sparse codec, whose bit-level layouts
+    have the most to check."""
+    outcome = fuzz_frames(seed, codec)
+    assert outcome == "ok" or outcome.startswith("refused: "), outcome
 
 
 @pytest.fixture(scope="module")

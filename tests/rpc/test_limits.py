@@ -103,6 +103,25 @@ def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
     assert [again.get()[0], again.get()[0]] == ["sent", "ok"]
 
 
+@pytest.mark.parametrize("method", ["Pull", "FetchDelta"])
+def test_requests_that_do_not_parse_hold_no_stream_slot(limited, method):
+    """They were refused before a stream existed, and each kept its slot: max_streams of them locked the
+    peer out of every transfer, its pushes included (found by bench/fuzz.py)."""
+    address, agg, limiter = limited
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    call = channel.unary_stream(f"/btnode.v1.Swarm/{method}", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    for _ in range(3):  # over max_streams = 2
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(b"\xff\xff\xff", timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    assert limiter.open_streams() == 0 and not agg.counters[("limited", "transfer_streams")]
+    c = SwarmClient(address, timeout_s=10)
+    assert c.pull(0, "w0", agg.block(0).spec).info.version == 0  # still served
+    c.close()
+
+
 def test_joins_per_minute_are_limited_per_peer(limited):
     address, agg, _ = limited
     c = SwarmClient(address, timeout_s=10)

@@ -5,11 +5,12 @@ import hashlib
 import json
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from btnode.codec.codecs import Codec, encode
-from btnode.codec.frames import encode_frames, frame_from_raw, iter_chunks
+from btnode.codec.frames import encode_frames, encode_raw, frame_from_raw, iter_chunks
 from btnode.errors import ConfigMismatchError, MalformedInput, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
@@ -145,6 +146,15 @@ def frames_of(live, **override):
     return encode_frames(d, Codec.FP32)
 
 
+def sparse_push(live, codec, corrupt=lambda raw: raw):
+    """A sparse push (41 values kept per chunk) whose head.bias bytes (256 values, one chunk, k = 3) are
+    `corrupt`ed under an honest sha256: they pass zstd and the checksum and reach the sparse decoder."""
+    d = small_delta(live)
+    raw = encode_raw(d, codec, keep=41)
+    raw["head.bias"] = corrupt(raw["head.bias"])
+    return msgs(hdr("w", codec=codec), [frame_from_raw(n, tuple(d[n].shape), codec, r) for n, r in raw.items()])
+
+
 BAD = {
     "truncated": (grpc.StatusCode.INVALID_ARGUMENT, "truncated", lambda live: msgs(hdr("w"), frames_of(live))[:-1]),
     "unknown_tensor": (grpc.StatusCode.INVALID_ARGUMENT, "unknown_tensor",
@@ -166,6 +176,17 @@ BAD = {
     "bad_codec": (grpc.StatusCode.INVALID_ARGUMENT, "codec",
                   lambda live: [pb.PushMessage(header=pb.PushHeader(worker_id="w", block=0, samples=1, codec=9,
                                                                     update_id="u"))] + msgs(hdr("w"), frames_of(live))[1:]),
+    "sparse_over_bound": (grpc.StatusCode.INVALID_ARGUMENT, "size",
+                          lambda live: with_chunk_header(sparse_push(live, Codec.SPARSE8), 1, raw_bytes=1 << 40)),
+    "sparse_layout": (grpc.StatusCode.INVALID_ARGUMENT, "layout",
+                      lambda live: sparse_push(live, Codec.SPARSE2, lambda raw: b"\0\0" + raw[2:])),  # keep 0
+    "sparse_count": (grpc.StatusCode.INVALID_ARGUMENT, "count",
+                     lambda live: sparse_push(live, Codec.SPARSE2, lambda raw: raw[:-1] + b"\xff")),  # a gap gone
+    "sparse_range": (grpc.StatusCode.INVALID_ARGUMENT, "range",
+                     lambda live: sparse_push(live, Codec.SPARSE8, lambda raw: raw[:6] + b"\x80" + raw[7:])),  # −128
+    "sparse_nan_table": (grpc.StatusCode.INVALID_ARGUMENT, "nonfinite",
+                         lambda live: sparse_push(live, Codec.SPARSE2,
+                                                  lambda raw: raw[:2] + np.float16("nan").tobytes() + raw[4:])),
     "unknown_block": (grpc.StatusCode.NOT_FOUND, "unknown_block", lambda live: msgs(hdr("w", block=7), frames_of(live))),
     "not_joined": (grpc.StatusCode.FAILED_PRECONDITION, "not_joined",
                    lambda live: msgs(hdr("stranger"), frames_of(live))),  # only w and other joined
@@ -216,9 +237,10 @@ def test_unknown_block_and_version_for_pull_and_delta(live):
         live.client.fetch_delta(0, 42, spec(live))
 
 
-def test_int8_updates_are_accepted_and_decoded(live):
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.SPARSE8, Codec.SPARSE2], ids=lambda c: c.name)
+def test_lossy_updates_are_accepted_and_decoded(live, codec):
     join(live, "w")
     d = small_delta(live)
-    frames = [frame_from_raw(n, tuple(t.shape), Codec.INT8, encode(Codec.INT8, t)) for n, t in d.items()]
-    assert live.client.push(hdr("w", codec=Codec.INT8), frames).outcome is Outcome.ACCEPTED
+    frames = [frame_from_raw(n, tuple(t.shape), codec, encode(codec, t, keep=41)) for n, t in d.items()]
+    assert live.client.push(hdr("w", codec=codec), frames).outcome is Outcome.ACCEPTED
     assert live.agg.block(0).info.version == 1

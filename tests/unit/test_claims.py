@@ -17,7 +17,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks
 from btnode.errors import MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.protocol import Judgement, Outcome
+from btnode.protocol import Judgement, Outcome, PushHeader
 from btnode.sim.link import LocalLink
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
@@ -27,6 +27,8 @@ TC = TrainConfig(steps=40, batch=4, warmup=2, lr=5e-3)
 CORPUS = bytes(range(256)) * 40
 H = 4
 CLAIMS = ClaimConfig.of(TC, H)
+PUSH = PushHeader(worker_id="w", block=0, base_version=0, samples=float(H * TC.batch), loss=0.0, codec=Codec.INT8,
+                  update_id="u", steps=tuple(range(H)))
 
 
 def swarm(tmp_path, codec, n=3):
@@ -118,3 +120,20 @@ def test_the_issues_cheats_are_refused_from_round_0(tmp_path, cheat):
     reason = EXPECTED.get(cheat, "claim")
     assert err.value.reason == reason
     assert agg.block(0).counters[("rejected", reason)] == 1 and agg.block(0).info.version == 0
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.INT8])
+def test_check_agrees_with_bound_at_and_one_ulp_over_every_coordinate_limit(codec):
+    """check() decides a tensor within its least bound at once and builds the rest in place: either way
+    its answer is bound()'s, coordinate for coordinate."""
+    theta = {"w": torch.linspace(-3, 3, 600).reshape(20, 30), "b": torch.randn(7), "v": torch.randn(5, 4) * 1e-3}
+    header = dataclasses.replace(PUSH, codec=codec)
+    limits = CLAIMS.bound(len(header.steps), theta, codec)
+    at = {n: -limits[n] for n in theta}  # every coordinate exactly at its bound, |θ| large and small alike
+    assert CLAIMS.check(header, at, theta) == len(header.steps) * TC.batch
+    for i in (0, 299, 599):  # the largest |θ|, the smallest, the other end
+        over = {n: t.clone() for n, t in at.items()}
+        over["w"].view(-1)[i] = -torch.nextafter(limits["w"].view(-1)[i], torch.tensor(float("inf")))
+        with pytest.raises(MalformedInput, match=rf"w\[{i}\] moved") as err:
+            CLAIMS.check(header, over, theta)
+        assert err.value.reason == "bound"

@@ -12,7 +12,8 @@ from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec, decode
+from btnode.codec.codecs import Codec, decode, keep_in
+from btnode.codec.sparse import keep_of
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError
 from btnode.model.ar import ByteTransformer
 from btnode.model.config import ModelConfig
@@ -98,3 +99,34 @@ def test_the_state_folder_is_an_ar_checkpoint(tmp_path):
     again = SwarmAggregator(AR, AggregatorConfig(outer=DILOCO_OUTER), tmp_path)  # a restart resumes it
     assert again.block(0).info == sim.agg.block(0).info
     assert again.block(0).outer.buffers.keys() == sim.agg.block(0).outer.buffers.keys()
+
+
+@pytest.mark.parametrize("cfg", [AR, BLOCKS], ids=["ar", "blocks"])
+def test_sparse_codecs_train_both_kinds_and_every_replica_holds_the_published_hash(tmp_path, cfg):
+    """Issue #24: DiLoCo gets the same sparse codecs as BlockTrain (the comparison stays fair): sparse2
+    updates at 3 % are all accepted, the sparse8 deltas published at 3 % rebuild each version bit for bit,
+    and every replica ends on its unit's published hash."""
+    scfg = SimConfig(rounds=3, replicas=2, steps_per_round=3, step_time_s=0.1, delays_s=(0.02,), delay_dist="fixed",
+                     codec=Codec.SPARSE2, density=0.03)
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=1.0), outer=DILOCO_OUTER if cfg.kind == "ar" else OuterConfig(),
+                            keep=10, publish_codec=Codec.SPARSE8, publish_density=0.03)
+    sim = Simulation(cfg, TC, acfg, scfg, CORPUS, tmp_path, device=torch.device("cpu"))
+    res = sim.run()
+    units = range(cfg.total_blocks)
+    assert res.versions == {b: 3 for b in units}
+    assert res.outcomes["accepted"] == sum(res.outcomes.values()) == 2 * 3 * len(units), res.outcomes
+    for rep in sim.replicas:  # each replica caught up to its unit's newest version, bit for bit
+        w = rep.worker
+        assert w.stats.sha256 == sim.agg.block(w.wcfg.block).info.sha256
+        numel = sum(t.numel() for t in w.base.values())
+        assert w.stats.bytes_pushed_raw < 0.03 * 4 * numel * w.stats.pushes  # under 3 % of fp32: sparse2 at 3 %
+    for b in units:
+        agg = sim.agg.block(b)
+        for v in range(1, 4):
+            before, after = agg.store.load(v - 1).params, agg.store.load(v)
+            codec, raw, meta = agg.store.delta(v)
+            assert codec is Codec.SPARSE8 and keep_in(codec, raw) == keep_of(0.03)
+            step = {n: decode(codec, raw[n], tuple(t.shape)) for n, t in before.items()}
+            assert sum(int(s.count_nonzero()) for s in step.values()) < 0.05 * sum(s.numel() for s in step.values())
+            rebuilt = {n: before[n] + step[n] for n in before}
+            assert state_sha256(rebuilt) == state_sha256(after.params) == meta["info"]["sha256"]

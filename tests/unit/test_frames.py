@@ -2,17 +2,21 @@
 
 import dataclasses
 import hashlib
+import random
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from btnode.codec.codecs import Codec, encode
+from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, encode_frames, frame_from_raw, iter_chunks,
                                  spec_of)
 from btnode.errors import MalformedInput, PeerInputError, TooLarge
+from btnode.testing.fuzz import mutate_raw
 
 TENSORS = {"big": torch.randn(700, 800), "small": torch.randn(3, 5), "vec": torch.randn(257)}
 SPEC = spec_of(TENSORS)
@@ -105,6 +109,78 @@ def test_nan_hidden_in_an_int8_scale_is_refused():
         feed(iter_chunks(frames))
 
 
+SPARSE = (Codec.SPARSE8, Codec.SPARSE2)
+
+
+def with_vec_raw(codec, raw):
+    """A sparse stream of TENSORS whose "vec" frame carries `raw`, under an honest sha256."""
+    return [f if f.header.name != "vec" else frame_from_raw("vec", (257,), codec, raw)
+            for f in encode_frames(TENSORS, codec, keep=41)]
+
+
+@pytest.mark.parametrize("codec", SPARSE, ids=lambda c: c.name)
+def test_sparse_frames_round_trip_to_what_the_codec_decodes(codec):
+    out = feed(iter_chunks(encode_frames(TENSORS, codec, keep=41), chunk_bytes=4096))
+    assert all(torch.equal(out[n], decode(codec, encode(codec, t, keep=41), tuple(t.shape))) for n, t in TENSORS.items())
+    assert 0.005 < float((out["big"] != 0).float().mean()) < 0.015  # 41 of every 4,096 values
+
+
+@pytest.mark.parametrize("codec", SPARSE, ids=lambda c: c.name)
+def test_a_sparse_frame_declaring_more_than_its_bound_is_refused_before_any_payload(codec):
+    first = next(iter_chunks(encode_frames({"vec": TENSORS["vec"]}, codec, keep=41)))
+    a = assembler()
+    with pytest.raises(MalformedInput, match="at most") as err:
+        a.add(ChunkData(dataclasses.replace(first.header, raw_bytes=raw_size(codec, 257) + 1), b""))
+    assert err.value.reason == "size" and a.wire_bytes == 0 and not a.tensors
+
+
+def _keep_zero(raw):
+    return b"\0\0" + raw[2:]
+
+
+def _gap_gone(raw):  # the last gap's zero bit set: one gap fewer than the header's keep needs
+    return raw[:-1] + b"\xff"
+
+
+def _trailing(raw):
+    return raw + bytes(8)
+
+
+HOSTILE_BODIES = [  # (codec, reason, the "vec" frame's raw bytes: 257 values at keep 41, one chunk, k = 3)
+    *((c, reason, bad) for c in SPARSE for reason, bad in (("layout", _keep_zero), ("count", _gap_gone),
+                                                           ("size", _trailing))),
+    (Codec.SPARSE8, "range", lambda raw: raw[:6] + b"\x80" + raw[7:]),  # the first value −128
+    (Codec.SPARSE2, "nonfinite", lambda raw: raw[:2] + np.float16("nan").tobytes() + raw[4:]),  # a NaN bin mean
+]
+
+
+@pytest.mark.parametrize("codec, reason, bad", HOSTILE_BODIES, ids=[f"{c.name}-{r}" for c, r, _ in HOSTILE_BODIES])
+def test_a_sparse_frame_with_a_bad_body_gives_its_reason_and_no_tensor(codec, reason, bad):
+    a = assembler()
+    with pytest.raises(MalformedInput) as err:
+        for c in iter_chunks(with_vec_raw(codec, bad(encode(codec, TENSORS["vec"], keep=41)))):
+            a.add(c)
+    assert err.value.reason == reason and "vec" not in a.tensors and "vec" not in a.raw
+
+
+@pytest.mark.parametrize("codec", SPARSE, ids=lambda c: c.name)
+def test_mutated_sparse_bodies_under_honest_checksums_are_refused_or_decode_whole(codec):
+    """Below zstd and sha256, where a flipped bit reaches the sparse decoder itself."""
+    rng, reasons = random.Random(0), Counter()
+    for _ in range(300):
+        raw = mutate_raw(rng, encode(codec, torch.randn(257, generator=torch.Generator().manual_seed(rng.randrange(99))),
+                                     keep=rng.choice([1, 41, 410, 4096])))
+        a = FrameAssembler({"vec": (257,)}, codecs=[codec], max_frame_bytes=1 << 16)
+        try:
+            a.add(next(iter_chunks([frame_from_raw("vec", (257,), codec, raw)])))
+            out = a.finish()
+        except MalformedInput as err:
+            reasons[err.reason] += 1
+            continue
+        assert tuple(out["vec"].shape) == (257,) and bool(torch.isfinite(out["vec"]).all())
+    assert {"layout", "size", "count", "range"} <= set(reasons), reasons
+
+
 def test_oversized_frames_and_chunks():
     with pytest.raises(TooLarge, match="exceeds the limit"):
         feed(good(), max_frame=1000)
@@ -146,7 +222,8 @@ def test_a_zstd_frame_that_declares_a_huge_content_size_is_refused_before_alloca
 def test_fuzzed_streams_never_crash_and_never_yield_wrong_tensors(data):
     """Random mutations of a valid stream: either a PeerInputError, or exactly the original tensors."""
     tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.linspace(-1, 1, 300)}
-    chunks = list(iter_chunks(encode_frames(tensors, Codec.INT8), chunk_bytes=64))
+    codec = data.draw(st.sampled_from([Codec.INT8, *SPARSE]))
+    chunks = list(iter_chunks(encode_frames(tensors, codec, keep=410), chunk_bytes=64))
     op = data.draw(st.sampled_from(["drop", "dup", "flip", "swap", "truncate", "header"]))
     i = data.draw(st.integers(0, len(chunks) - 1))
     if op == "drop":
@@ -167,19 +244,19 @@ def test_fuzzed_streams_never_crash_and_never_yield_wrong_tensors(data):
         chunks[i] = ChunkData(dataclasses.replace(h, payload_bytes=data.draw(st.integers(0, 2 * h.payload_bytes)),
                                                   shape=data.draw(st.sampled_from([h.shape, (12,), (4, 3), ()]))),
                               chunks[i].data)
-    a = FrameAssembler(spec_of(tensors), codecs=[Codec.INT8], max_frame_bytes=1 << 16, max_chunk_bytes=64)
+    a = FrameAssembler(spec_of(tensors), codecs=[codec], max_frame_bytes=1 << 16, max_chunk_bytes=64)
     try:
         for c in chunks:
             a.add(c)
         out = a.finish()
     except PeerInputError:
         return
-    reference = feed_ref(tensors)
+    reference = feed_ref(tensors, codec)
     assert all(torch.equal(out[k], reference[k]) for k in tensors)
 
 
-def feed_ref(tensors):
-    a = FrameAssembler(spec_of(tensors), codecs=[Codec.INT8], max_frame_bytes=1 << 16)
-    for c in iter_chunks(encode_frames(tensors, Codec.INT8)):
+def feed_ref(tensors, codec):
+    a = FrameAssembler(spec_of(tensors), codecs=[codec], max_frame_bytes=1 << 16)
+    for c in iter_chunks(encode_frames(tensors, codec, keep=410)):
         a.add(c)
     return a.finish()

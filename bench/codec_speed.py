@@ -1,0 +1,294 @@
+"""Codec speed (issue #24, item 5): how fast each codec encodes and decodes the largest block of
+bench/memory.py, what the frames add (zstd and sha256 out, unzstd, sha256 and the checks back in),
+and how a push of that block through a real aggregator compares with a plain gRPC client stream of
+the same bytes.
+
+    .venv/bin/python -m bench.codec_speed                  # ~10 min on 2 cores
+    .venv/bin/python -m bench.codec_speed --quick          # a smoke run (a small block)
+    .venv/bin/python -m bench.codec_speed --against main   # also push with git ref main's btnode, interleaved
+
+The update is synthetic: every parameter moves N(0, σ²), σ = lr·√H / 2 (H AdamW steps of about lr
+each, uncorrelated in sign: a random walk; halved so that no coordinate nears the claims bound the
+aggregator checks). Codec speeds are single-threaded (torch.set_num_threads(1), one process), in MB
+of the block's fp32 size (10^6 bytes) per second, medians of --reps after a warm-up. Pushes run from
+a client process per btnode tree to an aggregator process of that tree, each push as a worker makes
+it (codec bytes ready, frames compressed and hashed as gRPC sends); the plain stream sends the
+push's wire bytes in 1 MiB messages to bench/transport.py's raw gRPC server. The trees and the
+plain stream take turns, so that load on the machine hits each alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.flags import BenchParser
+from bench.report import ROOT, invoked, module_command, publish, table
+from bench.transport import child, timed
+from btnode.model.config import ModelConfig
+from btnode.node.launch import stop_processes
+
+# The largest block of bench/memory.py (d = 1792, 28 heads, 2 layers per block, 4 blocks, context 128)
+SHAPE = ModelConfig(d_model=1792, n_heads=28, n_layers=2, n_blocks=4, context=128)
+QUICK_SHAPE = ModelConfig(d_model=128, n_heads=2, n_layers=2, n_blocks=2, context=32)
+BLOCK, SEED, BATCH = 0, 0, 32
+PUSH_CODECS = ("int8", "fp32")  # today's default, and the lossless one
+
+
+def synthetic_delta(cfg: ModelConfig, h: int, lr: float):
+    """Block BLOCK's parameters, each moved N(0, (lr·√H / 2)²) (module doc)."""
+    import torch
+
+    from btnode.store.models import init_unit
+
+    g = torch.Generator().manual_seed(SEED)
+    sigma = lr * h ** 0.5 / 2
+    return {n: torch.randn(t.shape, generator=g) * sigma for n, t in init_unit(cfg, BLOCK, SEED).state_dict().items()}
+
+
+def variants(densities: list[float]):
+    """(codec, label, encode keywords) of every codec: a sparse one once per density."""
+    from btnode.codec.codecs import Codec
+
+    for codec in Codec:
+        if not codec.sparse:
+            yield codec, codec.name.lower(), {}
+            continue
+        from btnode.codec.sparse import keep_of
+
+        for d in densities:
+            yield codec, f"{codec.name.lower()} @ {d:g}", {"keep": keep_of(d)}
+
+
+def codec_speeds(delta, reps: int, densities: list[float]) -> list[dict]:
+    """Per codec: encode and decode alone, then the frames' work on each side (compress + sha256;
+    FrameAssembler: unzstd, sha256, decode and the finite check), single-threaded."""
+    import zstandard
+
+    from btnode.codec.codecs import decode, encode
+    from btnode.codec.frames import ZSTD_LEVEL, FrameAssembler, frame_from_raw, iter_chunks, spec_of
+
+    spec = spec_of(delta)
+    mb = 4 * sum(t.numel() for t in delta.values()) / 1e6
+    rows = []
+    for codec, label, kw in variants(densities):
+        raw = {n: encode(codec, t, **kw) for n, t in delta.items()}
+        enc_s = timed(lambda: [encode(codec, t, **kw) for t in delta.values()], reps)  # noqa: B023
+        dec_s = timed(lambda: [decode(codec, raw[n], s) for n, s in spec.items()], reps)  # noqa: B023
+
+        def frames():
+            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            return [frame_from_raw(n, s, codec, raw[n], compressor) for n, s in spec.items()]  # noqa: B023
+
+        chunks = list(iter_chunks(frames()))
+
+        def receive():
+            asm = FrameAssembler.for_spec(spec, [codec])  # noqa: B023
+            for c in chunks:  # noqa: B023
+                asm.add(c)
+            asm.finish()
+
+        frame_s, recv_s = timed(frames, reps), timed(receive, reps)
+        rows.append({"codec": label, "raw_bytes": sum(map(len, raw.values())),
+                     "wire_bytes": sum(len(c.data) for c in chunks), "encode_s": enc_s, "decode_s": dec_s,
+                     "frame_s": frame_s, "receive_s": recv_s, "encode_mbps": mb / enc_s, "decode_mbps": mb / dec_s,
+                     "codec_mbps": mb / (enc_s + dec_s), "frame_mbps": mb / frame_s, "receive_mbps": mb / recv_s})
+        print(f"[codec_speed] {label}: encode {mb / enc_s:.0f} MB/s, decode {mb / dec_s:.0f}, frame "
+              f"{mb / frame_s:.0f}, receive {mb / recv_s:.0f}", flush=True)
+    return rows
+
+
+# -- the push against a plain stream ----------------------------------------------------------
+def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: ModelConfig, h: int) -> None:
+    """A worker's side, run as a child with the btnode on its PYTHONPATH: join `workers` ids, then per
+    line on stdin push once ("push") or send the same wire bytes to the plain server ("raw"), and
+    print the seconds it took."""
+    import grpc
+    import torch
+    import zstandard
+
+    from btnode.codec.codecs import encode, parse
+    from btnode.codec.frames import ZSTD_LEVEL, frame_from_raw, iter_chunks
+    from btnode.protocol import Outcome, PushHeader
+    from btnode.rpc.client import SwarmClient
+    from btnode.rpc.server import CHANNEL_OPTIONS
+    from btnode.train.config import TrainConfig
+    from btnode.train.terms import TrainingTerms
+
+    torch.set_num_threads(1)
+    tc, codec = TrainConfig(steps=1000, batch=BATCH), parse(codec_name)
+    delta = synthetic_delta(cfg, h, tc.lr)
+    spec = {n: tuple(t.shape) for n, t in delta.items()}
+    raw = {n: encode(codec, t) for n, t in delta.items()}
+    del delta
+
+    def frames():  # as BlockWorker._frames: compressed and hashed as gRPC asks for them
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return (frame_from_raw(n, s, codec, raw[n], compressor) for n, s in spec.items())
+
+    parts = [c.data for c in iter_chunks(frames())]
+    client = SwarmClient(agg, timeout_s=600)
+    ids = [f"w{i}" for i in range(workers)]
+    for w in ids:
+        client.join(w, BLOCK, cfg.fingerprint(), json.dumps(cfg.to_dict()), training_json=TrainingTerms(tc, h).to_json())
+    who = iter(ids)
+    sink = grpc.insecure_channel(raw_grpc, options=CHANNEL_OPTIONS).stream_unary("/bench.Raw/Sink")
+
+    def push() -> None:
+        header = PushHeader(worker_id=next(who), block=BLOCK, base_version=0, samples=float(h * BATCH), loss=0.0,
+                            codec=codec, update_id=uuid.uuid4().hex, steps=tuple(range(h)))
+        j = client.push(header, frames())
+        assert j.outcome is Outcome.ACCEPTED, j
+
+    def plain() -> None:
+        assert int.from_bytes(sink(iter(parts), timeout=600), "little") == sum(map(len, parts))
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        (push if line.strip() == "push" else plain)()
+        print(f"{time.perf_counter() - t0:.6f}", flush=True)
+
+
+def tree_env(ref: str, workdir: Path) -> dict[str, str]:
+    """An environment whose PYTHONPATH puts git ref `ref`'s btnode package first (bench/ stays this one)."""
+    dest = Path(tempfile.mkdtemp(prefix="btnode-", dir=workdir))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "btnode"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+
+
+def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[str, dict[str, str]],
+                quick: bool) -> dict:
+    """Per codec of PUSH_CODECS and per btnode tree: median push seconds, against the plain stream's."""
+    from btnode.train.config import TrainConfig
+
+    tc = TrainConfig(steps=1000, batch=BATCH)
+    mb = 4 * sum(t.numel() for t in synthetic_delta(cfg, 1, 1.0).values()) / 1e6
+    out = {}
+    for codec in PUSH_CODECS:
+        procs: list[subprocess.Popen] = []
+        try:
+            raw_proc, raw_port = child("raw-grpc", workdir)
+            procs.append(raw_proc)
+            clients = {}
+            for name, env in trees.items():
+                agg, port = child("aggregator", workdir, "--deadline", "3600", "--batch", str(BATCH), "--lr", str(tc.lr),
+                                  "--steps-per-round", str(h), shape=cfg, env=env)
+                procs.append(agg)
+                cmd = module_command("bench.codec_speed", "--push-client", f"127.0.0.1:{port}",
+                                     f"127.0.0.1:{raw_port}", codec, str(reps + 2), "--h", str(h),
+                                     *(["--quick"] if quick else []))
+                clients[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                procs.append(clients[name])
+            for c in clients.values():
+                assert c.stdout is not None and c.stdout.readline().strip() == "ready", "a push client failed"
+            os.sync()  # the aggregators' version-0 checkpoints on disk, not written back during the pushes
+            first = next(iter(clients.values()))
+            times: dict[str, list[float]] = {name: [] for name in [*trees, "plain gRPC"]}
+            for _ in range(reps + 1):  # the first round of turns is the warm-up
+                for name, c in [*clients.items(), ("plain gRPC", first)]:
+                    times[name].append(_ask(c, "push" if name != "plain gRPC" else "raw"))
+            medians = {name: statistics.median(t[1:]) for name, t in times.items()}
+            plain = medians["plain gRPC"]
+            out[codec] = {"block_fp32_mb": mb, "plain_grpc_s": plain, "plain_grpc_mbps": mb / plain,
+                          "trees": {name: {"push_s": s, "push_mbps": mb / s, "vs_plain": plain / s, "all_s": times[name]}
+                                    for name, s in medians.items() if name != "plain gRPC"}}
+            print(f"[codec_speed] push {codec}: " + ", ".join(f"{n} {mb / s:.0f} MB/s" for n, s in medians.items()),
+                  flush=True)
+        finally:
+            for p in procs:
+                if p.stdin is not None:
+                    p.stdin.close()
+            stop_processes(procs[::-1], timeout_s=60.0)
+    return out
+
+
+def _ask(client: subprocess.Popen, what: str) -> float:
+    assert client.stdin is not None and client.stdout is not None
+    client.stdin.write(what + "\n")
+    client.stdin.flush()
+    line = client.stdout.readline()
+    if not line:
+        raise SystemExit(f"the push client died during a {what}")
+    return float(line)
+
+
+def main() -> None:
+    ap = BenchParser(__doc__)
+    ap.result("codec-speed")
+    ap.quick(help="smoke run: a small block, 2 reps, no report", reps=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")], default=[0.01],
+                    help="sparse codecs' densities (values kept / values), comma-separated")
+    ap.rounds(h=50, h_help="local steps the synthetic update stands for (H)")
+    ap.add_argument("--against", metavar="REF", help="also push with git ref REF's btnode, interleaved")
+    ap.add_argument("--skip-codecs", action="store_true", help="the push part only")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-codec-speed")
+    ap.add_argument("--push-client", nargs=4, metavar=("AGG", "RAW", "CODEC", "WORKERS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cfg = QUICK_SHAPE if args.quick else SHAPE
+    if args.push_client:
+        agg, raw, codec, workers = args.push_client
+        return push_client(agg, raw, codec, int(workers), cfg, args.h)
+    import torch
+
+    from btnode.train.config import TrainConfig
+
+    torch.set_num_threads(1)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    params = sum(t.numel() for t in synthetic_delta(cfg, 1, 1.0).values())
+    codecs = [] if args.skip_codecs else codec_speeds(synthetic_delta(cfg, args.h, TrainConfig().lr), args.reps,
+                                                      args.densities)
+    trees = {"this tree": {**os.environ}}
+    if args.against:
+        trees[args.against] = tree_env(args.against, args.workdir)
+    pushes = push_speeds(args.workdir, cfg, args.h, args.reps, trees, args.quick)
+    res = {"shape": cfg.to_dict(), "block": BLOCK, "params": params, "h": args.h, "lr": TrainConfig().lr,
+           "error_feedback_bytes_per_worker": 4 * params, "codecs": codecs, "push": pushes, "reps": args.reps,
+           "densities": args.densities, "command": invoked(), "date": time.strftime("%Y-%m-%d")}
+    publish("codec-speed", res, render, out=args.results)
+
+
+def render(r: dict) -> str:
+    s = r["shape"]
+    mb = 4 * r["params"] / 1e6
+    cmd = f"`{r['command']}`"
+    rows = [(c["codec"], f"{c['encode_mbps']:.0f}", f"{c['decode_mbps']:.0f}", f"**{c['codec_mbps']:.0f}**",
+             f"{c['frame_mbps']:.0f}", f"{c['receive_mbps']:.0f}", f"{c['wire_bytes'] / 1e6:.1f} MB", cmd)
+            for c in r["codecs"]]
+    pushes = [(codec, tree, f"{t['push_mbps']:.0f}", f"{p['plain_grpc_mbps']:.0f}", f"**{t['vs_plain']:.2f}**", cmd)
+              for codec, p in r["push"].items() for tree, t in p["trees"].items()]
+    return "\n".join([
+        "## Codec speed: the largest block through each codec and one push (`bench/codec_speed.py`)",
+        "",
+        f"{r['date']}; 2 cores shared with other work. Block {r['block']} of bench/memory.py's largest model "
+        f"(d = {s['d_model']}, {s['n_heads']} heads, {s['n_layers']} layers per block, {s['n_blocks']} blocks, context "
+        f"{s['context']}): {r['params']:,} parameters, {mb:.1f} MB in fp32. The update: every parameter moved "
+        f"N(0, σ²), σ = lr·√H / 2 with lr = {r['lr']:g}, H = {r['h']}. MB/s of the block's fp32 size, one thread, "
+        f"medians of {r['reps']} after a warm-up. *frame*: zstd level 1 + sha256 of each tensor (frame_from_raw); "
+        "*receive*: FrameAssembler over the 1 MiB chunks (unzstd, sha256, decode, finite check).",
+        "",
+        *table(["codec", "encode MB/s", "decode MB/s", "encode + decode MB/s", "frame MB/s", "receive MB/s",
+                "bytes on the wire", "command"], rows, "lrrrrrrl"),
+        "",
+        f"Error feedback keeps one fp32 residual per parameter: **{r['error_feedback_bytes_per_worker'] / 1e6:.0f} MB "
+        "per worker** at this block (4 bytes × parameters), beside its parameters and AdamW state.",
+        "",
+        "Push through a real aggregator (claims checked, as a worker that stated its training at Join) against a "
+        "plain gRPC client stream of the push's wire bytes, both from a client process, taking turns:",
+        "",
+        *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain", "command"], pushes, "llrrrl"),
+    ])
+
+
+if __name__ == "__main__":
+    main()
