@@ -115,7 +115,14 @@ def render_wan(out: dict) -> list[str]:
                      + (f", outer η={r['outer'][0]:g} μ={r['outer'][1]:g}" if r["outer"] else ""),
                      r["rounds"], f"{r['bytes']:,.0f}", f"{r['compute_s_per_round']:.2f}",
                      f"{r['transfer_s_per_round']:.2f}", f"{r['accepted']}/{r['pushes']}", f"{r['ce']:.4f}")
-                    for r in out["wan_rows"]], "llrrrrrr")]
+                    for r in out["wan_rows"]], "llrrrrrr"),
+            "", "The sparse row of each model is the frontier's " + "; ".join(
+                f"{r['model']}: {r['chosen']}" for r in out["wan_rows"] if r["codec"] != "int8") + ". CE against "
+            "wall-clock (what the aggregator had published by then; BlockTrain SCE-1 at K = 1, DiLoCo teacher-forced):", "",
+            *table(["t (s)", *(f"{r['model']} {r['codec']}" + (" (outer η=1 μ=0)" if r["outer"] else "")
+                               for r in out["wan_rows"])],
+                   [(f"{t:.0f}", *(f"{r['ce_by_time'][i][1]:.4f}" for r in out["wan_rows"]))
+                    for i, (t, _) in enumerate(out["wan_rows"][0]["ce_by_time"])], "r" * (len(out["wan_rows"]) + 1))]
 
 
 def load(path: Path) -> dict:
