@@ -49,7 +49,7 @@ class AggregatorConfig:
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
     update_codecs: tuple[Codec, ...] = tuple(Codec)
-    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2 (not dct8/dct2).",
+    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2.",
                                 default=Codec.FP32, value=str, parse=parse,
                                 format=lambda c: c.name.lower())  # every replica applies these same bytes, lossy or not
     publish_density: float = flag("--publish-density", "Share of values a sparse publish codec sends (0, 1].",
@@ -67,9 +67,6 @@ class AggregatorConfig:
     def __post_init__(self) -> None:
         if not 0 < self.publish_density <= 1:
             raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
-        if self.publish_codec.dct:
-            raise ConfigError(f"--publish-codec {self.publish_codec.name.lower()} decodes through a matrix product whose "
-                              "last bits differ between machines; publish with sparse8 or sparse2")
         if self.sparse_mean not in SPARSE_MEANS:
             raise ConfigError(f"--sparse-mean must be one of {SPARSE_MEANS}, got {self.sparse_mean!r}")
 

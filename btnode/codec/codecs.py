@@ -8,7 +8,6 @@ Raw layouts, all little-endian:
   BF16  numel × bfloat16 (round to nearest even)
   INT8  ceil(numel/256) × float32 scales, then numel × int8; value = q · scale
   SPARSE8, SPARSE2  see codec/sparse.py: a u16 `keep` (values per chunk), then variable-size sections
-  DCT8, DCT2        the same layout over the DCT-II coefficients of 64-value blocks (codec/dct.py)
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from enum import IntEnum
 
 import torch
 
-from btnode.codec import dct, sparse
+from btnode.codec import sparse
 from btnode.errors import MalformedInput
 
 GROUP = 256  # values per int8 scale
@@ -35,21 +34,14 @@ class Codec(IntEnum):
     INT8 = 3
     SPARSE8 = 4
     SPARSE2 = 5
-    DCT8 = 6
-    DCT2 = 7
 
     @property
     def sparse(self) -> bool:
-        return self in (Codec.SPARSE8, Codec.SPARSE2, Codec.DCT8, Codec.DCT2)
-
-    @property
-    def dct(self) -> bool:
-        """Top-k of DCT coefficients of 64-value blocks (codec/dct.py): updates only, never published."""
-        return self in (Codec.DCT8, Codec.DCT2)
+        return self in (Codec.SPARSE8, Codec.SPARSE2)
 
     @property
     def two_bit(self) -> bool:
-        return self in (Codec.SPARSE2, Codec.DCT2)
+        return self is Codec.SPARSE2
 
     @property
     def ef_decay(self) -> float:
@@ -72,7 +64,7 @@ def raw_size(codec: Codec, numel: int) -> int:
     """The raw size of `numel` values; for a sparse codec, whose size depends on its keep and on
     where the kept values lie, an upper bound at any keep."""
     if codec.sparse:
-        return sparse.max_raw_size(dct.padded(numel) if codec.dct else numel)
+        return sparse.max_raw_size(numel)
     if codec is Codec.FP32:
         return 4 * numel
     if codec is Codec.BF16:
@@ -85,7 +77,7 @@ def encode(codec: Codec, x: torch.Tensor, *, keep: int = sparse.CHUNK) -> bytes:
     4,096-value chunk (sparse.keep_of(density)); the dense codecs ignore it."""
     flat = x.detach().to("cpu", torch.float32).contiguous().view(-1)
     if codec.sparse:
-        return sparse.encode_sparse(dct.forward(flat) if codec.dct else flat, keep, codec.two_bit)
+        return sparse.encode_sparse(flat, keep, codec.two_bit)
     if codec is Codec.FP32:
         return flat.numpy().tobytes()
     if codec is Codec.BF16:
@@ -104,9 +96,6 @@ def decode(codec: Codec, raw: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
-    if codec.dct:
-        positions, values = sparse.decode_sparse(raw, dct.padded(numel), codec.two_bit)
-        return dct.inverse(sparse.densify(positions, values, dct.padded(numel)), numel).reshape(shape)
     if codec.sparse:
         positions, values = sparse.decode_sparse(raw, numel, codec.two_bit)
         return sparse.densify(positions, values, numel).reshape(shape)

@@ -225,7 +225,7 @@ class FrameAssembler:
                                  f"header says {h.raw_bytes}")
         if hashlib.sha256(raw).digest() != h.sha256:
             raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
-        if h.codec.sparse and not h.codec.dct and self.keep_sparse:
+        if h.codec.sparse and self.keep_sparse:
             t = SparseTensor.decode(raw, h.shape, h.codec.two_bit)  # its values are checked finite
         else:
             t = decode(h.codec, raw, h.shape)

@@ -15,8 +15,6 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT8: _ClassVar[Codec]
     SPARSE8: _ClassVar[Codec]
     SPARSE2: _ClassVar[Codec]
-    DCT8: _ClassVar[Codec]
-    DCT2: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,8 +35,6 @@ BF16: Codec
 INT8: Codec
 SPARSE8: Codec
 SPARSE2: Codec
-DCT8: Codec
-DCT2: Codec
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 OUTCOME_UNSPECIFIED: Outcome
