@@ -12,6 +12,7 @@ import torch
 from btnode.aggregate.audit import AuditConfig, secret_draw
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
+from btnode.codec.codecs import Codec
 from btnode.data.corpus import bundled
 from btnode.errors import Forbidden, MalformedInput
 from btnode.model.config import ModelConfig
@@ -49,9 +50,9 @@ class Skipping(BlockWorker):
 
 
 def simulate(tmp_path: Path, corpus: bytes, *, rounds: int = 3, audit: float = 1.0, probation: int = 1,
-             cheater: type[BlockWorker] | None = None, seed: int = 0) -> Simulation:
+             cheater: type[BlockWorker] | None = None, seed: int = 0, codec: Codec = Codec.INT8) -> Simulation:
     sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=rounds, replicas=3, steps_per_round=4, audit=audit,
-                                              probation=probation, seed=seed),
+                                              probation=probation, seed=seed, codec=codec, density=0.03),
                      corpus, tmp_path, device=torch.device("cpu"), workers={"b0r2": cheater} if cheater else None)
     sim.run()
     return sim
@@ -72,6 +73,15 @@ def test_honest_updates_replay_bit_for_bit(tmp_path, corpus):
     assert counts[(Outcome.PROBATION.value, "")] == 3  # each worker's first update, held until audited
     assert counts[(Outcome.ACCEPTED.value, "")] == 9  # ... then admitted: nothing honest is lost
     assert sim.agg.block(0).info.version == 3
+
+
+@pytest.mark.parametrize("codec", [Codec.SPARSE8, Codec.SPARSE2])
+def test_sparse_updates_replay_bit_for_bit_and_a_negated_one_is_caught(tmp_path, corpus, codec):
+    """The replay re-encodes at the keep the pushed frames state, with the sparse codecs' decayed error feedback."""
+    honest = simulate(tmp_path / "honest", corpus, rounds=2, codec=codec)
+    assert honest.agg.audits.counts == {("passed", ""): 6}
+    cheat = simulate(tmp_path / "cheat", corpus, rounds=2, codec=codec, cheater=Negating)
+    assert cheat.agg.identities.is_revoked("b0r2") and cheat.agg.audits.counts[("failed", "delta")] == 1
 
 
 @pytest.mark.parametrize("cheat", [Negating, Skipping])
