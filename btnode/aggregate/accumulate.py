@@ -1,27 +1,48 @@
-"""Summing sparse updates as they arrive (issue #24): one dense running sum per tensor, plus, for the
-"senders" rule, the weight that reached each coordinate, whatever the number of updates. A round of
-N sparse updates at density d then costs 4 (or 8) bytes a parameter and 12·d·N bytes a parameter for
-the updates themselves (held as SparseTensor for the screen and for audits that may drop one),
-where holding them dense costs 4·N.
+"""Updates summed as they arrive (issues #24, #25): one running sum per tensor, plus, for the
+"senders" rule with sparse updates, the weight that reached each coordinate, whatever the number of
+updates. A round of N updates then costs 8 bytes a parameter for the sum (4 more per parameter for
+the "senders" weights once a sparse update is in), not 4·N for the updates held.
+
+**Exact, so arrival order cannot matter.** Floating-point addition is not associative: a running
+fp32 sum of the same updates in another order gives other bits, and every replica must apply the
+one published version bit for bit, whoever pushed first. So each weighted value is rounded once, on
+its own, to a fixed-point grid (2^-FRACTION_BITS of a weight unit) and summed as int64: integer
+addition is exact and associative, the sum is the same in any order, and taking an update out again
+(a failed audit, a drop at close) subtracts exactly what it added. The rounding error of one term is
+below 2^-39 units; the mean's is below that over the mean weight, far below an fp32 ulp of any value
+a delta holds. The grid bounds what one term may be (|value| · weight/unit ≤ MAX_TERM) and how many
+terms a sum may take (MAX_TERMS): an update over either is refused before it touches the sum.
 
 The mean of coordinate c, with w_i the update weights and S_c = Σ_i w_i·u_i,c:
   "all"      S_c / Σ_i w_i            every update counts at every coordinate, sent or not
   "senders"  S_c / Σ_{i sent c} w_i   only the updates that sent c (SparseLoCo's scatter-reduce mean)
 For dense updates the two are the same. Which one a swarm uses, and whether updates are clipped to
 the median norm first, is measured in bench/comms.py (docs/tuning.md).
+
+`Sketcher`: what the robust screen (aggregate/block.py) keeps of each update instead of the update:
+a SKETCH_SIZE-value random projection, in which inner products, and so cosines, are kept in
+expectation (a count sketch: coordinate c adds ±u_c to bucket c mod SKETCH_SIZE, the sign drawn per
+row from a per-round key the workers do not know).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 
 import torch
 
 from btnode.codec.sparse import SparseTensor
+from btnode.errors import MalformedInput, Refused
 
 Delta = Mapping[str, "torch.Tensor | SparseTensor"]
 SPARSE_MEANS = ("senders", "all")
+FRACTION_BITS = 38  # the sum's grid: 2^-38 of a weight unit
+MAX_TERM = 2.0**10  # |value| · weight/unit of one term
+MAX_TERMS = 2**13  # updates one sum may hold: MAX_TERM · 2^38 · 2^13 = 2^61 < 2^63
+REACHED_BITS = 16  # the "senders" weights' grid (int32): 2^-16 of a unit, N · weight/unit < 2^15
+SKETCH_SIZE = 4096
 
 
 def is_sparse(delta: Delta) -> bool:
@@ -52,50 +73,125 @@ def dot(delta: Delta, full: Mapping[str, torch.Tensor]) -> float:
     return total
 
 
-class Accumulator:
-    """Σ w·u over the updates added so far, and the weight that reached each coordinate."""
+def weight_unit(largest: float) -> float:
+    """The power of two at or above the largest weight an honest update has: weights over it are
+    exact dyadic fractions of it (samples × 0.5^staleness), so dividing by it rounds nothing."""
+    return 2.0 ** math.ceil(math.log2(max(largest, 1.0)))
 
-    def __init__(self, spec: Mapping[str, tuple[int, ...]], rule: str):
+
+def _values(t: torch.Tensor | SparseTensor) -> torch.Tensor:
+    return t.values if isinstance(t, SparseTensor) else t.reshape(-1)
+
+
+class Accumulator:
+    """Σ w·u over the updates added so far, exactly (fixed point), and the weight that reached each
+    coordinate. `unit`: a power of two near the largest weight (weight_unit)."""
+
+    def __init__(self, spec: Mapping[str, tuple[int, ...]], rule: str, *, unit: float = 1.0):
         if rule not in SPARSE_MEANS:
             raise ValueError(f"sparse mean must be one of {SPARSE_MEANS}, got {rule!r}")
-        self.spec, self.rule = dict(spec), rule
-        self.sum: dict[str, torch.Tensor] = {}
-        self.reached: dict[str, torch.Tensor] = {}  # per coordinate ("senders"), flat
-        self.total = 0.0
+        if unit <= 0 or math.frexp(unit)[0] != 0.5:
+            raise ValueError(f"the weight unit must be a power of two, got {unit}")
+        self.spec, self.rule, self.unit = dict(spec), rule, unit
+        self.sum: dict[str, torch.Tensor] = {}  # int64, flat, 2^-FRACTION_BITS units
+        self.reached: dict[str, torch.Tensor] = {}  # int32, flat, the sparse updates' weights ("senders")
+        self.total = 0  # Σ weights, 2^-FRACTION_BITS units (exact: a Python int)
+        self.dense_reached = 0  # Σ weights of dense updates, 2^-REACHED_BITS units
         self.count = 0
 
+    def _scale(self, weight: float) -> float:
+        return weight / self.unit * 2.0**FRACTION_BITS
+
+    def check(self, delta: Delta, weight: float) -> None:
+        """Refuse, before anything is added, an update the grid cannot hold."""
+        if not 0 < weight / self.unit <= MAX_TERM:
+            raise MalformedInput("range", f"weight {weight:g} is outside (0, {MAX_TERM:g}] × the unit {self.unit:g}")
+        largest = max((float(_values(t).abs().max()) for t in delta.values() if _values(t).numel()), default=0.0)
+        if largest * weight / self.unit > MAX_TERM:
+            raise MalformedInput("range", f"a value of {largest:.4g} at weight {weight:g} is over the sum's range "
+                                          f"({MAX_TERM:g} × the unit {self.unit:g})")
+        if self.count >= MAX_TERMS:
+            raise Refused("round_full", f"a round sums at most {MAX_TERMS} updates")
+
     def add(self, delta: Delta, weight: float) -> None:
+        self.check(delta, weight)
+        self._apply(delta, weight, 1)
+
+    def sub(self, delta: Delta, weight: float) -> None:
+        """Take out an update added before with the same values and weight: exactly what it added."""
+        self._apply(delta, weight, -1)
+
+    def _apply(self, delta: Delta, weight: float, sign: int) -> None:
+        scale = self._scale(weight)
         for n, t in delta.items():
             acc = self.sum.get(n)
             if acc is None:
-                acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]))
+                acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int64)
+            terms = torch.round(_values(t).double() * scale).to(torch.int64)  # one rounding per term, order-free
+            if sign < 0:
+                terms.neg_()
             if isinstance(t, SparseTensor):
-                acc.index_add_(0, t.positions, t.values, alpha=weight)
+                acc.index_add_(0, t.positions, terms)
+                if self.rule == "senders":
+                    reached = self.reached.get(n)
+                    if reached is None:
+                        reached = self.reached[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int32)
+                    reached.index_add_(0, t.positions, torch.full_like(t.positions, sign * self._reach(weight),
+                                                                       dtype=torch.int32))
             else:
-                acc.add_(t.reshape(-1), alpha=weight)
-            if self.rule == "senders":
-                reached = self.reached.get(n)
-                if reached is None:
-                    reached = self.reached[n] = torch.zeros(math.prod(self.spec[n]))
-                if isinstance(t, SparseTensor):
-                    reached.index_add_(0, t.positions, torch.full_like(t.values, weight))
-                else:
-                    reached.add_(weight)
-        self.total += weight
-        self.count += 1
+                acc.add_(terms)
+            del terms
+        self.total += sign * round(scale)
+        if not is_sparse(delta):
+            self.dense_reached += sign * self._reach(weight)
+        self.count += sign
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean under the rule; 0 where nothing was sent."""
+    def _reach(self, weight: float) -> int:
+        return round(weight / self.unit * 2.0**REACHED_BITS)
+
+    def mean_of(self, n: str) -> torch.Tensor:
+        """Tensor `n` of the weighted mean under the rule; 0 where nothing was sent."""
         if not self.count:
             raise ValueError("nothing to combine")
-        out = {}
-        for n, shape in self.spec.items():
-            s = self.sum.get(n)
-            if s is None:
-                out[n] = torch.zeros(shape)
-            elif self.rule == "all":
-                out[n] = (s / self.total).reshape(shape)
-            else:
-                r = self.reached[n]
-                out[n] = torch.where(r > 0, s / r.clamp(min=1e-30), torch.zeros_like(s)).reshape(shape)
+        shape = self.spec[n]
+        s = self.sum.get(n)
+        if s is None:
+            return torch.zeros(shape)
+        if self.rule == "all" or n not in self.reached:
+            return (s.double() / float(self.total)).float().reshape(shape)
+        r = self.reached[n].double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
+        out = torch.where(r > 0, s.double() / r.clamp(min=1.0), torch.zeros((), dtype=torch.float64))
+        return out.float().reshape(shape)
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        return {n: self.mean_of(n) for n in self.spec}
+
+
+class Sketcher:
+    """Count sketches of updates under one key (aggregate/block.py keys one per round)."""
+
+    def __init__(self, spec: Mapping[str, tuple[int, ...]], key: bytes, size: int = SKETCH_SIZE):
+        self.size = size
+        self.signs: dict[str, torch.Tensor] = {}
+        for n, shape in spec.items():
+            rows = -(-math.prod(shape) // size)
+            seed = int.from_bytes(hashlib.sha256(key + n.encode()).digest()[:8], "little") & (2**63 - 1)
+            g = torch.Generator().manual_seed(seed)
+            self.signs[n] = torch.randint(0, 2, (rows,), generator=g).float().mul_(2).sub_(1)
+
+    def of(self, delta: Delta) -> torch.Tensor:
+        out = torch.zeros(self.size, dtype=torch.float64)
+        k = self.size
+        for n, t in delta.items():
+            signs = self.signs[n]
+            if isinstance(t, SparseTensor):
+                out.index_add_(0, t.positions % k, (signs[t.positions // k] * t.values).double())
+                continue
+            flat = t.reshape(-1)
+            full = flat.numel() // k
+            if full:
+                out += (signs[:full] @ flat[:full * k].view(full, k)).double()
+            if flat.numel() > full * k:
+                rest = flat[full * k:]
+                out[:rest.numel()] += (signs[full] * rest).double()
         return out

@@ -1,13 +1,22 @@
 """`BlockAggregator` owns one block: its current version, the open round, the outer optimizer and
 the version store. Pushes, the deadline ticker and watchers meet here under one lock.
 
-Publishing version v+1: combine the accepted deltas (sorted by worker id), take the outer step,
-encode it with the publish codec, decode it again and add it to θ^v exactly as every worker will
-(fp32, same order), hash the result, write it durably, and only then announce it.
+Memory does not grow with the number of updates (issue #25): an accepted update is summed on
+arrival into the round's exact running sum (aggregate/accumulate.py; the same sum in any arrival
+order) and then dropped; the round keeps of it its norm, its weight, a 4,096-value sketch for the
+screen, and where its raw codec bytes lie in the round's spill file (aggregate/spill.py), from which
+it is re-decoded and subtracted if an audit or the screen takes it out. Only the trimmed and median
+rules, which need every value of every update, hold the updates (4 bytes a parameter each).
+
+Publishing version v+1, tensor by tensor (so that the close's temporaries are one tensor, not one
+block): the mean of the kept updates, the outer step, encode it with the publish codec, decode it
+again and add it to θ^v exactly as every worker will; then hash the result, write it durably, and
+only then announce it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import statistics
@@ -19,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, dense, dot, is_sparse, norm, scaled
+from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, dense, is_sparse, norm, scaled, weight_unit
 from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median
+from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
 from btnode.aggregate.rounds import Round, RoundConfig, Update
-from btnode.codec.codecs import Codec, decode, parse
-from btnode.codec.frames import encode_raw
-from btnode.codec.sparse import keep_of
+from btnode.aggregate.spill import Spill
+from btnode.codec.codecs import Codec, decode, encode, parse
+from btnode.codec.sparse import SparseTensor, keep_of
 from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.settings import flag
@@ -96,7 +105,9 @@ class BlockStatus:
 
 class BlockAggregator:
     def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
-                 clock: Callable[[], float] = time.time, name: str = ""):
+                 clock: Callable[[], float] = time.time, name: str = "", sketch_key: bytes = b""):
+        """`sketch_key`: a secret the screen's sketches are drawn from (one per round from it), so that
+        no worker can shape an update to look aligned in the sketch but not in fact."""
         self.block = block
         self.name = name or f"block {block}"  # in logs: "block 2", or "ar" for a DiLoCo run's whole model
         self.cfg = cfg
@@ -127,9 +138,22 @@ class BlockAggregator:
                 raise MalformedInput("checksum", f"{self.name} version {self.info.version} on disk fails its hash")
             log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
         self.spec = {n: tuple(t.shape) for n, t in self.params.items()}
-        self.round = Round(version=self.info.version, opened_at=self.clock(), cfg=cfg.round)
-        self._sum = self._accumulator()  # the open round's sparse updates, summed as they arrive
-        self._sum_exact = True  # False once an update left the round after being summed
+        # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/claims.py)
+        self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
+        self._sketch_key = sketch_key
+        self._holds_updates = cfg.outer.robust in ("trimmed", "median")  # they need every value at close
+        self._open(self.clock())
+
+    def _open(self, now: float) -> None:
+        """A new round on the current version: its clock, its running sum, its spill and its sketch key."""
+        self.round = Round(version=self.info.version, opened_at=now, cfg=self.cfg.round)
+        self._sum = self._accumulator()  # the open round's accepted updates, summed as they arrive
+        old = getattr(self, "_spill", None)
+        if old is not None:
+            old.close()
+        self._spill = Spill(self.store.folder)
+        key = hashlib.sha256(b"btnode-sketch\0" + self._sketch_key + self.info.sha256.encode()).digest()
+        self._sketcher = Sketcher(self.spec, key) if self.cfg.outer.robust != "mean" else None
 
     # -- membership -------------------------------------------------------------------------
     def register(self, worker_id: str) -> None:
@@ -161,8 +185,11 @@ class BlockAggregator:
         with self.lock:
             return self._answers.get(update_id)
 
-    def submit(self, header: PushHeader, delta: Tensors, *, hold: bool = False) -> Judgement:
-        """Judge and (if accepted) record a decoded, frame-validated update. `hold`: its sender is on
+    def submit(self, header: PushHeader, delta: Tensors, *, raw: Mapping[str, bytes] | None = None,
+               hold: bool = False) -> Judgement:
+        """Judge and (if accepted) record a decoded, frame-validated update. `raw`: its codec bytes
+        (header.codec), which the round spills so that it need not hold the update (without them, as
+        in-process callers pass, the update is held). `hold`: its sender is on
         probation (aggregate/audit.py): judge it in full, answer PROBATION, and hold it out of the round
         until its audit passes (`admit_held`); the round does not count its sender as reported meanwhile,
         so it waits for the audit until its deadline."""
@@ -175,14 +202,16 @@ class BlockAggregator:
                     samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness)
                     size = norm(delta)
                     self._check_norm(size)
+                    scale = self._clip_factor(size)
+                    self._sum.check(scaled(delta, scale) if scale != 1 else delta, samples * factor)
             except PeerInputError as exc:
                 self.reject(header, exc)
                 raise
             if outcome is not Outcome.ACCEPTED:
                 return self._answer(header, self.round.judgement(outcome, reason))
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
-                            samples=samples, loss=header.loss, delta=self._clipped(delta, size), weight=samples * factor,
-                            norm=size)
+                            samples=samples, loss=header.loss, delta=delta, weight=samples * factor, norm=size,
+                            scale=scale, codec=header.codec, raw=dict(raw) if raw is not None else None)
             if hold:
                 self.held[header.update_id] = update
                 self.counters[(Outcome.PROBATION.value, "")] += 1
@@ -232,7 +261,7 @@ class BlockAggregator:
             update = self.round.accepted.pop(worker_id, None)
             if update is None:
                 return False
-            self._sum_exact = self._sum_exact and not is_sparse(update.delta)
+            self._leave(update)
             self.round.counts[Outcome.ACCEPTED] -= 1
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
             self.counters[(Outcome.REJECTED.value, reason)] += 1
@@ -258,22 +287,49 @@ class BlockAggregator:
                 raise MalformedInput("norm", f"update norm {size:.4g} is over {self.cfg.max_norm_ratio:g}× "
                                              f"the median accepted norm {ref:.4g}")
 
-    def _clipped(self, delta: dict, size: float) -> dict:
-        """With --clip, an update over the median norm of recent accepted updates, scaled down to it
-        (SparseLoCo clips each peer so; the norm check above refuses far larger ones outright)."""
+    def _clip_factor(self, size: float) -> float:
+        """With --clip, the factor that scales an update over the median norm of recent accepted
+        updates down to it (SparseLoCo clips each peer so; the norm check above refuses far larger
+        ones outright); 1 otherwise."""
         if not self.cfg.clip or len(self._norms) < 3:
-            return delta
+            return 1.0
         ref = statistics.median(self._norms)
-        return scaled(delta, ref / size) if size > ref > 0 else delta
+        return ref / size if size > ref > 0 else 1.0
 
     def _accumulator(self) -> Accumulator:
-        return Accumulator(self.spec, self.cfg.sparse_mean)
+        return Accumulator(self.spec, self.cfg.sparse_mean, unit=self.unit)
+
+    def _values(self, update: Update) -> dict:
+        """An update's values as summed: held in memory, or decoded again from the round's spill
+        (bit for bit what arrived: decoding is deterministic), times its clip factor."""
+        delta = update.delta
+        if delta is None:
+            assert update.spilled is not None
+            raw = self._spill.get(update.spilled)
+            delta = {n: SparseTensor.decode(b, self.spec[n], update.codec.two_bit) if update.codec.sparse
+                     else decode(update.codec, b, self.spec[n]) for n, b in raw.items()}
+        return scaled(delta, update.scale) if update.scale != 1 else delta
 
     def _take(self, update: Update) -> None:
-        """Into the open round; a sparse update also into the round's running sum."""
+        """Into the open round: into its running sum and its sketch, its raw bytes into the spill, and
+        out of memory (unless the rule needs every update at close, or it came without raw bytes)."""
+        values = self._values(update)
+        if not self._holds_updates:
+            self._sum.add(values, update.weight)
+        if self._sketcher is not None:
+            update.sketch = self._sketcher.of(values)
+        del values
+        if self._holds_updates:
+            update.raw = None
+        elif update.raw is not None:
+            update.spilled = self._spill.put(update.raw)
+            update.raw = update.delta = None
         self.round.add(update)
-        if is_sparse(update.delta):
-            self._sum.add(update.delta, update.weight)
+
+    def _leave(self, update: Update) -> None:
+        """Out of the round's running sum again, exactly."""
+        if not self._holds_updates:
+            self._sum.sub(self._values(update), update.weight)
 
     # -- closing ----------------------------------------------------------------------------
     def tick(self) -> VersionInfo | None:
@@ -300,12 +356,14 @@ class BlockAggregator:
         """Robust mode, with at least 3 updates: before combining, drop an update whose norm is
         outside the band around the round's median norm (screened: `screen_band`, [0.5, 2]×, which
         also drops zero, tiny and replayed updates; trimmed and median: over max_norm_ratio×), or
-        whose cosine with the round's coordinate-wise median update is negative (sign-flipped
-        updates) or, screened, under `screen_cosine` × the round's median cosine (an update
-        trained on other data drifts away from the others). Deterministic: the same updates in
-        worker-id order drop the same ones. Their senders were told ACCEPTED on arrival (the round
-        could not judge them alone); they are counted as rejected here, with the reason, in the
-        counters and metrics. Returns the updates kept and (worker id, reason) of those dropped."""
+        whose cosine with the weighted sum of the others is negative (sign-flipped updates) or,
+        screened, under `screen_cosine` × the round's median cosine (an update trained on other data
+        drifts away from the others). Cosines are read from the updates' sketches (accumulate.Sketcher:
+        4,096 values each, whatever the block's size), so the screen needs no update in memory.
+        Deterministic: the same updates in worker-id order drop the same ones, in any arrival order.
+        Their senders were told ACCEPTED on arrival (the round could not judge them alone); they are
+        taken out of the round's sum and counted as rejected here, with the reason, in the counters
+        and metrics. Returns the updates kept and (worker id, reason) of those dropped."""
         if self.cfg.outer.robust == "mean" or len(ups) < 3:
             return ups, []
         screened = self.cfg.outer.robust == "screened"
@@ -319,7 +377,7 @@ class BlockAggregator:
             why = ("norm" if ref > 0 and not low * ref <= size <= high * ref else
                    "direction" if cos < least else "")
             if why:
-                dropped.append((u.worker_id, f"{why}_at_close"))
+                dropped.append((u, f"{why}_at_close"))
                 log.warning("%s round %d: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
                             "cosine %.3f with the others, least %.3f)", self.name, self.round.version,
                             u.worker_id, why, size, ref, cos, least)
@@ -327,83 +385,74 @@ class BlockAggregator:
                 kept.append(u)
         if not kept:
             return ups, []
-        for _, why in dropped:
+        for u, why in dropped:
+            self._leave(u)
             self.counters[(Outcome.REJECTED.value, why)] += 1
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
-        return kept, dropped
+        return kept, [(u.worker_id, why) for u, why in dropped]
 
-    def _cosines(self, ups: list[Update]) -> list[float]:
-        """Each update's cosine with the others: dense rounds, with the coordinate-wise median update;
-        rounds with sparse updates, whose median is 0 almost everywhere, with the weighted sum of the
-        other updates (the round's sum less its own share, no second pass over the others)."""
-        if not any(is_sparse(u.delta) for u in ups):
-            med = median([u.delta for u in ups])
-            med_norm = norm(med)
-            return [dot(u.delta, med) / max(norm(u.delta) * med_norm, 1e-30) for u in ups]
-        total = Accumulator(self.spec, "all")
+    @staticmethod
+    def _cosines(ups: list[Update]) -> list[float]:
+        """Each update's cosine with the weighted sum of the others, in sketch space: the round's
+        sketched sum less its own share (leave-one-out), summed in worker-id order."""
+        total = torch.zeros_like(ups[0].sketch)
         for u in ups:
-            total.add(u.delta, u.weight)
-        s2 = sum(float(t.square().sum()) for t in total.sum.values())
+            total.add_(u.sketch, alpha=u.weight)
+        t2 = float(total.dot(total))
         out = []
         for u in ups:
-            own, d = norm(u.delta), dot(u.delta, total.sum)
-            others = math.sqrt(max(s2 - 2 * u.weight * d + (u.weight * own) ** 2, 0.0))
-            out.append((d - u.weight * own**2) / max(own * others, 1e-30))
+            own2, d = float(u.sketch.dot(u.sketch)), float(u.sketch.dot(total))
+            others2 = max(t2 - 2 * u.weight * d + u.weight**2 * own2, 0.0)
+            out.append((d - u.weight * own2) / max(math.sqrt(own2 * others2), 1e-30))
         return out
 
-    def _combine(self, ups: list[Update], *, dropped: bool) -> tuple[Tensors, str]:
-        """Δ̄ of the kept updates. Rounds with sparse updates use the running sum (rebuilt if an update
-        left it), with the dense updates of the round added in; trimmed and median need every value,
-        so they make sparse updates dense (N copies: the cost of choosing them)."""
-        if not any(is_sparse(u.delta) for u in ups):
-            return combine([u.delta for u in ups], [u.weight for u in ups], self.cfg.outer)
-        if len(ups) >= 3 and self.cfg.outer.robust in ("trimmed", "median"):
-            return combine([dense(u.delta) for u in ups], [u.weight for u in ups], self.cfg.outer)
-        acc = self._sum
-        if dropped or not self._sum_exact:
-            acc = self._accumulator()
-            for u in ups:
-                if is_sparse(u.delta):
-                    acc.add(u.delta, u.weight)
-        for u in ups:
-            if not is_sparse(u.delta):
-                acc.add(u.delta, u.weight)
-        robust = "screened" if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
-        return acc.mean(), f"{robust}/{self.cfg.sparse_mean}"
+    def _combiner(self, ups: list[Update]) -> tuple[Callable[[str], torch.Tensor], str]:
+        """(tensor name → that tensor of Δ̄, the rule's name). The round's running sum, with what the
+        screen dropped already taken out; trimmed and median combine the updates they held (sparse
+        ones made dense: N copies, the cost of choosing them), computing the rule once."""
+        if self._holds_updates:
+            deltas = [dense(self._values(u)) for u in ups]
+            mean, rule = combine(deltas, [u.weight for u in ups], self.cfg.outer)
+            return mean.__getitem__, rule
+        robust = self.cfg.outer.robust if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
+        rule = f"{robust}/{self.cfg.sparse_mean}" if any(u.codec.sparse for u in ups) else robust
+        return self._sum.mean_of, rule
 
     def _close(self, reason: str) -> VersionInfo:
         ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
-        mean, rule = self._combine(ups, dropped=bool(dropped))
-        # Each full-size temporary is dropped as soon as it is used: a round's close is the
-        # aggregator's memory peak (bench/memory.py --traffic measures it), and a unit may be large.
-        step = self.outer.step(mean)
-        del mean
+        mean_of, rule = self._combiner(ups)
+        # Tensor by tensor: a round's close is the aggregator's memory peak (bench/scale.py measures
+        # it), and a unit may be large; each temporary is one tensor, dropped as soon as it is used.
         codec = self.cfg.publish_codec
-        if codec is not Codec.FP32:  # error feedback on the published step
-            step = {n: s + self.residual.get(n, 0) for n, s in step.items()}
-        raw = encode_raw(step, codec, keep=keep_of(self.cfg.publish_density))
-        decoded = {n: decode(codec, raw[n], self.spec[n]) for n in step}
-        if codec is not Codec.FP32:
-            self.residual = {n: step[n] - decoded[n] for n in step}
-        del step
-        params = {n: self.params[n] + decoded[n] for n in self.params}
-        del decoded
+        keep = keep_of(self.cfg.publish_density)
+        raw, params, residual = {}, {}, dict(self.residual)
+        for n in self.spec:
+            step = self.outer.step({n: mean_of(n)})[n]
+            if codec is not Codec.FP32:  # error feedback on the published step
+                step = step + residual.get(n, 0)
+            raw[n] = encode(codec, step, keep=keep)
+            decoded = decode(codec, raw[n], self.spec[n])
+            if codec is not Codec.FP32:
+                residual[n] = step - decoded
+            del step
+            params[n] = self.params[n] + decoded
+            del decoded
         counts = self.round.counts
         info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
                            sha256=state_sha256(params), delta_codec=codec, accepted=len(ups),
                            late=counts[Outcome.LATE], stale=counts[Outcome.STALE],
                            rejected=counts[Outcome.REJECTED] + len(dropped),
                            mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
-        outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in self.residual.items()}}  # read, not copied
+        outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in residual.items()}}  # read, not copied
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
                          outer=outer_state)
+        del raw
         self._norms.extend(u.norm for u in ups)
-        self.params, self.info = params, info
+        self.params, self.info, self.residual = params, info, residual
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
         self.rounds_closed[reason] += 1
-        self.round = Round(version=info.version, opened_at=now, cfg=self.cfg.round)
-        self._sum, self._sum_exact = self._accumulator(), True
+        self._open(now)
         log.info("%s: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
                  self.name, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)
         self.lock.notify_all()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from btnode.codec.codecs import Codec
 from btnode.codec.sparse import SparseTensor
 from btnode.errors import ConfigError, MalformedInput, StaleUpdate
 from btnode.protocol import Judgement, Outcome
@@ -41,9 +42,15 @@ class Update:
     base_version: int
     samples: float
     loss: float
-    delta: dict[str, torch.Tensor | SparseTensor]  # sparse codecs' updates stay sparse (aggregate/accumulate.py)
+    delta: dict[str, torch.Tensor | SparseTensor] | None  # sparse codecs' updates stay sparse (aggregate/accumulate.py);
+    #   None once summed into the round (BlockAggregator._take), when its raw bytes went to the round's spill
     weight: float
     norm: float = 0.0  # ‖Δ‖ as it arrived (before any clipping)
+    scale: float = 1.0  # the factor --clip applied before summing
+    codec: Codec = Codec.FP32  # of `raw` / the spilled bytes
+    raw: dict[str, bytes] | None = None  # its codec bytes, until they are spilled
+    spilled: dict[str, tuple[int, int]] | None = None  # where its bytes are in the round's spill
+    sketch: torch.Tensor | None = None  # what the screen keeps of it (accumulate.Sketcher)
 
 
 @dataclass

@@ -82,9 +82,10 @@ class SwarmAggregator:
         self._check_state_dir(state_dir)
         self.keys = DataKeys(state_dir, fixed=data_id)
         self.identities = Identities(state_dir)
+        secret = audit_secret or _secret(state_dir)  # also keys the screen's sketches (aggregate/accumulate.py)
         self.blocks = {b: BlockAggregator(b, init_unit(cfg, b, seed).state_dict(),
                                           VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg,
-                                          clock=clock, name=cfg.unit_name(b))
+                                          clock=clock, name=cfg.unit_name(b), sketch_key=secret)
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self._training_file = state_dir / TRAINING_FILE
@@ -97,7 +98,7 @@ class SwarmAggregator:
             if corpus is None:
                 raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
                                   "(the same as the workers')")
-            self.audits = Audits(acfg.audit, audit_secret or _secret(state_dir), clock)
+            self.audits = Audits(acfg.audit, secret, clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
 
     def admit(self, who: Identity, method: str, claimed: str = "") -> None:
@@ -362,11 +363,11 @@ class SwarmAggregator:
                 audits.advance(header)
             raise
         if audits is None:
-            return block.submit(header, delta)
+            return block.submit(header, delta, raw=raw)
         base = block.current()
         probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
         try:
-            judged = block.submit(header, delta, hold=probation)
+            judged = block.submit(header, delta, raw=raw, hold=probation)
         except PeerInputError:
             audits.advance(header)
             raise

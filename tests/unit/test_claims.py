@@ -37,10 +37,10 @@ def swarm(tmp_path, codec, n=3):
     ratios: list[float] = []
     submit = block.submit
 
-    def measured(header, delta):  # every update that reaches the judge, before it is judged
+    def measured(header, delta, **kw):  # every update that reaches the judge, before it is judged
         limits = CLAIMS.bound(len(header.steps), block.params, header.codec, drift=2)
         ratios.append(max(float((d.abs() / limits[k]).max()) for k, d in delta.items()))
-        return submit(header, delta)
+        return submit(header, delta, **kw)
 
     block.submit = measured
     link = LocalLink(agg)

@@ -125,7 +125,7 @@ def test_clip_scales_a_large_update_to_the_median_norm(tmp_path):
     agg.register("y")
     agg.submit(header("x"), big)
     held = agg.round.accepted["x"]
-    clipped = math.sqrt(sum(float(t.values.square().sum()) for t in held.delta.values()))
+    clipped = held.scale * math.sqrt(sum(float(t.values.square().sum()) for t in held.delta.values()))
     assert held.norm == pytest.approx(size) and clipped == pytest.approx(size / 3, rel=1e-5)  # the norm as sent is kept
 
 

@@ -1,0 +1,50 @@
+"""Where a round keeps the raw codec bytes of its accepted updates (issue #25): an unnamed file in
+the block's folder, so that an update summed on arrival (aggregate/accumulate.py) can still be taken
+out again, exactly, if an audit fails or the screen drops it at close, without the aggregator
+holding N updates in memory. The bytes sit in the page cache, which the kernel may write out; the
+file vanishes with the round (or the process). Nothing here is durable, and need not be: an open
+round is lost with the process anyway (BlockAggregator.drain publishes it on a clean stop)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+Where = dict[str, tuple[int, int]]  # tensor name → (offset, length)
+
+
+class Spill:
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = tempfile.TemporaryFile(dir=folder, prefix=".spill-")
+        self._fd = self._file.fileno()
+        self._end = 0
+
+    def put(self, raw: Mapping[str, bytes]) -> Where:
+        where = {}
+        for n, b in raw.items():
+            view = memoryview(b)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], self._end + done)
+            where[n] = (self._end, len(b))
+            self._end += len(b)
+        return where
+
+    def get(self, where: Where) -> dict[str, bytes]:
+        out = {}
+        for n, (offset, length) in where.items():
+            b = os.pread(self._fd, length, offset)
+            if len(b) != length:
+                raise OSError(f"spill file: read {len(b)} of {length} bytes of {n} at {offset}")
+            out[n] = b
+        return out
+
+    @property
+    def size(self) -> int:
+        return self._end
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,138 @@
+"""Issue #25, item 1: updates are summed as they arrive and not held. The running sum is exact
+(fixed point), so a version is the same bit for bit in any arrival order, and an update taken out
+(the screen, a failed audit) subtracts exactly what it added, re-read from the round's spill."""
+
+import random
+
+import pytest
+import torch
+
+from btnode.aggregate.accumulate import MAX_TERM, Accumulator, Sketcher, weight_unit
+from btnode.aggregate.averaging import OuterConfig, weighted_mean
+from btnode.aggregate.block import AggregatorConfig, BlockAggregator
+from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.rounds import RoundConfig
+from btnode.codec.codecs import Codec, decode, encode
+from btnode.codec.sparse import SparseTensor, keep_of
+from btnode.errors import MalformedInput
+from btnode.protocol import Outcome, PushHeader
+from btnode.store.versions import VersionStore
+
+INIT = {"w": torch.randn(64, 96, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(5000)}
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)
+WORKERS = [f"w{i:02d}" for i in range(12)]
+
+
+def make(tmp_path, robust="screened", **kw) -> BlockAggregator:
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust=robust), **kw)
+    return BlockAggregator(0, INIT, VersionStore(tmp_path, 0, keep=acfg.keep), acfg, clock=lambda: 1000.0,
+                           sketch_key=b"k" * 32)
+
+
+def pushed(worker: str, codec: Codec, i: int, flip: bool = False) -> tuple[PushHeader, dict, dict]:
+    """(header, decoded delta, raw codec bytes) of one honest update (or a sign-flipped one)."""
+    g = torch.Generator().manual_seed(100 + i)
+    common = torch.Generator().manual_seed(7)  # what every honest worker learns, plus its own noise
+    raw, delta = {}, {}
+    for n, t in INIT.items():
+        d = 0.05 * torch.randn(t.shape, generator=common) + 0.02 * torch.randn(t.shape, generator=g)
+        d = -d if flip else d
+        raw[n] = encode(codec, d, keep=keep_of(0.05))
+        delta[n] = (SparseTensor.decode(raw[n], tuple(t.shape), codec.two_bit) if codec.sparse
+                    else decode(codec, raw[n], tuple(t.shape)))
+    steps = 1 + i % 4
+    head = PushHeader(worker_id=worker, block=0, base_version=0, samples=float(steps), loss=1.0, codec=codec,
+                      update_id=f"{worker}-0", steps=tuple(range(steps)))
+    return head, delta, raw
+
+
+def round_of(tmp_path, order: list[str], codec: Codec, robust="screened", flipped=()) -> BlockAggregator:
+    agg = make(tmp_path, robust=robust)
+    for w in WORKERS:
+        agg.register(w)
+    for w in order:
+        head, delta, raw = pushed(w, codec, WORKERS.index(w), flip=w in flipped)
+        assert agg.submit(head, delta, raw=raw).outcome is Outcome.ACCEPTED
+    assert agg.info.version == 1
+    return agg
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP32, Codec.SPARSE8])
+def test_shuffled_arrival_publishes_the_same_version_bit_for_bit(tmp_path, codec):
+    orders = [list(WORKERS), list(reversed(WORKERS))]
+    orders += [random.Random(s).sample(WORKERS, len(WORKERS)) for s in range(3)]
+    infos, params = [], []
+    for k, order in enumerate(orders):
+        agg = round_of(tmp_path / str(k), order, codec, flipped=("w03",))
+        infos.append(agg.info)
+        params.append(agg.params)
+        assert agg.recent[-1].dropped == (("w03", "direction_at_close"),)  # the same drop in every order
+    assert len({i.sha256 for i in infos}) == 1
+    assert all(torch.equal(p[n], params[0][n]) for p in params for n in INIT)
+
+
+def test_the_round_holds_no_update_only_its_sketch_and_where_its_bytes_are(tmp_path):
+    agg = make(tmp_path)
+    for w in WORKERS:
+        agg.register(w)
+    for w in WORKERS[:5]:
+        head, delta, raw = pushed(w, Codec.INT8, WORKERS.index(w))
+        agg.submit(head, delta, raw=raw)
+    held = list(agg.round.accepted.values())
+    assert len(held) == 5 and all(u.delta is None and u.raw is None and u.spilled for u in held)
+    assert all(u.sketch.numel() == 4096 for u in held)
+    assert agg._spill.size == 5 * sum(len(b) for b in raw.values())  # one int8 copy each, on disk, not in RAM
+
+
+def test_a_drop_subtracts_exactly_what_the_update_added(tmp_path):
+    """Five updates, then a sixth taken out by an audit: the sum is the five's to the last bit."""
+    five = after_drop = None
+    for with_sixth in (False, True):
+        agg = make(tmp_path / str(with_sixth), robust="mean")
+        for w in WORKERS:
+            agg.register(w)
+        for w in WORKERS[:5] + (["w09"] if with_sixth else []):
+            head, delta, raw = pushed(w, Codec.INT8, WORKERS.index(w))
+            agg.submit(head, delta, raw=raw)
+        if with_sixth:
+            assert agg.drop("w09", "audit_replay")
+            after_drop = {n: t.clone() for n, t in agg._sum.sum.items()}
+            assert agg._sum.count == 5
+        else:
+            five = {n: t.clone() for n, t in agg._sum.sum.items()}
+    assert all(torch.equal(five[n], after_drop[n]) for n in INIT)
+
+
+def test_the_mean_is_the_weighted_mean_to_within_the_grid():
+    spec = {n: tuple(t.shape) for n, t in INIT.items()}
+    deltas = [{n: torch.randn(t.shape) * 0.1 for n, t in INIT.items()} for _ in range(7)]
+    weights = [1.0, 2.0, 4.0, 0.5, 3.0, 8.0, 6.0]
+    acc = Accumulator(spec, "all", unit=weight_unit(8.0))
+    for d, w in zip(deltas, weights):
+        acc.add(d, w)
+    want = weighted_mean(deltas, weights)
+    for n in INIT:
+        torch.testing.assert_close(acc.mean_of(n), want[n], rtol=0, atol=1e-7)
+
+
+def test_an_update_outside_the_grid_is_refused_before_it_touches_the_sum():
+    spec = {n: tuple(t.shape) for n, t in INIT.items()}
+    acc = Accumulator(spec, "all", unit=1.0)
+    huge = {n: torch.full(t.shape, 2 * MAX_TERM) for n, t in INIT.items()}
+    with pytest.raises(MalformedInput) as err:
+        acc.add(huge, 1.0)
+    assert err.value.reason == "range" and acc.count == 0 and not acc.sum
+
+
+def test_sketch_cosines_follow_the_true_cosines():
+    spec = {n: tuple(t.shape) for n, t in INIT.items()}
+    sk = Sketcher(spec, b"key")
+    g = torch.Generator().manual_seed(3)
+    base = {n: torch.randn(t.shape, generator=g) for n, t in INIT.items()}
+    for mix in (0.0, 0.5, 1.0, 2.0):
+        other = {n: base[n] + mix * torch.randn(t.shape, generator=g) for n, t in INIT.items()}
+        true = sum(float((base[n] * other[n]).sum()) for n in INIT) / (
+            sum(float(base[n].square().sum()) for n in INIT) ** 0.5 * sum(float(other[n].square().sum()) for n in INIT) ** 0.5)
+        a, b = sk.of(base), sk.of(other)
+        est = float(a.dot(b) / (a.norm() * b.norm()))
+        assert est == pytest.approx(true, abs=0.05)
