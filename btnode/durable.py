@@ -4,6 +4,7 @@ aggregator state): a file is complete or absent after a crash, never half-writte
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -16,11 +17,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder. `data`
+    may come in pieces (a large file written without ever being whole in memory)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for piece in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data):
+            f.write(piece)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -149,17 +149,19 @@ class Accumulator:
     def _reach(self, weight: float) -> int:
         return round(weight / self.unit * 2.0**REACHED_BITS)
 
-    def mean_of(self, n: str) -> torch.Tensor:
-        """Tensor `n` of the weighted mean under the rule; 0 where nothing was sent."""
+    def mean_of(self, n: str, *, release: bool = False) -> torch.Tensor:
+        """Tensor `n` of the weighted mean under the rule; 0 where nothing was sent. `release`: free
+        that tensor's sum as it is read (a close that goes tensor by tensor holds one sum, not two)."""
         if not self.count:
             raise ValueError("nothing to combine")
         shape = self.spec[n]
-        s = self.sum.get(n)
+        s = self.sum.pop(n, None) if release else self.sum.get(n)
         if s is None:
             return torch.zeros(shape)
         if self.rule == "all" or n not in self.reached:
             return (s.double() / float(self.total)).float().reshape(shape)
-        r = self.reached[n].double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
+        reached = self.reached.pop(n) if release else self.reached[n]
+        r = reached.double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
         out = torch.where(r > 0, s.double() / r.clamp(min=1.0), torch.zeros((), dtype=torch.float64))
         return out.float().reshape(shape)
 

@@ -16,6 +16,7 @@ only then announce it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, dense, is_sparse, norm, scaled, weight_unit
+from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, dense, norm, scaled, weight_unit
 from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
@@ -49,6 +50,7 @@ ABORTED = "aborted"  # reason for a push whose sender vanished mid-stream: it ma
 # An update that did not arrive whole says nothing about whether its replica is done with the round
 # (a dropped connection can look like either reason), so these do not count as the replica reporting.
 INCOMPLETE = {ABORTED, "truncated"}
+ROBUST_COLUMN_BYTES = 64 << 20  # trimmed and median: what one column of the round's updates may hold
 
 
 @dataclass(frozen=True)
@@ -318,9 +320,11 @@ class BlockAggregator:
             self._sum.add(values, update.weight)
         if self._sketcher is not None:
             update.sketch = self._sketcher.of(values)
-        del values
-        if self._holds_updates:
-            update.raw = None
+        if self._holds_updates:  # fp32 on disk: the close reads them a column of coordinates at a time
+            update.spilled = self._spill.put({n: t.contiguous().view(-1).numpy().tobytes()
+                                              for n, t in dense(values).items()})
+            update.codec, update.scale = Codec.FP32, 1.0
+            update.raw = update.delta = None
         elif update.raw is not None:
             update.spilled = self._spill.put(update.raw)
             update.raw = update.delta = None
@@ -411,14 +415,42 @@ class BlockAggregator:
         screen dropped already taken out; trimmed and median combine the updates they held (sparse
         ones made dense: N copies, the cost of choosing them), computing the rule once."""
         if self._holds_updates:
-            deltas = [dense(self._values(u)) for u in ups]
-            mean, rule = combine(deltas, [u.weight for u in ups], self.cfg.outer)
-            return mean.__getitem__, rule
+            return functools.partial(self._robust_of, ups), self._robust_rule(len(ups))
         robust = self.cfg.outer.robust if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
         rule = f"{robust}/{self.cfg.sparse_mean}" if any(u.codec.sparse for u in ups) else robust
-        return self._sum.mean_of, rule
+        return functools.partial(self._sum.mean_of, release=True), rule
+
+    def _robust_rule(self, n: int) -> str:
+        return combine([{"x": torch.zeros(1)}] * n, [1.0] * n, self.cfg.outer)[1]
+
+    def _robust_of(self, ups: list[Update], n: str) -> torch.Tensor:
+        """Tensor `n` of the trimmed mean or median of the updates, whose fp32 values the round
+        spilled: read a column of coordinates of all of them at a time, ROBUST_COLUMN_BYTES in all,
+        so memory is bounded whatever N (the cost is disk: 4 bytes a parameter per update)."""
+        numel = math.prod(self.spec[n])
+        width = max(1024, ROBUST_COLUMN_BYTES // (4 * len(ups)))
+        weights = [u.weight for u in ups]
+        out = torch.empty(numel)
+        for lo in range(0, numel, width):
+            hi = min(numel, lo + width)
+            rows = [{"c": torch.frombuffer(bytearray(self._spill.read(u.spilled[n][0] + 4 * lo, 4 * (hi - lo))),
+                                           dtype=torch.float32)} for u in ups]
+            out[lo:hi] = combine(rows, weights, self.cfg.outer)[0]["c"]
+        return out.reshape(self.spec[n])
 
     def _close(self, reason: str) -> VersionInfo:
+        try:
+            return self._publish(reason)
+        except BaseException:
+            # the close read (and freed) part of the running sum: build it again from what the round
+            # holds (its spill), exactly as it was, so that a retry publishes the same version
+            self._sum = self._accumulator()
+            if not self._holds_updates:
+                for u in sorted(self.round.accepted.values(), key=lambda u: u.worker_id):
+                    self._sum.add(self._values(u), u.weight)
+            raise
+
+    def _publish(self, reason: str) -> VersionInfo:
         ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
         mean_of, rule = self._combiner(ups)
         # Tensor by tensor: a round's close is the aggregator's memory peak (bench/scale.py measures

@@ -42,6 +42,13 @@ class Spill:
             out[n] = b
         return out
 
+    def read(self, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` (a slice of one tensor's bytes: a column of the round's updates)."""
+        b = os.pread(self._fd, length, offset)
+        if len(b) != length:
+            raise OSError(f"spill file: read {len(b)} of {length} bytes at {offset}")
+        return b
+
     @property
     def size(self) -> int:
         return self._end

@@ -5,6 +5,7 @@ of being killed by the kernel mid-run (issue #12, item 4)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 with 4 KiB pages), v2 as
 # "max"; anything from 2^62 up is that sentinel, not a limit.
 UNLIMITED = 1 << 62
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -145,3 +147,16 @@ def check_worker(cfg: ModelConfig, *, block: int, batch: int, codec: Codec, sett
            else "lower --batch, use a smaller --d-model or more --blocks, or raise the limit")
     raise InsufficientMemory(f"{what} needs ~{gb(need)} at batch {batch} ({unit.parameters / 1e6:,.1f} M parameters; "
                              f"btnode plan), this host allows {gb(limit.bytes)} ({limit.source}); {fix}")
+
+
+def return_freed_memory() -> bool:
+    """Make glibc hand large freed blocks back to the kernel (issue #25). By default glibc raises its
+    mmap threshold each time a large block is freed (up to 32 MiB), after which tensors of that size
+    come from the heap and their pages stay with the process when freed: an aggregator's RSS then
+    stays at the peak of its largest close for good. A fixed 128 KiB threshold keeps every tensor
+    above it mmapped, so freeing it returns its pages. True if set (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
+    except (OSError, AttributeError):
+        return False

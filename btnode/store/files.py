@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from btnode import __version__
 from btnode.durable import atomic_write
@@ -26,8 +27,47 @@ from btnode.errors import CheckpointError
 FORMAT = 1
 
 
-def _file_record(name: str, blob: bytes) -> dict[str, Any]:
-    return {"name": name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+Group = Mapping[str, "torch.Tensor | bytes"]  # bytes: a flat uint8 tensor, written without a copy
+
+
+def _pieces(group: Group) -> Iterator[memoryview]:
+    """A safetensors file (8-byte header length, JSON header, data) in pieces: each tensor's bytes
+    are a view of the tensor itself, so a large checkpoint is never one blob in memory."""
+    header: dict[str, Any] = {}
+    views = []
+    offset = 0
+    for name, t in group.items():
+        if isinstance(t, (bytes, bytearray, memoryview)):
+            view, dtype, shape = memoryview(t).cast("B"), "U8", [len(t)]
+        else:
+            t = t.detach().cpu().contiguous()
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            dtype, shape = _DTYPES[t.dtype], list(t.shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(view)]}
+        offset += len(view)
+        views.append(view)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield memoryview(struct.pack("<Q", len(text)) + text)
+    yield from views
+
+
+def _write_group(path: Path, group: Group) -> dict[str, Any]:
+    """Write one tensor group durably; its record (name, size, sha256), computed as it is written."""
+    digest, size = hashlib.sha256(), 0
+
+    def counted() -> Iterator[memoryview]:
+        nonlocal size
+        for piece in _pieces(group):
+            digest.update(piece)
+            size += len(piece)
+            yield piece
+
+    atomic_write(path, counted())
+    return {"name": path.name, "bytes": size, "sha256": digest.hexdigest()}
 
 
 @dataclass
@@ -44,18 +84,16 @@ def file_name(stem: str, role: str) -> str:
 
 def save(folder: Path, stem: str, *, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
          optim: dict[str, torch.Tensor] | None = None,
-         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-    """Write each tensor group to its own file, then the JSON that commits them all."""
+         extra: dict[str, Group] | None = None) -> None:
+    """Write each tensor group to its own file (streamed: no copy of a group is made), then the JSON
+    that commits them all."""
     folder.mkdir(parents=True, exist_ok=True)
-    groups: dict[str, dict[str, torch.Tensor] | None] = {"model": tensors, "optim": optim, **(extra or {})}
+    groups: dict[str, Group | None] = {"model": tensors, "optim": optim, **(extra or {})}
     files = {}
     for role, group in groups.items():
         if group is None:
             continue
-        name = file_name(stem, role)
-        blob = st_save({k: v.detach().cpu().contiguous() for k, v in group.items()})
-        atomic_write(folder / name, blob)
-        files[role] = _file_record(name, blob)
+        files[role] = _write_group(folder / file_name(stem, role), group)
     doc = {"format": FORMAT, "btnode_version": __version__, **meta, "files": files}
     atomic_write(folder / f"{stem}.json", json.dumps(doc, indent=1, sort_keys=True).encode())
 

@@ -57,10 +57,9 @@ class VersionStore:
               delta_raw: dict[str, bytes] | None = None, delta_codec: Codec | None = None,
               outer: dict[str, torch.Tensor] | None = None) -> None:
         """Durably write version `version`; returns only after the commit record is fsynced."""
-        extra: dict[str, dict[str, torch.Tensor]] = {}
+        extra: dict[str, files.Group] = {}
         if delta_raw is not None:
-            extra["delta"] = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-                              for n, b in delta_raw.items()}
+            extra["delta"] = delta_raw  # written as flat uint8 tensors, without a copy
         if outer:
             extra["outer"] = outer
         record = {**meta, "kind": "version", "block": self.block, "version": version,

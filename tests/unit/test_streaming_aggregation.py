@@ -136,3 +136,51 @@ def test_sketch_cosines_follow_the_true_cosines():
         a, b = sk.of(base), sk.of(other)
         est = float(a.dot(b) / (a.norm() * b.norm()))
         assert est == pytest.approx(true, abs=0.05)
+
+
+def test_a_close_that_fails_midway_rebuilds_its_sum_and_publishes_the_same_version_next_time(tmp_path):
+    want = round_of(tmp_path / "clean", list(WORKERS), Codec.INT8).info.sha256
+    agg = make(tmp_path / "failing")
+    write = agg.store.write
+    calls = []
+
+    def full_disk(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return write(*args, **kw)
+
+    agg.store.write = full_disk
+    for w in WORKERS:
+        agg.register(w)
+    for w in WORKERS[:-1]:
+        agg.submit(*pushed(w, Codec.INT8, WORKERS.index(w))[:2], raw=pushed(w, Codec.INT8, WORKERS.index(w))[2])
+    head, delta, raw = pushed(WORKERS[-1], Codec.INT8, len(WORKERS) - 1)
+    with pytest.raises(OSError):
+        agg.submit(head, delta, raw=raw)  # the last report closes the round, and the write fails
+    assert agg.info.version == 0 and agg.tick() is not None  # the next tick closes it again
+    assert agg.info.sha256 == want
+
+
+@pytest.mark.parametrize("robust", ["median", "trimmed"])
+def test_median_and_trimmed_read_spilled_columns_and_match_the_rule_on_the_held_updates(tmp_path, monkeypatch, robust):
+    import btnode.aggregate.block as block_module
+    from btnode.aggregate.averaging import combine
+
+    monkeypatch.setattr(block_module, "ROBUST_COLUMN_BYTES", 4 * 1000)  # many columns per tensor
+    agg = make(tmp_path, robust=robust)
+    for w in WORKERS:
+        agg.register(w)
+    deltas = []
+    for w in WORKERS[:-1]:
+        head, delta, raw = pushed(w, Codec.INT8, WORKERS.index(w))
+        agg.submit(head, delta, raw=raw)
+        deltas.append(delta)
+    assert all(u.delta is None and u.spilled for u in agg.round.accepted.values())  # on disk, not in memory
+    head, delta, raw = pushed(WORKERS[-1], Codec.INT8, len(WORKERS) - 1)
+    agg.submit(head, delta, raw=raw)
+    deltas.append(delta)
+    want, rule = combine(deltas, [1.0] * len(deltas), OuterConfig(robust=robust))
+    assert agg.info.version == 1 and rule == robust
+    for n, t in INIT.items():
+        assert torch.equal(agg.params[n], t + want[n])
