@@ -72,12 +72,17 @@ class AggregatorConfig:
     history: int = 20  # round summaries kept for status
     sparse_mean: str = flag("--sparse-mean", "How sparse updates are averaged per coordinate: senders (over the updates "
                                              "that sent it) or all (docs/tuning.md).", default="senders")
+    decode_slots: int = flag("--decode-slots", "Pushes decoded and judged at once; the others wait, holding only "
+                                               "their compressed bytes (bounds the memory of pushes in flight).",
+                             default=2)
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.publish_density <= 1:
             raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
+        if self.decode_slots < 1:
+            raise ConfigError(f"--decode-slots must be at least 1, got {self.decode_slots}")
         if self.sparse_mean not in SPARSE_MEANS:
             raise ConfigError(f"--sparse-mean must be one of {SPARSE_MEANS}, got {self.sparse_mean!r}")
 

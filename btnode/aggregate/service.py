@@ -8,9 +8,11 @@ the same BlockAggregator, rounds, outer step and version store, only another ini
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -91,6 +93,7 @@ class SwarmAggregator:
         self._training_file = state_dir / TRAINING_FILE
         self._training = self._read_training()  # worker id → the terms of its last admitted join (durable)
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
+        self._decoding = threading.BoundedSemaphore(acfg.decode_slots)  # pushes decoded and judged at once
         self.clock = clock
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
@@ -337,6 +340,11 @@ class SwarmAggregator:
         return replace(judged, audit=self.audits.open(job))
 
     def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+        with contextlib.ExitStack() as decoding:  # held from the end of the upload to the judgement
+            return self._judged(block, header, chunks, decoding)
+
+    def _judged(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData],
+                decoding: contextlib.ExitStack) -> Judgement:
         answered = block.answered(header.update_id)
         if answered is not None:  # a re-push: the same answer, and the same request for its state
             waiting = self.audits is not None and self.audits.waiting_for(header.update_id) is not None
@@ -354,7 +362,7 @@ class SwarmAggregator:
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
             self._check_key(header)
-            delta, raw = self._assemble(block.spec, header.codec, chunks)
+            delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
@@ -389,14 +397,19 @@ class SwarmAggregator:
             raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
 
-    def _assemble(self, spec: Mapping[str, tuple[int, ...]], codec: Codec,
-                  chunks: Iterable[ChunkData]) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+    def _assemble(self, spec: Mapping[str, tuple[int, ...]], codec: Codec, chunks: Iterable[ChunkData], *,
+                  gate: contextlib.ExitStack | None = None) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """The tensors of a chunk stream, each frame checked against `spec` and `codec`, and their raw
-        codec bytes; its bytes are counted as far as it got."""
-        asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True)  # sparse updates stay sparse
+        codec bytes; its bytes are counted as far as it got. With a `gate`, the upload is received
+        compressed (frame headers checked as they come), and decoded only once one of the
+        `--decode-slots` is free, which `gate` then holds: however many pushes arrive at once, only a
+        few are ever decoded (4 bytes a parameter, plus their raw bytes) at the same time."""
+        asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True, defer=gate is not None)  # sparse stays sparse
         try:
             for chunk in chunks:
                 asm.add(chunk)
+            if gate is not None:
+                gate.enter_context(self._decoding)
             return asm.finish(), asm.raw
         finally:
             self._received(asm)

@@ -135,13 +135,16 @@ class FrameAssembler:
     """
 
     def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
-                 max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False):
+                 max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False,
+                 defer: bool = False):
         self.spec = dict(spec)
         self.codecs = set(codecs)
         self.max_frame_bytes = max_frame_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.finite = finite
         self.keep_sparse = keep_sparse  # a sparse frame becomes a SparseTensor, not a dense tensor
+        self.defer = defer  # keep whole frames compressed until finish(), and decode them there
+        self._deferred: list[tuple[FrameHeader, bytes]] = []
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
         self.raw: dict[str, bytes] = {}
         self._current: FrameHeader | None = None
@@ -151,12 +154,13 @@ class FrameAssembler:
         self._dctx = zstandard.ZstdDecompressor()
 
     @classmethod
-    def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False) -> FrameAssembler:
+    def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False,
+                 defer: bool = False) -> FrameAssembler:
         """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
         codecs = list(codecs)
         largest = max(raw_size(c, math.prod(s)) for s in spec.values() for c in {Codec.FP32, *codecs})
         return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES,
-                   keep_sparse=keep_sparse)
+                   keep_sparse=keep_sparse, defer=defer)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -208,6 +212,14 @@ class FrameAssembler:
         h = self._current
         assert h is not None
         payload = b"".join(self._parts)
+        if self.defer:
+            self._deferred.append((h, payload))
+            self.tensors[h.name] = None  # type: ignore[assignment]  # arrived; decoded in finish()
+            self._current, self._parts = None, []
+            return
+        self._decode(h, payload)
+
+    def _decode(self, h: FrameHeader, payload: bytes) -> None:
         try:
             # A zstd frame may declare its content size, and decompress() allocates what it declares,
             # whatever max_output_size says: a flipped bit there asked for 10^17 bytes (MemoryError,
@@ -243,4 +255,6 @@ class FrameAssembler:
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise MalformedInput("truncated", f"stream ended without tensors {', '.join(missing[:3])}{more}")
+        while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
+            self._decode(*self._deferred.pop(0))
         return {n: self.tensors[n] for n in self.spec}

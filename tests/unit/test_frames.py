@@ -260,3 +260,20 @@ def feed_ref(tensors, codec):
     for c in iter_chunks(encode_frames(tensors, codec, keep=410)):
         a.add(c)
     return a.finish()
+
+
+def test_a_deferred_assembler_keeps_frames_compressed_until_finish_and_still_checks_them():
+    a = assembler(defer=True)
+    for c in good():
+        a.add(c)
+    assert not a.raw and all(t is None for t in a.tensors.values())  # received, not yet decoded
+    out = a.finish()
+    assert all(torch.equal(out[k], TENSORS[k]) for k in TENSORS)
+    bad = list(iter_chunks(encode_frames(TENSORS, Codec.FP32)))
+    bad[-1] = ChunkData(bad[-1].header, bytes([bad[-1].data[0] ^ 1]) + bad[-1].data[1:])
+    with pytest.raises(MalformedInput):
+        feed(bad, defer=True)
+    with pytest.raises(MalformedInput, match="stream ended without tensors"):
+        feed(good()[:-1], defer=True)  # "vec" never came: nothing is decoded
+    with pytest.raises(MalformedInput, match="sent twice"):
+        feed(good() + good()[-1:], defer=True)

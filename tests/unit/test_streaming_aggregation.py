@@ -184,3 +184,43 @@ def test_median_and_trimmed_read_spilled_columns_and_match_the_rule_on_the_held_
     assert agg.info.version == 1 and rule == robust
     for n, t in INIT.items():
         assert torch.equal(agg.params[n], t + want[n])
+
+
+def test_an_upload_is_decoded_only_once_a_decode_slot_is_free(tmp_path):
+    """--decode-slots: a push received whole waits, compressed, for a slot; only then is it decoded
+    and judged (so pushes in flight hold their compressed bytes, not 4 bytes a parameter)."""
+    import threading
+
+    from btnode.aggregate.service import SwarmAggregator
+    from btnode.codec.frames import encode_frames, iter_chunks
+    from btnode.model.config import ModelConfig
+    from btnode.train.config import TrainConfig
+    from btnode.train.terms import TrainingTerms
+
+    cfg = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
+    tc = TrainConfig(steps=100, batch=4, warmup=2)
+    agg = SwarmAggregator(cfg, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=ClaimConfig.of(tc, 4),
+                                                decode_slots=1), tmp_path)
+    terms = TrainingTerms(train=tc, steps_per_round=4).to_json()
+    for w in ("a", "b"):
+        agg.join(w, 0, cfg.fingerprint(), "", training_json=terms)
+    block = agg.block(0)
+    small = {n: torch.zeros(s) for n, s in block.spec.items()}
+    head = PushHeader(worker_id="a", block=0, base_version=0, samples=4.0, loss=1.0, codec=Codec.INT8,
+                      update_id="a-0", steps=(0,), data_key=agg.keys.of(0)["a"])
+    received = []
+
+    def chunks():
+        for c in iter_chunks(encode_frames(small, Codec.INT8)):
+            yield c
+        received.append(True)
+
+    assert agg._decoding.acquire(timeout=1)  # the one slot is busy
+    out = []
+    t = threading.Thread(target=lambda: out.append(agg.push(head, chunks())))
+    t.start()
+    t.join(timeout=1.0)
+    assert received and t.is_alive() and not block.round.accepted  # uploaded, waiting to be decoded
+    agg._decoding.release()
+    t.join(timeout=10)
+    assert out and out[0].outcome is Outcome.ACCEPTED and "a" in block.round.accepted
