@@ -106,6 +106,15 @@ class PeerUnavailable(BtnodeError):
     exit_code = 7
 
 
+class Overloaded(PeerUnavailable):
+    """The peer refused the call for now, over one of its concurrency limits (RESOURCE_EXHAUSTED with
+    a limit's reason, or gRPC's own cap). Safe to retry after a backoff; `reason` names the limit."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class Unauthenticated(BtnodeError):
     """The peer refused us (UNAUTHENTICATED): missing or wrong swarm token. Not worth retrying."""
 

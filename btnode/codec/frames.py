@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +99,17 @@ def lazy_frames(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int 
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     for name, t in tensors.items():
         yield frame_from_raw(name, tuple(t.shape), codec, encode(codec, t, keep=keep), compressor)
+
+
+class ReplayableFrames:
+    """An update's frames, made anew by `make` each time they are iterated, so that a refused push
+    can be sent again (lazily each time: nothing is held between attempts)."""
+
+    def __init__(self, make: Callable[[], Iterator[Frame]]):
+        self.make = make
+
+    def __iter__(self) -> Iterator[Frame]:
+        return self.make()
 
 
 def iter_chunks(frames: Iterable[Frame], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:

@@ -154,7 +154,13 @@ class WorkerCollector(Collector):
         util = GaugeMetricFamily("btnode_worker_utilisation_ratio", "Training time ÷ wall time since the worker "
                                  "started (rate(train_seconds) gives it over a window).", labels=["block"])
         util.add_metric(lb, s.train_seconds / wall if wall > 0 else 0.0)
-        yield from (version, steps, wait_steps, train, util)
+        retries = CounterMetricFamily("btnode_worker_retries", "Calls tried again: refused for now by the "
+                                      "aggregator (over a limit) or through an outage.", labels=["block"])
+        retries.add_metric(lb, s.retries)
+        reconnects = CounterMetricFamily("btnode_worker_reconnects", "Version streams opened again after one broke "
+                                         "or was refused.", labels=["block"])
+        reconnects.add_metric(lb, s.reconnects)
+        yield from (version, steps, wait_steps, train, util, retries, reconnects)
         if s.losses:
             loss = GaugeMetricFamily("btnode_worker_train_loss", "Mean training CE (nats/byte) of the last pushed "
                                      "update.", labels=["block"])

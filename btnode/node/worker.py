@@ -64,8 +64,8 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
     elif memory_check:
         log.info("memory check skipped: it predicts host memory of CPU training, and this worker trains on %s", device)
     stop = stop or threading.Event()
-    link = SwarmClient(peer)
     current: list[BlockWorker] = []
+    link = SwarmClient(peer, on_retry=lambda what, reason: current[-1].count_retry(what, reason) if current else None)
     alive = threading.Event()
     start_watchdog(alive, stop)
     if metrics_listen:

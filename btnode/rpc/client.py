@@ -1,17 +1,25 @@
 """`SwarmClient`: the worker's AggregatorLink over gRPC. Status codes come back as domain errors;
-a push that was judged by content (stale, invalid) comes back as a Judgement the worker can act on."""
+a push that was judged by content (stale, invalid) comes back as a Judgement the worker can act on.
+A call the server refused for now (Overloaded: over one of its limits) is retried with a jittered
+exponential backoff for up to `Retry.budget_s`, and each retry counted; an unreachable server
+(PeerUnavailable) is left to the caller, which knows how long an outage it may wait through."""
 
 from __future__ import annotations
 
 import json
+import logging
+import random
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
-from btnode.errors import Forbidden, MalformedInput, PeerInputError
+from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
 from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
 from btnode.rpc import convert
 from btnode.rpc.security import Security, channel
@@ -20,20 +28,59 @@ from btnode.rpc.status import error_from_rpc
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How a refused call is retried: waits drawn uniformly from [0, min(cap_s, base_s · 2^n)] ("full
+    jitter", so that a thousand refused workers do not come back together), for up to budget_s."""
+
+    budget_s: float = 120.0  # then the Overloaded error is raised to the caller
+    base_s: float = 0.2
+    cap_s: float = 5.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        return rng.uniform(0.0, min(self.cap_s, self.base_s * 2**attempt))
+
 
 class SwarmClient:
-    def __init__(self, address: str, *, timeout_s: float = 120.0, security: Security | None = None):
+    def __init__(self, address: str, *, timeout_s: float = 120.0, security: Security | None = None,
+                 retry: Retry = Retry(), on_retry: Callable[[str, str], None] = lambda what, reason: None):
+        """`on_retry(what, reason)` is called before each retry of a refused call (a worker counts them)."""
         self.address = address
         self.timeout_s = timeout_s
+        self.retry, self.on_retry = retry, on_retry
+        self.retries: Counter[tuple[str, str]] = Counter()  # (call, reason) → retries
+        self._rng = random.Random()
         self.channel = channel(address, CHANNEL_OPTIONS, security)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, timeout=self.timeout_s, **kwargs)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, f"{what} at {self.address}") from None
+    def _retrying(self, what: str, attempt: Callable[[], T], *, replayable: bool = True) -> T:
+        """attempt(), again after a backoff while the server refuses it for now (Overloaded)."""
+        start, n = time.monotonic(), 0
+        while True:
+            try:
+                return attempt()
+            except Overloaded as exc:
+                wait = self.retry.delay(n, self._rng)
+                if not replayable or time.monotonic() - start + wait > self.retry.budget_s:
+                    raise
+                self.retries[(what, exc.reason)] += 1
+                self.on_retry(what, exc.reason)
+                log.debug("%s refused for now (%s); retrying in %.2f s", what, exc.reason, wait)
+                time.sleep(wait)
+                n += 1
+
+    def _call(self, what: str, fn, *args, replayable: bool = True, **kwargs):
+        def once():
+            try:
+                return fn(*args, timeout=self.timeout_s, **kwargs)
+            except grpc.RpcError as err:
+                raise error_from_rpc(err, f"{what} at {self.address}") from None
+        return self._retrying(what, once, replayable=replayable)
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
              training_json: str = "") -> JoinInfo:
@@ -72,18 +119,23 @@ class SwarmClient:
                                                                   seconds=time.perf_counter() - t0))
 
     def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        call = self.stub.Pull(pb.PullRequest(block=block, worker_id=worker_id), timeout=self.timeout_s)
-        return self._tensor_stream("pull", call, spec, [Codec.FP32])
+        request = pb.PullRequest(block=block, worker_id=worker_id)
+        return self._retrying("pull", lambda: self._tensor_stream(
+            "pull", self.stub.Pull(request, timeout=self.timeout_s), spec, [Codec.FP32]))
 
     def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        call = self.stub.FetchDelta(pb.FetchDeltaRequest(block=block, version=version), timeout=self.timeout_s)
-        return self._tensor_stream("fetch delta", call, spec, list(Codec))
+        request = pb.FetchDeltaRequest(block=block, version=version)
+        return self._retrying("fetch delta", lambda: self._tensor_stream(
+            "fetch delta", self.stub.FetchDelta(request, timeout=self.timeout_s), spec, list(Codec)))
 
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
         """Push an update; invalid or stale updates come back as REJECTED/STALE judgements.
-        `frames` may be a lazy iterator: it is consumed by gRPC's sending thread, chunk by chunk."""
+        `frames` may be a lazy iterator, consumed by gRPC's sending thread chunk by chunk; then a
+        refused push is not retried here (its frames are spent). An iterable that makes fresh frames
+        each time it is iterated (a list, `ReplayableFrames`) is retried."""
         try:
-            reply = self._call("push", self.stub.Push, _messages(header, frames))
+            reply = self._call("push", lambda timeout: self.stub.Push(_messages(header, frames), timeout=timeout),
+                               replayable=not isinstance(frames, Iterator))
         except Forbidden:  # this identity may not push (revoked, another's worker id): retrying cannot help
             raise
         except PeerInputError as exc:
@@ -94,7 +146,9 @@ class SwarmClient:
     def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
         """Send the start state of an update drawn for audit (AggregatorLink.submit_state): its push
         header, then its fp32 frames. A refusal raises its PeerInputError (no_audit, state, ...)."""
-        self._call("state upload", self.stub.SubmitState, _messages(header, frames))
+        self._call("state upload",
+                   lambda timeout: self.stub.SubmitState(_messages(header, frames), timeout=timeout),
+                   replayable=not isinstance(frames, Iterator))
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""

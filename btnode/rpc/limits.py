@@ -1,18 +1,21 @@
-"""Per-peer limits (issue #7): how many streams one peer may have open at once, and how often it
-may join. A peer is its IP address (ports change per connection). Over a limit the call is
-refused with RESOURCE_EXHAUSTED before its handler runs, and counted.
+"""Call limits (issues #7, #25): per peer, how many streams one IP may hold and how often it may
+join; over all peers, separate budgets for version streams (Watch), transfers and other calls, so
+that a thousand held version streams never starve a push or a pull. Over a limit the call is
+refused with RESOURCE_EXHAUSTED before its handler runs, with its reason in trailing metadata,
+counted (`on_refusal`) and logged (at most one line per reason every LOG_EVERY_S).
 
-Watch streams are long-lived by design (one per worker), so they have their own, larger limit;
-the transfer streams (Push, SubmitState, Pull, FetchDelta) share `max_streams`. Frame, chunk and update sizes
-are limited where they are parsed (codec/frames.py: a chunk ≤ 1 MiB, a frame ≤ its tensor's fp32
-size plus slack, an update = exactly the block's tensors; gRPC messages ≤ 4 MiB).
+The server's threads and gRPC's own cap are sized from these budgets (`PeerLimits.threads`), so
+gRPC's silent refusal is never the one a worker meets. Frame, chunk and update sizes are limited
+where they are parsed (codec/frames.py: a chunk ≤ 1 MiB, a frame ≤ its tensor's fp32 size plus
+slack, an update = exactly the block's tensors; gRPC messages ≤ 4 MiB).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,16 +24,47 @@ import grpc
 
 from btnode.settings import flag
 
+log = logging.getLogger(__name__)
+SERVICE = "/btnode.v1.Swarm/"
 TRANSFERS = ("Push", "SubmitState", "Pull", "FetchDelta")
+LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
+LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
+                 "call_budget")  # a refusal's reason: a client backs off and retries
+SPARE_THREADS = 32  # past the budgets: room for calls that are only being refused
 
 
 @dataclass(frozen=True)
 class PeerLimits:
+    """Local settings: a node may size its own (nothing here is swarm-wide)."""
+
+    max_workers: int = flag("--max-workers", "Connected workers this node serves: each holds one version stream "
+                                             "(Watch), and the server's threads and its budget of version streams "
+                                             "are sized from it.", default=1100, min=1)
+    max_transfers: int = flag("--max-transfers", "Push/SubmitState/Pull/FetchDelta streams in progress at once over "
+                                                 "all peers (each may hold about two fp32 copies of the unit while it "
+                                                 "is received); more wait, retried by their clients.",
+                              default=64, min=1)
+    max_calls: int = 64  # other calls in progress at once (Join, Leave, Status, Revoke, health)
     max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/SubmitState/Pull/FetchDelta streams one IP "
                                                      "may hold.",
-                            default=8)
-    max_watches: int = 64  # concurrent Watch streams per peer (one per worker on that host)
+                            default=16, min=1)
+    max_watches: int = flag("--max-watches-per-peer", "Version streams one IP may hold: one per worker on that host "
+                                                      "(a relay or a load-test host needs one per worker it runs).",
+                            default=256, min=1)
     joins_per_minute: int = flag("--max-joins-per-minute", "Join attempts one IP may make per minute.", default=30)
+
+    @property
+    def threads(self) -> int:
+        """Server threads (and gRPC's own cap on calls in progress): every budget full, plus spare."""
+        return self.max_workers + self.max_transfers + self.max_calls + SPARE_THREADS
+
+
+def kind_of(full_method: str) -> str:
+    """'watch', 'transfer' or 'call': which global budget a call draws on."""
+    service, _, method = full_method.rpartition("/")
+    if method == "Watch":  # ours, and gRPC Health's: both are held open
+        return "watch"
+    return "transfer" if service + "/" == SERVICE and method in TRANSFERS else "call"
 
 
 def peer_host(peer: str) -> str:
@@ -47,71 +81,92 @@ class PeerLimiter(grpc.ServerInterceptor):
         self.on_refusal = on_refusal
         self.clock = clock
         self._lock = threading.Lock()
-        self._open: dict[tuple[str, str], int] = defaultdict(int)  # (peer, "transfer"|"watch") → open streams
+        self._open: dict[tuple[str, str], int] = defaultdict(int)  # (peer, kind) → open calls
+        self._total: Counter[str] = Counter()  # kind → open calls over all peers
         self._joins: dict[str, deque[float]] = defaultdict(deque)
+        self._quiet: dict[str, tuple[float, int]] = {}  # reason → (last logged at, refused since)
 
-    def _admit(self, peer: str, method: str) -> str | None:
+    def _budget(self, kind: str) -> tuple[int, int]:
+        """(per peer, over all peers) for calls of `kind`."""
+        lim = self.limits
+        return {"watch": (lim.max_watches, lim.max_workers), "transfer": (lim.max_streams, lim.max_transfers),
+                "call": (lim.max_calls, lim.max_calls)}[kind]
+
+    def _admit(self, peer: str, full_method: str) -> str | None:
         """None if admitted (and counted), else the refusal reason."""
+        kind = kind_of(full_method)
         with self._lock:
-            if method == "Join":
+            if full_method == SERVICE + "Join":
                 q, now = self._joins[peer], self.clock()
                 while q and q[0] < now - 60:
                     q.popleft()
                 if len(q) >= self.limits.joins_per_minute:
                     return "join_rate"
                 q.append(now)
-                return None
-            kind = "watch" if method == "Watch" else "transfer" if method in TRANSFERS else ""
-            if not kind:
-                return None
-            cap = self.limits.max_watches if kind == "watch" else self.limits.max_streams
-            if self._open[(peer, kind)] >= cap:
-                return f"{kind}_streams"
+            per_peer, overall = self._budget(kind)
+            if self._total[kind] >= overall:
+                return f"{kind}_budget"
+            if self._open[(peer, kind)] >= per_peer:
+                return f"{kind}_streams" if kind != "call" else "calls"
             self._open[(peer, kind)] += 1
+            self._total[kind] += 1
             return None
 
     def open_streams(self, kind: str = "transfer") -> int:
-        """Streams of `kind` ("transfer" or "watch") admitted and not yet ended, over all peers."""
+        """Calls of `kind` ("transfer", "watch" or "call") admitted and not yet ended, over all peers."""
         with self._lock:
-            return sum(n for (_, k), n in self._open.items() if k == kind)
+            return self._total[kind]
 
-    def _release(self, peer: str, method: str) -> None:
-        kind = "watch" if method == "Watch" else "transfer" if method in TRANSFERS else ""
-        if kind:
-            with self._lock:
-                self._open[(peer, kind)] -= 1
-                if self._open[(peer, kind)] <= 0:
-                    del self._open[(peer, kind)]
+    def _release(self, peer: str, full_method: str) -> None:
+        kind = kind_of(full_method)
+        with self._lock:
+            self._total[kind] -= 1
+            self._open[(peer, kind)] -= 1
+            if self._open[(peer, kind)] <= 0:
+                del self._open[(peer, kind)]
+
+    def _refused(self, reason: str, method: str, peer: str) -> None:
+        """Count every refusal; log the first of a reason, then at most one line per LOG_EVERY_S."""
+        self.on_refusal(reason)
+        now = self.clock()
+        with self._lock:
+            last, since = self._quiet.get(reason, (-LOG_EVERY_S, 0))
+            if now - last < LOG_EVERY_S:
+                self._quiet[reason] = (last, since + 1)
+                return
+            self._quiet[reason] = (now, 0)
+        held = ", ".join(f"{k} {n}" for k, n in sorted(self._total.items()))
+        log.warning("refused %s from %s: over the limit (%s; in progress: %s)%s", method, peer, reason, held or "none",
+                    f"; {since} more refused since the last line" if since else "")
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
-        method = details.method.rsplit("/", 1)[-1]
+        full_method = details.method
+        method = full_method.rsplit("/", 1)[-1]
         limiter = self
 
         def guarded(fn: Callable, streaming_response: bool) -> Callable:
             def call(request: Any, context: grpc.ServicerContext) -> Any:
                 peer = peer_host(context.peer())
-                reason = limiter._admit(peer, method)
+                reason = limiter._admit(peer, full_method)
                 if reason is not None:
-                    limiter.on_refusal(reason)
+                    limiter._refused(reason, method, peer)
                     context.set_trailing_metadata((("btnode-reason", reason),))
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{method}: over the per-peer limit ({reason.replace('_', ' ')}) for {peer}")
-                if method == "Join":
-                    return fn(request, context)
+                                  f"{method}: over the limit ({reason.replace('_', ' ')}) for {peer}; retry later")
                 if streaming_response:
                     try:  # a request refused before its stream exists (one that does not parse) holds no slot
                         responses = fn(request, context)
                     except BaseException:
-                        limiter._release(peer, method)
+                        limiter._release(peer, full_method)
                         raise
-                    return limiter._stream(responses, peer, method)
+                    return limiter._stream(responses, peer, full_method)
                 try:
                     return fn(request, context)
                 finally:
-                    limiter._release(peer, method)
+                    limiter._release(peer, full_method)
             return call
 
         if handler.unary_unary:
@@ -130,8 +185,8 @@ class PeerLimiter(grpc.ServerInterceptor):
                                                      request_deserializer=handler.request_deserializer,
                                                      response_serializer=handler.response_serializer)
 
-    def _stream(self, responses: Iterator[Any], peer: str, method: str) -> Iterator[Any]:
+    def _stream(self, responses: Iterator[Any], peer: str, full_method: str) -> Iterator[Any]:
         try:
             yield from responses
         finally:
-            self._release(peer, method)
+            self._release(peer, full_method)

@@ -272,27 +272,33 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         return pb.RevokeReply(revoked_at_unix=self.agg.revoke(request.name))
 
 
-def serve(agg: SwarmAggregator, address: str, *, max_workers: int = 64, security: Security | None = None,
+def serve(agg: SwarmAggregator, address: str, *, security: Security | None = None,
           limits: PeerLimits | PeerLimiter | None = None,
           health: NodeHealth | None = None) -> tuple[grpc.Server, int, threading.Event]:
     """Start serving on `address` ("host:port", port 0 picks one); returns (server, port, stop event).
     Health and reflection come too; without a `health` to drive, Health says SERVING from the start.
 
-    Past `max_workers` − 4 calls in progress, gRPC itself answers RESOURCE_EXHAUSTED: with the
-    per-peer limits that bounds the memory held by pushes being received. A `PeerLimiter` given
-    in place of `limits` is used as it is (a caller that wants to watch its open streams)."""
+    The limiter's budgets (rpc/limits.py) refuse a call before gRPC's own cap would: the thread
+    pool and `maximum_concurrent_rpcs` are sized past them (`PeerLimits.threads`; a sync server
+    holds one thread per call in progress, a held version stream included, about 16 KB of RSS
+    each). A `PeerLimiter` given in place of `limits` is used as it is (a caller that wants to
+    watch its open streams)."""
     stop = threading.Event()
     sec = security or current()
     refused = lambda: agg.count("unauthenticated", "token")  # noqa: E731
     limited = lambda reason: agg.count("limited", reason)  # noqa: E731
     limiter = limits if isinstance(limits, PeerLimiter) else PeerLimiter(limits or PeerLimits())
     limiter.on_refusal = limited
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_workers - 4,
+    threads = limiter.limits.threads
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
+                         options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
                          interceptors=[*interceptors(sec, refused), limiter,
                                        DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth), server)
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
     port = bind(server, address, sec)
     server.start()
+    log.info("serving up to %d connected workers (version streams), %d transfers and %d other calls at once "
+             "(%d threads at most)", limiter.limits.max_workers, limiter.limits.max_transfers,
+             limiter.limits.max_calls, threads)
     return server, port, stop

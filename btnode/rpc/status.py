@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import grpc
 
-from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, Forbidden, InputError,
-                           MalformedInput, PeerInputError, PeerUnavailable, Refused, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
+from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, Forbidden,
+                           InputError, MalformedInput, Overloaded, PeerInputError, PeerUnavailable, Refused,
+                           StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
+from btnode.rpc.limits import LIMIT_REASONS
 
 REASON_KEY = "btnode-reason"
 REFUSALS = ("not_joined", "second_push", "no_identities")  # FAILED_PRECONDITION reasons that come back as Refused
@@ -23,6 +25,7 @@ _CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
     (StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
     (ConfigMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (CheckpointError, grpc.StatusCode.INTERNAL),
 ]
@@ -36,7 +39,7 @@ def code_for(exc: BtnodeError) -> grpc.StatusCode:
 
 
 def reason_for(exc: BtnodeError) -> str:
-    if isinstance(exc, PeerInputError):
+    if isinstance(exc, (PeerInputError, Overloaded)):
         return exc.reason
     if isinstance(exc, ConfigMismatchError):
         return "fingerprint"
@@ -63,7 +66,9 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
             return InputError(message)
         return MalformedInput(reason or "invalid", message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return TooLarge(reason or "too_large", message)
+        if reason in LIMIT_REASONS or not reason:  # a limit of ours, or gRPC's own cap (which names none)
+            return Overloaded(reason or "grpc_cap", message)
+        return TooLarge(reason, message)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownBlock(reason or "not_found", message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -1,10 +1,12 @@
 """`Announcements`: the versions the aggregator announces for one block, read from its watch
-stream by a thread that reconnects when the stream breaks, and waited on by the worker."""
+stream by a thread that reconnects when the stream breaks or is refused (after a jittered backoff
+that grows while it keeps failing), and waited on by the worker."""
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -14,30 +16,34 @@ from btnode.protocol import AggregatorLink, VersionInfo
 
 log = logging.getLogger(__name__)
 RECONNECTED = object()  # put on the queue when the watch stream comes back
+BACKOFF_S = (0.5, 15.0)  # the first wait before opening a broken stream again, and the longest
 
 
 class Announcements:
-    def __init__(self, link: AggregatorLink, block: int, worker_id: str, *, wait_timeout_s: float):
+    def __init__(self, link: AggregatorLink, block: int, worker_id: str, *, wait_timeout_s: float,
+                 on_reconnect: Callable[[], None] = lambda: None):
+        """`on_reconnect` is called before each attempt to open the stream again (a worker counts them)."""
         self.link, self.block, self.worker_id, self.wait_timeout_s = link, block, worker_id, wait_timeout_s
+        self.on_reconnect = on_reconnect
         self._queue: queue.Queue[object] = queue.Queue()
         self._newest: VersionInfo | None = None
 
     def follow(self, stop: threading.Event) -> None:
         """Feed announcements from the server stream into the queue; reconnect when it breaks
         (a thread's target, until `stop`)."""
-        streams = 0
+        streams, failures = 0, 0  # streams opened before; attempts in a row that brought nothing
         while not stop.is_set():
             try:
                 first = True
                 for info in self.link.watch(self.block, self.worker_id):
                     if first and streams:
                         self._queue.put(RECONNECTED)  # the aggregator may have restarted
-                    first = False
+                    first, failures = False, 0
                     self._queue.put(info)
                     if stop.is_set():
                         return
                 streams += 1
-            except PeerUnavailable as exc:
+            except PeerUnavailable as exc:  # gone, or refused for now (Overloaded): both pass
                 if stop.is_set():  # cancelled by the worker on the way out
                     return
                 streams += 1
@@ -45,7 +51,10 @@ class Announcements:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 self._queue.put(exc)
                 return
-            stop.wait(1.0)
+            first_s, most_s = BACKOFF_S
+            stop.wait(min(most_s, first_s * 2**failures) * random.uniform(0.5, 1.0))
+            failures += 1
+            self.on_reconnect()
 
     def newer(self, version: int, stop: threading.Event, on_reconnect: Callable[[int], None]) -> VersionInfo | None:
         """Block until a version newer than `version` is announced (None if stopped first); when the

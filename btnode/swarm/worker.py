@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import operator
+import random
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ import zstandard
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
 from btnode.codec.sparse import keep_of
-from btnode.codec.frames import ZSTD_LEVEL, Frame, encode_update, frame_from_raw, lazy_frames
+from btnode.codec.frames import ZSTD_LEVEL, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
@@ -114,6 +115,8 @@ class WorkerStats:
     losses: list[float] = field(default_factory=list)
     version: int = -1  # the version the worker holds now, and its hash
     sha256: str = ""
+    retries: int = 0  # calls tried again: refused for now (over a server's limit) or through an outage
+    reconnects: int = 0  # version streams opened again after one broke or was refused
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ class BlockWorker:
         self.info: VersionInfo | None = None
         self.residual: Tensors = {}
         self.stats = WorkerStats()
-        self.announcements = Announcements(link, wcfg.block, wcfg.worker_id, wait_timeout_s=wcfg.wait_timeout_s)
+        self.announcements = Announcements(link, wcfg.block, wcfg.worker_id, wait_timeout_s=wcfg.wait_timeout_s,
+                                           on_reconnect=self._count_reconnect)
         self._fold = Fold()  # what the next update carries (replaced at each step, push, answer and version)
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self.recipe = Recipe.here(device, tc.precision.value, error_feedback=wcfg.error_feedback)
@@ -152,6 +156,13 @@ class BlockWorker:
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
         self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
+
+    def _count_reconnect(self) -> None:
+        self.stats.reconnects += 1
+
+    def count_retry(self, what: str = "", reason: str = "") -> None:
+        """A call tried again (the link's refused calls report here too)."""
+        self.stats.retries += 1
 
     # -- versions ----------------------------------------------------------------------------
     def _adopt(self, info: VersionInfo, params: Tensors) -> None:
@@ -332,7 +343,8 @@ class BlockWorker:
                     raise
                 log.warning("%s unavailable (%s); retrying", what, exc)
                 self.heartbeat()
-                time.sleep(min(5.0, 0.5 * 2**attempt))
+                self.count_retry(what)
+                time.sleep(min(5.0, 0.5 * 2**attempt) * random.uniform(0.5, 1.0))  # jittered: not all at once
                 attempt += 1
 
     def push(self, header: PushHeader, raw: dict[str, bytes]) -> Judgement:
@@ -340,7 +352,7 @@ class BlockWorker:
         by validation) is an answer, not a failure: the worker drops the update and catches up."""
         def once() -> Judgement:
             t0 = time.perf_counter()
-            j = self.link.push(header, self._frames(raw))
+            j = self.link.push(header, ReplayableFrames(lambda: self._frames(raw)))
             self.stats.push_seconds += time.perf_counter() - t0
             return j
 
@@ -365,7 +377,8 @@ class BlockWorker:
                       self.wcfg.worker_id, header.update_id[:8])
             return
         try:
-            self._through_outage("state upload", lambda: self.link.submit_state(header, lazy_frames(state, Codec.FP32)))
+            self._through_outage("state upload", lambda: self.link.submit_state(
+                header, ReplayableFrames(lambda: lazy_frames(state, Codec.FP32))))
             log.info("worker %s: sent the start state of update %s for its audit", self.wcfg.worker_id,
                      header.update_id[:8])
         except PeerInputError as exc:

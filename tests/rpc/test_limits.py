@@ -18,11 +18,11 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks
-from btnode.errors import TooLarge
+from btnode.errors import Overloaded
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc import convert
-from btnode.rpc.client import SwarmClient
+from btnode.rpc.client import Retry, SwarmClient
 from btnode.rpc.limits import PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
@@ -123,13 +123,70 @@ def test_requests_that_do_not_parse_hold_no_stream_slot(limited, method):
 
 
 def test_joins_per_minute_are_limited_per_peer(limited):
+    """Refused for now (Overloaded, a PeerUnavailable: worth retrying), not TooLarge; with no retry
+    budget the client hands the refusal straight back."""
     address, agg, _ = limited
-    c = SwarmClient(address, timeout_s=10)
+    c = SwarmClient(address, timeout_s=10, retry=Retry(budget_s=0))
     join(c, CFG, "w0", "w1", "w2")
-    with pytest.raises(TooLarge, match="join rate"):
+    with pytest.raises(Overloaded, match="join rate") as err:
         join(c, CFG, "w3")
     c.close()
+    assert err.value.reason == "join_rate"
     assert agg.counters[("limited", "join_rate")] == 1
+
+
+def test_a_refused_pull_is_retried_with_backoff_until_a_transfer_slot_frees(tmp_path):
+    """One transfer at a time over all peers: a pull made while a push holds the only slot is refused
+    (counted by the server as transfer_budget), retried by the client, and served once the push ends."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1")
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1))
+    address = f"127.0.0.1:{port}"
+    release, results = threading.Event(), queue.Queue()
+    pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
+    pusher.start()
+    retried = threading.Event()
+    c = SwarmClient(address, timeout_s=20, retry=Retry(budget_s=25, base_s=0.05, cap_s=0.2),
+                    on_retry=lambda what, reason: retried.set())
+    try:
+        assert results.get(timeout=20) == ("sent", "w0")  # the push holds the slot
+        pulled: queue.Queue = queue.Queue()
+        puller = threading.Thread(target=lambda: pulled.put(c.pull(0, "w1", agg.block(0).spec)))
+        puller.start()
+        assert retried.wait(20)  # refused at least once and retried
+        release.set()
+        assert pulled.get(timeout=25).info.version == 0
+        puller.join(timeout=5)
+        assert results.get(timeout=20)[0] == "ok"
+        assert c.retries[("pull", "transfer_budget")] >= 1
+        assert agg.counters[("limited", "transfer_budget")] == sum(c.retries.values())
+    finally:
+        release.set()
+        c.close()
+        pusher.join(timeout=10)
+        server.stop(0).wait()
+
+
+def test_version_streams_have_their_own_budget(tmp_path):
+    """Two connected workers at most: a third Watch is refused (watch_budget) while pushes and pulls,
+    which draw on the transfer budget, are still served."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1", "w2")
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_workers=2))
+    c = SwarmClient(f"127.0.0.1:{port}", timeout_s=10, retry=Retry(budget_s=0))
+    try:
+        held = [c.watch(0, f"w{i}") for i in range(2)]
+        assert [next(w).version for w in held] == [0, 0]
+        with pytest.raises(Overloaded) as err:
+            next(c.watch(0, "w2"))
+        assert err.value.reason == "watch_budget"
+        assert agg.counters[("limited", "watch_budget")] == 1
+        assert c.pull(0, "w2", agg.block(0).spec).info.version == 0
+        counters = {(e["name"], e["labels"].get("reason", "")): e["value"] for e in c.status_dict()["counters"]}
+        assert counters[("limited", "watch_budget")] == 1  # visible in btnode status (and so in metrics)
+    finally:
+        c.close()
+        server.stop(0).wait()
 
 
 def test_peer_host_parsing():
