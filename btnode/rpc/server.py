@@ -134,6 +134,10 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         self.agg = agg
         self.stop = stop
         self.identities = identities
+        # the newest delta fetched of each block, as frames ready to send: after a publish every worker
+        # fetches the same one, so it is read, hash-checked and compressed once, not once per worker
+        self._deltas: dict[int, tuple[int, VersionInfo, list[Frame]]] = {}
+        self._deltas_lock = threading.Lock()
 
     def _who(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> Identity | None:
         if not self.identities:
@@ -166,11 +170,27 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @streaming
     def FetchDelta(self, request: pb.FetchDeltaRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
         self._who(context, "FetchDelta")
-        block = self.agg.block(request.block)
-        info, codec, raw = block.delta(request.version)
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        frames = (frame_from_raw(n, block.spec[n], codec, raw[n], compressor) for n in block.spec)
+        info, frames = self._delta_frames(request.block, request.version)
         yield from self._send(info, frames, "fetch_delta")
+
+    def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[Frame]]:
+        """The frames of the delta that produced `version`: the newest one asked for is cached (and
+        built under a lock, so that concurrent first fetches read and compress it once)."""
+        block = self.agg.block(b)
+
+        def build() -> tuple[VersionInfo, list[Frame]]:
+            info, codec, raw = block.delta(version)
+            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            return info, [frame_from_raw(n, block.spec[n], codec, raw[n], compressor) for n in block.spec]
+
+        with self._deltas_lock:
+            cached = self._deltas.get(b)
+            if cached is None or version >= cached[0]:
+                if cached is None or version > cached[0]:
+                    cached = (version, *build())
+                    self._deltas[b] = cached
+                return cached[1], cached[2]
+        return build()  # an older version (a worker catching up): not cached
 
     def _send(self, info: VersionInfo, frames: Iterable[Frame], what: str) -> Iterator[pb.TensorStream]:
         """A version's info, then its frames in chunks, each counted as it goes out."""

@@ -66,9 +66,11 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
             return InputError(message)
         return MalformedInput(reason or "invalid", message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if reason in LIMIT_REASONS or not reason:  # a limit of ours, or gRPC's own cap (which names none)
-            return Overloaded(reason or "grpc_cap", message)
-        return TooLarge(reason, message)
+        if reason in LIMIT_REASONS:
+            return Overloaded(reason, message)
+        if not reason and "Concurrent RPC limit" in details:  # gRPC's own cap (sized never to be met first)
+            return Overloaded("grpc_cap", message)
+        return TooLarge(reason or "too_large", message)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownBlock(reason or "not_found", message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:

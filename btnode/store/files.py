@@ -121,7 +121,9 @@ def _read_tensors(folder: Path, record: dict[str, Any], with_path: Path) -> dict
 
 
 def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str, ...] = (),
-         optional_roles: tuple[str, ...] = ()) -> Checkpoint:
+         optional_roles: tuple[str, ...] = (), with_model: bool = True) -> Checkpoint:
+    """Every file read is checked against the commit record. `with_model=False` reads only the
+    groups asked for (a delta fetch reads the delta, not the model); `tensors` is then empty."""
     meta_path = folder / f"{stem}.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -131,7 +133,7 @@ def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str,
         raise CheckpointError(f"checkpoint metadata {meta_path} is unreadable or truncated: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta.get("files", {}):
         raise CheckpointError(f"checkpoint metadata {meta_path} is not a btnode checkpoint of format {FORMAT}")
-    tensors = _read_tensors(folder, meta["files"]["model"], meta_path)
+    tensors = _read_tensors(folder, meta["files"]["model"], meta_path) if with_model else {}
     optim = None
     if with_optim:
         if "optim" not in meta["files"]:

@@ -83,11 +83,12 @@ class VersionStore:
         return StoredVersion(version=version, params=ck.tensors, meta=ck.meta, outer=ck.extra.get("outer", {}))
 
     def delta(self, version: int) -> tuple[Codec, dict[str, bytes], dict[str, Any]]:
-        """The published delta that produced `version`: (codec, raw bytes per tensor, metadata)."""
+        """The published delta that produced `version`: (codec, raw bytes per tensor, metadata). Reads
+        and hash-checks the delta's file only, never the model's."""
         if version not in self.versions():
             raise UnknownBlock("version", f"{self.name} keeps no version {version}")
         try:
-            ck = files.load(self.folder, stem(version), roles=("delta",))
+            ck = files.load(self.folder, stem(version), roles=("delta",), with_model=False)
         except CheckpointError as exc:
             raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
         raw = {n: t.numpy().tobytes() for n, t in ck.extra["delta"].items()}

@@ -4,6 +4,8 @@ its status code, counted, and never applied."""
 import hashlib
 import json
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
@@ -111,6 +113,28 @@ def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live):
     delta = live.client.fetch_delta(0, 1, spec(live))
     rebuilt = {n: base.tensors[n] + delta.tensors[n] for n in base.tensors}
     assert state_sha256(rebuilt) == new.info.sha256 == delta.info.sha256
+
+
+def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
+    """After a publish every worker fetches the same delta: it is read from disk (and compressed)
+    once, then served from memory; every fetch still rebuilds the published hash."""
+    join(live, "r1")
+    base = live.client.pull(0, "r1", spec(live))
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    block = live.agg.block(0)
+    reads, read = [], block.delta
+    block.delta = lambda v: reads.append(v) or read(v)  # a counting wrapper around the real read
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(live.client.fetch_delta(0, 1, spec(live))))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(results) == 8 and reads == [1]
+    for got in results:
+        rebuilt = {n: base.tensors[n] + got.tensors[n] for n in base.tensors}
+        assert state_sha256(rebuilt) == got.info.sha256 == block.info.sha256
 
 
 def raw_push(live, messages):

@@ -115,3 +115,28 @@ def test_atomic_write_replaces_whole_files(tmp_path):
     files.atomic_write(p, b"two!")
     assert p.read_bytes() == b"two!" and [q.name for q in tmp_path.iterdir()] == ["x.bin"]
     assert st_save({"a": torch.zeros(1)})  # safetensors available
+
+
+def test_a_delta_is_read_without_the_model_and_still_hash_checked(tmp_path):
+    """FetchDelta reads the delta's file only: with the model's file unreadable the delta still comes
+    back, bit for bit; a flipped byte in the delta's own file is caught (issue #25: 48 concurrent
+    fetches each read, hashed and deserialised the whole model)."""
+    from btnode.codec.codecs import Codec
+    from btnode.errors import UnknownBlock
+    from btnode.store.versions import VersionStore
+
+    store = VersionStore(tmp_path, 0)
+    raw = {"w": bytes(range(64)), "b": b""}
+    store.write(1, {"w": torch.randn(4, 4), "b": torch.zeros(3)}, meta={"info": {}}, delta_raw=raw,
+                delta_codec=Codec.INT8)
+    (store.folder / "v000000000001.safetensors").write_bytes(b"not a model")
+    codec, got, meta = store.delta(1)
+    assert codec is Codec.INT8 and got == raw and meta["version"] == 1
+    with pytest.raises(CheckpointError):
+        store.load(1)  # the model's file really is unreadable
+    path = store.folder / "v000000000001.delta.safetensors"
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 1
+    path.write_bytes(bytes(blob))
+    with pytest.raises(UnknownBlock, match="truncated or corrupted"):
+        store.delta(1)
