@@ -1,12 +1,20 @@
 """Run the aggregator role: serve the swarm RPCs, close rounds on time, stop cleanly on a signal.
-`join_aggregator` is the role as `btnode join --role aggregator` runs it, from its configs."""
+`join_aggregator` is the role as `btnode join --role aggregator` runs it, from its configs.
+
+Each block's deadline is checked, and its round closed, by that block's own ticker thread; the main
+loop only watches them and feeds the watchdog. A close of minutes (a robust rule over many updates)
+thus neither gaps systemd's keep-alives nor delays another block's close; a tick that runs long is
+logged (STALL_WARN_S), and a main loop that hangs still stops the keep-alives."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig
@@ -28,6 +36,64 @@ from btnode.train.config import TrainConfig
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often deadlines are checked
 AUDIT_TICK_S = 0.2  # how often the auditor looks for audits to run
+STALL_WARN_S = 10.0  # a block's tick (its round's close) running longer is logged, and again every as long
+
+
+class Tickable(Protocol):
+    def tick(self) -> object: ...
+
+
+class BlockTickers:
+    """One thread per block calling its `tick()` every TICK_S until `stop`; `busy()` says which tick has
+    run how long, read without taking any block's lock."""
+
+    def __init__(self, blocks: Mapping[int, Tickable], stop: threading.Event,
+                 clock: Callable[[], float] = time.monotonic):
+        self.blocks, self.stop, self.clock = blocks, stop, clock
+        self._since: dict[int, float | None] = dict.fromkeys(blocks)  # block → when its tick began (None: idle)
+        self.threads = [threading.Thread(target=self._loop, args=(b,), name=f"tick-{b}", daemon=True) for b in blocks]
+
+    def start(self) -> BlockTickers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _loop(self, b: int) -> None:
+        while not self.stop.is_set():
+            self._since[b] = self.clock()
+            try:
+                self.blocks[b].tick()
+            except Exception:  # noqa: BLE001 - a failed close is logged; the block keeps its open round
+                log.exception("block %d: tick failed", b)
+            finally:
+                self._since[b] = None
+            self.stop.wait(TICK_S)
+
+    def busy(self) -> dict[int, float]:
+        """Block → seconds its tick in progress has run."""
+        now = self.clock()
+        return {b: now - t for b, t in list(self._since.items()) if t is not None}
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+
+def watch_ticks(tickers: BlockTickers, alive: threading.Event, stop: threading.Event, *,
+                warn_after_s: float = STALL_WARN_S) -> None:
+    """The main loop: feed the watchdog (`alive`) and log a tick that runs long, until `stop`."""
+    warned: dict[int, float] = {}  # block → the run time last logged
+    while not stop.is_set():
+        alive.set()
+        busy = tickers.busy()
+        for b, ran in busy.items():
+            if ran >= warned.get(b, 0.0) + warn_after_s:
+                warned[b] = ran
+                log.warning("block %d: its tick (a round's close) has run for %.0f s; the other blocks and the "
+                            "watchdog's keep-alives go on", b, ran)
+        for b in set(warned) - set(busy):
+            del warned[b]
+        stop.wait(TICK_S)
 
 
 @dataclass(frozen=True)
@@ -83,18 +149,18 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     notify("READY=1", f"STATUS=serving blocks {sorted(agg.blocks)} on port {port}")
     alive = threading.Event()
     start_watchdog(alive, stop)
+    tickers = BlockTickers(agg.blocks, stop).start()
     try:
-        while not stop.is_set():
-            agg.tick()
-            alive.set()
-            stop.wait(TICK_S)
+        watch_ticks(tickers, alive, stop)
     finally:
+        stop.set()  # (already set, unless the main loop failed): the tickers end after their tick
         notify("STOPPING=1", "STATUS=draining")
         health.draining(drain_notice_s)
         server_stop.set()
         server.stop(grace=5.0).wait()  # in-flight pushes finish (and are judged) first
         if auditor is not None:
             auditor.join()  # it saw `stop`: at most the replay in progress finishes
+        tickers.join()  # they saw `stop`: at most a close in progress finishes
         for info in agg.drain():
             log.info("drain: block %d published version %d with the round's accepted updates", info.block,
                      info.version)
