@@ -248,3 +248,69 @@ def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_worker_outlives_a_refused_pull_and_a_refused_version_stream(tmp_path):
+    """A real BlockWorker over gRPC against tight budgets (one transfer, one version stream at a
+    time): its first pull is refused while another peer's push holds the transfer slot, and its
+    version stream while another stream holds the only watch slot. Neither ends it: the pull is
+    retried, the stream reopened with backoff, and it trains its two rounds (counted in its stats)."""
+    from btnode.aggregate.claims import ClaimConfig
+    from btnode.aggregate.rounds import RoundConfig
+    from btnode.swarm.worker import BlockWorker, WorkerConfig
+
+    tc, h = TrainConfig(steps=200, warmup=2), ClaimConfig().steps_per_round  # the claims `held_push` makes
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=2.0)), tmp_path)
+    join(agg, CFG, "other")
+    server, port, stop = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1, max_workers=1))
+    address = f"127.0.0.1:{port}"
+    done = threading.Event()
+    ticker = threading.Thread(target=lambda: [agg.tick() for _ in iter(lambda: done.wait(0.05), True)], daemon=True)
+    ticker.start()
+    release, results = threading.Event(), queue.Queue()
+    pusher = threading.Thread(target=held_push, args=(address, CFG, "other", release, results))
+    pusher.start()
+    other = SwarmClient(address, timeout_s=20)
+    link = SwarmClient(address, timeout_s=20, retry=Retry(budget_s=20, base_s=0.05, cap_s=0.2))
+    worker = BlockWorker(CFG, tc, WorkerConfig(worker_id="w", block=0, steps_per_round=h, codec=Codec.INT8, rounds=2,
+                                               train_while_waiting=False), link, bytes(range(256)) * 40,
+                         device=torch.device("cpu"))
+    link.on_retry = worker.count_retry
+    outcome: queue.Queue = queue.Queue()
+    try:
+        assert results.get(timeout=20) == ("sent", "other")  # the only transfer slot is held
+        held_watch = other.watch(0, "")  # and the only version-stream slot (an unregistered watcher)
+        assert next(held_watch).version == 0
+        runner = threading.Thread(target=lambda: outcome.put(_run(worker)))
+        runner.start()
+        deadline = time.monotonic() + 20
+        while worker.stats.retries == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.stats.retries >= 1  # its pull was refused and retried
+        release.set()  # the other push ends: the pull gets through
+        while worker.stats.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.stats.reconnects >= 1  # its version stream was refused and is being reopened
+        other.cancel_watches()  # the only watch slot frees
+        got = outcome.get(timeout=30)
+        assert not isinstance(got, BaseException), got
+        # its first update may be late (the other peer's push closed round 0 while it trained): an answer too
+        assert got.pushes == 2 and got.outcomes.get("accepted", 0) >= 1 and set(got.outcomes) <= {"accepted", "late"}
+        assert got.version >= 2 and got.retries >= 1 and got.reconnects >= 1
+        assert agg.counters[("limited", "transfer_budget")] >= 1 and agg.counters[("limited", "watch_budget")] >= 1
+        runner.join(timeout=10)
+    finally:
+        release.set()
+        done.set()
+        link.close()
+        other.close()
+        stop.set()
+        server.stop(0).wait()
+        pusher.join(timeout=10)
+
+
+def _run(worker):
+    try:
+        return worker.run()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        return exc
