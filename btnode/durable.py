@@ -4,6 +4,7 @@ aggregator state): a file is complete or absent after a crash, never half-writte
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,8 +20,9 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
     """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder. `data`
-    may come in pieces (a large file written without ever being whole in memory)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    may come in pieces (a large file written without ever being whole in memory). The temp file is
+    named per thread: two threads writing the same file at once (two Joins) each rename their own."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
     with open(tmp, "wb") as f:
         for piece in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data):
             f.write(piece)

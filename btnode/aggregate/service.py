@@ -92,6 +92,7 @@ class SwarmAggregator:
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self._training_file = state_dir / TRAINING_FILE
         self._training = self._read_training()  # worker id → the terms of its last admitted join (durable)
+        self._training_lock = threading.Lock()
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
         self._decoding = threading.BoundedSemaphore(acfg.decode_slots)  # pushes decoded and judged at once
         self.clock = clock
@@ -169,10 +170,12 @@ class SwarmAggregator:
         if self.audits is not None and (over := self.audits.joined(block, worker_id)) is not None:
             self._abandoned(worker_id, over)
         agg.register(worker_id)
-        if terms is not None and self._training.get(worker_id) != terms:
-            self._training[worker_id] = terms
-            atomic_write(self._training_file, json.dumps({w: t.to_json() for w, t in self._training.items()},
-                                                         indent=1, sort_keys=True).encode())
+        if terms is not None:
+            with self._training_lock:  # concurrent joins: the file written last holds every worker's terms
+                if self._training.get(worker_id) != terms:
+                    self._training[worker_id] = terms
+                    atomic_write(self._training_file, json.dumps({w: t.to_json() for w, t in self._training.items()},
+                                                                 indent=1, sort_keys=True).encode())
         if who is not None:
             self.identities.joined(who, block)
         self.count("joins")

@@ -94,6 +94,8 @@ def push_once(address: str, worker: str, spec: dict, results: dict) -> None:
                             loss=1.0, codec=Codec.INT8, update_id=f"{worker}-u", steps=(0,))
         frames = encode_frames({n: 1e-3 * torch.ones(s) for n, s in spec.items()}, Codec.INT8)
         results[worker] = c.push(header, frames).outcome
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        results[worker] = exc
     finally:
         c.close()
 

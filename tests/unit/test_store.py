@@ -140,3 +140,28 @@ def test_a_delta_is_read_without_the_model_and_still_hash_checked(tmp_path):
     path.write_bytes(bytes(blob))
     with pytest.raises(UnknownBlock, match="truncated or corrupted"):
         store.delta(1)
+
+
+def test_threads_writing_one_file_at_once_each_rename_their_own_temp_file(tmp_path):
+    """Two Joins at once both rewrite training.json: with one temp name per process, one thread's
+    rename took the other's temp file and the second failed (FileNotFoundError, an INTERNAL Join)."""
+    import threading
+
+    from btnode.durable import atomic_write
+
+    path, errors = tmp_path / "f.json", []
+
+    def write(i: int) -> None:
+        try:
+            for j in range(20):
+                atomic_write(path, f"{i}-{j}".encode())
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == [] and path.read_text().endswith("-19")
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no temp file left behind
