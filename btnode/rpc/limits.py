@@ -41,8 +41,9 @@ class PeerLimits:
                                              "(Watch), and the server's threads and its budget of version streams "
                                              "are sized from it.", default=1100, min=1)
     max_transfers: int = flag("--max-transfers", "Push/SubmitState/Pull/FetchDelta streams in progress at once over "
-                                                 "all peers (each may hold about two fp32 copies of the unit while it "
-                                                 "is received); more wait, retried by their clients.",
+                                                 "all peers (a push holds its compressed upload until one of "
+                                                 "--decode-slots decodes it; a pull, one tensor's frame at a time); "
+                                                 "more are refused for now and retried by their clients.",
                               default=64, min=1)
     max_calls: int = 64  # other calls in progress at once (Join, Leave, Status, Revoke, health)
     max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/SubmitState/Pull/FetchDelta streams one IP "
