@@ -9,6 +9,8 @@ verify (must be 0), and RSS over time. Writes bench/results/soak.json and a BENC
     .venv/bin/python -m bench.soak --minutes 1     # a smoke run
     .venv/bin/python -m bench.soak --minutes 30 --audit 0.25   # honest workers under replay audits
                                                    # (bench/results/soak_audit.json): must flag nobody
+    .venv/bin/python -m bench.soak --relays 2      # workers through 2 relays (each worker's spare is the
+                                                   # other), relays killed too (bench/results/soak_relays.json)
 """
 
 from __future__ import annotations
@@ -54,13 +56,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--audit", type=float, default=0.0, help="share p of updates the aggregator replays (with "
                                                               "probation 2): the run reports who was flagged")
+    ap.add_argument("--relays", type=int, default=0, help="workers reach the aggregator through this many relays "
+                                                          "(worker r of a block on relay r mod K, the next as its spare); "
+                                                          "a relay is killed and restarted as often as a worker")
     ap.add_argument("--keep", type=Path, help="run in this folder and keep its state and logs (default: a temporary one)")
     ap.add_argument("--report-only", action="store_true", help="recompute the summary and the report from soak.json")
     ap.add_argument("--out", dest="results", type=Path, metavar="PATH",
                     help="where the result JSON goes (default bench/results/soak.json, soak_audit.json with --audit; any "
                          "other path leaves BENCHMARKS.md alone)")
     args = ap.parse_args()
-    name = "soak-audit" if args.audit else "soak"
+    name = "soak-audit" if args.audit else "soak-relays" if args.relays else "soak"
     if args.report_only:
         out = json.loads(result_path(name).read_text())
         out["rss_growth_mb"] = rss_growth(out["rss"], [e["t"] for e in out["events"] if e["event"] == "kill -9 aggregator"])
@@ -90,12 +95,29 @@ def main() -> None:
         def start_aggregator() -> subprocess.Popen:  # a restart does not wait for the port
             return spawn_node(aggregator, log=logs / "aggregator.log", env=env)
 
+        relay_ports = [free_port() for _ in range(args.relays)]
+
+        def relay_command(j: int) -> list[str]:
+            return ["join", "--role", "relay", "--relay-id", f"relay{j}", "--peer", f"127.0.0.1:{port}",
+                    "--listen", f"127.0.0.1:{relay_ports[j]}", "--state-dir", str(work / f"relay{j}"), *training, *shape]
+
+        def peers(r: int) -> str:
+            if not args.relays:
+                return f"127.0.0.1:{port}"
+            first = r % args.relays
+            order = [relay_ports[(first + k) % args.relays] for k in range(min(2, args.relays))]
+            return ",".join(f"127.0.0.1:{p}" for p in order)
+
         def start_worker(b: int, r: int) -> subprocess.Popen:
-            return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", f"127.0.0.1:{port}",
+            return spawn_node(["join", "--role", "worker", "--block", str(b), "--peer", peers(r),
                                "--worker-id", f"b{b}r{r}", *training, "--warmup", "10", *shape], log=logs / f"b{b}r{r}.log", env=env)
+
+        def start_relay(j: int) -> subprocess.Popen:
+            return spawn_node(relay_command(j), log=logs / f"relay{j}.log", env=env)
 
         agg = start_node(aggregator, port_file=work / "port", log=logs / "aggregator.log", env=env,
                          name="aggregator").proc
+        relays = {j: start_relay(j) for j in range(args.relays)}
         workers = {w: start_worker(*w) for w in WORKERS}
         events: list[dict] = []
         samples: list[dict] = []
@@ -111,6 +133,13 @@ def main() -> None:
                     agg.wait()
                     events.append({"t": now, "event": "kill -9 aggregator"})
                     agg = start_aggregator()
+                if now >= next_worker_kill and relays and rng.random() < 0.5:
+                    j = rng.randrange(args.relays)
+                    relays[j].send_signal(signal.SIGKILL)
+                    relays[j].wait()
+                    events.append({"t": now, "event": f"kill -9 relay{j}"})
+                    relays[j] = start_relay(j)
+                    next_worker_kill = now + rng.expovariate(1 / args.worker_kill_every)
                 if now >= next_worker_kill:
                     w = rng.choice(WORKERS)
                     workers[w].send_signal(signal.SIGKILL)
@@ -122,6 +151,10 @@ def main() -> None:
                     if p.poll() is not None:
                         events.append({"t": now, "event": f"worker b{w[0]}r{w[1]} exited {p.returncode}; restarted"})
                         workers[w] = start_worker(*w)
+                for j, p in list(relays.items()):
+                    if p.poll() is not None:
+                        events.append({"t": now, "event": f"relay{j} exited {p.returncode}; restarted"})
+                        relays[j] = start_relay(j)
                 if agg.poll() is not None:
                     events.append({"t": now, "event": f"aggregator exited {agg.returncode}; restarted"})
                     agg = start_aggregator()
@@ -132,7 +165,7 @@ def main() -> None:
                 progress(int(now))
                 time.sleep(0.2)
         finally:
-            stop_processes([*workers.values(), agg], timeout_s=60)
+            stop_processes([*workers.values(), *relays.values(), agg], timeout_s=60)
         result = audit(state)
         if args.audit:
             result.update(audits(state, logs / "aggregator.log"))
@@ -144,6 +177,7 @@ def main() -> None:
            "worker_rss_max_mb": max(worker_series) if worker_series else None,
            "aggregator_rss_max_mb": max(agg_series) if agg_series else None,
            "worker_kills": sum("worker" in e["event"] and "kill" in e["event"] for e in events),
+           "relays": args.relays, "relay_kills": sum(e["event"].startswith("kill -9 relay") for e in events),
            "aggregator_kills": sum(e["event"] == "kill -9 aggregator" for e in events)}
     publish(name, out, render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k not in ("events", "rss")}, indent=1))
@@ -163,6 +197,8 @@ def audits(state: Path, log: Path) -> dict:
 def render(out: dict) -> str:
     if "flagged" in out:
         return render_audit(out)
+    if out.get("relays"):
+        return render_relays(out)
     return "\n".join([
         "## Soak run (`bench/soak.py`)", "",
         "Command: `.venv/bin/python -m bench.soak` (2 cores). A local swarm (aggregator + 3 blocks × 2 replicas, "
@@ -176,6 +212,21 @@ def render(out: dict) -> str:
                [(f"{out['minutes']:.1f}", out["worker_kills"], out["aggregator_kills"], out["versions_min"],
                  f"{out['accept_fraction']:.3f}", out["corrupt_versions"], f"{out['rss_growth_mb']:.1f}",
                  f"{out['aggregator_rss_max_mb']:.0f} / {out['worker_rss_max_mb']:.0f}")], "rrrrrrrl")])
+
+
+def render_relays(out: dict) -> str:
+    return "\n".join([
+        "## Soak run through relays (`bench/soak.py --relays`)", "",
+        f"Command: `.venv/bin/python -m bench.soak --minutes {out['minutes']:.0f} --relays {out['relays']}` (2 cores). "
+        "The soak swarm above with every worker reaching the aggregator through a relay (worker r on relay "
+        "r mod K, the next relay as its spare): workers, relays and the aggregator killed with SIGKILL and "
+        "restarted at random times. Accepted fraction: at the root, over the round records of every stored "
+        "version (a relay's combined push counts each child it lists).", "",
+        *table(["minutes", "worker kills", "relay kills", "aggregator kills", "versions (min over blocks)",
+                "accepted fraction", "versions failing their hash", "aggregator RSS max (MB)"],
+               [(f"{out['minutes']:.1f}", out["worker_kills"], out["relay_kills"], out["aggregator_kills"],
+                 out["versions_min"], f"{out['accept_fraction']:.3f}", out["corrupt_versions"],
+                 f"{out['aggregator_rss_max_mb']:.0f}")], "rrrrrrrr")])
 
 
 def render_audit(out: dict) -> str:
