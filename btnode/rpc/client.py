@@ -83,10 +83,11 @@ class SwarmClient:
         return self._retrying(what, once, replayable=replayable)
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "") -> JoinInfo:
+             training_json: str = "", relay: bool = False) -> JoinInfo:
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
                                                                   fingerprint=fingerprint, config_json=config_json,
-                                                                  data_id=data_id, training_json=training_json))
+                                                                  data_id=data_id, training_json=training_json,
+                                                                  relay=relay))
         return convert.join_from_pb(reply)
 
     def leave(self, worker_id: str, block: int) -> None:
@@ -116,7 +117,7 @@ class SwarmClient:
         tensors = asm.finish()
         raw = sum(len(b) for b in asm.raw.values())
         return Pulled(info=info, tensors=tensors, transfer=Transfer(raw=raw, wire=asm.wire_bytes,
-                                                                  seconds=time.perf_counter() - t0))
+                                                                  seconds=time.perf_counter() - t0), raw=asm.raw)
 
     def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
         request = pb.PullRequest(block=block, worker_id=worker_id)
