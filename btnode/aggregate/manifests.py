@@ -21,7 +21,7 @@ WEIGHT_TOLERANCE = 1e-9  # relative: the manifest's sum is added in float64 in t
 @dataclass
 class RelayRecord:
     name: str
-    children: tuple[str, ...] = ()  # the workers of its last accepted combined push
+    children: tuple[str, ...] = ()  # the workers listed in its accepted combined pushes, sorted
     last_version: int = 0  # the base version of that push
     last_weight: float = 0.0
     pushes: int = 0  # combined pushes accepted
@@ -89,7 +89,9 @@ class Relays:
 
     def pushed(self, header: PushHeader, accepted: bool) -> None:
         with self._lock:
-            rec = self._by_block.setdefault(header.block, {}).setdefault(header.worker_id, RelayRecord(header.worker_id))
+            rec = self._by_block.get(header.block, {}).get(header.worker_id)
+            if rec is None:  # not a relay: nothing to record
+                return
             if not accepted:
                 rec.refused += 1
                 return
@@ -98,7 +100,7 @@ class Relays:
                 self._counted[e.update_id] = None
             while len(self._counted) > REMEMBERED:
                 self._counted.popitem(last=False)
-            rec.children = tuple(e.worker_id for e in header.manifest)
+            rec.children = tuple(sorted(set(rec.children) | {e.worker_id for e in header.manifest}))
             rec.last_version, rec.last_weight = header.base_version, header.samples
 
     def records(self, block: int) -> tuple[RelayRecord, ...]:

@@ -41,6 +41,7 @@ class FailoverLink:
         self.failovers = 0
         self._joins: dict[tuple[str, int], tuple[tuple, dict]] = {}  # (worker id, block) → join's arguments
         self._lock = threading.Lock()
+        self._closing = False  # the owner cancelled its watches: a stream ending now is no failure
 
     @property
     def address(self) -> str:
@@ -49,7 +50,7 @@ class FailoverLink:
     def _failover(self, failed: int, exc: BtnodeError) -> None:
         """Move on from upstream `failed` (if nobody moved on already) and join the next."""
         with self._lock:
-            if self.index != failed:
+            if self.index != failed or self._closing or len(self.clients) == 1:
                 return
             self.index = (failed + 1) % len(self.clients)
             self.failovers += 1
@@ -59,8 +60,8 @@ class FailoverLink:
         for args, kwargs in joins:
             try:
                 client.join(*args, **kwargs)
-            except PeerUnavailable as err:
-                log.warning("could not join again at %s yet: %s", client.address, err)
+            except BtnodeError as err:  # the next call there tells the caller what is wrong, if anything still is
+                log.warning("could not join again at %s: %s", client.address, err)
                 return
 
     def _run(self, fn: Callable[[SwarmClient], T]) -> T:
@@ -110,6 +111,7 @@ class FailoverLink:
         return self._run(lambda c: c.status())
 
     def cancel_watches(self, worker_id: str | None = None) -> None:
+        self._closing = True
         for c in self.clients:
             c.cancel_watches(worker_id)
 
