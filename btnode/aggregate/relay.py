@@ -13,7 +13,7 @@ import queue
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -86,9 +86,9 @@ class RelayBlock(BlockAggregator):
         with self.lock:
             return self._sealed(header) or super().precheck(header)
 
-    def submit(self, header: PushHeader, delta: Tensors, *, hold: bool = False) -> Judgement:
+    def submit(self, header: PushHeader, delta: Tensors, **kwargs: Any) -> Judgement:
         with self.lock:  # sealed between precheck and here: still LATE
-            return self._sealed(header) or super().submit(header, delta, hold=hold)
+            return self._sealed(header) or super().submit(header, delta, **kwargs)
 
     def _publish(self, reason: str) -> None:  # type: ignore[override]  # a relay publishes nothing
         ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))

@@ -174,6 +174,8 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         server.stop(grace=5.0).wait()
         relay.drain()  # an open round with accepted updates goes upstream before the relay exits
         threads[-1].join(timeout=parent_deadline)
+        while not relay.outbox.empty():  # the forwarder may have stopped before the drain queued its round
+            _forward(parent, relay, relay.outbox.get(), time.monotonic() + parent_deadline)
         parent.cancel_watches()
         parent.close()
         log.info("relay stopped (forwarded %s; %d child updates missed their round)", relay.forwarded, relay.lost())
