@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from btnode.rpc.convert import info_from_pb
 from btnode.store.models import init_block
 from btnode.store.versions import VersionStore
 
-from procs import TINY_SHAPE, honest_terms, start, wait_port
+from procs import CLI, TINY_SHAPE, honest_terms, start, wait_port
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 CLAIMS = ["--batch", "4", "--steps-per-round", "2"]
@@ -57,7 +58,7 @@ def worker(processes, tmp: Path, name: str, peers: str, rounds: int):
     return proc
 
 
-def finished(tmp: Path, procs: dict, timeout: float = 50.0) -> dict[str, dict]:
+def finished(tmp: Path, procs: dict, timeout: float = 150.0) -> dict[str, dict]:
     """Wait for each worker process to exit 0; its stats file."""
     out = {}
     for name, proc in procs.items():
@@ -98,6 +99,8 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
     assert {r["name"]: sorted(r["children"]) for r in st["relays"]} == {"r1": ["w0", "w1"], "r2": ["w2", "w3"]}
     assert all(r["refused"] == 0 and r["pushes"] >= 3 for r in st["relays"])
     c.close()
+    shown = subprocess.run([*CLI, "status", "--peer", root], capture_output=True, text=True, timeout=60).stdout
+    assert "relay r1: children [w0, w1]" in shown and "relay r2: children [w2, w3]" in shown, shown
 
 
 def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
