@@ -176,19 +176,22 @@ class RelaySwarm(SwarmAggregator):
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
              who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
-        """The parent judges the join first (fingerprint, data, training terms, revocation) and keeps
-        the record; then the relay admits the child with the same checks and the parent's data key."""
+        """The parent judges a worker's join first (fingerprint, data, training terms, revocation) and
+        keeps the record; then the relay admits the child with the same checks and the parent's data
+        key. A child relay joins here only: the parent knows the workers under it from their own joins
+        and sees their updates in this relay's manifests, so it does not wait on the child relay."""
         self.block(block)
-        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
-                                    relay=relay)
+        if relay:
+            return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
+        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
         self.keys.record(block, worker_id, parent.data_key)
-        mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json,
-                            relay=relay)
+        mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)
         return replace(mine, data_key=parent.data_key)
 
     def leave(self, worker_id: str, block: int) -> None:
         super().leave(worker_id, block)
-        self.upstream.leave(worker_id, block)
+        if not self.relays.known(block, worker_id):
+            self.upstream.leave(worker_id, block)
 
     def push(self, header: PushHeader, chunks: Iterable[ChunkData], who: Identity | None = None) -> Judgement:
         """Judged as the aggregator judges, noting each frame's raw sha256 on the way for the manifest."""

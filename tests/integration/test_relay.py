@@ -172,3 +172,22 @@ def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
     assert st["relays"] == [{"name": "liar", "children": ["c1"], "last_version": 0, "last_weight": 8.0, "pushes": 1,
                              "refused": 6}]
     c.close()
+
+
+def test_a_relay_under_a_relay_flattens_its_children_into_the_manifest(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30",
+                "--keep", "100")
+    (upper,) = relays(processes, tmp_path, root, {"r1": []})
+    (lower,) = relays(processes, tmp_path, upper, {"r2": []})
+    stats = finished(tmp_path, {w: worker(processes, tmp_path, w, lower, 2) for w in ("w0", "w1")})
+    c = SwarmClient(root, timeout_s=15)
+    assert all(s["not_included"] == [] for s in stats.values())
+    assert included(c) == {u for s in stats.values() for u in s["accepted_updates"]}
+    root_store = VersionStore(tmp_path / "root", 0)
+    assert all(root_store.load(s["version"]).meta["info"]["sha256"] == s["sha256"] for s in stats.values())
+    st = c.status_dict()["blocks"][0]
+    # the root knows the workers (their joins passed both relays) and sees them in r1's manifests;
+    # r2 joined r1 only: the root never waits on it, only on r1 and the workers r1 reports for
+    assert [(r["name"], r["children"]) for r in st["relays"]] == [("r1", ["w0", "w1"])]
+    assert st["replicas"] == ["r1"]
+    c.close()
