@@ -5,6 +5,7 @@ a combined push whose manifest lies is refused by the root."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -22,7 +23,7 @@ from btnode.rpc.convert import info_from_pb
 from btnode.store.models import init_block
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE, honest_terms, start, wait_port
+from procs import CLI, TINY_SHAPE, free_port, honest_terms, scrape, start, wait_port
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 CLAIMS = ["--batch", "4", "--steps-per-round", "2"]
@@ -73,8 +74,9 @@ def included(client: SwarmClient) -> set[str]:
 
 
 def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_path, processes):
+    metrics = free_port()
     root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "20",
-                "--keep", "100")
+                "--keep", "100", "--metrics-listen", f"127.0.0.1:{metrics}")
     r1, r2 = relays(processes, tmp_path, root, {"r1": [], "r2": []})
     procs = {f"w{i}": worker(processes, tmp_path, f"w{i}", r1 if i < 2 else r2, 3) for i in range(4)}
     stats = finished(tmp_path, procs)
@@ -99,6 +101,10 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
     assert {r["name"]: sorted(r["children"]) for r in st["relays"]} == {"r1": ["w0", "w1"], "r2": ["w2", "w3"]}
     assert all(r["refused"] == 0 and r["pushes"] >= 3 for r in st["relays"])
     c.close()
+    # the root's version egress is what two relays pulled, not what four workers did
+    sent = re.search(r'btnode_transfer_bytes_total\{direction="sent",form="wire"\} (\S+)', scrape(metrics))
+    pulled = sum(s["bytes_pulled_wire"] for s in stats.values())
+    assert sent is not None and 0 < float(sent.group(1)) < 0.75 * pulled, (sent, pulled)
     shown = subprocess.run([*CLI, "status", "--peer", root], capture_output=True, text=True, timeout=60).stdout
     assert "relay r1: children [w0, w1]" in shown and "relay r2: children [w2, w3]" in shown, shown
 
