@@ -170,6 +170,7 @@ class RelaySwarm(SwarmAggregator):
         self.keys = ParentKeys()  # type: ignore[assignment]
         self.outbox: queue.Queue[Combined] = queue.Queue()
         self.forwarded: dict[str, int] = {}  # the parent's outcome → combined pushes (node/relay.py)
+        self.last_forward: dict[int, tuple[PushHeader, Combined]] = {}  # block → the last one pushed (node/relay.py)
         for b in self.blocks.values():
             assert isinstance(b, RelayBlock)
             b.on_combined = self.outbox.put

@@ -69,12 +69,19 @@ def _fetch(parent: FailoverLink, block: RelayBlock, info: VersionInfo) -> None:
     block.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
 
 
-def _follow(parent: FailoverLink, block: RelayBlock, name: str, stop: threading.Event) -> None:
+def _follow(parent: FailoverLink, relay: RelaySwarm, block: RelayBlock, stop: threading.Event) -> None:
     """Watch the parent's versions of `block` and adopt each, until `stop`; a broken stream (the
-    link has moved to the next parent) or a failed fetch is retried after a second."""
+    link has moved to the next parent) or a failed fetch is retried after a second. When the stream
+    comes back, join again and re-push the last combined update if the parent is still on its round
+    (same update id: a parent that only lost the connection answers as before; a restarted one,
+    which lost its open round, judges it again), as a worker does after a reconnect."""
+    streams = 0
     while not stop.is_set():
         try:
-            for info in parent.watch(block.block, name):
+            for i, info in enumerate(parent.watch(block.block, relay.name)):
+                if i == 0 and streams:
+                    parent.rejoin()
+                    _reforward(parent, relay, block.block, info)
                 _fetch(parent, block, info)
                 if stop.is_set():
                     return
@@ -82,7 +89,18 @@ def _follow(parent: FailoverLink, block: RelayBlock, name: str, stop: threading.
             if stop.is_set():
                 return
             log.warning("%s: following the parent: %s; again in 1 s", block.name, exc)
+        streams += 1
         stop.wait(1.0)
+
+
+def _reforward(parent: FailoverLink, relay: RelaySwarm, block: int, info: VersionInfo) -> None:
+    last = relay.last_forward.get(block)
+    if last is None or last[0].base_version != info.version:
+        return
+    header, c = last
+    j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
+    log.info("block %d round %d: re-pushed the combined update of %d children after reconnecting: %s%s", block,
+             c.base_version, len(c.manifest), j.outcome.value, f" ({j.reason})" if j.reason else "")
 
 
 def _header(c: Combined, name: str) -> PushHeader:
@@ -93,6 +111,7 @@ def _header(c: Combined, name: str) -> PushHeader:
 def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: float) -> None:
     """Push one combined update, through outages of the parent until `give_up` (monotonic)."""
     header = _header(c, relay.name)
+    relay.last_forward[c.block] = (header, c)
     while True:
         try:
             j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
@@ -149,7 +168,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         _fetch(parent, b, parent.pull(b.block, "", b.spec).info)
     health = NodeHealth()
     server, port, server_stop = serve(relay, listen, limits=limits, health=health)
-    threads = [threading.Thread(target=_follow, args=(parent, b, name, stop), daemon=True, name=f"follow-{b.block}")
+    threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop), daemon=True, name=f"follow-{b.block}")
                for b in relay.blocks.values() if isinstance(b, RelayBlock)]
     threads.append(threading.Thread(target=_forwarder, args=(parent, relay, parent_deadline, stop), daemon=True,
                                     name="forwarder"))

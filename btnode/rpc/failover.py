@@ -64,6 +64,13 @@ class FailoverLink:
                 log.warning("could not join again at %s: %s", client.address, err)
                 return
 
+    def rejoin(self) -> None:
+        """Send the remembered joins again to the upstream in use (it may have restarted and forgotten
+        them: a relay's join is not kept on disk)."""
+        client = self.clients[self.index]
+        for args, kwargs in list(self._joins.values()):
+            client.join(*args, **kwargs)
+
     def _run(self, fn: Callable[[SwarmClient], T]) -> T:
         i = self.index
         try:

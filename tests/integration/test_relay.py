@@ -31,17 +31,18 @@ WORKER = [*CLAIMS, "--warmup", "1", "--block", "0"]
 SHA = "00" * 32
 
 
-def spawn(processes, tmp: Path, name: str, *args: str):
-    """A `btnode join` process on 127.0.0.1:0 (kept in `processes`); returns (process, its port file)."""
+def spawn(processes, tmp: Path, name: str, *args: str, listen: str = "127.0.0.1:0"):
+    """A `btnode join` process on `listen` (kept in `processes`); returns (process, its port file)."""
     port = tmp / f"{name}.port"
-    proc = start(["join", *args, "--listen", "127.0.0.1:0", "--port-file", str(port), "--state-dir", str(tmp / name),
+    port.unlink(missing_ok=True)
+    proc = start(["join", *args, "--listen", listen, "--port-file", str(port), "--state-dir", str(tmp / name),
                   *TINY_SHAPE, *CLAIMS], tmp / f"{name}.log")
     processes.append(proc)
     return proc, port
 
 
-def node(processes, tmp: Path, name: str, *args: str) -> str:
-    proc, port = spawn(processes, tmp, name, *args)
+def node(processes, tmp: Path, name: str, *args: str, listen: str = "127.0.0.1:0") -> str:
+    proc, port = spawn(processes, tmp, name, *args, listen=listen)
     return f"127.0.0.1:{wait_port(port, proc)}"
 
 
@@ -133,6 +134,33 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
     st = c.status_dict()["blocks"][0]
     assert {r["name"]: r["pushes"] for r in st["relays"]} == {"ra": 0, "rb": 2}
     assert all(f"moving to {spare}" in (tmp_path / f"{w}.log").read_text() for w in procs)
+    c.close()
+
+
+def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, processes):
+    listen = f"127.0.0.1:{free_port()}"
+    root_args = ("--role", "aggregator", "--blocks-owned", "0", "--deadline", "20")
+    root = node(processes, tmp_path, "root", *root_args, listen=listen)
+    c = SwarmClient(root, timeout_s=15)
+    # a worker joined at the root that never pushes: the root's round stays open after the relay's push
+    c.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
+        ClaimConfig(batch=4, steps_per_round=2)))
+    (relay,) = relays(processes, tmp_path, root, {"r1": []})
+    procs = {w: worker(processes, tmp_path, w, relay, 2) for w in ("w0", "w1")}
+    deadline = time.monotonic() + 120
+    while not c.status_dict()["blocks"][0]["accepted_in_round"]:
+        assert time.monotonic() < deadline, "the relay never pushed"
+        time.sleep(0.05)
+    c.close()
+    processes[0].send_signal(signal.SIGKILL)  # the root loses its open round, with the relay's combined update
+    processes[0].wait()
+    node(processes, tmp_path, "root", *root_args, listen=listen)
+    stats = finished(tmp_path, procs)
+    c = SwarmClient(root, timeout_s=15)
+    accepted = {u for s in stats.values() for u in s["accepted_updates"]}
+    assert accepted and accepted <= included(c) and all(s["not_included"] == [] for s in stats.values())
+    if "resumed at version 0" in (tmp_path / "root.log").read_text():  # (unless the round closed just before the kill)
+        assert "re-pushed the combined update" in (tmp_path / "r1.log").read_text()
     c.close()
 
 
