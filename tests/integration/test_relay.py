@@ -76,9 +76,13 @@ def included(client: SwarmClient) -> set[str]:
 
 def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_path, processes):
     metrics = free_port()
-    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "20",
-                "--keep", "100", "--metrics-listen", f"127.0.0.1:{metrics}")
-    r1, r2 = relays(processes, tmp_path, root, {"r1": [], "r2": []})
+    root, r1, r2 = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    # all seven processes start at once (relays and workers retry their parent until it serves)
+    spawn(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "20", "--keep",
+          "100", "--metrics-listen", f"127.0.0.1:{metrics}", listen=root)
+    for r, at in (("r1", r1), ("r2", r2)):
+        spawn(processes, tmp_path, r, "--role", "relay", "--peer", root, "--relay-id", r, "--blocks-owned", "0",
+              listen=at)
     procs = {f"w{i}": worker(processes, tmp_path, f"w{i}", r1 if i < 2 else r2, 3) for i in range(4)}
     stats = finished(tmp_path, procs)
     c = SwarmClient(root, timeout_s=15)
