@@ -197,8 +197,7 @@ class SwarmAggregator:
             self.count("join_refused", "relay")
             raise Refused("relay", "this aggregator replays audits, which do not pass through relays yet: workers "
                                    "must push to it directly")
-        self.relays.joined(agg.block, name)
-        agg.register(name)
+        self.relays.joined(agg.block, name)  # not a replica: the round waits on the workers it reports for
         if who is not None:
             self.identities.joined(who, agg.block)
         self.count("joins", "relay")

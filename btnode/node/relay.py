@@ -78,7 +78,8 @@ def _follow(parent: FailoverLink, relay: RelaySwarm, block: RelayBlock, stop: th
     streams = 0
     while not stop.is_set():
         try:
-            for i, info in enumerate(parent.watch(block.block, relay.name)):
+            # no worker id: a relay is no replica; the parent's round waits on its children (they joined there)
+            for i, info in enumerate(parent.watch(block.block, "")):
                 if i == 0 and streams:
                     parent.rejoin()
                     _reforward(parent, relay, block.block, info)
@@ -163,9 +164,11 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     acfg = replace(acfg, round=replace(acfg.round, deadline_s=own, max_staleness=joined[0].max_staleness),
                    update_codecs=tuple(c for c in acfg.update_codecs if c in joined[0].codecs))
     relay = RelaySwarm(cfg, acfg, state_dir, upstream=parent, name=name, blocks=owned, seed=seed)
-    for b in relay.blocks.values():
+    for b in relay.blocks.values():  # start from the parent's current version (hash-checked by adopt)
         assert isinstance(b, RelayBlock)
-        _fetch(parent, b, parent.pull(b.block, "", b.spec).info)
+        pulled, have = parent.pull(b.block, "", b.spec), b.current()[0]
+        if (have.version, have.sha256) != (pulled.info.version, pulled.info.sha256):
+            b.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
     health = NodeHealth()
     server, port, server_stop = serve(relay, listen, limits=limits, health=health)
     threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop), daemon=True, name=f"follow-{b.block}")
