@@ -18,12 +18,11 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import lazy_frames
-from btnode.durable import atomic_write
 from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.node.aggregator import AggregatorNodeConfig, TICK_S, install_stop_signals
+from btnode.node.aggregator import AggregatorNodeConfig, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
-from btnode.node.systemd import notify, start_watchdog
+from btnode.node.systemd import notify
 from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Outcome, PushHeader, VersionInfo
 from btnode.rpc.failover import FailoverLink, parse_peers
@@ -179,21 +178,16 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         t.start()
     log.info("relay %s for blocks %s listening on port %d under %s (round %g s, the parent's %g s)", name, owned, port,
              parent.address, own, parent_deadline)
-    if port_file is not None:
-        atomic_write(port_file, f"{port}\n".encode())
-    health.serving()
-    notify("READY=1", f"STATUS=relaying blocks {owned} on port {port}")
-    alive = threading.Event()
-    start_watchdog(alive, stop)
+    tickers, alive = serving(relay.blocks, stop, port=port, port_file=port_file, health=health,
+                             status=f"relaying blocks {owned} on port {port}")  # a close never gaps the watchdog
     try:
-        while not stop.is_set():
-            relay.tick()
-            alive.set()
-            stop.wait(TICK_S)
+        watch_ticks(tickers, alive, stop)
     finally:
+        stop.set()
         notify("STOPPING=1", "STATUS=draining")
         server_stop.set()
         server.stop(grace=5.0).wait()
+        tickers.join()
         relay.drain()  # an open round with accepted updates goes upstream before the relay exits
         threads[-1].join(timeout=parent_deadline)
         while not relay.outbox.empty():  # the forwarder may have stopped before the drain queued its round
