@@ -42,6 +42,7 @@ class VersionInfo:
     rejected: int = 0
     mean_loss: float = float("nan")
     closed_by: str = ""
+    included: tuple[str, ...] = ()  # update ids that went in (direct pushes' own, relays' manifest entries)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,17 @@ class WorkClaim:
 
 
 @dataclass(frozen=True)
+class ManifestEntry:
+    """One child update inside a relay's combined push (docs/swarm.md, "Relays")."""
+
+    worker_id: str
+    update_id: str
+    base_version: int
+    weight: float  # the weight the relay counted it with
+    sha256: str  # hex sha256 over the child's raw codec bytes, frames in name order
+
+
+@dataclass(frozen=True)
 class PushHeader:
     worker_id: str
     block: int
@@ -86,6 +98,7 @@ class PushHeader:
     data_key: str = ""  # the key its windows were drawn with (empty: not stated, an older worker)
     steps: tuple[int, ...] = ()  # the step of each batch trained into it: windows = batch(seed, data_key, step, …)
     claim: WorkClaim | None = None  # what the delta depends on (None: an older worker)
+    manifest: tuple[ManifestEntry, ...] = ()  # a relay's combined push: the child updates in it
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,7 @@ class Pulled:
     info: VersionInfo
     tensors: dict[str, torch.Tensor]
     transfer: Transfer = field(default_factory=Transfer)
+    raw: dict[str, bytes] = field(default_factory=dict)  # each frame's codec bytes (a relay re-serves them as they came)
 
 
 class AggregatorLink(Protocol):

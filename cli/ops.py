@@ -52,9 +52,13 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
                    f"accepted")
         if b["data_keys"]:
             typer.echo("    data keys: " + ", ".join(f"{w} {k}" for w, k in b["data_keys"].items()))
+        for r in b.get("relays", []):
+            typer.echo(f"    relay {r['name']}: children [{', '.join(r['children'])}]; last combined push on v"
+                       f"{r['last_version']} (weight {r['last_weight']:g}); {r['pushes']} accepted, {r['refused']} refused")
         for r in b["recent"][-rounds:]:
+            inc = f"; {len(r['included'])} updates included" if r.get("included") else ""
             typer.echo(f"    v{r['version']}: {r['accepted']} accepted, {r['late']} late, {r['stale']} stale, "
-                       f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}")
+                       f"{r['rejected']} rejected; closed by {r['closed_by']}; loss {r['mean_loss']:.4f}{inc}")
     for r in st["identities"]:
         state = "REVOKED" if r["revoked_at_unix"] else "admitted"
         refused_by = ", ".join(f"{k} {v}" for k, v in r["refused"].items()) or "none"

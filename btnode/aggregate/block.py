@@ -108,6 +108,7 @@ class BlockStatus:
     updates: Mapping[tuple[str, str], int]  # (outcome, reason) → pushes, in the order first seen
     rounds_closed: Mapping[str, int]  # closed_by → rounds
     data_keys: Mapping[str, str] = field(default_factory=dict)  # worker id → data key (filled by SwarmAggregator)
+    relays: tuple = ()  # manifests.RelayRecord of each relay pushing here (filled by SwarmAggregator)
 
 
 class BlockAggregator:
@@ -218,7 +219,8 @@ class BlockAggregator:
                 return self._answer(header, self.round.judgement(outcome, reason))
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
                             samples=samples, loss=header.loss, delta=delta, weight=samples * factor, norm=size,
-                            scale=scale, codec=header.codec, raw=dict(raw) if raw is not None else None)
+                            scale=scale, codec=header.codec, raw=dict(raw) if raw is not None else None,
+                            manifest=header.manifest)
             if hold:
                 self.held[header.update_id] = update
                 self.counters[(Outcome.PROBATION.value, "")] += 1
@@ -488,7 +490,8 @@ class BlockAggregator:
                            sha256=state_sha256(params), delta_codec=codec, accepted=len(ups),
                            late=counts[Outcome.LATE], stale=counts[Outcome.STALE],
                            rejected=counts[Outcome.REJECTED] + len(dropped),
-                           mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason)
+                           mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason,
+                           included=tuple(i for u in ups for i in u.included))
         outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in residual.items()}}  # read, not copied
         self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
                          outer=outer_state)
@@ -533,4 +536,5 @@ class BlockAggregator:
 def _info_from_meta(meta: dict) -> VersionInfo:
     d = dict(meta["info"])
     d["delta_codec"] = Codec[d["delta_codec"]]
+    d["included"] = tuple(d.get("included", ()))
     return VersionInfo(**d)

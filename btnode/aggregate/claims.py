@@ -49,6 +49,9 @@ Tensors = Mapping[str, torch.Tensor]
 SWARM_WIDE = ("batch", "lr", "steps_per_round", "beta1", "beta2", "weight_decay")  # what Join compares
 LOSSY_SLACK = 1 / 254  # the residual a lossy codec carries: half an int8 step of the largest value
 ROUNDING = 2.0**-8  # a decoded bf16 value may exceed its source by this share
+# A relay's combined update is bounded as the loosest dense child could be: a weighted mean of
+# values each within its own bound stays within the largest (relays take dense codecs only).
+RELAYED_CODEC = Codec.INT8
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,21 @@ class ClaimConfig:
             raise MalformedInput("claim", f"{header.worker_id} claims {header.samples:g} samples for {len(steps)} steps; "
                                           f"the swarm's batch of {self.batch} makes {samples}")
         return float(samples)
+
+    def manifest_weight(self, header: PushHeader) -> float:
+        """A relay's combined push: each child's weight at most what a claim allows (max_steps × batch),
+        and the header's weight their sum. Which children may be listed is the root's check
+        (aggregate/manifests.py); this one needs only the swarm's settings."""
+        top = self.max_steps * self.batch
+        for e in header.manifest:
+            if e.weight > top:
+                raise MalformedInput("manifest", f"{header.worker_id} lists {e.worker_id} with weight {e.weight:g}; a "
+                                                 f"claim allows at most {top} ({self.max_steps} steps of {self.batch})")
+        return header.samples
+
+    def manifest_steps(self, header: PushHeader) -> int:
+        """The most steps any listed child may have trained: its weight over the batch, rounded up."""
+        return max(min(self.max_steps, math.ceil(e.weight / self.batch - 1e-9)) for e in header.manifest)
 
     def bound(self, steps: int, theta: Tensors, codec: Codec, *, drift: int = 2) -> dict[str, torch.Tensor]:
         """The most each coordinate of an update of `steps` steps may move, θ the block's current
@@ -165,12 +183,16 @@ class ClaimConfig:
         built in one buffer reused for all (as `bound` computes them)."""
         if not self.enforce:
             return header.samples
-        weight = self.weight(header)
-        steps, slack = len(header.steps), self._slack(theta, header.codec, drift)
+        codec = header.codec
+        if header.manifest:  # a relay's combined update: a weighted mean of dense children (aggregate/relay.py)
+            weight, steps, codec = self.manifest_weight(header), self.manifest_steps(header), RELAYED_CODEC
+        else:
+            weight, steps = self.weight(header), len(header.steps)
+        slack = self._slack(theta, codec, drift)
         largest = max((d.numel() for d in delta.values() if isinstance(d, torch.Tensor)), default=0)
         limit_buf = over_buf = None
         for n, d in delta.items():
-            if header.codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual
+            if codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual
                 self._check_sparse(header, n, d, theta[n], slack, drift)
                 continue
             if d.numel() == 0 or _absmax(d) <= self._least(steps, theta[n], slack, drift):
@@ -182,7 +204,7 @@ class ClaimConfig:
             if bool((over > 0).any()):
                 i = int(over.argmax())
                 raise MalformedInput("bound", f"{header.worker_id}: {n}[{i}] moved {float(d.flatten()[i]):.4g}, over the "
-                                              f"{float(limit.flatten()[i]):.4g} that {len(header.steps)} AdamW steps "
+                                              f"{float(limit.flatten()[i]):.4g} that {steps} AdamW steps "
                                               f"at lr {self.lr:g} can move it")
         return weight
 

@@ -19,7 +19,7 @@ import torch
 from btnode.codec.codecs import Codec
 from btnode.codec.sparse import SparseTensor
 from btnode.errors import ConfigError, MalformedInput, StaleUpdate
-from btnode.protocol import Judgement, Outcome
+from btnode.protocol import Judgement, ManifestEntry, Outcome
 from btnode.settings import flag
 
 
@@ -51,6 +51,12 @@ class Update:
     raw: dict[str, bytes] | None = None  # its codec bytes, until they are spilled
     spilled: dict[str, tuple[int, int]] | None = None  # where its bytes are in the round's spill
     sketch: torch.Tensor | None = None  # what the screen keeps of it (accumulate.Sketcher)
+    manifest: tuple[ManifestEntry, ...] = ()  # a relay's combined update: the child updates in it
+
+    @property
+    def included(self) -> tuple[str, ...]:
+        """The update ids this update puts into a version: its children's, or its own."""
+        return tuple(e.update_id for e in self.manifest) or (self.update_id,)
 
 
 @dataclass
@@ -80,6 +86,7 @@ class Round:
     def add(self, update: Update) -> None:
         self.accepted[update.worker_id] = update
         self.reported.add(update.worker_id)
+        self.reported.update(e.worker_id for e in update.manifest)  # a relay reports for its children
         self.counts[Outcome.ACCEPTED] += 1
 
     def note(self, worker_id: str, outcome: Outcome, base_version: int) -> None:

@@ -25,6 +25,7 @@ from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
 from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
+from btnode.aggregate.manifests import Relays
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
@@ -68,6 +69,8 @@ class SwarmStatus:
 
 
 class SwarmAggregator:
+    block_class: type[BlockAggregator] = BlockAggregator  # a relay's blocks combine and forward (aggregate/relay.py)
+
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
                  seed: int = 0, clock: Callable[[], float] = time.time, data_id: str | None = None,
                  corpus: ByteSource | bytes | None = None, audit_secret: bytes | None = None):
@@ -84,8 +87,9 @@ class SwarmAggregator:
         self._check_state_dir(state_dir)
         self.keys = DataKeys(state_dir, fixed=data_id)
         self.identities = Identities(state_dir)
+        self.relays = Relays()  # relays that joined, and their combined pushes (aggregate/manifests.py)
         secret = audit_secret or _secret(state_dir)  # also keys the screen's sketches (aggregate/accumulate.py)
-        self.blocks = {b: BlockAggregator(b, init_unit(cfg, b, seed).state_dict(),
+        self.blocks = {b: self.block_class(b, init_unit(cfg, b, seed).state_dict(),
                                           VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg,
                                           clock=clock, name=cfg.unit_name(b), sketch_key=secret)
                        for b in owned}
@@ -119,7 +123,8 @@ class SwarmAggregator:
         self.counters[(event, reason)] += 1
 
     def status(self) -> SwarmStatus:
-        blocks = tuple(replace(self.blocks[b].status(), data_keys=self.keys.of(b)) for b in sorted(self.blocks))
+        blocks = tuple(replace(self.blocks[b].status(), data_keys=self.keys.of(b), relays=self.relays.records(b))
+                       for b in sorted(self.blocks))
         return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters),
                            data_id=self.keys.data_id, identities=self.identities.records())
 
@@ -140,7 +145,7 @@ class SwarmAggregator:
         return agg
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None, *, training_json: str = "") -> JoinInfo:
+             who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
         """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
         (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
         identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name)."""
@@ -161,6 +166,8 @@ class SwarmAggregator:
             raise ConfigMismatchError(f"worker {worker_id!r} runs different swarm-wide settings "
                                       f"({_named(fields) or 'fingerprint format'})", fields)
         agg = self.block(block)
+        if relay:
+            return self._join_relay(agg, worker_id, who)
         terms = self._check_training(worker_id, training_json)
         try:
             key = self.keys.assign(block, worker_id, data_id)
@@ -182,6 +189,21 @@ class SwarmAggregator:
         log.info("worker %s joined %s with data key %s", worker_id, self.cfg.unit_name(block), key)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
                         max_staleness=self.acfg.round.max_staleness, data_key=key, audits=self.audits is not None)
+
+    def _join_relay(self, agg: BlockAggregator, name: str, who: Identity | None) -> JoinInfo:
+        """A relay joins a block to push its children's combined updates: it trains nothing, so it has
+        no data key and no training terms; its children join through it, one by one."""
+        if self.audits is not None:
+            self.count("join_refused", "relay")
+            raise Refused("relay", "this aggregator replays audits, which do not pass through relays yet: workers "
+                                   "must push to it directly")
+        self.relays.joined(agg.block, name)  # not a replica: the round waits on the workers it reports for
+        if who is not None:
+            self.identities.joined(who, agg.block)
+        self.count("joins", "relay")
+        log.info("relay %s joined %s", name, agg.name)
+        return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
+                        max_staleness=self.acfg.round.max_staleness)
 
     def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
         """The worker's training terms, once their swarm-wide settings match the claims this
@@ -235,15 +257,21 @@ class SwarmAggregator:
         if self.identities.is_revoked(header.worker_id):
             block.reject(header, exc := Forbidden("revoked", f"worker {header.worker_id!r} was revoked"))
             raise exc
-        if who is None:
-            return self._judge(block, header, chunks)
-        self.identities.check_push(who, header, ever_joined=who.name in self.keys.of(header.block))
+        if who is not None:
+            joined = who.name in self.keys.of(header.block) or self.relays.known(header.block, who.name)
+            self.identities.check_push(who, header, ever_joined=joined)
         try:
             judged = self._judge(block, header, chunks)
         except PeerInputError as exc:
-            self.identities.judged(who, header, False, exc.reason)
+            if who is not None:
+                self.identities.judged(who, header, False, exc.reason)
+            if header.manifest:
+                self.relays.pushed(header, False)
             raise
-        self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
+        if who is not None:
+            self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
+        if header.manifest:
+            self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED)
         return judged
 
     def revoke(self, name: str) -> float:
@@ -364,7 +392,11 @@ class SwarmAggregator:
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
-            self._check_key(header)
+            if header.manifest:
+                self.relays.check(header, self.keys.of(header.block), self.identities.is_revoked,
+                                  lambda u: block.answered(u) is not None)
+            else:
+                self._check_key(header)
             delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding)
         except PeerInputError as exc:
             block.reject(header, exc)

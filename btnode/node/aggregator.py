@@ -96,6 +96,19 @@ def watch_ticks(tickers: BlockTickers, alive: threading.Event, stop: threading.E
         stop.wait(TICK_S)
 
 
+def serving(blocks: Mapping[int, Tickable], stop: threading.Event, *, port: int, port_file: Path | None,
+            health: NodeHealth, status: str) -> tuple[BlockTickers, threading.Event]:
+    """Once the server is up (an aggregator's or a relay's): write the port file, say SERVING and
+    READY=1, start the watchdog and the blocks' tickers; returns them and the watchdog's event."""
+    if port_file is not None:
+        atomic_write(port_file, f"{port}\n".encode())
+    health.serving()
+    notify("READY=1", f"STATUS={status}")
+    alive = threading.Event()
+    start_watchdog(alive, stop)
+    return BlockTickers(blocks, stop).start(), alive
+
+
 @dataclass(frozen=True)
 class AggregatorNodeConfig:
     """Where an aggregator keeps its versions and what it owns (local)."""
@@ -143,13 +156,8 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s; %s)", owns,
              host, port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust, claims)
     auditor = _start_auditor(agg, stop) if agg.audits is not None else None
-    if port_file is not None:
-        atomic_write(port_file, f"{port}\n".encode())
-    health.serving()
-    notify("READY=1", f"STATUS=serving blocks {sorted(agg.blocks)} on port {port}")
-    alive = threading.Event()
-    start_watchdog(alive, stop)
-    tickers = BlockTickers(agg.blocks, stop).start()
+    tickers, alive = serving(agg.blocks, stop, port=port, port_file=port_file, health=health,
+                             status=f"serving blocks {sorted(agg.blocks)} on port {port}")
     try:
         watch_ticks(tickers, alive, stop)
     finally:

@@ -13,6 +13,7 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig, join_aggregator
 from btnode.node.settings import HostConfig, ServeConfig
+from btnode.node.relay import RelayNodeConfig, join_relay
 from btnode.node.stage import StageConfig, join_stage
 from btnode.node.worker import WorkerNodeConfig, join_worker
 from btnode.rpc.limits import PeerLimits
@@ -43,6 +44,8 @@ ROLES: dict[str, Role] = {
     # a worker's schedule length comes from --rounds × H or --schedule-steps, not --steps
     "worker": role(join_worker, ModelConfig, Section(TrainConfig, omit=("steps",)), WorkerConfig, WorkerNodeConfig,
                    HostConfig),
+    # a relay judges its children with the aggregator's settings; versions and deadlines come from its parent
+    "relay": role(join_relay, ModelConfig, AggregatorConfig, PeerLimits, ServeConfig, RelayNodeConfig),
     "stage": role(join_stage, StageConfig, ServeConfig,
                   Section(HostConfig, omit=("data", "data_cache", "data_cache_gb"))),  # a stage reads no corpus
 }

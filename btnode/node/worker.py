@@ -25,7 +25,7 @@ from btnode.node.memory import MemoryLimit, check_worker, setting
 from btnode.node.metrics import WorkerCollector, serve_metrics
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
-from btnode.rpc.client import SwarmClient
+from btnode.rpc.failover import upstream_link
 from btnode.settings import flag, same_flag
 from btnode.durable import atomic_write
 from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 class WorkerNodeConfig:
     """How a worker process reaches its aggregator and what it checks and reports (local)."""
 
-    peer: str | None = flag("--peer", "HOST:PORT of the aggregator.", default=None)
+    peer: str | None = flag("--peer", "HOST:PORT of the aggregator or a relay; several, comma-separated: spares, "
+                                      "used in order when one fails (docs/swarm.md, \"Relays\").", default=None)
     schedule_steps: int | None = flag("--schedule-steps", "Inner cosine length (default rounds × H).", default=None)
     stats_file: Path | None = flag("--stats-file", "Write transfer and timing stats here on exit.", default=None)
     memory_limit: str | None = flag("--memory-limit", "Memory this worker may use, e.g. 6G or 512M (K/M/G/T = 1024^n, as "
@@ -65,7 +66,7 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
         log.info("memory check skipped: it predicts host memory of CPU training, and this worker trains on %s", device)
     stop = stop or threading.Event()
     current: list[BlockWorker] = []
-    link = SwarmClient(peer, on_retry=lambda what, reason: current[-1].count_retry(what, reason) if current else None)
+    link = upstream_link(peer, on_retry=lambda what, reason: current[-1].count_retry(what, reason) if current else None)
     alive = threading.Event()
     start_watchdog(alive, stop)
     if metrics_listen:

@@ -83,10 +83,11 @@ class SwarmClient:
         return self._retrying(what, once, replayable=replayable)
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "") -> JoinInfo:
+             training_json: str = "", relay: bool = False) -> JoinInfo:
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
                                                                   fingerprint=fingerprint, config_json=config_json,
-                                                                  data_id=data_id, training_json=training_json))
+                                                                  data_id=data_id, training_json=training_json,
+                                                                  relay=relay))
         return convert.join_from_pb(reply)
 
     def leave(self, worker_id: str, block: int) -> None:
@@ -116,7 +117,7 @@ class SwarmClient:
         tensors = asm.finish()
         raw = sum(len(b) for b in asm.raw.values())
         return Pulled(info=info, tensors=tensors, transfer=Transfer(raw=raw, wire=asm.wire_bytes,
-                                                                  seconds=time.perf_counter() - t0))
+                                                                  seconds=time.perf_counter() - t0), raw=asm.raw)
 
     def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
         request = pb.PullRequest(block=block, worker_id=worker_id)
@@ -180,7 +181,8 @@ class SwarmClient:
         def info(v) -> dict:
             i = convert.info_from_pb(v)
             return {"version": i.version, "sha256": i.sha256, "accepted": i.accepted, "late": i.late,
-                    "stale": i.stale, "rejected": i.rejected, "closed_by": i.closed_by, "mean_loss": i.mean_loss}
+                    "stale": i.stale, "rejected": i.rejected, "closed_by": i.closed_by, "mean_loss": i.mean_loss,
+                    "included": list(i.included)}
 
         return {
             "fingerprint": st.fingerprint, "config": json.loads(st.config_json), "server_time_unix": st.server_time_unix,
@@ -190,7 +192,10 @@ class SwarmClient:
                         "replicas": list(b.replicas), "data_keys": dict(sorted(b.data_keys.items())),
                         "round_age_s": b.round_age_s,
                         "accepted_in_round": b.accepted_in_round,
-                        "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent]}
+                        "recent": [{**info(r.version), "closed_at_unix": r.closed_at_unix} for r in b.recent],
+                        "relays": [{"name": r.name, "children": list(r.children), "last_version": r.last_version,
+                                    "last_weight": r.last_weight, "pushes": r.pushes, "refused": r.refused}
+                                   for r in b.relays]}
                        for b in st.blocks],
             "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
             "identities": [{"name": r.name, "role": r.role, "fingerprint": r.fingerprint, "joined": list(r.joined),

@@ -10,7 +10,7 @@ from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.protocol import MAX_NAME, Judgement, JoinInfo, Outcome, PushHeader, VersionInfo, WorkClaim
+from btnode.protocol import MAX_NAME, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader, VersionInfo, WorkClaim
 from btnode.v1 import swarm_pb2 as pb
 
 # The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
@@ -60,7 +60,7 @@ def chunk_from_pb(m: pb.Chunk) -> ChunkData:
 def info_to_pb(i: VersionInfo) -> pb.VersionInfo:
     return pb.VersionInfo(block=i.block, version=i.version, base_version=i.base_version, sha256=bytes.fromhex(i.sha256),
                           delta_codec=int(i.delta_codec), accepted=i.accepted, late=i.late, stale=i.stale,
-                          rejected=i.rejected, mean_loss=i.mean_loss, closed_by=i.closed_by)
+                          rejected=i.rejected, mean_loss=i.mean_loss, closed_by=i.closed_by, included=i.included)
 
 
 def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
@@ -68,7 +68,7 @@ def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
         raise MalformedInput("checksum", "version announcement without a valid sha256")
     return VersionInfo(block=m.block, version=m.version, base_version=m.base_version, sha256=m.sha256.hex(),
                        delta_codec=codec_from_pb(m.delta_codec), accepted=m.accepted, late=m.late, stale=m.stale,
-                       rejected=m.rejected, mean_loss=m.mean_loss, closed_by=m.closed_by)
+                       rejected=m.rejected, mean_loss=m.mean_loss, closed_by=m.closed_by, included=tuple(m.included))
 
 
 def claim_to_pb(c: WorkClaim) -> pb.WorkClaim:
@@ -87,7 +87,23 @@ def claim_from_pb(m: pb.WorkClaim) -> WorkClaim:
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
                          loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps,
-                         claim=claim_to_pb(h.claim) if h.claim is not None else None)
+                         claim=claim_to_pb(h.claim) if h.claim is not None else None,
+                         manifest=[pb.ManifestEntry(worker_id=e.worker_id, update_id=e.update_id,
+                                                    base_version=e.base_version, weight=e.weight,
+                                                    sha256=bytes.fromhex(e.sha256)) for e in h.manifest])
+
+
+def manifest_from_pb(m: pb.PushHeader) -> tuple[ManifestEntry, ...]:
+    out = []
+    for e in m.manifest:
+        if not e.worker_id or not e.update_id or len(e.worker_id) > MAX_NAME or len(e.update_id) > MAX_NAME:
+            raise MalformedInput("manifest", "a manifest entry needs a worker id and an update id (≤ 256 characters)")
+        if not (math.isfinite(e.weight) and e.weight > 0) or len(e.sha256) != 32:
+            raise MalformedInput("manifest", f"manifest entry {e.update_id[:16]!r}: weight must be positive and "
+                                             f"sha256 32 bytes")
+        out.append(ManifestEntry(worker_id=e.worker_id, update_id=e.update_id, base_version=e.base_version,
+                                 weight=e.weight, sha256=e.sha256.hex()))
+    return tuple(out)
 
 
 def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
@@ -99,7 +115,8 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         raise MalformedInput("header", f"push header's data key is over {MAX_NAME} characters")
     return PushHeader(worker_id=m.worker_id, block=m.block, base_version=m.base_version, samples=m.samples,
                       loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id, data_key=m.data_key,
-                      steps=tuple(m.steps), claim=claim_from_pb(m.claim) if m.HasField("claim") else None)
+                      steps=tuple(m.steps), claim=claim_from_pb(m.claim) if m.HasField("claim") else None,
+                      manifest=manifest_from_pb(m))
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
@@ -134,6 +151,9 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
                               round_age_s=b.round_age_s, accepted_in_round=b.accepted_in_round, data_keys=b.data_keys)
         for r in b.recent:
             bs.recent.add(version=info_to_pb(r.info), closed_at_unix=r.closed_at)
+        for r in b.relays:
+            bs.relays.add(name=r.name, children=r.children, last_version=r.last_version, last_weight=r.last_weight,
+                          pushes=r.pushes, refused=r.refused)
         for (outcome, reason), n in b.updates.items():
             reply.counters.add(name="updates", labels={"block": str(b.block), "outcome": outcome, "reason": reason},
                                value=n)

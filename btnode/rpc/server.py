@@ -150,7 +150,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         who = self._who(context, "Join", request.worker_id)
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
-                             request.data_id, who=who, training_json=request.training_json)
+                             request.data_id, who=who, training_json=request.training_json,
+                             relay=request.relay)
         return convert.join_to_pb(info)
 
     @_guard

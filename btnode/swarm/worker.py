@@ -117,6 +117,8 @@ class WorkerStats:
     sha256: str = ""
     retries: int = 0  # calls tried again: refused for now (over a server's limit) or through an outage
     reconnects: int = 0  # version streams opened again after one broke or was refused
+    accepted_updates: list[str] = field(default_factory=list)  # ids of its updates answered ACCEPTED
+    not_included: list[str] = field(default_factory=list)  # ... that the next version says it left out
 
 
 @dataclass(frozen=True)
@@ -418,6 +420,17 @@ class BlockWorker:
             self._fold = self._fold.idle()
         return got
 
+    def _check_included(self, header: PushHeader, j: Judgement, newer: VersionInfo) -> None:
+        """An accepted update must be among the update ids its round's version lists (a relay on the way
+        could otherwise drop it unseen; docs/swarm.md, "Relays"). An aggregator that lists none is older."""
+        if j.outcome is not Outcome.ACCEPTED:
+            return
+        self.stats.accepted_updates.append(header.update_id)
+        if newer.base_version == header.base_version and newer.included and header.update_id not in newer.included:
+            self.stats.not_included.append(header.update_id)
+            log.warning("worker %s: update %s was accepted, but version %d does not include it (lost on the way up)",
+                        self.wcfg.worker_id, header.update_id[:8], newer.version)
+
     def start(self) -> None:
         """Join with the fingerprint, data id and training terms, take the data key, and pull the block."""
         w = self.wcfg
@@ -461,6 +474,7 @@ class BlockWorker:
                          int(header.samples) // self.tc.batch)
                 if got.newer is None:
                     break
+                self._check_included(header, j, got.newer)
                 self.advance(got.newer, got.fetched)
         finally:
             stop.set()

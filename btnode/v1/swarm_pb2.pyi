@@ -71,7 +71,7 @@ class Chunk(_message.Message):
     def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("block", "version", "base_version", "sha256", "delta_codec", "accepted", "late", "stale", "rejected", "mean_loss", "closed_by")
+    __slots__ = ("block", "version", "base_version", "sha256", "delta_codec", "accepted", "late", "stale", "rejected", "mean_loss", "closed_by", "included")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class VersionInfo(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
     CLOSED_BY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
     block: int
     version: int
     base_version: int
@@ -94,23 +95,26 @@ class VersionInfo(_message.Message):
     rejected: int
     mean_loss: float
     closed_by: str
-    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ...) -> None: ...
+    included: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json")
+    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json", "relay")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
     config_json: str
     data_id: str
     training_json: str
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ...) -> None: ...
+    relay: bool
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits")
@@ -165,7 +169,7 @@ class TensorStream(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps", "claim")
+    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps", "claim", "manifest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class PushHeader(_message.Message):
     DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     base_version: int
@@ -186,7 +191,22 @@ class PushHeader(_message.Message):
     data_key: str
     steps: _containers.RepeatedScalarFieldContainer[int]
     claim: WorkClaim
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ...) -> None: ...
+    manifest: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ..., manifest: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ...) -> None: ...
+
+class ManifestEntry(_message.Message):
+    __slots__ = ("worker_id", "update_id", "base_version", "weight", "sha256")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    update_id: str
+    base_version: int
+    weight: float
+    sha256: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., weight: _Optional[float] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class WorkClaim(_message.Message):
     __slots__ = ("base_sha256", "data_id", "recipe", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
@@ -251,7 +271,7 @@ class RoundSummary(_message.Message):
     def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., closed_at_unix: _Optional[float] = ...) -> None: ...
 
 class BlockStatus(_message.Message):
-    __slots__ = ("block", "current", "replicas", "round_age_s", "accepted_in_round", "recent", "data_keys")
+    __slots__ = ("block", "current", "replicas", "round_age_s", "accepted_in_round", "recent", "data_keys", "relays")
     class DataKeysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +286,7 @@ class BlockStatus(_message.Message):
     ACCEPTED_IN_ROUND_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     DATA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     block: int
     current: VersionInfo
     replicas: _containers.RepeatedScalarFieldContainer[str]
@@ -273,7 +294,24 @@ class BlockStatus(_message.Message):
     accepted_in_round: int
     recent: _containers.RepeatedCompositeFieldContainer[RoundSummary]
     data_keys: _containers.ScalarMap[str, str]
-    def __init__(self, block: _Optional[int] = ..., current: _Optional[_Union[VersionInfo, _Mapping]] = ..., replicas: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., accepted_in_round: _Optional[int] = ..., recent: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., data_keys: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RelayRecord]
+    def __init__(self, block: _Optional[int] = ..., current: _Optional[_Union[VersionInfo, _Mapping]] = ..., replicas: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., accepted_in_round: _Optional[int] = ..., recent: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., data_keys: _Optional[_Mapping[str, str]] = ..., relays: _Optional[_Iterable[_Union[RelayRecord, _Mapping]]] = ...) -> None: ...
+
+class RelayRecord(_message.Message):
+    __slots__ = ("name", "children", "last_version", "last_weight", "pushes", "refused")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    children: _containers.RepeatedScalarFieldContainer[str]
+    last_version: int
+    last_weight: float
+    pushes: int
+    refused: int
+    def __init__(self, name: _Optional[str] = ..., children: _Optional[_Iterable[str]] = ..., last_version: _Optional[int] = ..., last_weight: _Optional[float] = ..., pushes: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class Counter(_message.Message):
     __slots__ = ("name", "labels", "value")

@@ -1,0 +1,214 @@
+"""A relay's domain object (docs/swarm.md, "Relays"): the aggregator's own admission, judging,
+screening and combining of its children's updates, except that a round closes into ONE combined
+update for the parent (its weight the children's sum, its manifest naming each child update)
+rather than into a published version, and versions come from the parent, adopted after their
+hash check. node/relay.py wires it to the parent through rpc/."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from btnode.aggregate.block import AggregatorConfig, BlockAggregator, RoundSummary
+from btnode.aggregate.identities import Identity
+from btnode.aggregate.rounds import Update
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ChunkData
+from btnode.errors import MalformedInput
+from btnode.model.config import ModelConfig
+from btnode.protocol import JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
+from btnode.store.files import state_sha256
+
+log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
+DENSE_CODECS = tuple(c for c in Codec if not c.sparse)  # what a relay combines (module doc of claims.py)
+
+
+@dataclass(frozen=True)
+class Combined:
+    """One closed relay round: the weighted mean of its kept child updates, ready to push upstream."""
+
+    block: int
+    base_version: int
+    delta: Tensors  # fp32, dense
+    weight: float  # the children's summed weight (math.fsum, manifest order)
+    loss: float  # the children's mean training CE
+    manifest: tuple[ManifestEntry, ...]
+
+
+def frames_digest(frame_sha256: dict[str, bytes]) -> str:
+    """sha256 over each frame's raw-bytes sha256, in name order: what a manifest entry names."""
+    h = hashlib.sha256()
+    for name in sorted(frame_sha256):
+        h.update(name.encode())
+        h.update(frame_sha256[name])
+    return h.hexdigest()
+
+
+def manifest_of(u: Update, digest: str) -> tuple[ManifestEntry, ...]:
+    """A kept child update's manifest entries: itself, or, for a child that is a relay, its own
+    children (a tree of relays gives the root a flat list), their weights scaled as it was."""
+    if not u.manifest:
+        return (ManifestEntry(worker_id=u.worker_id, update_id=u.update_id, base_version=u.base_version,
+                              weight=u.weight, sha256=digest),)
+    scale = u.weight / u.samples
+    return tuple(replace(e, weight=e.weight * scale) for e in u.manifest)
+
+
+class RelayBlock(BlockAggregator):
+    """A block at a relay: a round closes into a `Combined` handed to `on_combined`; after that the
+    round is sealed (later pushes for it are LATE) until the parent's next version is adopted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_combined = lambda c: None  # set by RelaySwarm
+        self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
+        self.sealed = False
+        self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
+
+    def _sealed(self, header: PushHeader) -> Judgement | None:
+        """LATE for a new update while the round is sealed (its combined update went to the parent)."""
+        if self.sealed and header.update_id not in self._answers:
+            return self._answer(header, self.round.judgement(
+                Outcome.LATE, f"this relay already forwarded round {self.round.version}; wait for the next version"))
+        return None
+
+    def precheck(self, header: PushHeader) -> Judgement | None:
+        with self.lock:
+            return self._sealed(header) or super().precheck(header)
+
+    def submit(self, header: PushHeader, delta: Tensors, **kwargs: Any) -> Judgement:
+        with self.lock:  # sealed between precheck and here: still LATE
+            return self._sealed(header) or super().submit(header, delta, **kwargs)
+
+    def _publish(self, reason: str) -> None:  # type: ignore[override]  # a relay publishes nothing
+        ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
+        mean_of, _ = self._combiner(ups)
+        delta = {n: mean_of(n) for n in self.spec}
+        manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.pop(u.update_id, "")))
+        combined = Combined(block=self.block, base_version=self.round.version, delta=delta,
+                            weight=math.fsum(e.weight for e in manifest), loss=sum(u.loss for u in ups) / len(ups),
+                            manifest=manifest)
+        log.info("%s round %d: combined %d child updates (weight %g, %s, %d dropped by the screen) for the parent",
+                 self.name, self.round.version, len(ups), combined.weight, reason, len(dropped))
+        self.rounds_closed[reason] += 1
+        self._open(self.clock())  # the same version: sealed until the parent's next one is adopted
+        self.digests.clear()
+        self.sealed = True
+        self.on_combined(combined)
+
+    def adopt(self, info: VersionInfo, params: Tensors, *, raw: dict[str, bytes] | None, codec: Codec | None) -> None:
+        """The parent's version `info`, its θ `params` already hash-checked (and its delta's raw bytes,
+        when it was fetched as a delta: children fetch that same delta from here). Stored, then announced."""
+        if state_sha256(params) != info.sha256:
+            raise MalformedInput("checksum", f"{self.name} v{info.version} from the parent fails its hash")
+        self.store.write(info.version, params, meta=self._meta(info, "relayed"), delta_raw=raw, delta_codec=codec)
+        with self.lock:
+            if self.round.accepted:
+                self.lost += len(self.round.accepted)
+                log.warning("%s: version %d arrived before round %d was forwarded; %d child updates missed it",
+                            self.name, info.version, self.round.version, len(self.round.accepted))
+            self.params, self.info = params, info
+            now = self.clock()
+            self.recent.append(RoundSummary(info=info, closed_at=now))
+            self._open(now)
+            self.digests.clear()
+            self.sealed = False
+            self.lock.notify_all()
+
+
+class Upstream(Protocol):
+    """What a relay asks of its parent while admitting children (rpc.client.SwarmClient or the
+    failover link over several parents)."""
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "", relay: bool = False) -> JoinInfo: ...
+
+    def leave(self, worker_id: str, block: int) -> None: ...
+
+
+class ParentKeys:
+    """The data keys the parent handed out, by block and worker: a relay checks pushes against the
+    root's keys, never its own (DataKeys' interface, as SwarmAggregator uses it)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, dict[str, str]] = {}
+        self.data_id: str | None = None
+
+    def record(self, block: int, worker_id: str, key: str) -> None:
+        self._keys.setdefault(block, {})[worker_id] = key
+
+    def assign(self, block: int, worker_id: str, data_id: str) -> str:
+        if data_id and self.data_id is None:
+            self.data_id = data_id
+        return self._keys.get(block, {}).get(worker_id, "")
+
+    def of(self, block: int) -> dict[str, str]:
+        return dict(self._keys.get(block, {}))
+
+
+class RelaySwarm(SwarmAggregator):
+    """A relay: serves children as an aggregator does (rpc/server.py takes it as it is); joins go to
+    the parent first, whose answer (its data key) is the one given; closed rounds go to `outbox`."""
+
+    block_class = RelayBlock
+
+    def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, upstream: Upstream, name: str,
+                 blocks: Iterable[int] | None = None, seed: int = 0):
+        super().__init__(cfg, replace(acfg, update_codecs=tuple(c for c in acfg.update_codecs if not c.sparse)),
+                         state_dir, blocks=blocks, seed=seed)
+        self.upstream, self.name = upstream, name
+        self.keys = ParentKeys()  # type: ignore[assignment]
+        self.outbox: queue.Queue[Combined] = queue.Queue()
+        self.forwarded: dict[str, int] = {}  # the parent's outcome → combined pushes (node/relay.py)
+        self.last_forward: dict[int, tuple[PushHeader, Combined]] = {}  # block → the last one pushed (node/relay.py)
+        for b in self.blocks.values():
+            assert isinstance(b, RelayBlock)
+            b.on_combined = self.outbox.put
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
+             who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
+        """The parent judges a worker's join first (fingerprint, data, training terms, revocation) and
+        keeps the record; then the relay admits the child with the same checks and the parent's data
+        key. A child relay joins here only: the parent knows the workers under it from their own joins
+        and sees their updates in this relay's manifests, so it does not wait on the child relay."""
+        self.block(block)
+        if relay:
+            return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
+        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
+        self.keys.record(block, worker_id, parent.data_key)
+        mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)
+        return replace(mine, data_key=parent.data_key)
+
+    def leave(self, worker_id: str, block: int) -> None:
+        super().leave(worker_id, block)
+        if not self.relays.known(block, worker_id):
+            self.upstream.leave(worker_id, block)
+
+    def push(self, header: PushHeader, chunks: Iterable[ChunkData], who: Identity | None = None) -> Judgement:
+        """Judged as the aggregator judges, noting each frame's raw sha256 on the way for the manifest."""
+        block = self.block(header.block)
+        assert isinstance(block, RelayBlock)
+        frames: dict[str, bytes] = {}
+
+        def noted() -> Iterator[ChunkData]:
+            for c in chunks:
+                if c.header is not None:
+                    frames[c.header.name] = c.header.sha256
+                yield c
+            with block.lock:
+                block.digests[header.update_id] = frames_digest(frames)
+
+        return super().push(header, noted(), who)
+
+    def lost(self) -> int:
+        return sum(b.lost for b in self.blocks.values() if isinstance(b, RelayBlock))

@@ -1,0 +1,127 @@
+"""`FailoverLink`: an AggregatorLink over several upstreams (`--peer A,B`: relays, or the root),
+used in order. When the one in use is unreachable it moves to the next, joins there again with
+the joins it remembers, and retries the call once; a broken watch stream moves it too, so the
+worker's reconnect re-pushes its last update to the new upstream (swarm/announcements.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from btnode.codec.frames import Frame
+from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
+from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
+from btnode.rpc.client import SwarmClient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def parse_peers(text: str) -> list[str]:
+    """`--peer HOST:PORT[,HOST:PORT...]`, in order of preference."""
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    if not peers or len(set(peers)) != len(peers):
+        raise ConfigError(f"--peer {text!r}: give one HOST:PORT or several, comma-separated and distinct")
+    return peers
+
+
+def upstream_link(text: str, **client: Any) -> SwarmClient | FailoverLink:
+    """One peer: a plain SwarmClient; several: a FailoverLink over them. `client`: SwarmClient's options."""
+    peers = parse_peers(text)
+    return SwarmClient(peers[0], **client) if len(peers) == 1 else FailoverLink(peers, **client)
+
+
+class FailoverLink:
+    def __init__(self, addresses: list[str], **client: Any):
+        """`client`: SwarmClient's options (security, timeout, retries of refused calls), for each upstream."""
+        self.clients = [SwarmClient(a, **client) for a in addresses]
+        self.index = 0
+        self.failovers = 0
+        self._joins: dict[tuple[str, int], tuple[tuple, dict]] = {}  # (worker id, block) → join's arguments
+        self._lock = threading.Lock()
+        self._closing = False  # the owner cancelled its watches: a stream ending now is no failure
+
+    @property
+    def address(self) -> str:
+        return self.clients[self.index].address
+
+    def _failover(self, failed: int, exc: BtnodeError) -> None:
+        """Move on from upstream `failed` (if nobody moved on already) and join the next."""
+        with self._lock:
+            if self.index != failed or self._closing or len(self.clients) == 1:
+                return
+            self.index = (failed + 1) % len(self.clients)
+            self.failovers += 1
+            client = self.clients[self.index]
+            log.warning("upstream %s failed (%s); moving to %s", self.clients[failed].address, exc, client.address)
+            joins = list(self._joins.values())
+        for args, kwargs in joins:
+            try:
+                client.join(*args, **kwargs)
+            except BtnodeError as err:  # the next call there tells the caller what is wrong, if anything still is
+                log.warning("could not join again at %s: %s", client.address, err)
+                return
+
+    def rejoin(self) -> None:
+        """Send the remembered joins again to the upstream in use (it may have restarted and forgotten
+        them: a relay's join is not kept on disk)."""
+        client = self.clients[self.index]
+        for args, kwargs in list(self._joins.values()):
+            client.join(*args, **kwargs)
+
+    def _run(self, fn: Callable[[SwarmClient], T]) -> T:
+        i = self.index
+        try:
+            return fn(self.clients[i])
+        except PeerUnavailable as exc:
+            self._failover(i, exc)
+            return fn(self.clients[self.index])
+
+    def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
+             training_json: str = "", relay: bool = False) -> JoinInfo:
+        args = (worker_id, block, fingerprint, config_json, data_id)
+        kwargs = {"training_json": training_json, "relay": relay}
+        self._joins[(worker_id, block)] = (args, kwargs)
+        return self._run(lambda c: c.join(*args, **kwargs))
+
+    def leave(self, worker_id: str, block: int) -> None:
+        self._joins.pop((worker_id, block), None)
+        self._run(lambda c: c.leave(worker_id, block))
+
+    def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
+        return self._run(lambda c: c.pull(block, worker_id, spec))
+
+    def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
+        return self._run(lambda c: c.fetch_delta(block, version, spec))
+
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+        frames = list(frames)  # a retry on the next upstream sends them again
+        return self._run(lambda c: c.push(header, frames))
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+        frames = list(frames)
+        self._run(lambda c: c.submit_state(header, frames))
+
+    def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
+        """The current upstream's announcements; a broken stream moves to the next upstream and ends
+        (PeerUnavailable), so that the caller reconnects there."""
+        i = self.index
+        try:
+            yield from self.clients[i].watch(block, worker_id)
+        except PeerUnavailable as exc:
+            self._failover(i, exc)
+            raise
+
+    def status(self):  # noqa: ANN201 - pb.StatusReply, as SwarmClient.status
+        return self._run(lambda c: c.status())
+
+    def cancel_watches(self, worker_id: str | None = None) -> None:
+        self._closing = True
+        for c in self.clients:
+            c.cancel_watches(worker_id)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()

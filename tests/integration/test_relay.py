@@ -1,0 +1,235 @@
+"""Relays with real processes (docs/swarm.md, "Relays"): a root, relays and tiny workers train
+rounds with the same versions at every hop; a relay killed mid-round loses no accepted update;
+a combined push whose manifest lies is refused by the root."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from btnode.aggregate.claims import ClaimConfig
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames
+from btnode.model.config import ModelConfig
+from btnode.protocol import ManifestEntry, Outcome, PushHeader
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.convert import info_from_pb
+from btnode.store.models import init_block
+from btnode.store.versions import VersionStore
+
+from procs import CLI, TINY_SHAPE, free_port, honest_terms, scrape, start, wait_port
+
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+CLAIMS = ["--batch", "4", "--steps-per-round", "2"]
+WORKER = [*CLAIMS, "--warmup", "1", "--block", "0"]
+SHA = "00" * 32
+
+
+def spawn(processes, tmp: Path, name: str, *args: str, listen: str = "127.0.0.1:0"):
+    """A `btnode join` process on `listen` (kept in `processes`); returns (process, its port file)."""
+    port = tmp / f"{name}.port"
+    port.unlink(missing_ok=True)
+    proc = start(["join", *args, "--listen", listen, "--port-file", str(port), "--state-dir", str(tmp / name),
+                  *TINY_SHAPE, *CLAIMS], tmp / f"{name}.log")
+    processes.append(proc)
+    return proc, port
+
+
+def node(processes, tmp: Path, name: str, *args: str, listen: str = "127.0.0.1:0") -> str:
+    proc, port = spawn(processes, tmp, name, *args, listen=listen)
+    return f"127.0.0.1:{wait_port(port, proc)}"
+
+
+def relays(processes, tmp: Path, parent: str, extra: dict[str, list[str]]) -> list[str]:
+    """Relays of block 0 under `parent`, started together; their addresses."""
+    started = [spawn(processes, tmp, r, "--role", "relay", "--peer", parent, "--relay-id", r, "--blocks-owned", "0",
+                     *args) for r, args in extra.items()]
+    return [f"127.0.0.1:{wait_port(port, proc)}" for proc, port in started]
+
+
+def worker(processes, tmp: Path, name: str, peers: str, rounds: int):
+    proc = start(["join", "--role", "worker", "--peer", peers, "--rounds", str(rounds), "--worker-id", name,
+                  "--stats-file", str(tmp / f"{name}.json"), *TINY_SHAPE, *WORKER], tmp / f"{name}.log")
+    processes.append(proc)
+    return proc
+
+
+def finished(tmp: Path, procs: dict, timeout: float = 150.0) -> dict[str, dict]:
+    """Wait for each worker process to exit 0; its stats file."""
+    out = {}
+    for name, proc in procs.items():
+        rc = proc.wait(timeout=timeout)
+        assert rc == 0, (tmp / f"{name}.log").read_text()
+        out[name] = json.loads((tmp / f"{name}.json").read_text())
+    return out
+
+
+def included(client: SwarmClient) -> set[str]:
+    return {i for r in client.status_dict()["blocks"][0]["recent"] for i in r["included"]}
+
+
+def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_path, processes):
+    metrics = free_port()
+    root, r1, r2 = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    # all seven processes start at once (relays and workers retry their parent until it serves)
+    spawn(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "20", "--keep",
+          "100", "--metrics-listen", f"127.0.0.1:{metrics}", listen=root)
+    for r, at in (("r1", r1), ("r2", r2)):
+        spawn(processes, tmp_path, r, "--role", "relay", "--peer", root, "--relay-id", r, "--blocks-owned", "0",
+              listen=at)
+    procs = {f"w{i}": worker(processes, tmp_path, f"w{i}", r1 if i < 2 else r2, 3) for i in range(4)}
+    stats = finished(tmp_path, procs)
+    c = SwarmClient(root, timeout_s=15)
+    st = c.status_dict()["blocks"][0]
+    root_store = VersionStore(tmp_path / "root", 0)
+    for name, s in stats.items():
+        # a worker that joins after its relay's first round closed is LATE once, as with a flat aggregator
+        assert s["outcomes"].get("accepted", 0) >= 2 and set(s["outcomes"]) <= {"accepted", "late"}, (name, s)
+        assert s["not_included"] == [], (name, s)
+        assert s["delta_fetches"] >= 2  # versions came as deltas from its relay, checked against the root's hash
+        assert root_store.load(s["version"]).meta["info"]["sha256"] == s["sha256"]
+    # every accepted update is listed in the version it went into, and nothing else is
+    assert included(c) == {u for s in stats.values() for u in s["accepted_updates"]}
+    for r in ("r1", "r2"):
+        relay_store = VersionStore(tmp_path / r, 0)
+        for v in relay_store.versions():  # bit-identical at the relay: same tensors, same hash
+            mine, theirs = relay_store.load(v), root_store.load(v)
+            assert mine.meta["info"]["sha256"] == theirs.meta["info"]["sha256"]
+            assert all(torch.equal(mine.params[n], theirs.params[n]) for n in theirs.params)
+    # the root sees relays, not workers, push; and knows each relay's children
+    assert {r["name"]: sorted(r["children"]) for r in st["relays"]} == {"r1": ["w0", "w1"], "r2": ["w2", "w3"]}
+    assert all(r["refused"] == 0 and r["pushes"] >= 3 for r in st["relays"])
+    c.close()
+    # the root's version egress: one full pull and one delta per version for each of the two relays (a flat
+    # root would serve the four workers: twice that), whatever the rounds' interleaving
+    sent = re.search(r'btnode_transfer_bytes_total\{direction="sent",form="wire"\} (\S+)', scrape(metrics))
+    full = max(s["bytes_pulled_wire"] - s["bytes_delta_wire"] for s in stats.values())
+    per_delta = max(s["bytes_delta_wire"] / s["delta_fetches"] for s in stats.values())
+    versions = st["version"]
+    assert sent is not None and 0 < float(sent.group(1)) <= 1.25 * 2 * (full + versions * per_delta), (
+        sent, full, per_delta, versions)
+    shown = subprocess.run([*CLI, "status", "--peer", root], capture_output=True, text=True, timeout=60).stdout
+    assert "relay r1: children [w0, w1]" in shown and "relay r2: children [w2, w3]" in shown, shown
+
+
+def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30")
+    # ra closes a round at 3 updates, and its third child never pushes: ra holds its children's accepted updates
+    # until it is killed (mid-round, deterministically); rb is the workers' spare
+    first, spare = relays(processes, tmp_path, root, {"ra": ["--min-updates", "3"], "rb": []})
+    a = SwarmClient(first, timeout_s=15)
+    a.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
+        ClaimConfig(batch=4, steps_per_round=2)))
+    procs = {w: worker(processes, tmp_path, w, f"{first},{spare}", 2) for w in ("w0", "w1")}
+    deadline = time.monotonic() + 40
+    while a.status_dict()["blocks"][0]["accepted_in_round"] < 2:
+        assert time.monotonic() < deadline, "the workers' updates never reached relay ra"
+        time.sleep(0.05)
+    a.close()
+    processes[1].send_signal(signal.SIGKILL)  # ra, holding two accepted updates it has not forwarded
+    c = SwarmClient(root, timeout_s=15)
+    c.leave("idle", 0)  # so that the root's rounds close once rb reports for w0 and w1
+    stats = finished(tmp_path, procs)
+    accepted = {u for s in stats.values() for u in s["accepted_updates"]}
+    assert len(accepted) == 4 and all(s["not_included"] == [] for s in stats.values())
+    assert accepted <= included(c)  # 0 lost: each accepted update, re-pushed to rb, made it into a version
+    st = c.status_dict()["blocks"][0]
+    assert {r["name"]: r["pushes"] for r in st["relays"]} == {"ra": 0, "rb": 2}
+    assert all(f"moving to {spare}" in (tmp_path / f"{w}.log").read_text() for w in procs)
+    c.close()
+
+
+def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, processes):
+    listen = f"127.0.0.1:{free_port()}"
+    root_args = ("--role", "aggregator", "--blocks-owned", "0", "--deadline", "20")
+    root = node(processes, tmp_path, "root", *root_args, listen=listen)
+    c = SwarmClient(root, timeout_s=15)
+    # a worker joined at the root that never pushes: the root's round stays open after the relay's push
+    c.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
+        ClaimConfig(batch=4, steps_per_round=2)))
+    (relay,) = relays(processes, tmp_path, root, {"r1": []})
+    procs = {w: worker(processes, tmp_path, w, relay, 2) for w in ("w0", "w1")}
+    deadline = time.monotonic() + 120
+    while not c.status_dict()["blocks"][0]["accepted_in_round"]:
+        assert time.monotonic() < deadline, "the relay never pushed"
+        time.sleep(0.05)
+    c.close()
+    processes[0].send_signal(signal.SIGKILL)  # the root loses its open round, with the relay's combined update
+    processes[0].wait()
+    node(processes, tmp_path, "root", *root_args, listen=listen)
+    stats = finished(tmp_path, procs)
+    c = SwarmClient(root, timeout_s=15)
+    accepted = {u for s in stats.values() for u in s["accepted_updates"]}
+    assert accepted and accepted <= included(c) and all(s["not_included"] == [] for s in stats.values())
+    if "resumed at version 0" in (tmp_path / "root.log").read_text():  # (unless the round closed just before the kill)
+        assert "re-pushed the combined update" in (tmp_path / "r1.log").read_text()
+    c.close()
+
+
+def _push(c: SwarmClient, relay: str, manifest: list[ManifestEntry], samples: float, base: int = 0):
+    g = torch.Generator().manual_seed(len(manifest))
+    spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
+    delta = {n: 1e-4 * torch.randn(s, generator=g) for n, s in spec.items()}
+    h = PushHeader(worker_id=relay, block=0, base_version=base, samples=samples, loss=1.0, codec=Codec.FP32,
+                   update_id=f"{relay}-{time.monotonic_ns()}", manifest=tuple(manifest))
+    return c.push(h, encode_frames(delta, Codec.FP32))
+
+
+def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30")
+    c = SwarmClient(root, timeout_s=15)
+    terms = honest_terms(ClaimConfig(batch=4, steps_per_round=2))
+    c.join("liar", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True)
+    c.join("c1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)
+    honest = ManifestEntry(worker_id="c1", update_id="u1", base_version=0, weight=8.0, sha256=SHA)
+    cases = {  # each refused, with the reason saying why
+        "too heavy": ([ManifestEntry("c1", "u1", 0, 1000.0, SHA)], 1000.0, "a claim allows at most 16"),
+        "unknown child": ([honest, ManifestEntry("ghost", "u2", 0, 8.0, SHA)], 16.0, "'ghost', which never joined"),
+        "sum": ([honest], 16.0, "sum to 8"),
+        "listed twice": ([honest, ManifestEntry("c1", "u3", 0, 8.0, SHA)], 16.0, "twice"),
+        "future": ([ManifestEntry("c1", "u1", 5, 8.0, SHA)], 8.0, "after the push's base"),
+    }
+    for what, (manifest, samples, why) in cases.items():
+        j = _push(c, "liar", manifest, samples)
+        assert j.outcome is Outcome.REJECTED and why in j.reason, (what, j)
+    j = _push(c, "c1", [honest], 8.0)  # a worker is no relay
+    assert j.outcome is Outcome.REJECTED and "without joining block 0 as a relay" in j.reason
+    assert info_from_pb(c.status().blocks[0].current).version == 0  # nothing of them was applied
+    j = _push(c, "liar", [honest], 8.0)  # the honest manifest goes in: the refusals above were not blanket
+    assert j.outcome is Outcome.ACCEPTED, j
+    deadline = time.monotonic() + 30
+    while info_from_pb(c.status().blocks[0].current).version < 1:  # c1 reported through the relay: all reported
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert included(c) == {"u1"}
+    j = _push(c, "liar", [ManifestEntry("c1", "u1", 1, 8.0, SHA)], 8.0, base=1)  # the same child update again
+    assert j.outcome is Outcome.REJECTED and "already counted" in j.reason
+    st = c.status_dict()["blocks"][0]
+    assert st["relays"] == [{"name": "liar", "children": ["c1"], "last_version": 0, "last_weight": 8.0, "pushes": 1,
+                             "refused": 6}]
+    c.close()
+
+
+def test_a_relay_under_a_relay_flattens_its_children_into_the_manifest(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30",
+                "--keep", "100")
+    (upper,) = relays(processes, tmp_path, root, {"r1": []})
+    (lower,) = relays(processes, tmp_path, upper, {"r2": []})
+    stats = finished(tmp_path, {w: worker(processes, tmp_path, w, lower, 2) for w in ("w0", "w1")})
+    c = SwarmClient(root, timeout_s=15)
+    assert all(s["not_included"] == [] for s in stats.values())
+    assert included(c) == {u for s in stats.values() for u in s["accepted_updates"]}
+    root_store = VersionStore(tmp_path / "root", 0)
+    assert all(root_store.load(s["version"]).meta["info"]["sha256"] == s["sha256"] for s in stats.values())
+    st = c.status_dict()["blocks"][0]
+    # the root knows the workers (their joins passed both relays) and sees them in r1's manifests;
+    # r2 joined r1 only; neither relay is a replica: the root's rounds wait on the workers r1 reports for
+    assert [(r["name"], r["children"]) for r in st["relays"]] == [("r1", ["w0", "w1"])]
+    assert not {"r1", "r2"} & set(st["replicas"])
+    c.close()
