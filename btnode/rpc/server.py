@@ -44,6 +44,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC's reconnect backoff grows to 120 s by default, and while it waits every call fails at once with
+    # the last error: a relay or worker whose parent restarted kept "Connection refused" for half a minute
+    # after the parent was back (bench/soak.py --relays). A parent comes back within seconds; so does this.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
