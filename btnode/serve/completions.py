@@ -58,10 +58,13 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | 
     return v
 
 
-def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str = "max_tokens",
-            default_stop: str | None = None, chat: bool = False) -> Completion:
+def _object(body: Any) -> None:
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object")
+
+
+def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str = "max_tokens",
+            default_stop: str | None = None, chat: bool = False) -> Completion:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InputError(f"unrecognized request argument(s): {', '.join(unknown)}")
@@ -109,7 +112,8 @@ def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str 
 
 def parse_completion(body: Any) -> Completion:
     """POST /v1/completions. `prompt` is a string (or a list of one string: n = 1)."""
-    prompt = body.get("prompt", "") if isinstance(body, dict) else None
+    _object(body)
+    prompt = body.get("prompt", "")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
@@ -149,7 +153,8 @@ def render_chat(messages: Any) -> str:
 def parse_chat(body: Any) -> Completion:
     """POST /v1/chat/completions: the messages rendered by `render_chat`; `max_completion_tokens`
     is read as max_tokens; without `stop` the reply ends at the next "\\nUser:"."""
-    messages = body.get("messages") if isinstance(body, dict) else None
+    _object(body)
+    messages = body.get("messages")
     return _common(body, CHAT_FIELDS, render_chat(messages).encode(), max_name="max_completion_tokens",
                    default_stop=CHAT_STOP, chat=True)
 
