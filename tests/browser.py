@@ -74,7 +74,12 @@ class Browser:
         """Poll until `expression` is truthy in the page; its value."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.eval(expression)
+            try:
+                value = self.eval(expression)
+            except RuntimeError as exc:  # the page is still being created: no context to evaluate in yet
+                if "execution context" not in str(exc):
+                    raise
+                value = None
             if value:
                 return value
             if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,14 +210,16 @@ class ApiServer:
             self.meter.observe("ttfb", time.perf_counter() - t0)
             if completion.stream:
                 release = False  # the stream releases its slot when it ends
-                return StreamingResponse(self.events(completion, shape, first, segments), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return _Stream(self.events(completion, shape, first, segments), segments, self.release)
             return await self.whole(request, completion, shape, first, segments)
         except BtnodeError as exc:
             return error_for(exc)
         finally:
             if release:
-                self.in_flight -= 1
+                self.release()
+
+    def release(self) -> None:
+        self.in_flight -= 1
 
     async def whole(self, request: Request, completion: Completion, shape: ReplyShape, first: Segment | None,
                     segments: AsyncIterator[Segment]) -> Response:
@@ -269,8 +271,26 @@ class ApiServer:
         except asyncio.CancelledError:
             self.meter.count(("cancelled",))
             raise
+
+
+class _Stream(StreamingResponse):
+    """The event stream of one request. However it ends (done, failed, its client gone before the
+    first event was sent), the entry stream is closed, cancelling the call, and the slot released."""
+
+    def __init__(self, events: AsyncIterator[bytes], segments: AsyncIterator[Segment], release: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.segments = segments
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            try:
+                await self.segments.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.release()
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
