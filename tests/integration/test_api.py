@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -218,6 +219,16 @@ def test_a_client_that_drops_mid_stream_cancels_the_request_down_the_chain(lab):
     assert _counter(text, "btnode_api_in_flight") == 0 and _counter(text, "btnode_api_cancelled_total") >= 1
     assert _counter(text, "btnode_api_requests_total", route="/v1/completions", code="200") >= 1
     assert _counter(text, "btnode_api_ttfb_seconds_count") >= 1
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (Debian package `prometheus`; `make tools` installs it)")
+def test_promtool_accepts_the_api_metrics(lab):
+    post(lab["block"], "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+    text = scrape(lab["block"])
+    assert _counter(text, "btnode_api_requests_total", route="/v1/completions", code="200") >= 1
+    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_no_route_is_503_a_stalled_stage_504_and_the_concurrency_limit_429(lab):
