@@ -1,7 +1,7 @@
 """The OpenAI-compatible API under load (issue #26): C ∈ {1, 4, 16} concurrent streaming clients
 against `btnode api` in front of a chain over the emulated WAN, for the block chain at its best
-readout (spec-fill at the largest trained K, the frontier's fastest at AR quality in the serving
-section) and for the AR chain (one traversal per byte).
+readout (spec-fill at the largest trained K: "blockwise K=64 spec-fill", the serving section's
+best blockwise mode at AR quality) and for the AR chain (one traversal per byte).
 
 Layout: four hosts in a row, 20 ms one way per hop at 100 Mbit/s (btnode.netlab); the clients on
 h0, `btnode api` and the entry stage on h1, the next stages on h2 and h3 (the AR chain's three
@@ -33,7 +33,9 @@ from bench.report import invoked, module_command, publish, shown, table
 from btnode.node.launch import CLI, start_node, stop_processes
 
 API_PORT, BLOCK_PORT, AR_PORT = 8000, 7100, 7200
-SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "256", "--segments", "1,16"]
+# the served models' shape (README's results: d = 128, 3 blocks × 2 layers, 128-byte context; AR: 6 layers)
+SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128", "--segments",
+         "1,4,16,64"]
 PROMPT = "The history of the"
 
 
@@ -170,8 +172,8 @@ def main() -> None:
     ap.add_argument("--ar", type=Path, help="6-layer AR checkpoint (default: a small one trained here)")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=20.0, help="each phase's duration")
-    ap.add_argument("--bytes", type=int, default=128, help="bytes per block-chain request")
-    ap.add_argument("--ar-bytes", type=int, default=16, help="bytes per AR request (one traversal each)")
+    ap.add_argument("--bytes", type=int, default=256, help="bytes per block-chain request")
+    ap.add_argument("--ar-bytes", type=int, default=32, help="bytes per AR request (one traversal each)")
     ap.result("api")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)

@@ -45,6 +45,7 @@ def lab(tmp_path_factory):
                                      *(["--next", nxt[0]] if nxt else []), *extra)
             procs.append(proc)
             lab[f"b{b}"] = proc
+            lab["block_entry_next"] = nxt[0] if nxt else ""  # after the loop: block 1's address
             nxt = [addr]
         lab["block_entry"], lab["entry_metrics"] = nxt[0], port
         p1, a1 = start_stage(root, "ar1", "--model", "ar", "--checkpoint", str(root / "ar"), "--layers-range", "1:2")
@@ -257,12 +258,21 @@ def test_no_route_is_503_a_stalled_stage_504_and_the_concurrency_limit_429(lab):
         time.sleep(0.2)
     assert code == 200
 
-    lab["b2"].send_signal(signal.SIGSTOP)  # the last stage stalls: no segment within --segment-timeout
+    # a second entry for the same blocks 1 and 2, which waits 1 s for block 1 (--stage-timeout)
+    proc, impatient = start_stage(root, "b0-impatient", "--block", "0", "--checkpoint", str(root / "blocks"),
+                                  "--next", lab["block_entry_next"], "--stage-timeout", "1")
+    procs.append(proc)
+    relayed = api(root, procs, "api-relayed", impatient)
+    assert post(relayed, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')[0] == 200
+    lab["b2"].send_signal(signal.SIGSTOP)  # the last stage stalls
     try:
-        code, reply = post(one, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        code, reply = post(one, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')  # no segment in 2 s
+        relayed_code, relayed_reply = post(relayed, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
     finally:
         lab["b2"].send_signal(signal.SIGCONT)
     assert code == 504 and reply["error"]["code"] == "stage_timeout", reply
+    # the entry's own timeout, relayed up the chain as StageTimeout
+    assert relayed_code == 504 and "no stage for the next block answered" in relayed_reply["error"]["message"]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (make tools installs it)")
