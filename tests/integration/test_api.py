@@ -258,6 +258,19 @@ def test_no_route_is_503_a_stalled_stage_504_and_the_concurrency_limit_429(lab):
         time.sleep(0.2)
     assert code == 200
 
+    # a stall after the stream began: the error comes as one event, and the stream ends without [DONE]
+    conn = http.client.HTTPConnection("127.0.0.1", one, timeout=60)
+    conn.request("POST", "/v1/completions", body=long, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    lab["b2"].send_signal(signal.SIGSTOP)
+    try:
+        events = [line for line in r.read().split(b"\n") if line.startswith(b"data: ")]
+    finally:
+        lab["b2"].send_signal(signal.SIGCONT)
+        conn.close()
+    assert b"[DONE]" not in events[-1] and json.loads(events[-1][6:])["error"]["code"] == "stage_timeout"
+
     # a second entry for the same blocks 1 and 2, which waits 1 s for block 1 (--stage-timeout)
     proc, impatient = start_stage(root, "b0-impatient", "--block", "0", "--checkpoint", str(root / "blocks"),
                                   "--next", lab["block_entry_next"], "--stage-timeout", "1")
