@@ -179,11 +179,11 @@ class ApiServer:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InputError(f"the request body is not valid JSON: {exc}") from None
 
-    async def generate(self, request: Request, parse: Any) -> Response:
+    async def generate(self, request: Request, parse: Callable[[Any], Completion]) -> Response:
         if (denied := self.check_key(request)) is not None:
             return denied
         try:
-            completion: Completion = parse(await self.body(request))
+            completion = parse(await self.body(request))
         except TooLargeBody as exc:
             return error(413, str(exc), code="request_too_large")
         except InputError as exc:
