@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.P
 
 
 def render(res: dict) -> str:
-    rows = [(r["model"], r["clients"], f"{r['bytes_per_s']:.1f}", f"{r['bytes_per_s_min']:.1f}",
+    rows = [(r["model"], r["clients"], f"{r['load_1m']:.1f}", f"{r['bytes_per_s']:.1f}", f"{r['bytes_per_s_min']:.1f}",
              f"{r['bytes_per_s_total']:.1f}", f"{r['ttfb_s']:.3f}" if r["ttfb_s"] is not None else "–",
              f"{r['p50_s']:.3f}" if r["p50_s"] is not None else "–",
              f"{r['p99_s']:.3f}" if r["p99_s"] is not None else "–", r["requests"], r["errors"]) for r in res["rows"]]
@@ -159,10 +160,11 @@ def render(res: dict) -> str:
         "on it). Four hosts in a row over the emulated WAN (20 ms one way per hop, 100 Mbit/s): the clients on h0, "
         "`btnode api` with the entry stage on h1, the next stages on h2, h3. C clients stream requests of "
         f"{res['n_bytes']} bytes back to back for {res['seconds']:g} s. Models: {res['models']}.", "",
-        *table(["model", "C", "bytes/s per client (mean)", "(slowest)", "bytes/s in all", "ttfb p50 (s)",
-                "segment p50 (s)", "segment p99 (s)", "requests", "errors"], rows, "llrrrrrrrr"),
+        *table(["model", "C", "load (1 min)", "bytes/s per client (mean)", "(slowest)", "bytes/s in all", "ttfb p50 (s)",
+                "segment p50 (s)", "segment p99 (s)", "requests", "errors"], rows, "llrrrrrrrrr"),
         "", "bytes/s per client: a client's bytes ÷ the time its requests took; in all: every byte ÷ the "
-        "phase's wall time. Segment latency: the gap between two chunks of one stream (one traversal of the "
+        "phase's wall time. Load: the machine's 1-minute load average at the phase's end (other jobs ran "
+        "beside it on its 2 cores). Segment latency: the gap between two chunks of one stream (one traversal of the "
         "chain: K bytes for the block chain, one byte for the AR chain)."])
 
 
@@ -209,7 +211,8 @@ def main() -> None:
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 600)
                     if done.returncode != 0:
                         raise SystemExit(f"the client failed:\n{done.stderr[-3000:]}")
-                    row = {"model": names[model], **json.loads(done.stdout.strip().splitlines()[-1])}
+                    row = {"model": names[model], **json.loads(done.stdout.strip().splitlines()[-1]),
+                           "load_1m": os.getloadavg()[0]}  # the shared machine's load at the phase's end
                     rows.append(row)
                     print(f"[api] {row['model']} C={c}: {row['bytes_per_s']:.1f} bytes/s per client, "
                           f"{row['bytes_per_s_total']:.1f} in all, ttfb {row['ttfb_s']}, p99 {row['p99_s']}, "
