@@ -24,7 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from btnode.durable import atomic_write
-from btnode.errors import BtnodeError, ConfigError, InputError, PeerUnavailable, StageTimeout
+from btnode.errors import BtnodeError, ConfigError, InputError, Overloaded, PeerUnavailable, StageTimeout
 from btnode.model.readout import Readout, default_readout
 from btnode.node.metrics import ApiCollector
 from btnode.protocol import Meter
@@ -70,6 +70,8 @@ def error_for(exc: BtnodeError) -> JSONResponse:
     """A domain error as the HTTP status a client can act on."""
     if isinstance(exc, StageTimeout):
         return error(504, str(exc), "timeout", "stage_timeout")
+    if isinstance(exc, Overloaded):  # the chain's own concurrency limits
+        return error(429, str(exc), "requests", "chain_overloaded")
     if isinstance(exc, PeerUnavailable):
         return error(503, str(exc), "service_unavailable", "no_route")
     if isinstance(exc, InputError):
