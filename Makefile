@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # Real parts the tests drive: Prometheus and promtool (Debian's `prometheus`), systemd-analyze,
-# iproute2; and Debian's `wamerican` word list, which `btnode judge` reads for its word rate.
+# iproute2, Chromium (the page of `btnode api`, headless); and Debian's `wamerican` word list, which `btnode judge` reads for its word rate.
 # Installed when missing and apt-get is there (as root); tests that need an absent tool skip and say
 # which, and the judge names the fallback list it used.
 tools:
@@ -29,6 +29,13 @@ tools:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null \
 	      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus iproute2 >/dev/null); \
 	  else echo "prometheus/iproute2 missing and cannot be installed here: their tests will skip"; fi; \
+	fi
+	@if ! command -v chromium >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing chromium (apt-get): the test of btnode api's page drives it headless"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+	      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null); \
+	  else echo "chromium missing and cannot be installed here: the test of the API's page will skip"; fi; \
 	fi
 	@if [ ! -f /usr/share/dict/american-english ]; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \

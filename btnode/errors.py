@@ -115,6 +115,11 @@ class Overloaded(PeerUnavailable):
         self.reason = reason
 
 
+class StageTimeout(PeerUnavailable):
+    """A stage did not answer within its timeout (DEADLINE_EXCEEDED; relayed up a chain as
+    UNAVAILABLE with this reason). A PeerUnavailable: a spare is tried as for any other."""
+
+
 class Unauthenticated(BtnodeError):
     """The peer refused us (UNAUTHENTICATED): missing or wrong swarm token. Not worth retrying."""
 

@@ -60,9 +60,9 @@ def root(ctx: typer.Context,
 
 
 def _register() -> None:
-    from btnode_cli import config, data, evaluate, generate, identity, join, judge, ops, simulate, train
+    from btnode_cli import api, config, data, evaluate, generate, identity, join, judge, ops, simulate, train
 
-    for module in (train, evaluate, judge, generate, join, simulate, ops, data, identity, config):
+    for module in (train, evaluate, judge, generate, api, join, simulate, ops, data, identity, config):
         module.register(app)
 
 

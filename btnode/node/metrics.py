@@ -195,6 +195,39 @@ class StageCollector(Collector):
                               "one stage's forward step.", durations, "call", ("request", "forward"))
 
 
+class ApiCollector(Collector):
+    """The HTTP API in front of a chain (node/api.py): answers by route and status code, requests in
+    flight, time to the first segment, streams cancelled by their client."""
+
+    ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/", "/metrics", "other")
+
+    def __init__(self, meter: Meter, in_flight: Callable[[], int]):
+        self.meter = meter
+        self.in_flight = in_flight
+
+    def collect(self) -> Iterator[Family]:
+        yield build_info("api")
+        counts, durations = self.meter.snapshot()
+        requests = CounterMetricFamily("btnode_api_requests", "HTTP answers by route and status code.",
+                                       labels=["route", "code"])
+        for route in self.ROUTES[:2]:  # present from the start, at 0
+            if not any(k[0] == "http" and k[1] == route for k in counts):
+                requests.add_metric([route, "200"], 0)
+        for key, n in sorted(counts.items()):
+            if key[0] == "http":
+                requests.add_metric([key[1], key[2]], n)
+        yield requests
+        yield GaugeMetricFamily("btnode_api_in_flight", "Generation requests being served now.",
+                                value=self.in_flight())
+        cancelled = CounterMetricFamily("btnode_api_cancelled", "Streams whose client went away before the end "
+                                        "(cancelled down the chain).")
+        cancelled.add_metric([], counts.get(("cancelled",), 0))
+        yield cancelled
+        count, total = durations.get("ttfb", (0, 0.0))
+        yield SummaryMetricFamily("btnode_api_ttfb_seconds", "Time from a request's arrival to its first segment "
+                                  "from the chain.", count_value=count, sum_value=total)
+
+
 def serve_metrics(address: str, collector: Collector) -> int:
     """Serve /metrics for `collector` on HOST:PORT (port 0 picks one); returns the bound port."""
     host, _, port = address.rpartition(":")

@@ -7,7 +7,7 @@ import grpc
 
 from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, Forbidden,
                            InputError, MalformedInput, Overloaded, PeerInputError, PeerUnavailable, Refused,
-                           StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
+                           StageTimeout, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
 from btnode.rpc.limits import LIMIT_REASONS
 
 REASON_KEY = "btnode-reason"
@@ -55,6 +55,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
         if key == REASON_KEY:
             reason = value
     message = f"{what}: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or code == grpc.StatusCode.UNAVAILABLE and reason == "StageTimeout":
+        return StageTimeout(message)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return PeerUnavailable(message)
     if code == grpc.StatusCode.UNAUTHENTICATED:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from btnode.errors import InputError, MalformedInput, PeerUnavailable
+from btnode.errors import InputError, MalformedInput, PeerUnavailable, StageTimeout
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import generation_layout
@@ -218,19 +218,21 @@ class FailoverStage:
         self.name = "|".join(c.name for c in self.candidates)
 
     def forward(self, state: SegmentState) -> SegmentResult:
-        errors = []
+        errors, timeouts = [], 0
         for i, stage in enumerate(self.candidates):
             try:
                 result = stage.forward(state)
             except PeerUnavailable as exc:
                 errors.append(f"{stage.name}: {exc}")
+                timeouts += isinstance(exc, StageTimeout)
                 log.warning("stage %s unavailable (%s); %s", stage.name, exc,
                             "trying the next candidate" if i + 1 < len(self.candidates) else "no candidate left")
                 continue
             if i:  # keep using the one that answered
                 self.candidates.insert(0, self.candidates.pop(i))
             return result
-        raise PeerUnavailable("no stage for the next block answered: " + "; ".join(errors))
+        message = "no stage for the next block answered: " + "; ".join(errors)
+        raise StageTimeout(message) if timeouts == len(errors) else PeerUnavailable(message)
 
 
 def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device,

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible API under load (issue #26): C ∈ {1, 4, 16} concurrent streaming clients
+against `btnode api` in front of a chain over the emulated WAN, for the block chain at its best
+readout (spec-fill at the largest trained K: "blockwise K=64 spec-fill", the serving section's
+best blockwise mode at AR quality) and for the AR chain (one traversal per byte).
+
+Layout: four hosts in a row, 20 ms one way per hop at 100 Mbit/s (btnode.netlab); the clients on
+h0, `btnode api` and the entry stage on h1, the next stages on h2 and h3 (the AR chain's three
+stages hold two layers each). Every client streams requests one after another for --seconds
+(the last one finishes), each from its own seed. Per client: bytes/s = bytes received ÷ its wall
+time; in all: bytes ÷ the phase's wall time. ttfb: request sent → first segment's chunk (median);
+per-segment latency: the gap between successive chunks of a stream (p50, p99 over all streams).
+
+    .venv/bin/python -m bench.api                 # trains two small models (~1 min), then ~6 min
+    .venv/bin/python -m bench.api --blocks runs/served2 --ar runs/ar6
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+from bench.flags import BenchParser
+from bench.report import invoked, module_command, publish, shown, table
+from btnode.node.launch import CLI, start_node, stop_processes
+
+API_PORT, BLOCK_PORT, AR_PORT = 8000, 7100, 7200
+# the served models' shape (README's results: d = 128, 3 blocks × 2 layers, 128-byte context; AR: 6 layers)
+SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128", "--segments",
+         "1,4,16,64"]
+PROMPT = "The history of the"
+
+
+def stream_one(host: str, port: int, body: dict) -> dict:
+    """One streaming request: its chunks' arrival times, bytes and whether it ended well."""
+    conn = http.client.HTTPConnection(host, port, timeout=300)
+    t0 = time.perf_counter()
+    times, n_bytes, error = [], 0, None
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {r.read()[:200]!r}", "times": [], "bytes": 0, "t0": t0}
+        done = False
+        while line := r.readline():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]["message"]
+                break
+            if chunk.get("btnode"):  # a segment's chunk (the finish chunk has no btnode object)
+                times.append(time.perf_counter())
+                n_bytes = chunk["btnode"]["bytes"]
+        if not done and error is None:
+            error = "the stream ended without [DONE]"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return {"error": error, "times": times, "bytes": n_bytes, "t0": t0, "t1": time.perf_counter()}
+
+
+def load(host: str, port: int, clients: int, seconds: float, body: dict) -> dict:
+    """C clients, each streaming requests back to back until `seconds` have passed."""
+    results: list[list[dict]] = [[] for _ in range(clients)]
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        seed = 1000 * i
+        while time.perf_counter() - start < seconds:
+            results[i].append(stream_one(host, port, {**body, "seed": seed}))
+            seed += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    per_client, ttfb, gaps, errors, total = [], [], [], 0, 0
+    for reqs in results:
+        got = sum(r["bytes"] for r in reqs)
+        busy = sum(r["t1"] - r["t0"] for r in reqs)
+        per_client.append(got / busy if busy > 0 else 0.0)
+        total += got
+        for r in reqs:
+            errors += r["error"] is not None
+            if r["times"]:
+                ttfb.append(r["times"][0] - r["t0"])
+                gaps += [b - a for a, b in zip(r["times"], r["times"][1:])]
+    gaps.sort()
+
+    def q(p: float) -> float | None:
+        return gaps[min(len(gaps) - 1, int(p * len(gaps)))] if gaps else None
+
+    return {"clients": clients, "requests": sum(len(r) for r in results), "errors": errors,
+            "bytes_per_s": statistics.mean(per_client), "bytes_per_s_min": min(per_client),
+            "bytes_per_s_total": total / wall, "ttfb_s": statistics.median(ttfb) if ttfb else None,
+            "p50_s": q(0.50), "p99_s": q(0.99), "wall_s": wall,
+            "first_error": next((r["error"] for reqs in results for r in reqs if r["error"]), None)}
+
+
+def train(workdir: Path) -> tuple[Path, Path]:
+    """Small checkpoints when none are given: serving speed, not quality, is measured here (spec-fill
+    serves K bytes per traversal whatever it accepts)."""
+    blocks, ar = workdir / "blocks", workdir / "ar"
+    for cmd, out, extra in (("train-local", blocks, []), ("train-ar", ar, ["--ar-layers", "6"])):
+        subprocess.run([*CLI, cmd, "--out", str(out), "--steps", "20", "--batch", "4", "--warmup", "1", *SHAPE,
+                        *extra], check=True, capture_output=True)
+    return blocks, ar
+
+
+def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.Popen], dict[str, str]]:
+    procs: list[subprocess.Popen] = []
+
+    def node(pos: int, name: str, args: list[str]) -> None:
+        procs.append(start_node(args, port_file=workdir / f"{name}.port", log=workdir / f"{name}.log",
+                                popen=partial(lab.popen, pos + 1), timeout_s=180, name=name).proc)
+
+    try:
+        for pos in (2, 1, 0):
+            nb = [] if pos == 2 else ["--next", f"{lab.address(pos + 2)}:{BLOCK_PORT + pos + 1}"]
+            na = [] if pos == 2 else ["--next", f"{lab.address(pos + 2)}:{AR_PORT + pos + 1}"]
+            node(pos, f"block{pos}", ["join", "--role", "stage", "--listen", f"0.0.0.0:{BLOCK_PORT + pos}",
+                                      "--worker-id", f"block{pos}", "--block", str(pos), "--checkpoint", str(blocks), *nb])
+            node(pos, f"ar{pos}", ["join", "--role", "stage", "--listen", f"0.0.0.0:{AR_PORT + pos}", "--worker-id",
+                                   f"ar{pos}", "--model", "ar", "--checkpoint", str(ar), "--layers-range",
+                                   f"{2 * pos}:{2 * pos + 2}", *na])
+        entry = lab.address(1)
+        node(0, "api-block", ["api", "--entry", f"{entry}:{BLOCK_PORT}", "--listen", f"0.0.0.0:{API_PORT}"])
+        node(0, "api-ar", ["api", "--entry", f"{entry}:{AR_PORT}", "--listen", f"0.0.0.0:{API_PORT + 1}"])
+    except BaseException:
+        stop_processes(procs)
+        raise
+    return procs, {"block": f"{entry}:{API_PORT}", "ar": f"{entry}:{API_PORT + 1}"}
+
+
+def render(res: dict) -> str:
+    rows = [(r["model"], r["clients"], f"{r['load_1m']:.1f}", f"{r['bytes_per_s']:.1f}", f"{r['bytes_per_s_min']:.1f}",
+             f"{r['bytes_per_s_total']:.1f}", f"{r['ttfb_s']:.3f}" if r["ttfb_s"] is not None else "–",
+             f"{r['p50_s']:.3f}" if r["p50_s"] is not None else "–",
+             f"{r['p99_s']:.3f}" if r["p99_s"] is not None else "–", r["requests"], r["errors"]) for r in res["rows"]]
+    return "\n".join([
+        "## The OpenAI-compatible API under load (`bench/api.py`)", "",
+        f"`{res['command']}` ({res['date']}; the machine: 2 shared cores, every stage, the API and the clients "
+        "on it). Four hosts in a row over the emulated WAN (20 ms one way per hop, 100 Mbit/s): the clients on h0, "
+        "`btnode api` with the entry stage on h1, the next stages on h2, h3. C clients stream requests of "
+        f"{res['n_bytes']} bytes back to back for {res['seconds']:g} s. Models: {res['models']}.", "",
+        *table(["model", "C", "load (1 min)", "bytes/s per client (mean)", "(slowest)", "bytes/s in all", "ttfb p50 (s)",
+                "segment p50 (s)", "segment p99 (s)", "requests", "errors"], rows, "llrrrrrrrrr"),
+        "", "bytes/s per client: a client's bytes ÷ the time its requests took; in all: every byte ÷ the "
+        "phase's wall time. Load: the machine's 1-minute load average at the phase's end (other jobs ran "
+        "beside it on its 2 cores). Segment latency: the gap between two chunks of one stream (one traversal of the "
+        "chain: K bytes for the block chain, one byte for the AR chain)."])
+
+
+def main() -> None:
+    ap = BenchParser(__doc__)
+    ap.add_argument("--blocks", type=Path, help="block checkpoint (default: a small one trained here)")
+    ap.add_argument("--ar", type=Path, help="6-layer AR checkpoint (default: a small one trained here)")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--seconds", type=float, default=20.0, help="each phase's duration")
+    ap.add_argument("--bytes", type=int, default=256, help="bytes per block-chain request")
+    ap.add_argument("--ar-bytes", type=int, default=32, help="bytes per AR request (one traversal each)")
+    ap.result("api")
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--body", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        host, _, port = args.target.rpartition(":")
+        print(json.dumps(load(host, int(port), int(args.clients), args.seconds, json.loads(args.body))))
+        return
+    from btnode.netlab.topology import Chain
+    from btnode.store.models import load_blocks
+
+    reason = Chain.why_unavailable()
+    if reason:
+        raise SystemExit(f"cannot emulate the WAN here: {reason}")
+    workdir = Path(tempfile.mkdtemp(prefix="btnode-api-bench-"))
+    blocks, ar = (args.blocks, args.ar) if args.blocks and args.ar else train(workdir)
+    cfg, _ = load_blocks(blocks)
+    k = max(cfg.segments)
+    bodies = {"block": {"prompt": PROMPT, "max_tokens": args.bytes, "temperature": 1.0, "stream": True,
+                        "readout": "spec-fill", "k": k},
+              "ar": {"prompt": PROMPT, "max_tokens": args.ar_bytes, "temperature": 1.0, "stream": True}}
+    names = {"block": f"block K={k} spec-fill", "ar": "ar"}
+    rows = []
+    with Chain(4, delay_ms=20, rate_mbit=100) as lab:
+        procs, targets = start(lab, workdir, blocks, ar)
+        try:
+            for model in ("block", "ar"):
+                for c in (int(x) for x in args.clients.split(",")):
+                    cmd = ["ip", "netns", "exec", lab.host(0), *module_command(
+                        "bench.api", "--client", "--target", targets[model], "--clients", str(c), "--seconds",
+                        str(args.seconds), "--body", json.dumps(bodies[model]))]
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 600)
+                    if done.returncode != 0:
+                        raise SystemExit(f"the client failed:\n{done.stderr[-3000:]}")
+                    row = {"model": names[model], **json.loads(done.stdout.strip().splitlines()[-1]),
+                           "load_1m": os.getloadavg()[0]}  # the shared machine's load at the phase's end
+                    rows.append(row)
+                    print(f"[api] {row['model']} C={c}: {row['bytes_per_s']:.1f} bytes/s per client, "
+                          f"{row['bytes_per_s_total']:.1f} in all, ttfb {row['ttfb_s']}, p99 {row['p99_s']}, "
+                          f"{row['errors']} errors", file=sys.stderr, flush=True)
+        finally:
+            stop_processes(procs)
+    res = {"command": invoked(), "date": time.strftime("%Y-%m-%d"), "seconds": args.seconds,
+           "n_bytes": f"{args.bytes} (block chain) and {args.ar_bytes} (AR chain)",
+           "models": f"blocks {shown([str(blocks)])}, AR {shown([str(ar)])}"
+                     + ("" if args.blocks else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
+           "rows": rows}
+    publish("api", res, render, out=args.results)
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""`btnode api`: an OpenAI-compatible HTTP server (Starlette on uvicorn) in front of a served chain.
+Requests become the shared `GenerationRequest` (serve/completions.py), go to the chain's entry over
+gRPC (rpc/entry.py) and come back as one JSON reply or as server-sent events, one per segment. Also
+serves a page to try the model at `/` and the HTTP layer's Prometheus metrics at `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from btnode.durable import atomic_write
+from btnode.errors import BtnodeError, ConfigError, InputError, Overloaded, PeerUnavailable, StageTimeout
+from btnode.model.readout import Readout, default_readout
+from btnode.node.metrics import ApiCollector
+from btnode.protocol import Meter
+from btnode.rpc.entry import ChainInfo, EntryClient, Segment
+from btnode.serve.completions import Completion, ReplyShape, StopCutter, parse_chat, parse_completion, usage
+from btnode.settings import flag
+
+log = logging.getLogger(__name__)
+PAGE = Path(__file__).with_name("api_page.html")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP server in front of a chain (local: every API server may differ)."""
+
+    entries: tuple[str, ...] = flag("--entry", "HOST:PORT of the chain's first stage; a comma-separated list adds "
+                                               "spare entries, tried in order.", default=(), param="entry",
+                                    value=str, parse=_addresses, format=lambda e: ",".join(e) or None)
+    listen: str = flag("--listen", "HOST:PORT the HTTP server listens on (port 0 picks one).",
+                       default="127.0.0.1:8000")
+    api_key: str = flag("--api-key", "Clients must send `Authorization: Bearer KEY` (empty: no key).",
+                       default="")
+    max_concurrent: int = flag("--max-concurrent", "Generation requests served at once; more are answered 429.",
+                               default=32, min=1)
+    segment_timeout_s: float = flag("--segment-timeout", "Seconds to wait for the chain's next segment before "
+                                                         "answering 504.", default=60.0, min=0.01)
+    max_body_bytes: int = flag("--max-body-bytes", "Largest request body accepted (413 above).", default=1 << 20,
+                               min=1)
+    port_file: Path | None = flag("--port-file", "Write the bound port here once listening.", default=None)
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+          param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+def error_for(exc: BtnodeError) -> JSONResponse:
+    """A domain error as the HTTP status a client can act on."""
+    if isinstance(exc, StageTimeout):
+        return error(504, str(exc), "timeout", "stage_timeout")
+    if isinstance(exc, Overloaded):  # the chain's own concurrency limits
+        return error(429, str(exc), "requests", "chain_overloaded")
+    if isinstance(exc, PeerUnavailable):
+        return error(503, str(exc), "service_unavailable", "no_route")
+    if isinstance(exc, InputError):
+        return error(400, str(exc))
+    return error(502, f"the chain failed the request: {exc}", "api_error", type(exc).__name__)
+
+
+class ApiServer:
+    """The app and what it keeps between requests: the entry client, the chain's info once read,
+    the in-flight count (the concurrency limit) and the meter the metrics read."""
+
+    def __init__(self, config: ApiConfig):
+        if not config.entries:
+            raise ConfigError("give --entry HOST:PORT (the chain's first stage; spares after commas)")
+        self.config = config
+        self.client = EntryClient(config.entries, segment_timeout_s=config.segment_timeout_s)
+        self.chain: ChainInfo | None = None
+        self.in_flight = 0
+        self.meter = Meter()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(ApiCollector(self.meter, lambda: self.in_flight))
+        routes = [Route("/", self.page), Route("/health", self.health), Route("/metrics", self.metrics),
+                  Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        self.app = Starlette(routes=routes)
+        self.app.add_middleware(_Counted, server=self)
+
+    # what the chain serves
+
+    async def info(self) -> ChainInfo:
+        if self.chain is None:
+            self.chain = await self.client.info()
+            log.info("serving the %s chain at %s (model %s)", self.chain.kind, self.chain.entry, self.model_id)
+        return self.chain
+
+    @property
+    def model_id(self) -> str:
+        assert self.chain is not None
+        return f"btnode-{self.chain.kind}-{self.chain.fingerprint[:12]}"
+
+    def model_card(self) -> dict[str, Any]:
+        c = self.chain
+        assert c is not None
+        card: dict[str, Any] = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "btnode",
+                                "kind": c.kind, "context": c.cfg.context, "byte_level": True}
+        if c.kind == "ar":
+            card.update(readout=None, k=1, layers=c.cfg.ar_layers)
+        else:
+            card.update(readout=default_readout().value, k=max(c.cfg.segments), segments=list(c.cfg.segments),
+                        readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks)
+        return card
+
+    # routes
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(PAGE.read_text())
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self.chain = await EntryClient(self.config.entries, info_timeout_s=5.0).info()
+        except BtnodeError as exc:
+            return error_for(exc)
+        return JSONResponse({"status": "ok", "model": self.model_id, "entry": self.chain.entry,
+                             "in_flight": self.in_flight})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        try:
+            await self.info()
+        except BtnodeError as exc:
+            return error_for(exc)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, parse_completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, parse_chat)
+
+    # one generation request
+
+    def check_key(self, request: Request) -> Response | None:
+        if not self.config.api_key:
+            return None
+        sent = request.headers.get("authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {self.config.api_key}".encode()):
+            return None
+        return error(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def body(self, request: Request) -> Any:
+        """The JSON body, read up to max_body_bytes: InputError, or TooLargeBody."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise TooLargeBody(int(declared), limit)
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise TooLargeBody(len(raw), limit)
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InputError(f"the request body is not valid JSON: {exc}") from None
+
+    async def generate(self, request: Request, parse: Callable[[Any], Completion]) -> Response:
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        try:
+            completion = parse(await self.body(request))
+        except TooLargeBody as exc:
+            return error(413, str(exc), code="request_too_large")
+        except InputError as exc:
+            return error(400, str(exc))
+        if self.in_flight >= self.config.max_concurrent:
+            return error(429, f"{self.in_flight} requests in flight, the limit is {self.config.max_concurrent}; "
+                              "retry later", "requests", "rate_limit_exceeded")
+        self.in_flight += 1
+        release = True
+        try:
+            chain = await self.info()
+            if completion.model not in (None, self.model_id):
+                return error(404, f"the model {completion.model!r} does not exist; this server serves "
+                                  f"{self.model_id!r} (GET /v1/models)", code="model_not_found", param="model")
+            req = completion.request.checked(chain.cfg, chain.n_blocks)
+            shape = ReplyShape(model=self.model_id, chat=completion.chat)
+            t0 = time.perf_counter()
+            segments = self.client.stream(req)
+            try:
+                first = await anext(segments, None)  # errors before the first byte get their status code
+            except BaseException:
+                await segments.aclose()
+                raise
+            self.meter.observe("ttfb", time.perf_counter() - t0)
+            if completion.stream:
+                release = False  # the stream releases its slot when it ends
+                return _Stream(self.events(completion, shape, first, segments), segments, self.release)
+            return await self.whole(request, completion, shape, first, segments)
+        except BtnodeError as exc:
+            return error_for(exc)
+        finally:
+            if release:
+                self.release()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    async def whole(self, request: Request, completion: Completion, shape: ReplyShape, first: Segment | None,
+                    segments: AsyncIterator[Segment]) -> Response:
+        cutter = StopCutter(completion.stops)
+        text, last = [], first
+        async with aclosing(segments):
+            seg = first
+            while seg is not None:
+                last = seg
+                text.append(cutter.feed(seg.new_bytes))
+                if cutter.stopped or await request.is_disconnected():
+                    break
+                seg = await anext(segments, None)
+        text.append(cutter.finish())
+        extra = {"traversals": last.traversals if last else 0, "route": last.route if last else []}
+        return JSONResponse(shape.reply("".join(text), "stop" if cutter.stopped else "length",
+                                        usage(completion.request.prompt, cutter.released), extra))
+
+    async def events(self, completion: Completion, shape: ReplyShape, first: Segment | None,
+                     segments: AsyncIterator[Segment]) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per segment, a last chunk with the finish reason, the usage
+        when asked for, then [DONE]. A client that goes away cancels this generator, which closes
+        the entry stream and so cancels the request down the chain."""
+        cutter = StopCutter(completion.stops)
+        try:
+            async with aclosing(segments):
+                if completion.chat:
+                    yield _sse(shape.chunk("", None, role=True))
+                seg = first
+                try:
+                    while seg is not None:
+                        text = cutter.feed(seg.new_bytes)
+                        yield _sse(shape.chunk(text, None, {"traversals": seg.traversals, "bytes": cutter.released}))
+                        if cutter.stopped:
+                            break
+                        seg = await anext(segments, None)
+                except BtnodeError as exc:  # after the headers: the error as an event, as OpenAI sends it
+                    body = json.loads(error_for(exc).body)
+                    self.meter.count(("stream_error", type(exc).__name__))
+                    yield _sse(body)
+                    return
+            rest = cutter.finish()
+            if rest:
+                yield _sse(shape.chunk(rest, None))
+            yield _sse(shape.chunk(None if completion.chat else "", "stop" if cutter.stopped else "length"))
+            if completion.include_usage:
+                yield _sse(shape.usage_chunk(usage(completion.request.prompt, cutter.released)))
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.meter.count(("cancelled",))
+            raise
+
+
+class _Stream(StreamingResponse):
+    """The event stream of one request. However it ends (done, failed, its client gone before the
+    first event was sent), the entry stream is closed, cancelling the call, and the slot released."""
+
+    def __init__(self, events: AsyncIterator[bytes], segments: AsyncIterator[Segment], release: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.segments = segments
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.segments.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.release()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class TooLargeBody(Exception):
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"the request body is {size} bytes or more; at most {limit} are accepted")
+
+
+class _Counted:
+    """ASGI middleware: every HTTP answer counted by route and status code."""
+
+    def __init__(self, app: Any, server: ApiServer):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in ("/", "/health", "/metrics", "/v1/models", "/v1/completions",
+                                 "/v1/chat/completions") else "other"
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.server.meter.count(("http", route, str(message["status"])))
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def run_api(config: ApiConfig) -> None:
+    """Serve until SIGINT or SIGTERM (uvicorn handles both, finishing the requests in flight)."""
+    import uvicorn
+
+    server = ApiServer(config)
+    host, _, port = config.listen.rpartition(":")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        sock.listen(1024)  # connections wait in the backlog until uvicorn accepts them
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot listen on {config.listen!r}: {exc}") from None
+    bound = sock.getsockname()[1]
+    if config.port_file is not None:
+        atomic_write(config.port_file, f"{bound}\n".encode())
+    log.info("OpenAI-compatible API on http://%s:%d/v1 (entries %s)", host or "0.0.0.0", bound,
+             ",".join(config.entries))
+    uv = uvicorn.Server(uvicorn.Config(server.app, loop="asyncio", log_level="warning", access_log=False,
+                                       timeout_graceful_shutdown=5))
+    uv.run(sockets=[sock])
