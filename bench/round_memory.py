@@ -105,6 +105,10 @@ def main() -> None:
     ap.quick(help="smoke run: a small block, N ≤ 8, no report", ns=[2, 8])
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[2, 16, 64, 128])
     ap.add_argument("--rules", type=lambda s: s.split(","), default=list(RULES))
+    ap.add_argument("--median-ns", type=lambda s: [int(x) for x in s.split(",")], default=[2, 16, 64],
+                    help="N of the trimmed and median rows (their close reads N × 4 bytes a parameter from disk)")
+    ap.add_argument("--before-log", type=Path, help="a log of an earlier run's '[round-memory]' lines to show "
+                                                    "beside this one's rows (marked as such)")
     ap.add_argument("--against", metavar="REF", help="also run git ref REF's btnode, interleaved")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-round-memory")
     ap.add_argument("--child", nargs=2, metavar=("RULE", "N"), help=__import__("argparse").SUPPRESS)
@@ -119,7 +123,7 @@ def main() -> None:
         trees[args.against] = tree_env(args.against, args.workdir)
     rows = []
     for rule in args.rules:
-        for n in args.ns:
+        for n in (args.median_ns if rule in ("trimmed", "median") else args.ns):
             for code, env in trees.items():
                 cmd = module_command("bench.round_memory", "--child", rule, str(n), *(["--quick"] if args.quick else []))
                 out = subprocess.run(cmd, env=env, cwd=args.workdir, capture_output=True, text=True)  # not ROOT: its btnode would come first
@@ -139,9 +143,23 @@ def main() -> None:
                 r["fixed_over_unit"] = (first["peak_mb"] - first["with_torch_mb"]) / unit_mb
                 r["per_update_mb"] = ((r["peak_mb"] - first["peak_mb"]) / (r["n"] - first["n"])
                                       if r["n"] > first["n"] else None)
-    res = {"shape": shape, "params": rows[0]["params"], "unit_mb": unit_mb, "rows": rows, "command": invoked(),
+    before = _before(args.before_log) if args.before_log else []
+    res = {"shape": shape, "params": rows[0]["params"], "unit_mb": unit_mb, "rows": rows, "before": before,
+           "command": invoked(),
            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores"}
     publish("round-memory", res, render, out=args.results)
+
+
+def _before(log: Path) -> list[dict]:
+    """Rows of an earlier run, read back from its progress lines (code, rule, N, base, peak, close)."""
+    import re
+
+    out = []
+    for m in re.finditer(r"\[round-memory\]\s+(.+?)\s+(mean|screened|trimmed|median) N=\s*(\d+): base (\d+) MB, "
+                         r"peak (\d+) MB, close ([\d.]+) s", log.read_text()):
+        out.append({"code": m[1], "rule": m[2], "n": int(m[3]), "base_mb": float(m[4]), "peak_mb": float(m[5]),
+                    "close_s": float(m[6])})
+    return out
 
 
 def render(r: dict) -> str:
@@ -149,11 +167,21 @@ def render(r: dict) -> str:
              f"Command: `{r['command']}` ({r['date']}, {r['machine']}). One block of {r['params'] / 1e6:.1f} M "
              f"parameters (P = {r['unit_mb']:.0f} MiB in fp32), N int8 updates submitted in process with their raw "
              "bytes, one child per row (peak = its VmHWM). `fixed ×P`: the peak at the smallest N less the same "
-             "child's RSS with torch loaded and no aggregator, over P.", ""]
+             "child's RSS with torch loaded and no aggregator, over P: θ (1 P), the exact int64 running sum "
+             "(2 P), and the one update being judged (its decoded values, 1 P, and raw int8 bytes, 0.25 P). "
+             "`mean` and `screened` hold nothing per update but a 4,096-value sketch; `median` holds one "
+             "64 MiB column of all the updates (read from the round's spill on disk) at close.", ""]
     lines += table(["code", "rule", "N", "base MB", "peak MB", "per extra update MB", "fixed ×P", "close s"],
                    [[x["code"], x["rule"], x["n"], f"{x['base_mb']:,.0f}", f"{x['peak_mb']:,.0f}",
                      "" if x["per_update_mb"] is None else f"{x['per_update_mb']:.1f}", f"{x['fixed_over_unit']:.1f}",
                      f"{x['close_s']:.2f}"] for x in r["rows"]], "lllrrrrr")
+    if r.get("before"):
+        lines += ["", "Beside it, the same bench run earlier with `--against f726dd5` (both trees interleaved, "
+                  "on a machine shared with other jobs); that run was stopped by its time limit at the last row "
+                  "before it wrote its JSON, so these rows come from its progress lines (`--before-log`):", ""]
+        lines += table(["code", "rule", "N", "base MB", "peak MB", "close s"],
+                       [[x["code"], x["rule"], x["n"], f"{x['base_mb']:,.0f}", f"{x['peak_mb']:,.0f}",
+                         f"{x['close_s']:.2f}"] for x in r["before"]], "lllrrr")
     return "\n".join(lines)
 
 
