@@ -1,0 +1,394 @@
+"""A swarm of a thousand (issue #25, item 4): one real aggregator process (`btnode join --role
+aggregator`), optionally real relays (`btnode join --role relay`), and N simulated workers that
+speak the real protocol (bench/swarmlet.py: real int8 frames of a real block, no training), at
+N ∈ {16, 64, 256, 1024}, flat (workers → root) and through a tree of relays.
+
+Per row: the root's peak RSS (VmHWM) and CPU seconds from /proc, a relay's peak RSS, the round
+close time (last push accepted → version published, from the root's JSON log), the root's ingress
+and egress per round (its /metrics transfer counters, the joins' full pulls left out), updates lost
+(a worker was told ACCEPTED, and the version of that round counts fewer accepted updates than
+workers were told so; must be 0), refused calls, pulls served, and the largest gap between the
+root's systemd watchdog keep-alives (it runs with NOTIFY_SOCKET on a datagram socket this bench
+reads and WATCHDOG_USEC set). `--kill` adds a run where simulated-worker processes (and relays)
+are SIGKILLed at random mid-round.
+
+All simulated workers share 127.0.0.1, so the root's per-IP limits are raised to N (one host here
+stands for N hosts); that is stated in each row's command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.flags import BenchParser, shape_flags
+from bench.report import ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
+from btnode.model.config import ModelConfig
+from btnode.node.launch import CLI, one_thread_env, start_node, stop_processes
+
+SHAPE = ModelConfig(d_model=256, n_heads=4, n_layers=2, n_blocks=3, context=128)  # block 0: 2.9 M parameters, 11 MB fp32
+QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
+SIZES = (16, 64, 256, 1024)
+BATCH, LR, H = 8, 2e-3, 4  # the claims the simulated workers make (and the root checks)
+WORKERS_PER_PROCESS = 128
+WATCHDOG_USEC = 2_000_000  # keep-alives every 1 s (half of it), as systemd asks
+MB = 2**20
+
+
+@dataclass
+class Notifications:
+    """sd_notify datagrams a node sends to a socket this process binds: (time, text) each."""
+
+    path: Path
+    got: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path.unlink(missing_ok=True)
+        self.sock.bind(str(self.path))
+        self.sock.settimeout(0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            self.got.append((time.time(), data.decode(errors="replace")))
+
+    def max_gap(self, until: float) -> float:
+        """The largest gap between WATCHDOG=1 messages, and from the last one to `until`."""
+        pings = [t for t, text in self.got if "WATCHDOG=1" in text.split("\n")]
+        if not pings:
+            return math.inf
+        return max([b - a for a, b in zip(pings, pings[1:])] + [until - pings[-1]])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def proc_stats(pid: int) -> tuple[float, float]:
+    """(peak RSS in MiB from VmHWM, CPU seconds user + system) of a live process."""
+    hwm = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmHWM:"))
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return hwm / 1024, cpu
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A node's /metrics as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(m: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, lb), v in m.items() if n == name and all((k, x) in lb for k, x in labels.items()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """From a node's JSON log: round v → the time of its last accepted update, and version → the time it
+    was published."""
+    accepted: dict[int, float] = {}
+    published: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        msg = rec.get("msg", "")
+        t = time.mktime(time.strptime(rec["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone + float(rec["ts"][19:-1] or 0)
+        if m := re.search(r"round (\d+): accepted the", msg):
+            accepted[int(m[1])] = max(accepted.get(int(m[1]), 0.0), t)
+        elif m := re.search(r"version (\d+) published", msg):
+            published[int(m[1])] = t
+    return accepted, published
+
+
+def shape_of(args_quick: bool) -> ModelConfig:
+    return QUICK_SHAPE if args_quick else SHAPE
+
+
+def root_command(cfg: ModelConfig, out: Path, n: int, metrics_port: int, deadline: float) -> list[str]:
+    return [*CLI, "--log-format", "json", "join", "--role", "aggregator", "--listen", "127.0.0.1:0",
+            "--state-dir", str(out / "root"), "--blocks-owned", "0", "--deadline", str(deadline), "--keep", "2",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+            "--max-streams-per-peer", str(max(8, 2 * n)), "--max-joins-per-minute", str(max(30, 2 * n)),
+            "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H), *shape_flags(cfg)]
+
+
+def events(folder: Path) -> list[dict]:
+    out = []
+    for f in sorted(folder.glob("events-*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut short by a SIGKILL
+                pass
+    return out
+
+
+def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
+            kill: bool = False, seed: int = 0) -> dict:
+    """One row: start the root (and relays), N simulated workers, `rounds` rounds; measure."""
+    out.mkdir(parents=True, exist_ok=True)
+    if topology != "flat":
+        raise SystemExit(f"topology {topology!r}: relays are not in this tree yet")
+    notes = Notifications(out / "notify.sock")
+    metrics_port = free_port()
+    cmd = root_command(cfg, out, n, metrics_port, deadline)
+    env = one_thread_env(NOTIFY_SOCKET=str(notes.path), WATCHDOG_USEC=str(WATCHDOG_USEC))
+    root = start_node(cmd[len(CLI):], port_file=out / "root.port", log=out / "root.log", env=env, name="aggregator",
+                      timeout_s=300)
+    procs: list[subprocess.Popen] = []
+    try:
+        k = max(1, math.ceil(n / WORKERS_PER_PROCESS))
+        per = math.ceil(n / k)
+        sims = []
+        for i in range(k):
+            first, count = i * per, min(per, n - i * per)
+            sim = module_command("bench.swarmlet", "--peer", root.address(), "--config", json.dumps(cfg.to_dict()),
+                                 "--first", str(first), "--count", str(count), "--rounds", str(rounds),
+                                 "--batch", str(BATCH), "--lr", str(LR), "--h", str(H), "--wait", str(4 * deadline),
+                                 "--events", str(out / f"events-{i}.jsonl"), "--ready", str(out / f"ready-{i}"),
+                                 "--go", str(out / "go"))
+            with open(out / f"swarmlet-{i}.log", "ab") as log:
+                sims.append(subprocess.Popen(sim, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env()))
+        procs += sims
+        t_wait = time.monotonic()
+        while not all((out / f"ready-{i}").exists() for i in range(k)):
+            if any(p.poll() is not None for p in sims):
+                raise SystemExit(f"a swarmlet exited before its workers joined; see {out}")
+            if time.monotonic() - t_wait > 600:
+                raise SystemExit(f"workers did not join within 600 s; see {out}")
+            time.sleep(0.2)
+        m0 = scrape(metrics_port)
+        (out / "go").touch()
+        t_go = time.time()
+        killed = []
+        if kill:
+            rng = random.Random(seed)
+            time.sleep(rng.uniform(0.5, 2.0))
+            for p in rng.sample(sims, max(1, k // 4)):
+                p.send_signal(signal.SIGKILL)
+                killed.append(p.pid)
+        for p in sims:
+            p.wait(timeout=rounds * 4 * deadline + 120)
+        m1 = scrape(metrics_port)
+        peak_rss, cpu = proc_stats(root.proc.pid)
+        t_end = time.time()
+    finally:
+        stop_processes(procs, timeout_s=10)
+        root.stop(timeout_s=60)
+        notes.close()
+    return summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
+
+
+def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: dict, peak_rss: float, cpu: float,
+              gap: float, t_go: float, t_end: float, killed: list[int]) -> dict:
+    ev = events(out)
+    accepted_told: Counter = Counter()  # round version → pushes answered ACCEPTED
+    outcomes: Counter = Counter()
+    refused: Counter = Counter()
+    published: dict[int, dict] = {}
+    errors: Counter = Counter()
+    for e in ev:
+        if e["kind"] == "push":
+            outcomes[e["outcome"]] += 1
+            if e["outcome"] == "accepted":
+                accepted_told[e["version"]] += 1
+        elif e["kind"] == "refused":
+            refused[e["call"]] += 1
+        elif e["kind"] == "version":
+            published[e["version"]] = {"accepted": e["accepted"], "rejected": e["rejected"]}
+        elif e["kind"] == "error":
+            errors[e["call"]] += 1
+    lost = sum(max(0, told - published.get(v + 1, {"accepted": 0})["accepted"]) for v, told in accepted_told.items())
+    last_accept, pub_at = json_log_times(out / "root.log")
+    closes = {v: pub_at[v + 1] - t for v, t in last_accept.items() if v + 1 in pub_at}
+    rounds_done = sorted(v for v in pub_at if v > 0)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(m1, name, **labels) - metric(m0, name, **labels)
+
+    per_round = max(1, len(rounds_done))
+    return {
+        "n_workers": n, "topology": topology,
+        "root_peak_rss_mb": peak_rss,
+        "relay_peak_rss_mb": None,
+        "close_s": max(closes.values()) if closes else None,
+        "close_s_by_round": {str(v): c for v, c in sorted(closes.items())},
+        "rounds_published": len(rounds_done),
+        "root_ingress_mb": delta("btnode_transfer_bytes_total", direction="received", form="wire") / MB / per_round,
+        "root_egress_mb": delta("btnode_transfer_bytes_total", direction="sent", form="wire") / MB / per_round,
+        "join_egress_mb": metric(m0, "btnode_transfer_bytes_total", direction="sent", form="wire") / MB,
+        "lost": lost,
+        "accepted_told": sum(accepted_told.values()),
+        "published_accepted": sum(published.get(v + 1, {"accepted": 0})["accepted"] for v in accepted_told),
+        "outcomes": dict(outcomes),
+        "refused": sum(refused.values()),
+        "refused_by_call": dict(refused),
+        "errors_by_call": dict(errors),
+        "root_limited": {dict(lb).get("reason", ""): v for (nm, lb), v in m1.items()
+                         if nm == "btnode_swarm_events_total" and dict(lb).get("event") == "limited"},
+        "pulls_served": metric(m1, "btnode_rpc_duration_seconds_count", call="pull"),
+        "delta_fetches_served": delta("btnode_rpc_duration_seconds_count", call="fetch_delta"),
+        "root_cpu_s": cpu,
+        "max_watchdog_gap_s": gap,
+        "wall_s": t_end - t_go,
+        "killed_processes": len(killed),
+        "command": shown(cmd),
+    }
+
+
+def render(res: dict) -> str:
+    def f(x: object, spec: str = ",.1f") -> str:
+        return "—" if x is None else format(x, spec)
+
+    rows = res["rows"]
+    return "\n".join([
+        "## A swarm of a thousand (`bench/scale.py`)",
+        "",
+        f"Command: `{res['command']}` ({res['date']}, {res['machine']}). {res['setup']}",
+        "",
+        *table(["code", "N", "topology", "root peak RSS MB", "close s", "root in MB/round", "root out MB/round",
+                "lost", "refused", "max watchdog gap s", "root CPU s", "rounds", "wall s"],
+               [(r.get("code", ""), r["n_workers"], r["topology"] + (" + kills" if r.get("kill") else ""),
+                 f(r["root_peak_rss_mb"], ",.0f"), f(r["close_s"], ".2f"), f(r["root_ingress_mb"]),
+                 f(r["root_egress_mb"]), r["lost"], r["refused"], f(r["max_watchdog_gap_s"], ".2f"),
+                 f(r["root_cpu_s"], ",.0f"), r["rounds_published"], f(r["wall_s"], ",.0f")) for r in rows],
+               "llrrrrrrrrrrr"),
+        "",
+        f"Block: {res['block_params']:,} parameters, **{res['block_fp32_mb']:.1f} MB** in fp32; fixed RSS of the root "
+        f"above an idle Python + torch process over the block's fp32 size: **{f(res['fixed_rss_over_unit'], '.1f')}**.",
+        "",
+        "Each row's root command:",
+        "",
+        *[f"- {r.get('code', '')} N={r['n_workers']} {r['topology']}: `{r['command']}`" for r in rows],
+    ])
+
+
+def plot(res: dict, path: Path) -> None:
+    plt = pyplot("scale")
+    if plt is None:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for topo in ("flat", "tree"):
+        rows = sorted((r for r in res["rows"] if r["topology"] == topo and not r.get("kill")
+                       and r.get("code") == res["code"]), key=lambda r: r["n_workers"])
+        if rows:
+            a.plot([r["n_workers"] for r in rows], [r["root_peak_rss_mb"] for r in rows], "o-", label=topo)
+            b.plot([r["n_workers"] for r in rows], [r["close_s"] or math.nan for r in rows], "o-", label=topo)
+    for ax, title in ((a, "root peak RSS (MB)"), (b, "round close (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("simulated workers N")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def idle_rss() -> float:
+    """Peak RSS of a Python process that imported torch and btnode's aggregator, nothing built."""
+    from bench.report import measure
+    import sys
+
+    return measure([sys.executable, "-c", "import torch, btnode.node.aggregator"]).max_rss_mb
+
+
+def git_head() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def block_params(cfg: ModelConfig) -> int:
+    import torch
+
+    from btnode.store.models import init_unit
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in init_unit(cfg, 0, 0).parameters())
+
+
+def main() -> None:
+    ap = BenchParser(__doc__.split("\n\n")[0])
+    ap.quick(help="Tiny block, N = 4 and 8: a smoke test of the benchmark itself.")
+    ap.result("scale")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated N")
+    ap.add_argument("--topology", choices=("flat", "tree"), default="flat")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--deadline", type=float, default=120.0, help="the root's --deadline")
+    ap.add_argument("--kill", action="store_true", help="also the kill run, at the largest N")
+    ap.add_argument("--code", default="", help="label of these rows (default: the commit)")
+    ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
+    args = ap.parse_args()
+    cfg = shape_of(args.quick)
+    sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(","))
+    code = args.code or git_head()
+    new = []
+    for n in sizes:
+        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
+                      deadline=args.deadline)
+        row.update(code=code, kill=False)
+        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+        new.append(row)
+    if args.kill:
+        n = sizes[-1]
+        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-kill", rounds=args.rounds,
+                      deadline=args.deadline, kill=True, seed=1)
+        row.update(code=code, kill=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+        new.append(row)
+    old = json.loads(args.results.read_text()).get("rows", []) if args.results.exists() else []
+    if args.replace:
+        old = [r for r in old if not (r.get("code") == code and r["topology"] == args.topology)]
+    params = block_params(cfg)
+    unit = 4 * params / MB
+    base = idle_rss()
+    smallest = min((r for r in new if not r["kill"]), key=lambda r: r["n_workers"], default=None)
+    res = {
+        "command": invoked(), "code": code, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared",
+        "setup": (f"Block 0 of d={cfg.d_model}, {cfg.n_heads} heads, {cfg.n_layers} layers (`{shown(shape_flags(cfg))}`); "
+                  f"simulated workers push int8 (claims checked: --batch {BATCH} --lr {LR} --steps-per-round {H}), "
+                  f"{WORKERS_PER_PROCESS} per process on grpc.aio, one channel each; {args.rounds} rounds per row."),
+        "block_params": params, "block_fp32_mb": unit, "idle_rss_mb": base,
+        "fixed_rss_over_unit": (smallest["root_peak_rss_mb"] - base) / unit if smallest else None,
+        "rows": old + new,
+    }
+    publish("scale", res, render, out=args.results)
+    if is_published("scale", args.results):
+        plot(res, ROOT / "bench" / "results" / "scale.png")
+
+
+if __name__ == "__main__":
+    main()

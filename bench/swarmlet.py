@@ -1,0 +1,258 @@
+"""Simulated workers for bench/scale.py: hundreds of them in one process, each on its own gRPC
+channel (its own connection) in one asyncio loop, speaking the real Swarm protocol with no training.
+
+A simulated worker does what `swarm.worker.BlockWorker` does on the wire: Join with the run
+fingerprint and training terms, Pull the block in full, hold a Watch stream, and per round Push an
+update for the version it holds, wait for the next version on its stream and FetchDelta it. The
+update is real: int8 frames of the block's shape, encoded once per process (a few variants, the
+same common direction plus a little noise each, so that the screen keeps them all), each
+coordinate within the bound the aggregator's claims check derives from --lr and H
+(aggregate/claims.py), with steps and samples that satisfy its weight rule. A refused call
+(RESOURCE_EXHAUSTED, UNAVAILABLE) is counted and retried with backoff, as issue #25 asks of the
+client. Every event is one JSON line, flushed as it happens, so a process killed mid-run leaves
+what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import torch
+import zstandard
+
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ZSTD_LEVEL, encode_raw, frame_from_raw, iter_chunks
+from btnode.model.config import ModelConfig
+from btnode.protocol import EMPTY_STATE, PushHeader, VersionInfo, WorkClaim
+from btnode.rpc import convert
+from btnode.rpc.server import CHANNEL_OPTIONS
+from btnode.store.models import init_unit
+from btnode.train.config import TrainConfig
+from btnode.train.recipe import Recipe
+from btnode.train.terms import TrainingTerms
+from btnode.v1 import swarm_pb2 as pb
+from btnode.v1 import swarm_pb2_grpc as pb_grpc
+
+VARIANTS = 4  # distinct updates per process
+RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+BLOCK = 0
+
+
+class Log:
+    """Events as JSON lines, flushed at once (a SIGKILL loses nothing already written)."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "a", buffering=1)
+
+    def __call__(self, kind: str, **fields: object) -> None:
+        self.f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
+
+
+def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str, tuple[int, ...]], list[list[pb.PushMessage]]]:
+    """The block's spec and VARIANTS pre-encoded int8 updates as chunk messages. Each coordinate moves at
+    most 0.3 · H · lr, under the claims bound's Adam part alone (≥ 1.0 · H · lr for any θ)."""
+    params = init_unit(cfg, BLOCK, 0).state_dict()
+    spec = {n: tuple(t.shape) for n, t in params.items()}
+    g = torch.Generator().manual_seed(seed)
+    common = {n: torch.rand(t.shape, generator=g) * 2 - 1 for n, t in params.items()}
+    out = []
+    for _ in range(VARIANTS):
+        delta = {n: (0.8 * c + 0.2 * (torch.rand(c.shape, generator=g) * 2 - 1)) * (0.3 * h * lr)
+                 for n, c in common.items()}
+        raw = encode_raw(delta, Codec.INT8)
+        zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        frames = [frame_from_raw(n, spec[n], Codec.INT8, raw[n], zc) for n in spec]
+        out.append([pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames)])
+    return spec, out
+
+
+class SimWorker:
+    def __init__(self, name: str, address: str, cfg: ModelConfig, terms: TrainingTerms, update: list[pb.PushMessage],
+                 log: Log, *, rounds: int, wait_s: float, recipe: str, go: asyncio.Event):
+        self.name, self.address, self.cfg, self.terms = name, address, cfg, terms
+        self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SwarmStub(self.channel)
+        self.info: VersionInfo | None = None
+        self.newest: VersionInfo | None = None
+        self.arrived = asyncio.Event()
+        self.go = go  # set once every simulated worker has joined (the bench's barrier)
+        self.key = ""
+
+    async def retried(self, what: str, make):  # noqa: ANN001 - a coroutine factory
+        """await make(), retrying refusals with backoff (0.2 s doubling to 5 s) for up to wait_s."""
+        start, attempt = time.monotonic(), 0
+        while True:
+            try:
+                return await make()
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRIED or time.monotonic() - start > self.wait_s:
+                    raise
+                self.log("refused", worker=self.name, call=what, code=err.code().name)
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt) * (0.5 + random.random()))
+                attempt += 1
+
+    async def _stream_bytes(self, call) -> tuple[VersionInfo, int]:  # noqa: ANN001
+        """Read a tensor stream to its end: its version info and the payload bytes it carried."""
+        info, wire = None, 0
+        async for msg in call:
+            if msg.WhichOneof("kind") == "info":
+                info = convert.info_from_pb(msg.info)
+            else:
+                wire += len(msg.chunk.data)
+        assert info is not None, "a tensor stream without its version info"
+        return info, wire
+
+    async def watch(self) -> None:
+        """Hold the version stream (reconnecting after a refusal or a break) and note each new version."""
+        while True:
+            call = self.stub.Watch(pb.WatchRequest(block=BLOCK, worker_id=self.name))
+            try:
+                async for msg in call:
+                    info = convert.info_from_pb(msg)
+                    if self.newest is None or info.version > self.newest.version:
+                        self.newest = info
+                        self.log("version", worker=self.name, version=info.version, accepted=info.accepted,
+                                 rejected=info.rejected)
+                        self.arrived.set()
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED:
+                    return
+                self.log("refused" if err.code() in RETRIED else "error", worker=self.name, call="watch",
+                         code=err.code().name)
+                await asyncio.sleep(0.5 + random.random())
+
+    def _messages(self, header: PushHeader) -> AsyncIterator[pb.PushMessage]:
+        async def gen() -> AsyncIterator[pb.PushMessage]:
+            yield pb.PushMessage(header=convert.push_header_to_pb(header))
+            for m in self.update:
+                yield m
+        return gen()
+
+    async def _push(self, v: VersionInfo) -> None:
+        h = self.terms.steps_per_round
+        header = PushHeader(worker_id=self.name, block=BLOCK, base_version=v.version,
+                            samples=float(h * self.terms.train.batch), loss=1.0, codec=Codec.INT8,
+                            update_id=uuid.uuid4().hex, data_key=self.key,
+                            steps=tuple(range(v.version * h, (v.version + 1) * h)),
+                            claim=WorkClaim(base_sha256=v.sha256, data_id="", recipe=self.recipe,
+                                            optimizer_start=EMPTY_STATE, optimizer_end=EMPTY_STATE,
+                                            residual_start=EMPTY_STATE, residual_end=EMPTY_STATE))
+        t0 = time.time()
+        self.log("push_start", worker=self.name, version=v.version)
+        try:
+            reply = await self.retried("push", lambda: self.stub.Push(self._messages(header)))
+        except grpc.aio.AioRpcError as err:
+            self.log("push", worker=self.name, version=v.version, outcome="error", code=err.code().name,
+                     reason=err.details(), start=t0)
+            return
+        j = convert.judgement_from_pb(reply)
+        self.log("push", worker=self.name, version=v.version, outcome=j.outcome.value, reason=j.reason, start=t0)
+
+    async def run(self) -> None:
+        try:
+            reply = await self.retried("join", lambda: self.stub.Join(pb.JoinRequest(
+                worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
+                config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json())))
+            joined = convert.join_from_pb(reply)
+            self.key = joined.data_key
+            self.info, wire = await self.retried("pull", lambda: self._stream_bytes(
+                self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name))))
+            self.log("joined", worker=self.name, version=self.info.version, pulled=wire)
+        except grpc.aio.AioRpcError as err:
+            self.log("error", worker=self.name, call="join", code=err.code().name, reason=err.details())
+            return
+        watcher = asyncio.create_task(self.watch())
+        try:
+            await self.go.wait()
+            await self._rounds()
+        finally:
+            watcher.cancel()
+            await self.channel.close()
+
+    async def _rounds(self) -> None:
+        for _ in range(self.rounds):
+            v = self.info
+            assert v is not None
+            await self._push(v)
+            deadline = time.monotonic() + self.wait_s
+            while self.newest is None or self.newest.version <= v.version:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), max(0.1, deadline - time.monotonic()))
+                except TimeoutError:
+                    self.log("error", worker=self.name, call="wait", reason=f"no version after {v.version}")
+                    return
+            target = self.newest
+            try:
+                if target.base_version == v.version:
+                    got, wire = await self.retried("fetch_delta", lambda: self._stream_bytes(
+                        self.stub.FetchDelta(pb.FetchDeltaRequest(block=BLOCK, version=target.version))))
+                else:  # behind: a full pull, as a real worker does
+                    got, wire = await self.retried("pull", lambda: self._stream_bytes(
+                        self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name))))
+            except grpc.aio.AioRpcError as err:
+                self.log("error", worker=self.name, call="fetch", code=err.code().name, reason=err.details())
+                return
+            self.log("fetched", worker=self.name, version=got.version, wire=wire)
+            self.info = got
+
+
+async def swarm(args: argparse.Namespace) -> None:
+    cfg = ModelConfig.from_dict(json.loads(args.config))
+    tc = TrainConfig(batch=args.batch, lr=args.lr)
+    terms = TrainingTerms(tc, args.h)
+    _, variants = updates(cfg, lr=args.lr, h=args.h, seed=args.first)
+    recipe = Recipe.here(torch.device("cpu"), tc.precision.value, error_feedback=True).to_json()
+    log = Log(args.events)
+    names = [f"{args.prefix}{i:04d}" for i in range(args.first, args.first + args.count)]
+    peers = args.peer.split(",")
+    go = asyncio.Event()
+    workers = [SimWorker(n, peers[(args.first + i) % len(peers)], cfg, terms, variants[i % VARIANTS], log,
+                         rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go) for i, n in enumerate(names)]
+    log("started", count=len(workers), pid=os.getpid())
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    while sum(w.info is not None for w in workers) + sum(t.done() for t in runs) < len(workers):
+        await asyncio.sleep(0.1)
+    log("ready", joined=sum(w.info is not None for w in workers), pid=os.getpid())
+    args.ready.touch()
+    while not args.go.exists():
+        await asyncio.sleep(0.05)
+    go.set()
+    await asyncio.gather(*runs)
+    log("done", pid=os.getpid())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peer", required=True, help="ADDRESS[,ADDRESS...]: worker i talks to the (i mod k)-th")
+    ap.add_argument("--config", required=True, help="ModelConfig as JSON")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--prefix", default="sim")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--h", type=int, required=True)
+    ap.add_argument("--wait", type=float, default=300.0, help="seconds to wait for a version or through refusals")
+    ap.add_argument("--events", type=Path, required=True)
+    ap.add_argument("--ready", type=Path, required=True, help="touched once every worker here has joined and pulled")
+    ap.add_argument("--go", type=Path, required=True, help="the rounds start once this file exists")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    asyncio.run(swarm(args))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
