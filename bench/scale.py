@@ -30,7 +30,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,11 +115,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """From a node's JSON log: round v → the time of its last accepted update, and version → the time it
-    was published."""
+def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float], dict[int, str]]:
+    """From a node's JSON log: round v → the time of its last accepted update, version → the time it
+    was published, and version → what closed its round (all_reported, deadline, drain)."""
     accepted: dict[int, float] = {}
     published: dict[int, float] = {}
+    closed_by: dict[int, str] = {}
     for line in log.read_text(errors="replace").splitlines():
         if not line.startswith("{"):
             continue
@@ -128,20 +129,32 @@ def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float]]:
         t = time.mktime(time.strptime(rec["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone + float(rec["ts"][19:-1] or 0)
         if m := re.search(r"round (\d+): accepted the", msg):
             accepted[int(m[1])] = max(accepted.get(int(m[1]), 0.0), t)
-        elif m := re.search(r"version (\d+) published", msg):
-            published[int(m[1])] = t
-    return accepted, published
+        elif m := re.search(r"version (\d+) published \((\w+)", msg):
+            published[int(m[1])], closed_by[int(m[1])] = t, m[2]
+    return accepted, published, closed_by
 
 
 def shape_of(args_quick: bool) -> ModelConfig:
     return QUICK_SHAPE if args_quick else SHAPE
 
 
+def per_peer_flags(n: int) -> list[str]:
+    """The root's per-IP limits raised to what N workers on one IP need (every simulated worker is on
+    127.0.0.1 here; N hosts would each hold one), for the limits this code declares; the global
+    budgets (--max-workers, --max-transfers) stay at their defaults."""
+    from btnode.rpc.limits import PeerLimits
+    from btnode.settings import declared
+
+    have = {d.flag.name for d in declared(PeerLimits)}
+    wanted = {"--max-streams-per-peer": max(8, n), "--max-watches-per-peer": max(64, n),
+              "--max-joins-per-minute": max(30, 2 * n)}
+    return [x for name, value in wanted.items() if name in have for x in (name, str(value))]
+
+
 def root_command(cfg: ModelConfig, out: Path, n: int, metrics_port: int, deadline: float) -> list[str]:
     return [*CLI, "--log-format", "json", "join", "--role", "aggregator", "--listen", "127.0.0.1:0",
             "--state-dir", str(out / "root"), "--blocks-owned", "0", "--deadline", str(deadline), "--keep", "2",
-            "--metrics-listen", f"127.0.0.1:{metrics_port}",
-            "--max-streams-per-peer", str(max(8, 2 * n)), "--max-joins-per-minute", str(max(30, 2 * n)),
+            "--metrics-listen", f"127.0.0.1:{metrics_port}", *per_peer_flags(n),
             "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H), *shape_flags(cfg)]
 
 
@@ -212,27 +225,46 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
     return summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
 
 
+@dataclass
+class Tally:
+    """What the simulated workers saw, from their event lines."""
+
+    accepted_told: Counter = field(default_factory=Counter)  # round version → pushes answered ACCEPTED
+    outcomes: Counter = field(default_factory=Counter)  # push outcome → pushes
+    refused: Counter = field(default_factory=Counter)  # call → refusals (each retried)
+    errors: Counter = field(default_factory=Counter)  # call → calls that failed for good
+    published: dict[int, dict] = field(default_factory=dict)  # version → its info's accepted and rejected counts
+
+    @classmethod
+    def of(cls, ev: list[dict]) -> Tally:
+        t = cls()
+        for e in ev:
+            if e["kind"] == "push":
+                t.outcomes[e["outcome"]] += 1
+                if e["outcome"] == "accepted":
+                    t.accepted_told[e["version"]] += 1
+            elif e["kind"] == "refused":
+                t.refused[e["call"]] += 1
+            elif e["kind"] == "version":
+                t.published[e["version"]] = {"accepted": e["accepted"], "rejected": e["rejected"]}
+            elif e["kind"] == "error":
+                t.errors[e["call"]] += 1
+        return t
+
+    def lost(self) -> int:
+        """Updates workers were told were accepted in round v beyond what version v + 1 counts as accepted
+        (a round never published counts 0). An update counted by the version whose worker never heard
+        the answer (killed in between) is not lost, and cannot make up for another that is."""
+        return sum(max(0, told - self.published.get(v + 1, {"accepted": 0})["accepted"])
+                   for v, told in self.accepted_told.items())
+
+
 def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: dict, peak_rss: float, cpu: float,
               gap: float, t_go: float, t_end: float, killed: list[int]) -> dict:
-    ev = events(out)
-    accepted_told: Counter = Counter()  # round version → pushes answered ACCEPTED
-    outcomes: Counter = Counter()
-    refused: Counter = Counter()
-    published: dict[int, dict] = {}
-    errors: Counter = Counter()
-    for e in ev:
-        if e["kind"] == "push":
-            outcomes[e["outcome"]] += 1
-            if e["outcome"] == "accepted":
-                accepted_told[e["version"]] += 1
-        elif e["kind"] == "refused":
-            refused[e["call"]] += 1
-        elif e["kind"] == "version":
-            published[e["version"]] = {"accepted": e["accepted"], "rejected": e["rejected"]}
-        elif e["kind"] == "error":
-            errors[e["call"]] += 1
-    lost = sum(max(0, told - published.get(v + 1, {"accepted": 0})["accepted"]) for v, told in accepted_told.items())
-    last_accept, pub_at = json_log_times(out / "root.log")
+    tally = Tally.of(events(out))
+    outcomes, refused, errors = tally.outcomes, tally.refused, tally.errors
+    accepted_told, published, lost = tally.accepted_told, tally.published, tally.lost()
+    last_accept, pub_at, closed_by = json_log_times(out / "root.log")
     closes = {v: pub_at[v + 1] - t for v, t in last_accept.items() if v + 1 in pub_at}
     rounds_done = sorted(v for v in pub_at if v > 0)
 
@@ -247,6 +279,7 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "close_s": max(closes.values()) if closes else None,
         "close_s_by_round": {str(v): c for v, c in sorted(closes.items())},
         "rounds_published": len(rounds_done),
+        "closed_by": {str(v): closed_by[v] for v in rounds_done},
         "root_ingress_mb": delta("btnode_transfer_bytes_total", direction="received", form="wire") / MB / per_round,
         "root_egress_mb": delta("btnode_transfer_bytes_total", direction="sent", form="wire") / MB / per_round,
         "join_egress_mb": metric(m0, "btnode_transfer_bytes_total", direction="sent", form="wire") / MB,
@@ -324,9 +357,10 @@ def idle_rss() -> float:
     return measure([sys.executable, "-c", "import torch, btnode.node.aggregator"]).max_rss_mb
 
 
-def git_head() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+def code_commit() -> str:
+    """The last commit that touched the code under test (btnode/, cli/), not this bench's own."""
+    return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--", "btnode", "cli"],
+                          capture_output=True, text=True).stdout.strip()
 
 
 def block_params(cfg: ModelConfig) -> int:
@@ -353,7 +387,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = shape_of(args.quick)
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(","))
-    code = args.code or git_head()
+    code = args.code or code_commit()
     new = []
     for n in sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,

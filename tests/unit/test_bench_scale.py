@@ -1,0 +1,40 @@
+"""bench/scale.py: a tiny flat run through a real aggregator counts every update and fills the result's
+fields; the tally calls an accepted update missing from its version lost."""
+
+from __future__ import annotations
+
+import json
+
+from bench.scale import QUICK_SHAPE, Tally, render, run_row
+
+
+def test_an_accepted_update_missing_from_its_version_is_lost():
+    def push(v: int, outcome: str = "accepted") -> dict:
+        return {"kind": "push", "version": v, "outcome": outcome}
+
+    def version(v: int, accepted: int) -> dict:
+        return {"kind": "version", "version": v, "accepted": accepted, "rejected": 0}
+
+    whole = Tally.of([push(0), push(0), push(0, "late"), version(1, 2), push(1), version(2, 1)])
+    assert whole.lost() == 0 and whole.outcomes == {"accepted": 3, "late": 1}
+    short = Tally.of([push(0), push(0), version(1, 1), push(1)])  # round 1 never published
+    assert short.lost() == 2
+    extra = Tally.of([push(0), version(1, 3), push(1), push(1), version(2, 1)])  # 2 answers lost with their workers
+    assert extra.lost() == 1
+
+
+def test_a_tiny_flat_run_counts_every_update(tmp_path):
+    n, rounds = 4, 2
+    row = run_row(QUICK_SHAPE, n, "flat", tmp_path / "run", rounds=rounds, deadline=30)
+    assert row["lost"] == 0 and row["refused"] == 0 and row["errors_by_call"] == {}
+    assert row["accepted_told"] == row["published_accepted"] == n * rounds
+    assert row["outcomes"] == {"accepted": n * rounds} and row["rounds_published"] == rounds
+    assert set(row["closed_by"].values()) == {"all_reported"}
+    assert row["pulls_served"] == n and row["delta_fetches_served"] == n * rounds
+    assert 0 < row["root_ingress_mb"] < row["root_egress_mb"]  # int8 up, fp32 deltas down to every worker
+    assert 50 < row["root_peak_rss_mb"] < 4000 and row["root_cpu_s"] > 0
+    assert 0 <= row["close_s"] < 30 and 0 < row["max_watchdog_gap_s"] < 30
+    res = {"command": "x", "date": "d", "machine": "m", "setup": "s", "code": "c", "block_params": 1, "block_fp32_mb": 1.0,
+           "fixed_rss_over_unit": 1.0, "rows": [{**row, "code": "c", "kill": False}]}
+    json.dumps(res)
+    assert f"| c | {n} | flat |" in render(res)
