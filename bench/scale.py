@@ -234,6 +234,8 @@ class Tally:
     refused: Counter = field(default_factory=Counter)  # call → refusals (each retried)
     errors: Counter = field(default_factory=Counter)  # call → calls that failed for good
     published: dict[int, dict] = field(default_factory=dict)  # version → its info's accepted and rejected counts
+    accepted_ids: set[str] = field(default_factory=set)  # update ids answered ACCEPTED
+    included: dict[int, set[str]] = field(default_factory=dict)  # version → the update ids it names (where it does)
 
     @classmethod
     def of(cls, ev: list[dict]) -> Tally:
@@ -243,18 +245,26 @@ class Tally:
                 t.outcomes[e["outcome"]] += 1
                 if e["outcome"] == "accepted":
                     t.accepted_told[e["version"]] += 1
+                    if "update_id" in e:
+                        t.accepted_ids.add(e["update_id"])
             elif e["kind"] == "refused":
                 t.refused[e["call"]] += 1
             elif e["kind"] == "version":
                 t.published[e["version"]] = {"accepted": e["accepted"], "rejected": e["rejected"]}
+                if "included" in e:
+                    t.included.setdefault(e["version"], set()).update(e["included"])
             elif e["kind"] == "error":
                 t.errors[e["call"]] += 1
         return t
 
     def lost(self) -> int:
-        """Updates workers were told were accepted in round v beyond what version v + 1 counts as accepted
-        (a round never published counts 0). An update counted by the version whose worker never heard
-        the answer (killed in between) is not lost, and cannot make up for another that is."""
+        """Updates a worker was told were accepted that no published version includes. Where versions
+        name the update ids they include (VersionInfo.included, through relays too), by id; before that,
+        by count: the updates told accepted in round v beyond what version v + 1 counts as accepted (a
+        round never published counts 0; an update counted whose worker never heard the answer, killed
+        in between, cannot make up for another)."""
+        if self.included:
+            return len(self.accepted_ids - set().union(*self.included.values()))
         return sum(max(0, told - self.published.get(v + 1, {"accepted": 0})["accepted"])
                    for v, told in self.accepted_told.items())
 

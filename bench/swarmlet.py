@@ -78,7 +78,7 @@ def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str
 
 class SimWorker:
     def __init__(self, name: str, address: str, cfg: ModelConfig, terms: TrainingTerms, update: list[pb.PushMessage],
-                 log: Log, *, rounds: int, wait_s: float, recipe: str, go: asyncio.Event):
+                 log: Log, *, rounds: int, wait_s: float, recipe: str, go: asyncio.Event, logged: set[int]):
         self.name, self.address, self.cfg, self.terms = name, address, cfg, terms
         self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -87,6 +87,7 @@ class SimWorker:
         self.newest: VersionInfo | None = None
         self.arrived = asyncio.Event()
         self.go = go  # set once every simulated worker has joined (the bench's barrier)
+        self.logged = logged  # versions whose included update ids this process has logged (once each)
         self.key = ""
 
     async def retried(self, what: str, make):  # noqa: ANN001 - a coroutine factory
@@ -122,8 +123,12 @@ class SimWorker:
                     info = convert.info_from_pb(msg)
                     if self.newest is None or info.version > self.newest.version:
                         self.newest = info
+                        included = getattr(info, "included", None)  # update ids in it, where the code says
+                        first = info.version not in self.logged
+                        self.logged.add(info.version)
                         self.log("version", worker=self.name, version=info.version, accepted=info.accepted,
-                                 rejected=info.rejected)
+                                 rejected=info.rejected, closed_by=info.closed_by,
+                                 **({"included": list(included)} if first and included is not None else {}))
                         self.arrived.set()
                 return
             except grpc.aio.AioRpcError as err:
@@ -158,7 +163,8 @@ class SimWorker:
                      reason=err.details(), start=t0)
             return
         j = convert.judgement_from_pb(reply)
-        self.log("push", worker=self.name, version=v.version, outcome=j.outcome.value, reason=j.reason, start=t0)
+        self.log("push", worker=self.name, version=v.version, outcome=j.outcome.value, reason=j.reason, start=t0,
+                 update_id=header.update_id)
 
     async def run(self) -> None:
         try:
@@ -218,9 +224,10 @@ async def swarm(args: argparse.Namespace) -> None:
     log = Log(args.events)
     names = [f"{args.prefix}{i:04d}" for i in range(args.first, args.first + args.count)]
     peers = args.peer.split(",")
-    go = asyncio.Event()
+    go, logged = asyncio.Event(), set()
     workers = [SimWorker(n, peers[(args.first + i) % len(peers)], cfg, terms, variants[i % VARIANTS], log,
-                         rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go) for i, n in enumerate(names)]
+                         rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go, logged=logged)
+               for i, n in enumerate(names)]
     log("started", count=len(workers), pid=os.getpid())
     runs = [asyncio.create_task(w.run()) for w in workers]
     while sum(w.info is not None for w in workers) + sum(t.done() for t in runs) < len(workers):

@@ -38,3 +38,10 @@ def test_a_tiny_flat_run_counts_every_update(tmp_path):
            "fixed_rss_over_unit": 1.0, "rows": [{**row, "code": "c", "kill": False}]}
     json.dumps(res)
     assert f"| c | {n} | flat |" in render(res)
+
+
+def test_where_versions_name_their_updates_lost_is_counted_by_id():
+    told = [{"kind": "push", "version": 0, "outcome": "accepted", "update_id": u} for u in ("a", "b", "c")]
+    named = [{"kind": "version", "version": 1, "accepted": 3, "rejected": 0, "included": ["a", "c", "x"]}]
+    assert Tally.of(told + named).lost() == 1  # "b": the count matches, the ids do not
+    assert Tally.of(told + [{**named[0], "included": ["a", "b", "c"]}]).lost() == 0
