@@ -37,7 +37,7 @@ from pathlib import Path
 from bench.flags import BenchParser, shape_flags
 from bench.report import ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
 from btnode.model.config import ModelConfig
-from btnode.node.launch import CLI, one_thread_env, start_node, stop_processes
+from btnode.node.launch import CLI, NodeProcess, one_thread_env, spawn_node, start_node, stop_processes, wait_port
 
 SHAPE = ModelConfig(d_model=256, n_heads=4, n_layers=2, n_blocks=3, context=128)  # block 0: 2.9 M parameters, 11 MB fp32
 QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
@@ -169,12 +169,62 @@ def events(folder: Path) -> list[dict]:
     return out
 
 
+def relays_for(n: int) -> int:
+    """Relays in the tree of N workers: √N rounded to a power of two (32 of 32 at N = 1,024)."""
+    return 2 ** round(math.log2(math.sqrt(n)))
+
+
+def relay_command(cfg: ModelConfig, out: Path, j: int, parent: str, children: int) -> list[str]:
+    return [*CLI, "--log-format", "json", "join", "--role", "relay", "--peer", parent, "--listen", "127.0.0.1:0",
+            "--relay-id", f"relay-{j:02d}", "--state-dir", str(out / f"relay-{j:02d}"), "--blocks-owned", "0",
+            *per_peer_flags(children), "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H),
+            *shape_flags(cfg)]
+
+
+def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str) -> tuple[list[NodeProcess], list[str]]:
+    """√N relays under `parent`, started together; returns them (once all listen) and the first one's command."""
+    r = relays_for(n)
+    cmds = [relay_command(cfg, out, j, parent, math.ceil(n / r)) for j in range(r)]
+    procs = [spawn_node([*c[len(CLI):], "--port-file", str(out / f"relay-{j:02d}.port")], log=out / f"relay-{j:02d}.log",
+                        env=one_thread_env()) for j, c in enumerate(cmds)]
+    try:
+        ports = [wait_port(out / f"relay-{j:02d}.port", p, timeout_s=600, name=f"relay {j}") for j, p in enumerate(procs)]
+    except BaseException:
+        stop_processes(procs, timeout_s=5)
+        raise
+    return [NodeProcess(p, port, out / f"relay-{j:02d}.log") for j, (p, port) in enumerate(zip(procs, ports))], cmds[0]
+
+
+def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], rounds: int, deadline: float) -> list[subprocess.Popen]:
+    k = max(1, math.ceil(n / WORKERS_PER_PROCESS))
+    per = math.ceil(n / k)
+    sims = []
+    for i in range(k):
+        first, count = i * per, min(per, n - i * per)
+        sim = module_command("bench.swarmlet", "--peer", ",".join(peers), "--config", json.dumps(cfg.to_dict()),
+                             "--first", str(first), "--count", str(count), "--rounds", str(rounds),
+                             "--batch", str(BATCH), "--lr", str(LR), "--h", str(H), "--wait", str(4 * deadline),
+                             "--events", str(out / f"events-{i}.jsonl"), "--ready", str(out / f"ready-{i}"),
+                             "--go", str(out / "go"))
+        with open(out / f"swarmlet-{i}.log", "ab") as log:
+            sims.append(subprocess.Popen(sim, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env()))
+    return sims
+
+
+def wait_ready(out: Path, sims: list[subprocess.Popen], timeout_s: float = 900) -> None:
+    t0 = time.monotonic()
+    while not all((out / f"ready-{i}").exists() for i in range(len(sims))):
+        if any(p.poll() is not None for p in sims):
+            raise SystemExit(f"a swarmlet exited before its workers joined; see {out}")
+        if time.monotonic() - t0 > timeout_s:
+            raise SystemExit(f"workers did not join within {timeout_s:.0f} s; see {out}")
+        time.sleep(0.2)
+
+
 def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
             kill: bool = False, seed: int = 0) -> dict:
     """One row: start the root (and relays), N simulated workers, `rounds` rounds; measure."""
     out.mkdir(parents=True, exist_ok=True)
-    if topology != "flat":
-        raise SystemExit(f"topology {topology!r}: relays are not in this tree yet")
     notes = Notifications(out / "notify.sock")
     metrics_port = free_port()
     cmd = root_command(cfg, out, n, metrics_port, deadline)
@@ -182,47 +232,42 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
     root = start_node(cmd[len(CLI):], port_file=out / "root.port", log=out / "root.log", env=env, name="aggregator",
                       timeout_s=300)
     procs: list[subprocess.Popen] = []
+    relays: list[NodeProcess] = []
+    relay_cmd: list[str] = []
     try:
-        k = max(1, math.ceil(n / WORKERS_PER_PROCESS))
-        per = math.ceil(n / k)
-        sims = []
-        for i in range(k):
-            first, count = i * per, min(per, n - i * per)
-            sim = module_command("bench.swarmlet", "--peer", root.address(), "--config", json.dumps(cfg.to_dict()),
-                                 "--first", str(first), "--count", str(count), "--rounds", str(rounds),
-                                 "--batch", str(BATCH), "--lr", str(LR), "--h", str(H), "--wait", str(4 * deadline),
-                                 "--events", str(out / f"events-{i}.jsonl"), "--ready", str(out / f"ready-{i}"),
-                                 "--go", str(out / "go"))
-            with open(out / f"swarmlet-{i}.log", "ab") as log:
-                sims.append(subprocess.Popen(sim, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env()))
+        if topology == "tree":
+            relays, relay_cmd = start_relays(cfg, out, n, root.address())
+            procs += [r.proc for r in relays]
+        sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline)
         procs += sims
-        t_wait = time.monotonic()
-        while not all((out / f"ready-{i}").exists() for i in range(k)):
-            if any(p.poll() is not None for p in sims):
-                raise SystemExit(f"a swarmlet exited before its workers joined; see {out}")
-            if time.monotonic() - t_wait > 600:
-                raise SystemExit(f"workers did not join within 600 s; see {out}")
-            time.sleep(0.2)
+        wait_ready(out, sims)
         m0 = scrape(metrics_port)
         (out / "go").touch()
         t_go = time.time()
-        killed = []
-        if kill:
+        killed: list[str] = []
+        if kill:  # a quarter of the swarmlet processes (and of the relays), SIGKILLed at one random moment
             rng = random.Random(seed)
-            time.sleep(rng.uniform(0.5, 2.0))
-            for p in rng.sample(sims, max(1, k // 4)):
+            time.sleep(rng.uniform(0.5, 3.0))
+            victims = [("swarmlet", p) for p in rng.sample(sims, max(1, len(sims) // 4))]
+            victims += [("relay", r.proc) for r in rng.sample(relays, max(1, len(relays) // 4) if relays else 0)]
+            for what, p in victims:
                 p.send_signal(signal.SIGKILL)
-                killed.append(p.pid)
+                killed.append(what)
         for p in sims:
             p.wait(timeout=rounds * 4 * deadline + 120)
         m1 = scrape(metrics_port)
         peak_rss, cpu = proc_stats(root.proc.pid)
+        relay_stats = [proc_stats(r.proc.pid) for r in relays if r.proc.poll() is None]
         t_end = time.time()
     finally:
         stop_processes(procs, timeout_s=10)
         root.stop(timeout_s=60)
         notes.close()
-    return summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
+    row = summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
+    if relays:
+        row.update(relays=len(relays), relay_peak_rss_mb=max(r for r, _ in relay_stats),
+                   relay_cpu_s_mean=sum(c for _, c in relay_stats) / len(relay_stats), relay_command=shown(relay_cmd))
+    return row
 
 
 @dataclass
@@ -270,7 +315,7 @@ class Tally:
 
 
 def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: dict, peak_rss: float, cpu: float,
-              gap: float, t_go: float, t_end: float, killed: list[int]) -> dict:
+              gap: float, t_go: float, t_end: float, killed: list[str]) -> dict:
     tally = Tally.of(events(out))
     outcomes, refused, errors = tally.outcomes, tally.refused, tally.errors
     accepted_told, published, lost = tally.accepted_told, tally.published, tally.lost()
@@ -307,7 +352,7 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "root_cpu_s": cpu,
         "max_watchdog_gap_s": gap,
         "wall_s": t_end - t_go,
-        "killed_processes": len(killed),
+        "killed": dict(Counter(killed)),
         "command": shown(cmd),
     }
 

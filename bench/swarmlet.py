@@ -77,11 +77,17 @@ def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str
 
 
 class SimWorker:
-    def __init__(self, name: str, address: str, cfg: ModelConfig, terms: TrainingTerms, update: list[pb.PushMessage],
-                 log: Log, *, rounds: int, wait_s: float, recipe: str, go: asyncio.Event, logged: set[int]):
-        self.name, self.address, self.cfg, self.terms = name, address, cfg, terms
+    """One simulated worker. `peers`: its upstream, then spares (relays): when the one it talks to stops
+    answering (UNAVAILABLE twice, or its version stream breaks), it moves to the next, joins there and
+    pushes its round's update again (the same update id), as a real worker's failover link does."""
+
+    def __init__(self, name: str, peers: list[str], cfg: ModelConfig, terms: TrainingTerms,
+                 update: list[pb.PushMessage], log: Log, *, rounds: int, wait_s: float, recipe: str,
+                 go: asyncio.Event, logged: set[int]):
+        self.name, self.peers, self.cfg, self.terms = name, peers, cfg, terms
         self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.at, self.generation = 0, 0  # which peer, and how many moves so far
+        self.channel = grpc.aio.insecure_channel(peers[0], options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self.info: VersionInfo | None = None
         self.newest: VersionInfo | None = None
@@ -89,17 +95,41 @@ class SimWorker:
         self.go = go  # set once every simulated worker has joined (the bench's barrier)
         self.logged = logged  # versions whose included update ids this process has logged (once each)
         self.key = ""
+        self._moving = asyncio.Lock()
 
-    async def retried(self, what: str, make):  # noqa: ANN001 - a coroutine factory
-        """await make(), retrying refusals with backoff (0.2 s doubling to 5 s) for up to wait_s."""
-        start, attempt = time.monotonic(), 0
+    async def move(self, seen: int) -> None:
+        """Move to the next peer (once per failure: a caller that saw generation `seen` and finds it
+        changed does nothing) and join there."""
+        async with self._moving:
+            if self.generation != seen or len(self.peers) < 2:
+                return
+            old = self.channel
+            self.at = (self.at + 1) % len(self.peers)
+            self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=CHANNEL_OPTIONS)
+            self.stub = pb_grpc.SwarmStub(self.channel)
+            self.generation += 1
+            self.log("moved", worker=self.name, to=self.peers[self.at])
+            await old.close(grace=None)
+            await self.retried("join", self._join, failover=False)
+            self.arrived.set()  # wake the round loop: it re-pushes to the new peer
+
+    async def retried(self, what: str, make, *, failover: bool = True):  # noqa: ANN001 - a coroutine factory
+        """await make(), retrying refusals with backoff (0.2 s doubling to 5 s) for up to wait_s; with
+        spares, a second UNAVAILABLE in a row moves to the next peer first."""
+        start, attempt, unavailable = time.monotonic(), 0, 0
         while True:
+            gen = self.generation
             try:
                 return await make()
             except grpc.aio.AioRpcError as err:
                 if err.code() not in RETRIED or time.monotonic() - start > self.wait_s:
                     raise
                 self.log("refused", worker=self.name, call=what, code=err.code().name)
+                unavailable = unavailable + 1 if err.code() == grpc.StatusCode.UNAVAILABLE else 0
+                if failover and unavailable >= 2 and len(self.peers) > 1:
+                    await self.move(gen)
+                    unavailable = 0
+                    continue
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt) * (0.5 + random.random()))
                 attempt += 1
 
@@ -115,28 +145,35 @@ class SimWorker:
         return info, wire
 
     async def watch(self) -> None:
-        """Hold the version stream (reconnecting after a refusal or a break) and note each new version."""
+        """Hold the version stream (reconnecting after a refusal or a break, moving on when its peer is
+        gone) and note each new version."""
         while True:
+            gen = self.generation
             call = self.stub.Watch(pb.WatchRequest(block=BLOCK, worker_id=self.name))
             try:
                 async for msg in call:
-                    info = convert.info_from_pb(msg)
-                    if self.newest is None or info.version > self.newest.version:
-                        self.newest = info
-                        included = getattr(info, "included", None)  # update ids in it, where the code says
-                        first = info.version not in self.logged
-                        self.logged.add(info.version)
-                        self.log("version", worker=self.name, version=info.version, accepted=info.accepted,
-                                 rejected=info.rejected, closed_by=info.closed_by,
-                                 **({"included": list(included)} if first and included is not None else {}))
-                        self.arrived.set()
-                return
+                    self._announced(convert.info_from_pb(msg))
+                code = "ended"
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.CANCELLED:
                     return
-                self.log("refused" if err.code() in RETRIED else "error", worker=self.name, call="watch",
-                         code=err.code().name)
+                code = err.code().name
+                self.log("refused" if err.code() in RETRIED else "error", worker=self.name, call="watch", code=code)
+            if code in ("UNAVAILABLE", "ended") and len(self.peers) > 1:
+                await self.move(gen)
+            else:
                 await asyncio.sleep(0.5 + random.random())
+
+    def _announced(self, info: VersionInfo) -> None:
+        if self.newest is not None and info.version <= self.newest.version:
+            return
+        self.newest = info
+        included = getattr(info, "included", None)  # the update ids in it, where the code says
+        first = info.version not in self.logged
+        self.logged.add(info.version)
+        self.log("version", worker=self.name, version=info.version, accepted=info.accepted, rejected=info.rejected,
+                 closed_by=info.closed_by, **({"included": list(included)} if first and included is not None else {}))
+        self.arrived.set()
 
     def _messages(self, header: PushHeader) -> AsyncIterator[pb.PushMessage]:
         async def gen() -> AsyncIterator[pb.PushMessage]:
@@ -145,34 +182,38 @@ class SimWorker:
                 yield m
         return gen()
 
-    async def _push(self, v: VersionInfo) -> None:
+    def _header(self, v: VersionInfo) -> PushHeader:
         h = self.terms.steps_per_round
-        header = PushHeader(worker_id=self.name, block=BLOCK, base_version=v.version,
-                            samples=float(h * self.terms.train.batch), loss=1.0, codec=Codec.INT8,
-                            update_id=uuid.uuid4().hex, data_key=self.key,
-                            steps=tuple(range(v.version * h, (v.version + 1) * h)),
-                            claim=WorkClaim(base_sha256=v.sha256, data_id="", recipe=self.recipe,
-                                            optimizer_start=EMPTY_STATE, optimizer_end=EMPTY_STATE,
-                                            residual_start=EMPTY_STATE, residual_end=EMPTY_STATE))
+        return PushHeader(worker_id=self.name, block=BLOCK, base_version=v.version,
+                          samples=float(h * self.terms.train.batch), loss=1.0, codec=Codec.INT8,
+                          update_id=uuid.uuid4().hex, data_key=self.key,
+                          steps=tuple(range(v.version * h, (v.version + 1) * h)),
+                          claim=WorkClaim(base_sha256=v.sha256, data_id="", recipe=self.recipe,
+                                          optimizer_start=EMPTY_STATE, optimizer_end=EMPTY_STATE,
+                                          residual_start=EMPTY_STATE, residual_end=EMPTY_STATE))
+
+    async def _push(self, header: PushHeader) -> None:
         t0 = time.time()
-        self.log("push_start", worker=self.name, version=v.version)
+        self.log("push_start", worker=self.name, version=header.base_version)
         try:
             reply = await self.retried("push", lambda: self.stub.Push(self._messages(header)))
         except grpc.aio.AioRpcError as err:
-            self.log("push", worker=self.name, version=v.version, outcome="error", code=err.code().name,
-                     reason=err.details(), start=t0)
+            self.log("push", worker=self.name, version=header.base_version, outcome="error", code=err.code().name,
+                     reason=err.details(), start=t0, update_id=header.update_id)
             return
         j = convert.judgement_from_pb(reply)
-        self.log("push", worker=self.name, version=v.version, outcome=j.outcome.value, reason=j.reason, start=t0,
-                 update_id=header.update_id)
+        self.log("push", worker=self.name, version=header.base_version, outcome=j.outcome.value, reason=j.reason,
+                 start=t0, update_id=header.update_id, peer=self.at)
+
+    async def _join(self) -> None:
+        reply = await self.stub.Join(pb.JoinRequest(
+            worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
+            config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json()))
+        self.key = convert.join_from_pb(reply).data_key
 
     async def run(self) -> None:
         try:
-            reply = await self.retried("join", lambda: self.stub.Join(pb.JoinRequest(
-                worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
-                config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json())))
-            joined = convert.join_from_pb(reply)
-            self.key = joined.data_key
+            await self.retried("join", self._join)
             self.info, wire = await self.retried("pull", lambda: self._stream_bytes(
                 self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name))))
             self.log("joined", worker=self.name, version=self.info.version, pulled=wire)
@@ -191,9 +232,14 @@ class SimWorker:
         for _ in range(self.rounds):
             v = self.info
             assert v is not None
-            await self._push(v)
+            header = self._header(v)
+            gen = self.generation
+            await self._push(header)
             deadline = time.monotonic() + self.wait_s
             while self.newest is None or self.newest.version <= v.version:
+                if self.generation != gen:  # moved to a spare while waiting: the update goes again, same id
+                    gen = self.generation
+                    await self._push(header)
                 self.arrived.clear()
                 try:
                     await asyncio.wait_for(self.arrived.wait(), max(0.1, deadline - time.monotonic()))
@@ -225,9 +271,10 @@ async def swarm(args: argparse.Namespace) -> None:
     names = [f"{args.prefix}{i:04d}" for i in range(args.first, args.first + args.count)]
     peers = args.peer.split(",")
     go, logged = asyncio.Event(), set()
-    workers = [SimWorker(n, peers[(args.first + i) % len(peers)], cfg, terms, variants[i % VARIANTS], log,
-                         rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go, logged=logged)
-               for i, n in enumerate(names)]
+    k = len(peers)  # worker j talks to peer j mod k, with the next one as its spare
+    workers = [SimWorker(n, [peers[j % k], peers[(j + 1) % k]] if k > 1 else peers, cfg, terms, variants[j % VARIANTS],
+                         log, rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go, logged=logged)
+               for j, n in enumerate(names, start=args.first)]
     log("started", count=len(workers), pid=os.getpid())
     runs = [asyncio.create_task(w.run()) for w in workers]
     while sum(w.info is not None for w in workers) + sum(t.done() for t in runs) < len(workers):
@@ -243,7 +290,8 @@ async def swarm(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peer", required=True, help="ADDRESS[,ADDRESS...]: worker i talks to the (i mod k)-th")
+    ap.add_argument("--peer", required=True, help="ADDRESS[,ADDRESS...]: worker j talks to the (j mod k)-th, with "
+                                                  "the next as its spare")
     ap.add_argument("--config", required=True, help="ModelConfig as JSON")
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--count", type=int, required=True)
