@@ -24,6 +24,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context
 SIZES = (16, 64, 256, 1024)
 BATCH, LR, H = 8, 2e-3, 4  # the claims the simulated workers make (and the root checks)
 WORKERS_PER_PROCESS = 128
+MAX_RELAYS = 16  # at N = 1,024: 16 relays of 64 (32 of 32 would need ~21 GB for the relays alone)
 WATCHDOG_USEC = 2_000_000  # keep-alives every 1 s (half of it), as systemd asks
 MB = 2**20
 
@@ -159,19 +161,22 @@ def root_command(cfg: ModelConfig, out: Path, n: int, metrics_port: int, deadlin
 
 
 def events(folder: Path) -> list[dict]:
+    """Every simulated worker's events, each with `src`: the number of the swarmlet process it came from."""
     out = []
     for f in sorted(folder.glob("events-*.jsonl")):
+        src = int(f.stem.split("-")[1])
         for line in f.read_text().splitlines():
             try:
-                out.append(json.loads(line))
+                out.append({**json.loads(line), "src": src})
             except ValueError:  # a line cut short by a SIGKILL
                 pass
     return out
 
 
 def relays_for(n: int) -> int:
-    """Relays in the tree of N workers: √N rounded to a power of two (32 of 32 at N = 1,024)."""
-    return 2 ** round(math.log2(math.sqrt(n)))
+    """Relays in the tree of N workers: √N rounded to a power of two, at most MAX_RELAYS (each is a
+    Python + torch process of ~650 MB here, and they share this host's 23 GB with the rest)."""
+    return min(MAX_RELAYS, 2 ** round(math.log2(math.sqrt(n))))
 
 
 def relay_command(cfg: ModelConfig, out: Path, j: int, parent: str, children: int) -> list[str]:
@@ -195,8 +200,10 @@ def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str) -> tuple[list
     return [NodeProcess(p, port, out / f"relay-{j:02d}.log") for j, (p, port) in enumerate(zip(procs, ports))], cmds[0]
 
 
-def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], rounds: int, deadline: float) -> list[subprocess.Popen]:
-    k = max(1, math.ceil(n / WORKERS_PER_PROCESS))
+def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], rounds: int, deadline: float, *,
+                    processes: int = 1) -> list[subprocess.Popen]:
+    """N simulated workers in WORKERS_PER_PROCESS-sized processes (at least `processes` of them)."""
+    k = max(processes, math.ceil(n / WORKERS_PER_PROCESS))
     per = math.ceil(n / k)
     sims = []
     for i in range(k):
@@ -224,7 +231,9 @@ def wait_ready(out: Path, sims: list[subprocess.Popen], timeout_s: float = 900) 
 def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
             kill: bool = False, seed: int = 0) -> dict:
     """One row: start the root (and relays), N simulated workers, `rounds` rounds; measure."""
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        shutil.rmtree(out)  # a row starts from an empty state folder, and reads only its own events
+    out.mkdir(parents=True)
     notes = Notifications(out / "notify.sock")
     metrics_port = free_port()
     cmd = root_command(cfg, out, n, metrics_port, deadline)
@@ -238,21 +247,23 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
         if topology == "tree":
             relays, relay_cmd = start_relays(cfg, out, n, root.address())
             procs += [r.proc for r in relays]
-        sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline)
+        sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline,
+                               processes=4 if kill else 1)
         procs += sims
         wait_ready(out, sims)
         m0 = scrape(metrics_port)
         (out / "go").touch()
         t_go = time.time()
-        killed: list[str] = []
-        if kill:  # a quarter of the swarmlet processes (and of the relays), SIGKILLed at one random moment
+        killed: dict[str, list] = {"swarmlet": [], "relay": []}  # swarmlet numbers, relay addresses
+        if kill:  # a quarter of the swarmlet processes and of the relays, SIGKILLed at one random moment mid-round
             rng = random.Random(seed)
-            time.sleep(rng.uniform(0.5, 3.0))
-            victims = [("swarmlet", p) for p in rng.sample(sims, max(1, len(sims) // 4))]
-            victims += [("relay", r.proc) for r in rng.sample(relays, max(1, len(relays) // 4) if relays else 0)]
-            for what, p in victims:
-                p.send_signal(signal.SIGKILL)
-                killed.append(what)
+            time.sleep(rng.uniform(1.0, 3.0))
+            for i in rng.sample(range(len(sims)), max(1, len(sims) // 4)):
+                sims[i].send_signal(signal.SIGKILL)
+                killed["swarmlet"].append(i)
+            for r in rng.sample(relays, max(1, len(relays) // 4) if relays else 0):
+                r.proc.send_signal(signal.SIGKILL)
+                killed["relay"].append(r.address())
         for p in sims:
             p.wait(timeout=rounds * 4 * deadline + 120)
         m1 = scrape(metrics_port)
@@ -279,7 +290,7 @@ class Tally:
     refused: Counter = field(default_factory=Counter)  # call → refusals (each retried)
     errors: Counter = field(default_factory=Counter)  # call → calls that failed for good
     published: dict[int, dict] = field(default_factory=dict)  # version → its info's accepted and rejected counts
-    accepted_ids: set[str] = field(default_factory=set)  # update ids answered ACCEPTED
+    accepted_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # update id answered ACCEPTED → (src, peer)
     included: dict[int, set[str]] = field(default_factory=dict)  # version → the update ids it names (where it does)
 
     @classmethod
@@ -291,7 +302,7 @@ class Tally:
                 if e["outcome"] == "accepted":
                     t.accepted_told[e["version"]] += 1
                     if "update_id" in e:
-                        t.accepted_ids.add(e["update_id"])
+                        t.accepted_ids[e["update_id"]] = (e.get("src", -1), e.get("peer", ""))
             elif e["kind"] == "refused":
                 t.refused[e["call"]] += 1
             elif e["kind"] == "version":
@@ -309,13 +320,27 @@ class Tally:
         round never published counts 0; an update counted whose worker never heard the answer, killed
         in between, cannot make up for another)."""
         if self.included:
-            return len(self.accepted_ids - set().union(*self.included.values()))
+            return len(self.lost_ids())
         return sum(max(0, told - self.published.get(v + 1, {"accepted": 0})["accepted"])
                    for v, told in self.accepted_told.items())
 
 
+    def lost_ids(self) -> set[str]:
+        """By id: the updates told accepted that no published version includes."""
+        return set(self.accepted_ids) - set().union(*self.included.values())
+
+    def lost_by_cause(self, killed_srcs: set[int], killed_peers: set[str]) -> dict[str, int]:
+        """Lost updates by what befell them: "worker and relay killed" (the update's worker and the relay
+        that accepted it both died, so neither could push it again), or "other" (the ones that count)."""
+        causes: Counter = Counter()
+        for u in self.lost_ids() if self.included else ():
+            src, peer = self.accepted_ids[u]
+            causes["worker and relay killed" if src in killed_srcs and peer in killed_peers else "other"] += 1
+        return dict(causes)
+
+
 def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: dict, peak_rss: float, cpu: float,
-              gap: float, t_go: float, t_end: float, killed: list[str]) -> dict:
+              gap: float, t_go: float, t_end: float, killed: dict[str, list]) -> dict:
     tally = Tally.of(events(out))
     outcomes, refused, errors = tally.outcomes, tally.refused, tally.errors
     accepted_told, published, lost = tally.accepted_told, tally.published, tally.lost()
@@ -352,7 +377,8 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "root_cpu_s": cpu,
         "max_watchdog_gap_s": gap,
         "wall_s": t_end - t_go,
-        "killed": dict(Counter(killed)),
+        "killed": {k: len(v) for k, v in killed.items()},
+        "lost_by_cause": tally.lost_by_cause(set(killed["swarmlet"]), set(killed["relay"])),
         "command": shown(cmd),
     }
 
@@ -436,6 +462,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--deadline", type=float, default=120.0, help="the root's --deadline")
     ap.add_argument("--kill", action="store_true", help="also the kill run, at the largest N")
+    ap.add_argument("--kill-only", action="store_true", help="only the kill run, at the largest N")
     ap.add_argument("--code", default="", help="label of these rows (default: the commit)")
     ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
@@ -444,13 +471,13 @@ def main() -> None:
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(","))
     code = args.code or code_commit()
     new = []
-    for n in sizes:
+    for n in () if args.kill_only else sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
                       deadline=args.deadline)
         row.update(code=code, kill=False)
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
-    if args.kill:
+    if args.kill or args.kill_only:
         n = sizes[-1]
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-kill", rounds=args.rounds,
                       deadline=args.deadline, kill=True, seed=1)

@@ -159,10 +159,13 @@ class SimWorker:
                     return
                 code = err.code().name
                 self.log("refused" if err.code() in RETRIED else "error", worker=self.name, call="watch", code=code)
-            if code in ("UNAVAILABLE", "ended") and len(self.peers) > 1:
-                await self.move(gen)
-            else:
-                await asyncio.sleep(0.5 + random.random())
+            try:
+                if code in ("UNAVAILABLE", "ended") and len(self.peers) > 1:
+                    await self.move(gen)
+                    continue
+            except grpc.aio.AioRpcError as err:  # the spare refused the join: try again (or the next one)
+                self.log("error", worker=self.name, call="move", code=err.code().name, reason=err.details())
+            await asyncio.sleep(0.5 + random.random())
 
     def _announced(self, info: VersionInfo) -> None:
         if self.newest is not None and info.version <= self.newest.version:
@@ -203,7 +206,7 @@ class SimWorker:
             return
         j = convert.judgement_from_pb(reply)
         self.log("push", worker=self.name, version=header.base_version, outcome=j.outcome.value, reason=j.reason,
-                 start=t0, update_id=header.update_id, peer=self.at)
+                 start=t0, update_id=header.update_id, peer=self.peers[self.at])
 
     async def _join(self) -> None:
         reply = await self.stub.Join(pb.JoinRequest(
@@ -240,12 +243,14 @@ class SimWorker:
                 if self.generation != gen:  # moved to a spare while waiting: the update goes again, same id
                     gen = self.generation
                     await self._push(header)
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), max(0.1, deadline - time.monotonic()))
-                except TimeoutError:
+                if time.monotonic() > deadline:
                     self.log("error", worker=self.name, call="wait", reason=f"no version after {v.version}")
                     return
+                self.arrived.clear()
+                try:  # woken by a version or a move; a second at most, so that no wake-up is missed
+                    await asyncio.wait_for(self.arrived.wait(), 1.0)
+                except TimeoutError:
+                    pass
             target = self.newest
             try:
                 if target.base_version == v.version:

@@ -45,3 +45,5 @@ def test_where_versions_name_their_updates_lost_is_counted_by_id():
     named = [{"kind": "version", "version": 1, "accepted": 3, "rejected": 0, "included": ["a", "c", "x"]}]
     assert Tally.of(told + named).lost() == 1  # "b": the count matches, the ids do not
     assert Tally.of(told + [{**named[0], "included": ["a", "b", "c"]}]).lost() == 0
+    t = Tally.of([{**e, "src": 1, "peer": "r1"} for e in told] + named)
+    assert t.lost_by_cause({1}, {"r1"}) == {"worker and relay killed": 1} and t.lost_by_cause({1}, set()) == {"other": 1}
