@@ -21,6 +21,7 @@ from btnode.protocol import Judgement, Outcome, PushHeader
 from btnode.sim.link import LocalLink
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
+from btnode.train.terms import TrainingTerms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
 TC = TrainConfig(steps=40, batch=4, warmup=2, lr=5e-3)
@@ -137,3 +138,37 @@ def test_check_agrees_with_bound_at_and_one_ulp_over_every_coordinate_limit(code
         with pytest.raises(MalformedInput, match=rf"w\[{i}\] moved") as err:
             CLAIMS.check(header, over, theta)
         assert err.value.reason == "bound"
+
+
+def test_many_joins_at_once_each_get_in_and_their_terms_are_kept(tmp_path):
+    """Joins arrive on many RPC threads at once (bench/scale.py, issue #25): none fails, and the state
+    folder keeps every worker's training terms. Threads switch every microsecond here, so that one
+    join's write of the terms overlaps another's change of them, as it did at N = 256."""
+    import sys
+
+    agg = SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path)
+    terms = TrainingTerms(TC, H).to_json()
+    n, each = 32, 8
+    start, errors = threading.Barrier(n), []
+
+    def join(i: int) -> None:
+        start.wait()
+        try:
+            for k in range(each):
+                agg.join(f"w{i}-{k}", 0, CFG.fingerprint(), "{}", training_json=terms)
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    again = SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path)
+    assert all(again.training(f"w{i}-{k}") is not None for i in range(n) for k in range(each))
