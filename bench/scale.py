@@ -383,6 +383,58 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
     }
 
 
+# The projection of docs/scale.md: 10,000 workers training a 1 B-parameter model split in 8 blocks
+TARGET_WORKERS, TARGET_PARAMS, TARGET_BLOCKS, LINK_MB_S = 10_000, 1_000_000_000, 8, 100e6 / 8 / 1e6
+SPARSE = "sparse2:0.01/sparse8:0.03"  # bench/memory.py --traffic --traffic-codecs: bytes per parameter measured at d = 1024
+
+
+def projection(res: dict) -> dict | None:
+    """The measured rows of this code carried to TARGET_*: bytes per round per tier (wire bytes per parameter
+    measured here for int8 pushes and fp32 deltas, and by bench/memory.py for the sparse codecs), the fixed
+    memory per tier (fixed RSS over the unit, times the unit), the root's CPU per worker-round (its slope
+    over N here, per fp32 MB of the block), and seconds on a 100 Mbit/s link. Linear in bytes and
+    updates; nothing here was run at that size."""
+    rows = [r for r in res["rows"] if r.get("code") == res["code"] and not r.get("kill") and r["rounds_published"]]
+    flat = sorted((r for r in rows if r["topology"] == "flat"), key=lambda r: r["n_workers"])
+    tree = sorted((r for r in rows if r["topology"] == "tree"), key=lambda r: r["n_workers"])
+    if len(flat) < 2:
+        return None
+    params, unit = res["block_params"], res["block_fp32_mb"]
+    big, small = flat[-1], flat[0]
+    per_push = big["root_ingress_mb"] * MB / big["n_workers"] / params  # wire bytes per parameter, int8 push
+    per_delta = big["root_egress_mb"] * MB / big["n_workers"] / params  # ... fp32 published delta
+    cpu = ((big["root_cpu_s"] - small["root_cpu_s"]) / (big["n_workers"] - small["n_workers"])
+           / max(1, big["rounds_published"]) / unit)  # root CPU s per worker-round per fp32 MB (join included)
+    mem = json.loads((ROOT / "bench" / "results" / "memory.json").read_text()).get("traffic_codecs", {}).get(SPARSE)
+    codecs = {"int8 / fp32 (defaults)": (per_push, per_delta), "int8 / int8": (per_push, per_push)}
+    if mem:
+        b = mem["runs"]["block"]
+        codecs[f"{SPARSE.replace(':', '@').replace('/', ' / ')}"] = (b["bytes_pushed_per_round"] / b["parameters"],
+                                                                   b["bytes_delta_per_fetch"] / b["parameters"])
+    p = TARGET_PARAMS / TARGET_BLOCKS
+    w = TARGET_WORKERS / TARGET_BLOCKS  # workers per block
+    r = round(math.sqrt(w))  # relays per block
+    combined = (tree[-1]["root_ingress_mb"] * MB / tree[-1]["relays"] / params) if tree else 4.0  # relay → root, B/param
+    gb = p * 4 / 1e9  # the block's fp32 size, GB
+    out = {"workers": TARGET_WORKERS, "params": TARGET_PARAMS, "blocks": TARGET_BLOCKS, "block_params": p,
+           "workers_per_block": w, "relays_per_block": r, "link_mb_s": LINK_MB_S,
+           "bytes_per_param": {k: {"push": a, "delta": d} for k, (a, d) in codecs.items()},
+           "relay_push_bytes_per_param": combined, "root_cpu_s_per_worker_round_per_fp32_mb": cpu,
+           "root_fixed_gb": (res["idle_rss_mb"] + (res["fixed_rss_over_unit"] or 0) * gb * 1e3) / 1e3,
+           "relay_fixed_over_unit": ((tree[-1]["relay_peak_rss_mb"] - res["idle_rss_mb"]) / unit) if tree else None,
+           "rows": []}
+    for name, (up, down) in codecs.items():
+        mb_up, mb_down = up * p / 1e6, down * p / 1e6
+        tiers = [("worker", mb_down, mb_up, None),
+                 ("root, flat", w * mb_up, w * mb_down, w * cpu * gb * 1e3),
+                 ("relay", (w / r) * mb_up + mb_down, combined * p / 1e6 + (w / r) * mb_down, (w / r) * cpu * gb * 1e3),
+                 ("root, tree", r * combined * p / 1e6, r * mb_down, r * cpu * gb * 1e3)]
+        for tier, mb_in, mb_out, cpu_s in tiers:
+            out["rows"].append({"codecs": name, "tier": tier, "mb_in": mb_in, "mb_out": mb_out,
+                                "link_s": max(mb_in, mb_out) / LINK_MB_S, "cpu_s": cpu_s})
+    return out
+
+
 def render(res: dict) -> str:
     def f(x: object, spec: str = ",.1f") -> str:
         return "—" if x is None else format(x, spec)
