@@ -48,6 +48,13 @@ RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 BLOCK = 0
 
 
+def refused(err: grpc.aio.AioRpcError) -> bool:
+    """A refusal for now, to retry: RESOURCE_EXHAUSTED or UNAVAILABLE, or the INTERNAL "Internal error
+    from Core" that grpc.aio reports when the server answers a client stream's refusal while the client
+    is still writing (grpc/grpc#36066; the sync client btnode's workers use sees the server's status)."""
+    return err.code() in RETRIED or (err.code() == grpc.StatusCode.INTERNAL and "error from Core" in (err.details() or ""))
+
+
 class Log:
     """Events as JSON lines, flushed at once (a SIGKILL loses nothing already written)."""
 
@@ -122,7 +129,7 @@ class SimWorker:
             try:
                 return await make()
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRIED or time.monotonic() - start > self.wait_s:
+                if not refused(err) or time.monotonic() - start > self.wait_s:
                     raise
                 self.log("refused", worker=self.name, call=what, code=err.code().name)
                 unavailable = unavailable + 1 if err.code() == grpc.StatusCode.UNAVAILABLE else 0
