@@ -47,6 +47,7 @@ QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context
 SIZES = (16, 64, 256, 1024)
 BATCH, LR, H = 8, 2e-3, 4  # the claims the simulated workers make (and the root checks)
 WORKERS_PER_PROCESS = 128
+UNIT_SHAPE, UNIT_N = ModelConfig(d_model=1024, n_heads=16, n_layers=2, n_blocks=3, context=128), 8
 MAX_RELAYS = 16  # at N = 1,024: 16 relays of 64 (32 of 32 would need ~21 GB for the relays alone)
 WATCHDOG_USEC = 2_000_000  # keep-alives every 1 s (half of it), as systemd asks
 MB = 2**20
@@ -421,7 +422,8 @@ def projection(res: dict) -> dict | None:
     out = {"workers": TARGET_WORKERS, "params": TARGET_PARAMS, "blocks": TARGET_BLOCKS, "block_params": p,
            "workers_per_block": w, "relays_per_block": r, "link_mb_s": LINK_MB_S,
            "bytes_per_param": {k: {"push": a, "delta": d} for k, (a, d) in codecs.items()},
-           "relay_push_bytes_per_param": combined, "root_cpu_s_per_worker_round_per_fp32_mb": cpu,
+           "relay_push_bytes_per_param": combined,
+           "relay_push_from": "measured at the tree's largest row" if tree else "fp32, as relays push; not measured", "root_cpu_s_per_worker_round_per_fp32_mb": cpu,
            "root_fixed_gb": (res["idle_rss_mb"] + (res["fixed_rss_over_unit"] or 0) * gb * 1e3) / 1e3,
            "relay_fixed_over_unit": ((tree[-1]["relay_peak_rss_mb"] - res["idle_rss_mb"]) / unit) if tree else None,
            "rows": []}
@@ -442,26 +444,69 @@ def render(res: dict) -> str:
         return "—" if x is None else format(x, spec)
 
     rows = res["rows"]
-    return "\n".join([
+    lines = [
         "## A swarm of a thousand (`bench/scale.py`)",
         "",
-        f"Command: `{res['command']}` ({res['date']}, {res['machine']}). {res['setup']}",
+        f"Latest command: `{res['command']}` ({res['date']}, {res['machine']}). {res['setup']} Each row names the "
+        "code it ran (the last commit touching btnode/ or cli/); `before` rows are main before issue #25's work. "
+        "close = the root's last accepted push → that round's version published (the root's log); root in/out = "
+        "wire bytes of its tensor streams per round (joins' full pulls left out); lost = updates a worker was told "
+        "were accepted that no published version includes (by update id where versions name them); refused = "
+        "refused calls the simulated workers retried; CPU = the root's user + system seconds for the whole row; "
+        "the watchdog gap is the largest between the root's WATCHDOG=1 datagrams (WatchdogSec 2 s).",
         "",
-        *table(["code", "N", "topology", "root peak RSS MB", "close s", "root in MB/round", "root out MB/round",
-                "lost", "refused", "max watchdog gap s", "root CPU s", "rounds", "wall s"],
-               [(r.get("code", ""), r["n_workers"], r["topology"] + (" + kills" if r.get("kill") else ""),
-                 f(r["root_peak_rss_mb"], ",.0f"), f(r["close_s"], ".2f"), f(r["root_ingress_mb"]),
-                 f(r["root_egress_mb"]), r["lost"], r["refused"], f(r["max_watchdog_gap_s"], ".2f"),
-                 f(r["root_cpu_s"], ",.0f"), r["rounds_published"], f(r["wall_s"], ",.0f")) for r in rows],
-               "llrrrrrrrrrrr"),
+        *table(["code", "N", "topology", "root peak RSS MB", "relay peak RSS MB", "close s", "root in MB/round",
+                "root out MB/round", "lost", "refused", "max watchdog gap s", "root CPU s", "rounds", "closed by"],
+               [(r.get("code", ""), r["n_workers"],
+                 r["topology"] + (f" ({r['relays']} relays)" if r.get("relays") else "")
+                 + (f" + kills {r['killed']}" if r.get("kill") else ""),
+                 f(r["root_peak_rss_mb"], ",.0f"), f(r.get("relay_peak_rss_mb"), ",.0f"), f(r["close_s"], ".2f"),
+                 f(r["root_ingress_mb"]), f(r["root_egress_mb"]), r["lost"], r["refused"],
+                 f(r["max_watchdog_gap_s"], ".2f"), f(r["root_cpu_s"], ",.0f"), r["rounds_published"],
+                 ", ".join(sorted(set(r.get("closed_by", {}).values()))) or "—") for r in rows],
+               "llrrrrrrrrrrrl"),
         "",
-        f"Block: {res['block_params']:,} parameters, **{res['block_fp32_mb']:.1f} MB** in fp32; fixed RSS of the root "
-        f"above an idle Python + torch process over the block's fp32 size: **{f(res['fixed_rss_over_unit'], '.1f')}**.",
+        f"Block: {res['block_params']:,} parameters, **{res['block_fp32_mb']:.1f} MB** in fp32. Root RSS fitted over "
+        f"the flat rows of {res['code']}: **{f(res.get('per_update_mb'), '.2f')} MB per extra worker**; fixed RSS above an "
+        f"idle Python + torch + btnode process ({res['idle_rss_mb']:,.0f} MB) over the block's fp32 size, from "
+        f"{res.get('fixed_rss_from', '')}: **fixed_rss_over_unit = {f(res['fixed_rss_over_unit'], '.1f')}**."
+        + (f" Unit row: root peak RSS {res['unit_row']['root_peak_rss_mb']:,.0f} MB with a "
+           f"{4 * res['unit_row']['block_params'] / MB:,.0f} MB block, close {f(res['unit_row']['close_s'], '.2f')} s, "
+           f"lost {res['unit_row']['lost']}; root `{res['unit_row']['command']}`." if res.get("unit_row") else ""),
         "",
-        "Each row's root command:",
+        "![root RSS and close time against N](bench/results/scale.png)",
         "",
-        *[f"- {r.get('code', '')} N={r['n_workers']} {r['topology']}: `{r['command']}`" for r in rows],
-    ])
+        "Each row's command (the bench run, then the root it started; a tree row's relays as its first relay):",
+        "",
+        *[f"- {r.get('code', '')} N={r['n_workers']} {r['topology']}{' kill run' if r.get('kill') else ''}: "
+          f"`{r.get('bench_command', '')}`; root `{r['command']}`"
+          + (f"; relay `{r['relay_command']}`" if r.get("relay_command") else "") for r in rows],
+    ]
+    pj = res.get("projection")
+    if pj:
+        lines += ["", *render_projection(pj)]
+    return "\n".join(lines)
+
+
+def render_projection(pj: dict) -> list[str]:
+    def f(x: float | None, spec: str = ",.0f") -> str:
+        return "—" if x is None else format(x, spec)
+
+    return [
+        f"### Carried to {pj['workers']:,} workers and {pj['params'] / 1e9:g} B parameters (docs/scale.md)",
+        "",
+        f"{pj['blocks']} blocks of {pj['block_params'] / 1e6:,.0f} M parameters, {pj['workers_per_block']:,.0f} workers "
+        f"per block; the tree has {pj['relays_per_block']} relays per block. Per block and round; link seconds at "
+        f"100 Mbit/s ({pj['link_mb_s']:.1f} MB/s) for the larger direction; CPU: the root's measured "
+        f"{pj['root_cpu_s_per_worker_round_per_fp32_mb'] * 1e3:.2f} ms per worker-round per fp32 MB of the block "
+        f"(joins included), times the updates a tier takes. Relay → root pushes at "
+        f"{pj['relay_push_bytes_per_param']:.2f} bytes a parameter ({pj['relay_push_from']}). Linear extrapolation, "
+        "not a run.",
+        "",
+        *table(["codecs up / down", "tier", "MB in", "MB out", "link s", "CPU s"],
+               [(r["codecs"], r["tier"], f(r["mb_in"]), f(r["mb_out"]), f(r["link_s"]), f(r["cpu_s"]))
+                for r in pj["rows"]], "llrrrr"),
+    ]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -482,6 +527,18 @@ def plot(res: dict, path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def rss_fit(rows: list[dict]) -> tuple[float, float] | None:
+    """Root peak RSS = a + b·N by least squares over `rows` (one row: b = 0): (a MB, b MB per worker)."""
+    if not rows:
+        return None
+    xs, ys = [r["n_workers"] for r in rows], [r["root_peak_rss_mb"] for r in rows]
+    if len(set(xs)) < 2:
+        return sum(ys) / len(ys), 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
 
 
 def idle_rss() -> float:
@@ -520,45 +577,77 @@ def main() -> None:
     ap.add_argument("--code", default="", help="label of these rows (default: the commit)")
     ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
+    ap.add_argument("--unit-row", action="store_true",
+                    help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
+    ap.add_argument("--report", action="store_true", help="only re-render BENCHMARKS.md and the plot from the results")
     args = ap.parse_args()
+    if args.report:
+        res = json.loads(args.results.read_text())
+        finish(res)
+        publish("scale", res, render, out=args.results)
+        plot(res, ROOT / "bench" / "results" / "scale.png")
+        return
     cfg = shape_of(args.quick)
-    sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(","))
+    sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(",") if s)
     code = args.code or code_commit()
     new = []
     for n in () if args.kill_only else sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
                       deadline=args.deadline)
-        row.update(code=code, kill=False)
+        row.update(code=code, kill=False, bench_command=invoked())
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
     if args.kill or args.kill_only:
         n = sizes[-1]
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-kill", rounds=args.rounds,
                       deadline=args.deadline, kill=True, seed=1)
-        row.update(code=code, kill=True)
+        row.update(code=code, kill=True, bench_command=invoked())
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
-    old = json.loads(args.results.read_text()).get("rows", []) if args.results.exists() else []
+    prior = json.loads(args.results.read_text()) if args.results.exists() else {}
+    old = prior.get("rows", [])
     if args.replace:
         old = [r for r in old if not (r.get("code") == code and r["topology"] == args.topology)]
     params = block_params(cfg)
-    unit = 4 * params / MB
-    base = idle_rss()
-    smallest = min((r for r in new if not r["kill"]), key=lambda r: r["n_workers"], default=None)
     res = {
+        **{k: v for k, v in prior.items() if k == "unit_row"},
         "command": invoked(), "code": code, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared",
         "setup": (f"Block 0 of d={cfg.d_model}, {cfg.n_heads} heads, {cfg.n_layers} layers (`{shown(shape_flags(cfg))}`); "
                   f"simulated workers push int8 (claims checked: --batch {BATCH} --lr {LR} --steps-per-round {H}), "
                   f"{WORKERS_PER_PROCESS} per process on grpc.aio, one channel each; {args.rounds} rounds per row."),
-        "block_params": params, "block_fp32_mb": unit, "idle_rss_mb": base,
-        "fixed_rss_over_unit": (smallest["root_peak_rss_mb"] - base) / unit if smallest else None,
+        "block_params": params, "block_fp32_mb": 4 * params / MB, "idle_rss_mb": idle_rss(),
         "rows": old + new,
     }
+    if args.unit_row:
+        big = UNIT_SHAPE
+        row = run_row(big, UNIT_N, "flat", args.work / f"{code}-unit", rounds=args.rounds, deadline=args.deadline)
+        row.update(code=code, kill=False, bench_command=invoked(), block_params=block_params(big),
+                   shape=shown(shape_flags(big)))
+        print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+        res["unit_row"] = row
+    finish(res)
     publish("scale", res, render, out=args.results)
     if is_published("scale", args.results):
         plot(res, ROOT / "bench" / "results" / "scale.png")
 
+
+def finish(res: dict) -> None:
+    """The derived numbers: the root's RSS per extra worker (a line through this code's flat rows), its fixed
+    RSS over the unit (from the unit row when there is one: a 43 M-parameter block at N = 8, where the
+    unit outweighs the runtime's own fixed costs; else the line's intercept at this block), the projection."""
+    fit = rss_fit([r for r in res["rows"] if r.get("code") == res["code"] and r["topology"] == "flat"
+                   and not r.get("kill")])
+    res["per_update_mb"] = fit[1] if fit else None
+    unit_row = res.get("unit_row")
+    if unit_row and unit_row.get("code") == res["code"]:
+        res["fixed_rss_over_unit"] = ((unit_row["root_peak_rss_mb"] - res["idle_rss_mb"])
+                                      / (4 * unit_row["block_params"] / MB))
+        res["fixed_rss_from"] = f"the unit row ({unit_row['shape']}, N = {unit_row['n_workers']})"
+    else:
+        res["fixed_rss_over_unit"] = (fit[0] - res["idle_rss_mb"]) / res["block_fp32_mb"] if fit else None
+        res["fixed_rss_from"] = "the intercept of the flat rows' line"
+    res["projection"] = projection(res)
 
 if __name__ == "__main__":
     main()
