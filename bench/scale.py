@@ -255,6 +255,7 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
         procs += sims
         wait_ready(out, sims)
         m0 = scrape(metrics_port)
+        joins_peak, _ = proc_stats(root.proc.pid)  # the peak so far: joins and their full pulls
         (out / "go").touch()
         t_go = time.time()
         killed: dict[str, list] = {"swarmlet": [], "relay": []}  # swarmlet numbers, relay addresses
@@ -278,6 +279,7 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
         root.stop(timeout_s=60)
         notes.close()
     row = summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
+    row["root_peak_rss_joins_mb"] = joins_peak
     if relays:
         row.update(relays=len(relays), relay_peak_rss_mb=max(r for r, _ in relay_stats),
                    relay_cpu_s_mean=sum(c for _, c in relay_stats) / len(relay_stats), relay_command=shown(relay_cmd))
@@ -470,7 +472,8 @@ def render(res: dict) -> str:
         f"the flat rows of {res['code']}: **{f(res.get('per_update_mb'), '.2f')} MB per extra worker**; fixed RSS above an "
         f"idle Python + torch + btnode process ({res['idle_rss_mb']:,.0f} MB) over the block's fp32 size, from "
         f"{res.get('fixed_rss_from', '')}: **fixed_rss_over_unit = {f(res['fixed_rss_over_unit'], '.1f')}**."
-        + (f" Unit row: root peak RSS {res['unit_row']['root_peak_rss_mb']:,.0f} MB with a "
+        + (f" Unit row: root peak RSS {res['unit_row']['root_peak_rss_mb']:,.0f} MB (by the end of the joins' full "
+           f"pulls: {f(res['unit_row'].get('root_peak_rss_joins_mb'), ',.0f')} MB) with a "
            f"{4 * res['unit_row']['block_params'] / MB:,.0f} MB block, close {f(res['unit_row']['close_s'], '.2f')} s, "
            f"lost {res['unit_row']['lost']}; root `{res['unit_row']['command']}`." if res.get("unit_row") else ""),
         "",
