@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.scale import QUICK_SHAPE, Tally, render, run_row
+from bench.scale import QUICK_SHAPE, Tally, finish, render, run_row
 
 
 def test_an_accepted_update_missing_from_its_version_is_lost():
@@ -35,9 +35,10 @@ def test_a_tiny_flat_run_counts_every_update(tmp_path):
     assert 50 < row["root_peak_rss_mb"] < 4000 and row["root_cpu_s"] > 0
     assert 0 <= row["close_s"] < 30 and 0 < row["max_watchdog_gap_s"] < 30
     res = {"command": "x", "date": "d", "machine": "m", "setup": "s", "code": "c", "block_params": 1, "block_fp32_mb": 1.0,
-           "fixed_rss_over_unit": 1.0, "rows": [{**row, "code": "c", "kill": False}]}
+           "idle_rss_mb": 1.0, "rows": [{**row, "code": "c", "kill": False}]}
+    finish(res)
     json.dumps(res)
-    assert f"| c | {n} | flat |" in render(res)
+    assert f"| c | {n} | flat | {row['root_peak_rss_mb']:,.0f} |" in render(res)
 
 
 def test_where_versions_name_their_updates_lost_is_counted_by_id():
