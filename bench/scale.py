@@ -394,50 +394,63 @@ SPARSE = "sparse2:0.01/sparse8:0.03"  # bench/memory.py --traffic --traffic-code
 
 
 def projection(res: dict) -> dict | None:
-    """The measured rows of this code carried to TARGET_*: bytes per round per tier (wire bytes per parameter
-    measured here for int8 pushes and fp32 deltas, and by bench/memory.py for the sparse codecs), the fixed
-    memory per tier (fixed RSS over the unit, times the unit), the root's CPU per worker-round (its slope
-    over N here, per fp32 MB of the block), and seconds on a 100 Mbit/s link. Linear in bytes and
-    updates; nothing here was run at that size."""
+    """The measured numbers carried to TARGET_*, per block and round, per tier: wire MB in and out (bytes per
+    parameter of int8 pushes and fp32 deltas measured here, of the sparse codecs by bench/memory.py), seconds
+    on a 100 Mbit/s link for the larger direction, CPU to take the updates in (bench/codec_speed.py's push of
+    a 130 M-parameter block through a real aggregator: int8, and fp32 for a relay's combined push), RAM
+    (the runtime + fixed RSS over the unit × the unit + 32 KB a update; docs/swarm.md's rule) and spill disk
+    (each update's raw bytes), and a round's time as its serial link stages plus the ingest CPU. Linear;
+    nothing was run at that size."""
     rows = [r for r in res["rows"] if r.get("code") == res["code"] and not r.get("kill") and r["rounds_published"]]
     flat = sorted((r for r in rows if r["topology"] == "flat"), key=lambda r: r["n_workers"])
     tree = sorted((r for r in rows if r["topology"] == "tree"), key=lambda r: r["n_workers"])
-    if len(flat) < 2:
+    if not flat or res.get("fixed_rss_over_unit") is None:
         return None
-    params, unit = res["block_params"], res["block_fp32_mb"]
-    big, small = flat[-1], flat[0]
+    params, big = res["block_params"], flat[-1]
     per_push = big["root_ingress_mb"] * MB / big["n_workers"] / params  # wire bytes per parameter, int8 push
     per_delta = big["root_egress_mb"] * MB / big["n_workers"] / params  # ... fp32 published delta
-    cpu = ((big["root_cpu_s"] - small["root_cpu_s"]) / (big["n_workers"] - small["n_workers"])
-           / max(1, big["rounds_published"]) / unit)  # root CPU s per worker-round per fp32 MB (join included)
-    mem = json.loads((ROOT / "bench" / "results" / "memory.json").read_text()).get("traffic_codecs", {}).get(SPARSE)
+    results = ROOT / "bench" / "results"
+    push = json.loads((results / "codec_speed.json").read_text())["push"]
+    ingest = {c: push[c]["trees"]["this tree"]["push_mbps"] for c in ("int8", "fp32")}  # fp32 MB/s of a push
+    mem = json.loads((results / "memory.json").read_text()).get("traffic_codecs", {}).get(SPARSE)
     codecs = {"int8 / fp32 (defaults)": (per_push, per_delta), "int8 / int8": (per_push, per_push)}
     if mem:
         b = mem["runs"]["block"]
-        codecs[f"{SPARSE.replace(':', '@').replace('/', ' / ')}"] = (b["bytes_pushed_per_round"] / b["parameters"],
-                                                                   b["bytes_delta_per_fetch"] / b["parameters"])
+        codecs["sparse2 1 % / sparse8 3 %"] = (b["bytes_pushed_per_round"] / b["parameters"],
+                                               b["bytes_delta_per_fetch"] / b["parameters"])
     p = TARGET_PARAMS / TARGET_BLOCKS
     w = TARGET_WORKERS / TARGET_BLOCKS  # workers per block
     r = round(math.sqrt(w))  # relays per block
+    kids = w / r
     combined = (tree[-1]["root_ingress_mb"] * MB / tree[-1]["relays"] / params) if tree else 4.0  # relay → root, B/param
-    gb = p * 4 / 1e9  # the block's fp32 size, GB
+    unit_mb = 4 * p / 1e6
+
+    def ram_gb(updates: float) -> float:
+        return (res["idle_rss_mb"] + res["fixed_rss_over_unit"] * unit_mb + updates * 0.032) / 1e3
+
     out = {"workers": TARGET_WORKERS, "params": TARGET_PARAMS, "blocks": TARGET_BLOCKS, "block_params": p,
-           "workers_per_block": w, "relays_per_block": r, "link_mb_s": LINK_MB_S,
+           "workers_per_block": w, "relays_per_block": r, "link_mb_s": LINK_MB_S, "ingest_mb_s": ingest,
            "bytes_per_param": {k: {"push": a, "delta": d} for k, (a, d) in codecs.items()},
            "relay_push_bytes_per_param": combined,
-           "relay_push_from": "measured at the tree's largest row" if tree else "fp32, as relays push; not measured", "root_cpu_s_per_worker_round_per_fp32_mb": cpu,
-           "root_fixed_gb": (res["idle_rss_mb"] + (res["fixed_rss_over_unit"] or 0) * gb * 1e3) / 1e3,
-           "relay_fixed_over_unit": ((tree[-1]["relay_peak_rss_mb"] - res["idle_rss_mb"]) / unit) if tree else None,
-           "rows": []}
+           "relay_push_from": "measured at the tree's largest row" if tree else "fp32, as relays push; not measured",
+           "rows": [], "rounds": []}
     for name, (up, down) in codecs.items():
-        mb_up, mb_down = up * p / 1e6, down * p / 1e6
-        tiers = [("worker", mb_down, mb_up, None),
-                 ("root, flat", w * mb_up, w * mb_down, w * cpu * gb * 1e3),
-                 ("relay", (w / r) * mb_up + mb_down, combined * p / 1e6 + (w / r) * mb_down, (w / r) * cpu * gb * 1e3),
-                 ("root, tree", r * combined * p / 1e6, r * mb_down, r * cpu * gb * 1e3)]
-        for tier, mb_in, mb_out, cpu_s in tiers:
+        mb_up, mb_down, mb_comb = up * p / 1e6, down * p / 1e6, combined * p / 1e6
+        t_int8, t_fp32 = unit_mb / ingest["int8"], unit_mb / ingest["fp32"]  # CPU s to take one update in
+        tiers = {"worker": (mb_down, mb_up, None, None, None),
+                 "root, flat": (w * mb_up, w * mb_down, w * t_int8, ram_gb(w), w * mb_up / 1e3),
+                 "relay": (kids * mb_up + mb_down, mb_comb + kids * mb_down, kids * t_int8, ram_gb(kids),
+                           kids * mb_up / 1e3),
+                 "root, tree": (r * mb_comb, r * mb_down, r * t_fp32, ram_gb(r), r * mb_comb / 1e3)}
+        for tier, (mb_in, mb_out, cpu_s, ram, spill) in tiers.items():
             out["rows"].append({"codecs": name, "tier": tier, "mb_in": mb_in, "mb_out": mb_out,
-                                "link_s": max(mb_in, mb_out) / LINK_MB_S, "cpu_s": cpu_s})
+                                "link_s": max(mb_in, mb_out) / LINK_MB_S, "cpu_s": cpu_s, "ram_gb": ram,
+                                "spill_gb": spill})
+        link = LINK_MB_S
+        flat_s = (w * mb_up + w * mb_down) / link + w * t_int8
+        tree_s = (kids * mb_up / link + kids * t_int8 + mb_comb / link + r * mb_comb / link + r * t_fp32
+                  + r * mb_down / link + kids * mb_down / link)
+        out["rounds"].append({"codecs": name, "flat_s": flat_s, "tree_s": tree_s})
     return out
 
 
@@ -499,16 +512,23 @@ def render_projection(pj: dict) -> list[str]:
         f"### Carried to {pj['workers']:,} workers and {pj['params'] / 1e9:g} B parameters (docs/scale.md)",
         "",
         f"{pj['blocks']} blocks of {pj['block_params'] / 1e6:,.0f} M parameters, {pj['workers_per_block']:,.0f} workers "
-        f"per block; the tree has {pj['relays_per_block']} relays per block. Per block and round; link seconds at "
-        f"100 Mbit/s ({pj['link_mb_s']:.1f} MB/s) for the larger direction; CPU: the root's measured "
-        f"{pj['root_cpu_s_per_worker_round_per_fp32_mb'] * 1e3:.2f} ms per worker-round per fp32 MB of the block "
-        f"(joins included), times the updates a tier takes. Relay → root pushes at "
-        f"{pj['relay_push_bytes_per_param']:.2f} bytes a parameter ({pj['relay_push_from']}). Linear extrapolation, "
-        "not a run.",
+        f"per block, flat or through {pj['relays_per_block']} relays per block. Per block and round. Link s: the "
+        f"larger direction at 100 Mbit/s ({pj['link_mb_s']:.1f} MB/s). CPU s: taking the updates in at "
+        f"bench/codec_speed.py's measured push rate through a real aggregator ({pj['ingest_mb_s']['int8']:.0f} MB/s "
+        f"of fp32 for int8, {pj['ingest_mb_s']['fp32']:.0f} for fp32), one core. RAM: the runtime + fixed RSS over "
+        f"the unit (measured) × the unit + 32 KB an update. Spill: each update's raw bytes on disk. Relays push "
+        f"combined updates at {pj['relay_push_bytes_per_param']:.2f} bytes a parameter ({pj['relay_push_from']}). "
+        "Linear extrapolation of measured rates, not a run.",
         "",
-        *table(["codecs up / down", "tier", "MB in", "MB out", "link s", "CPU s"],
-               [(r["codecs"], r["tier"], f(r["mb_in"]), f(r["mb_out"]), f(r["link_s"]), f(r["cpu_s"]))
-                for r in pj["rows"]], "llrrrr"),
+        *table(["codecs up / down", "tier", "MB in", "MB out", "link s", "CPU s", "RAM GB", "spill GB"],
+               [(r["codecs"], r["tier"], f(r["mb_in"]), f(r["mb_out"]), f(r["link_s"]), f(r["cpu_s"]),
+                 f(r["ram_gb"], ",.1f"), f(r["spill_gb"], ",.1f")) for r in pj["rows"]], "llrrrrrr"),
+        "",
+        "A round's time, its serial stages (links at 100 Mbit/s, then ingest CPU; flat: the root's link both ways "
+        "plus its CPU; tree: children → relay, relay CPU, relay → root, root CPU, root → relays → children):",
+        "",
+        *table(["codecs up / down", "flat s", "tree s"],
+               [(x["codecs"], f(x["flat_s"]), f(x["tree_s"])) for x in pj["rounds"]], "lrr"),
     ]
 
 
