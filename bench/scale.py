@@ -671,6 +671,16 @@ def finish(res: dict) -> None:
         res["fixed_rss_over_unit"] = (fit[0] - res["idle_rss_mb"]) / res["block_fp32_mb"] if fit else None
         res["fixed_rss_from"] = "the intercept of the flat rows' line"
     res["projection"] = projection(res)
+    ours = [r for r in res["rows"] if r.get("code") == res["code"]]
+    flat = sorted((r for r in ours if r["topology"] == "flat" and not r.get("kill")), key=lambda r: r["n_workers"])
+    tree = sorted((r for r in ours if r["topology"] == "tree" and not r.get("kill")), key=lambda r: r["n_workers"])
+    res["summary"] = {  # BENCHMARKS.md's summary row (held by tests/unit/test_docs.py)
+        "flat_rss_smallest_mb": flat[0]["root_peak_rss_mb"] if flat else None,
+        "flat_rss_largest_mb": flat[-1]["root_peak_rss_mb"] if flat else None,
+        "flat_close_largest_s": flat[-1]["close_s"] if flat else None,
+        "tree_close_largest_s": tree[-1]["close_s"] if tree else None,
+        "lost": sum(r["lost"] for r in ours),
+        "max_watchdog_gap_s": max((r["max_watchdog_gap_s"] for r in ours), default=None)}
 
 if __name__ == "__main__":
     main()
