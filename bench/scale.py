@@ -120,12 +120,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float], dict[int, str]]:
-    """From a node's JSON log: round v → the time of its last accepted update, version → the time it
-    was published, and version → what closed its round (all_reported, deadline, drain)."""
-    accepted: dict[int, float] = {}
-    published: dict[int, float] = {}
-    closed_by: dict[int, str] = {}
+@dataclass
+class RootLog:
+    """From the root's JSON log: round v → the time of its last accepted update, version → the time it was
+    published and what closed its round (all_reported, deadline, drain), and the (round, sender) pairs the
+    screen dropped at close (told ACCEPTED on arrival, counted rejected by the version: not lost)."""
+
+    accepted: dict[int, float] = field(default_factory=dict)
+    published: dict[int, float] = field(default_factory=dict)
+    closed_by: dict[int, str] = field(default_factory=dict)
+    dropped: set[tuple[int, str]] = field(default_factory=set)
+
+
+def json_log_times(log: Path) -> RootLog:
+    out = RootLog()
+    accepted, published, closed_by = out.accepted, out.published, out.closed_by
     for line in log.read_text(errors="replace").splitlines():
         if not line.startswith("{"):
             continue
@@ -136,7 +145,9 @@ def json_log_times(log: Path) -> tuple[dict[int, float], dict[int, float], dict[
             accepted[int(m[1])] = max(accepted.get(int(m[1]), 0.0), t)
         elif m := re.search(r"version (\d+) published \((\w+)", msg):
             published[int(m[1])], closed_by[int(m[1])] = t, m[2]
-    return accepted, published, closed_by
+        elif m := re.search(r"round (\d+): dropping the update of (\S+) at close", msg):
+            out.dropped.add((int(m[1]), m[2]))
+    return out
 
 
 def shape_of(args_quick: bool) -> ModelConfig:
@@ -295,7 +306,7 @@ class Tally:
     refused: Counter = field(default_factory=Counter)  # call → refusals (each retried)
     errors: Counter = field(default_factory=Counter)  # call → calls that failed for good
     published: dict[int, dict] = field(default_factory=dict)  # version → its info's accepted and rejected counts
-    accepted_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # update id answered ACCEPTED → (src, peer)
+    accepted_ids: dict[str, tuple[int, str, str, int]] = field(default_factory=dict)  # update id → (src, peer, worker, round)
     included: dict[int, set[str]] = field(default_factory=dict)  # version → the update ids it names (where it does)
 
     @classmethod
@@ -307,7 +318,8 @@ class Tally:
                 if e["outcome"] == "accepted":
                     t.accepted_told[e["version"]] += 1
                     if "update_id" in e:
-                        t.accepted_ids[e["update_id"]] = (e.get("src", -1), e.get("peer", ""))
+                        t.accepted_ids[e["update_id"]] = (e.get("src", -1), e.get("peer", ""), e.get("worker", ""),
+                                                          e["version"])
             elif e["kind"] == "refused":
                 t.refused[e["call"]] += 1
             elif e["kind"] == "version":
@@ -330,6 +342,15 @@ class Tally:
                    for v, told in self.accepted_told.items())
 
 
+    def screened(self, dropped: set[tuple[int, str]]) -> int:
+        """Take out of the told-accepted the updates the root's screen dropped at close (round, worker): they
+        are the version's rejected ones, not lost. Returns how many."""
+        gone = {u for u, (_, _, worker, v) in self.accepted_ids.items() if (v, worker) in dropped}
+        for u in gone:
+            v = self.accepted_ids.pop(u)[3]
+            self.accepted_told[v] -= 1
+        return len(gone)
+
     def lost_ids(self) -> set[str]:
         """By id: the updates told accepted that no published version includes."""
         return set(self.accepted_ids) - set().union(*self.included.values())
@@ -339,7 +360,7 @@ class Tally:
         that accepted it both died, so neither could push it again), or "other" (the ones that count)."""
         causes: Counter = Counter()
         for u in self.lost_ids() if self.included else ():
-            src, peer = self.accepted_ids[u]
+            src, peer = self.accepted_ids[u][:2]
             causes["worker and relay killed" if src in killed_srcs and peer in killed_peers else "other"] += 1
         return dict(causes)
 
@@ -347,9 +368,11 @@ class Tally:
 def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: dict, peak_rss: float, cpu: float,
               gap: float, t_go: float, t_end: float, killed: dict[str, list]) -> dict:
     tally = Tally.of(events(out))
+    rl = json_log_times(out / "root.log")
+    dropped = tally.screened(rl.dropped)  # in a tree the root screens relays' pushes: none match a worker
     outcomes, refused, errors = tally.outcomes, tally.refused, tally.errors
     accepted_told, published, lost = tally.accepted_told, tally.published, tally.lost()
-    last_accept, pub_at, closed_by = json_log_times(out / "root.log")
+    last_accept, pub_at, closed_by = rl.accepted, rl.published, rl.closed_by
     closes = {v: pub_at[v + 1] - t for v, t in last_accept.items() if v + 1 in pub_at}
     rounds_done = sorted(v for v in pub_at if v > 0)
 
@@ -369,6 +392,7 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "root_egress_mb": delta("btnode_transfer_bytes_total", direction="sent", form="wire") / MB / per_round,
         "join_egress_mb": metric(m0, "btnode_transfer_bytes_total", direction="sent", form="wire") / MB,
         "lost": lost,
+        "dropped_at_close": dropped,
         "accepted_told": sum(accepted_told.values()),
         "published_accepted": sum(published.get(v + 1, {"accepted": 0})["accepted"] for v in accepted_told),
         "outcomes": dict(outcomes),

@@ -46,5 +46,6 @@ def test_where_versions_name_their_updates_lost_is_counted_by_id():
     named = [{"kind": "version", "version": 1, "accepted": 3, "rejected": 0, "included": ["a", "c", "x"]}]
     assert Tally.of(told + named).lost() == 1  # "b": the count matches, the ids do not
     assert Tally.of(told + [{**named[0], "included": ["a", "b", "c"]}]).lost() == 0
-    t = Tally.of([{**e, "src": 1, "peer": "r1"} for e in told] + named)
+    t = Tally.of([{**e, "src": 1, "peer": "r1", "worker": f"w{e['update_id']}"} for e in told] + named)
     assert t.lost_by_cause({1}, {"r1"}) == {"worker and relay killed": 1} and t.lost_by_cause({1}, set()) == {"other": 1}
+    assert t.screened({(0, "wb"), (1, "wa")}) == 1 and t.lost() == 0  # the screen dropped b's at close: not lost
