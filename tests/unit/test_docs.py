@@ -252,6 +252,13 @@ def benchmarks_expected() -> dict[str, list[tuple[Callable[[float], str], float]
         "Bytes on the wire": [(f1, at("comms.json", "best_ratio_vs_int8_at_002", "block")),
                               (f1, at("comms.json", "best_plain_outer", "ar", "ratio")),
                               *((f3, at("comms.json", "wan_rows", i, "ce")) for i in (1, 0, 4, 2))],
+        "A swarm of a thousand": [(f0, at("scale.json", "summary", "flat_rss_smallest_mb")),
+                                  (f0, at("scale.json", "summary", "flat_rss_largest_mb")),
+                                  (f2, at("scale.json", "summary", "flat_close_largest_s")),
+                                  *([(f2, at("scale.json", "summary", "tree_close_largest_s"))]
+                                    if at("scale.json", "summary", "tree_close_largest_s") is not None else []),
+                                  (f0, at("scale.json", "summary", "lost")),
+                                  (f2, at("scale.json", "summary", "max_watchdog_gap_s"))],
         "Speculative acceptance": [(f3, at("spec_accept.json", "acceptance_block0", "1.0")),
                                    (f3, at("spec_accept.json", "ce_pool")),
                                    (f3, min(at("spec_accept.json", "ce_block")))],
