@@ -425,7 +425,7 @@ def projection(res: dict) -> dict | None:
     (the runtime + fixed RSS over the unit × the unit + 32 KB a update; docs/swarm.md's rule) and spill disk
     (each update's raw bytes), and a round's time as its serial link stages plus the ingest CPU. Linear;
     nothing was run at that size."""
-    rows = [r for r in res["rows"] if r.get("code") == res["code"] and not r.get("kill") and r["rounds_published"]]
+    rows = [r for r in current(res) if not r.get("kill") and r["rounds_published"]]
     flat = sorted((r for r in rows if r["topology"] == "flat"), key=lambda r: r["n_workers"])
     tree = sorted((r for r in rows if r["topology"] == "tree"), key=lambda r: r["n_workers"])
     if not flat or res.get("fixed_rss_over_unit") is None:
@@ -506,7 +506,7 @@ def render(res: dict) -> str:
                "llrrrrrrrrrrrl"),
         "",
         f"Block: {res['block_params']:,} parameters, **{res['block_fp32_mb']:.1f} MB** in fp32. Root RSS fitted over "
-        f"the flat rows of {res['code']}: **{f(res.get('per_update_mb'), '.2f')} MB per extra worker**; fixed RSS above an "
+        f"the latest code's flat rows: **{f(res.get('per_update_mb'), '.2f')} MB per extra worker**; fixed RSS above an "
         f"idle Python + torch + btnode process ({res['idle_rss_mb']:,.0f} MB) over the block's fp32 size, from "
         f"{res.get('fixed_rss_from', '')}: **fixed_rss_over_unit = {f(res['fixed_rss_over_unit'], '.1f')}**."
         + (f" Unit row: root peak RSS {res['unit_row']['root_peak_rss_mb']:,.0f} MB (by the end of the joins' full "
@@ -561,9 +561,10 @@ def plot(res: dict, path: Path) -> None:
     if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    now = current(res)
     for topo in ("flat", "tree"):
         rows = sorted((r for r in res["rows"] if r["topology"] == topo and not r.get("kill")
-                       and r.get("code") == res["code"]), key=lambda r: r["n_workers"])
+                       and r in now), key=lambda r: r["n_workers"])
         if rows:
             a.plot([r["n_workers"] for r in rows], [r["root_peak_rss_mb"] for r in rows], "o-", label=topo)
             b.plot([r["n_workers"] for r in rows], [r["close_s"] or math.nan for r in rows], "o-", label=topo)
@@ -679,15 +680,20 @@ def main() -> None:
         plot(res, ROOT / "bench" / "results" / "scale.png")
 
 
+def current(res: dict) -> list[dict]:
+    """The rows the derived numbers use: per topology, those of the last code that ran it (not `before`)."""
+    last = {r["topology"]: r.get("code") for r in res["rows"] if not str(r.get("code", "")).startswith("before")}
+    return [r for r in res["rows"] if last.get(r["topology"]) == r.get("code")]
+
+
 def finish(res: dict) -> None:
-    """The derived numbers: the root's RSS per extra worker (a line through this code's flat rows), its fixed
+    """The derived numbers: the root's RSS per extra worker (a line through the current flat rows), its fixed
     RSS over the unit (from the unit row when there is one: a 43 M-parameter block at N = 8, where the
     unit outweighs the runtime's own fixed costs; else the line's intercept at this block), the projection."""
-    fit = rss_fit([r for r in res["rows"] if r.get("code") == res["code"] and r["topology"] == "flat"
-                   and not r.get("kill")])
+    fit = rss_fit([r for r in current(res) if r["topology"] == "flat" and not r.get("kill")])
     res["per_update_mb"] = fit[1] if fit else None
     unit_row = res.get("unit_row")
-    if unit_row and unit_row.get("code") == res["code"]:
+    if unit_row:
         res["fixed_rss_over_unit"] = ((unit_row["root_peak_rss_mb"] - res["idle_rss_mb"])
                                       / (4 * unit_row["block_params"] / MB))
         res["fixed_rss_from"] = f"the unit row ({unit_row['shape']}, N = {unit_row['n_workers']})"
@@ -695,7 +701,7 @@ def finish(res: dict) -> None:
         res["fixed_rss_over_unit"] = (fit[0] - res["idle_rss_mb"]) / res["block_fp32_mb"] if fit else None
         res["fixed_rss_from"] = "the intercept of the flat rows' line"
     res["projection"] = projection(res)
-    ours = [r for r in res["rows"] if r.get("code") == res["code"]]
+    ours = current(res)
     flat = sorted((r for r in ours if r["topology"] == "flat" and not r.get("kill")), key=lambda r: r["n_workers"])
     tree = sorted((r for r in ours if r["topology"] == "tree" and not r.get("kill")), key=lambda r: r["n_workers"])
     res["summary"] = {  # BENCHMARKS.md's summary row (held by tests/unit/test_docs.py)
