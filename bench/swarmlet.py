@@ -106,6 +106,7 @@ class SimWorker:
         self.logged = logged  # versions whose included update ids this process has logged (once each)
         self.key = ""
         self._moving = asyncio.Lock()
+        self._old: list[grpc.aio.Channel] = []  # channels of peers left behind
 
     async def move(self, seen: int) -> None:
         """Move to the next peer (once per failure: a caller that saw generation `seen` and finds it
@@ -119,7 +120,7 @@ class SimWorker:
             self.stub = pb_grpc.SwarmStub(self.channel)
             self.generation += 1
             self.log("moved", worker=self.name, to=self.peers[self.at])
-            await old.close(grace=None)
+            self._old.append(old)  # closed at the end: closing it now would cancel calls still awaiting it
             await self.retried("join", self._join, failover=False)
             self.arrived.set()  # wake the round loop: it re-pushes to the new peer
 
@@ -239,7 +240,8 @@ class SimWorker:
             await self._rounds()
         finally:
             watcher.cancel()
-            await self.channel.close()
+            for ch in [*self._old, self.channel]:
+                await ch.close()
 
     async def _rounds(self) -> None:
         for _ in range(self.rounds):
