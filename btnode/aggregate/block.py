@@ -183,7 +183,8 @@ class BlockAggregator:
         with self.lock:
             if header.update_id in self._answers:
                 return self._answers[header.update_id]
-            outcome, _, reason = self.round.judge(header.worker_id, header.base_version)
+            outcome, _, reason = self.round.judge(header.worker_id, header.base_version,
+                                                  replacing=self._replaces(header) is not None)
             if outcome is Outcome.LATE:
                 return self._answer(header, self.round.judgement(outcome, reason))
             return None
@@ -194,18 +195,24 @@ class BlockAggregator:
             return self._answers.get(update_id)
 
     def submit(self, header: PushHeader, delta: Tensors, *, raw: Mapping[str, bytes] | None = None,
-               hold: bool = False) -> Judgement:
+               hold: bool = False, amends: frozenset[str] | None = None) -> Judgement:
         """Judge and (if accepted) record a decoded, frame-validated update. `raw`: its codec bytes
         (header.codec), which the round spills so that it need not hold the update (without them, as
         in-process callers pass, the update is held). `hold`: its sender is on
         probation (aggregate/audit.py): judge it in full, answer PROBATION, and hold it out of the round
         until its audit passes (`admit_held`); the round does not count its sender as reported meanwhile,
-        so it waits for the audit until its deadline."""
+        so it waits for the audit until its deadline. `amends`: for a relay's combined update, the child
+        updates of the one it was checked to replace (`amends()`); if the round moved on since, it is LATE."""
         with self.lock:
             if header.update_id in self._answers:
                 return self._answers[header.update_id]
+            old = self._replaces(header)
+            if amends is not None and amends != frozenset(old.included if old is not None else ()):
+                return self._answer(header, self.round.judgement(
+                    Outcome.LATE, "the round changed while this combined update was checked; amend it again"))
             try:
-                outcome, factor, reason = self.round.judge(header.worker_id, header.base_version)
+                outcome, factor, reason = self.round.judge(header.worker_id, header.base_version,
+                                                           replacing=old is not None)
                 if outcome is Outcome.ACCEPTED:
                     samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness)
                     size = norm(delta)
@@ -226,6 +233,11 @@ class BlockAggregator:
                 self.counters[(Outcome.PROBATION.value, "")] += 1
                 return self._remember(header.update_id, self.round.judgement(
                     Outcome.PROBATION, "on probation: applied only once its audit passes"))
+            if old is not None:
+                self._withdraw(old)
+                self.counters[("replaced", "")] += 1
+                log.info("%s round %d: %s amended its combined update (%d → %d child updates)", self.name,
+                         self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
             self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
@@ -267,15 +279,34 @@ class BlockAggregator:
         it is counted as rejected with `reason`. True if there was one."""
         with self.lock:
             self.held = {k: u for k, u in self.held.items() if u.worker_id != worker_id}
-            update = self.round.accepted.pop(worker_id, None)
+            update = self.round.accepted.get(worker_id)
             if update is None:
                 return False
-            self._leave(update)
-            self.round.counts[Outcome.ACCEPTED] -= 1
-            self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+            self._withdraw(update)
             self.counters[(Outcome.REJECTED.value, reason)] += 1
             log.warning("%s round %d: dropped the update of %s (%s)", self.name, self.round.version, worker_id, reason)
             return True
+
+    def _replaces(self, header: PushHeader) -> Update | None:
+        """The relay's combined update accepted in this round that `header`, its amendment (a new
+        update id and manifest: children that moved to it from a failed relay, or fewer children once
+        the parent named some as counted already; aggregate/relay.py), takes the place of."""
+        old = self.round.accepted.get(header.worker_id) if header.manifest else None
+        return old if old is not None and old.manifest else None
+
+    def amends(self, header: PushHeader) -> frozenset[str]:
+        """The child update ids of the combined update `header` would take the place of (none if
+        it is no relay's amendment)."""
+        with self.lock:
+            old = self._replaces(header)
+            return frozenset(old.included) if old is not None else frozenset()
+
+    def _withdraw(self, update: Update) -> None:
+        """An accepted update out of the open round again: its sum (exactly) and its count."""
+        del self.round.accepted[update.worker_id]
+        self._leave(update)
+        self.round.counts[Outcome.ACCEPTED] -= 1
+        self.counters[(Outcome.ACCEPTED.value, "")] -= 1
 
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
         self.counters[(j.outcome.value, "")] += 1
@@ -426,7 +457,7 @@ class BlockAggregator:
             out.append((d - u.weight * own2) / max(math.sqrt(own2 * others2), 1e-30))
         return out
 
-    def _combiner(self, ups: list[Update]) -> tuple[Callable[[str], torch.Tensor], str]:
+    def _combiner(self, ups: list[Update], *, release: bool = True) -> tuple[Callable[[str], torch.Tensor], str]:
         """(tensor name → that tensor of Δ̄, the rule's name). The round's running sum, with what the
         screen dropped already taken out; trimmed and median combine the updates they held (sparse
         ones made dense: N copies, the cost of choosing them), computing the rule once."""
@@ -434,7 +465,7 @@ class BlockAggregator:
             return functools.partial(self._robust_of, ups), self._robust_rule(len(ups))
         robust = self.cfg.outer.robust if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
         rule = f"{robust}/{self.cfg.sparse_mean}" if any(u.codec.sparse for u in ups) else robust
-        return functools.partial(self._sum.mean_of, release=True), rule
+        return functools.partial(self._sum.mean_of, release=release), rule
 
     def _robust_rule(self, n: int) -> str:
         return combine([{"x": torch.zeros(1)}] * n, [1.0] * n, self.cfg.outer)[1]

@@ -116,7 +116,8 @@ class Identities:
                                                         f"joining it"))
             key = (who.name, header.block)
             last = self._last_push.get(key)
-            if last is not None and last[0] == header.base_version and last[1] != header.update_id:
+            # a relay may amend its combined update (it takes the place of the last: aggregate/block.py)
+            if last is not None and last[0] == header.base_version and last[1] != header.update_id and not header.manifest:
                 self._refuse(rec, Refused("second_push", f"{who.name!r} already pushed update {last[1][:8]} based "
                                                          f"on version {header.base_version} of block {header.block}"))
             self._last_push[key] = (header.base_version, header.update_id)

@@ -16,6 +16,7 @@ from btnode.protocol import PushHeader
 MAX_CHILDREN = 4096  # entries one manifest may list
 REMEMBERED = 1 << 16  # child update ids kept to refuse one counted twice (through two relays)
 WEIGHT_TOLERANCE = 1e-9  # relative: the manifest's sum is added in float64 in the same order by both sides
+COUNTED = "already counted here: "  # a refusal's message lists those child update ids after this, comma-separated
 
 
 @dataclass
@@ -26,6 +27,13 @@ class RelayRecord:
     last_weight: float = 0.0
     pushes: int = 0  # combined pushes accepted
     refused: int = 0  # combined pushes refused
+
+
+def counted_in(message: str) -> frozenset[str]:
+    """The child update ids a refusal of reason "counted" names (they reached this parent through
+    another relay first, which then failed: the relay takes them out and pushes the rest again)."""
+    _, found, ids = message.partition(COUNTED)
+    return frozenset(i for i in ids.strip().split(",") if i) if found else frozenset()
 
 
 def manifest_sum(header: PushHeader) -> float:
@@ -50,11 +58,13 @@ class Relays:
             return name in self._by_block.get(block, {})
 
     def check(self, header: PushHeader, joined: Mapping[str, str], revoked: Callable[[str], bool],
-              answered: Callable[[str], bool]) -> None:
+              answered: Callable[[str], bool], own: frozenset[str] = frozenset()) -> None:
         """Refuse (MalformedInput "manifest", Refused "not_joined", Forbidden "revoked") a combined push
         whose sender is not a relay of the block, or whose manifest lists a child that never joined the
-        block, is revoked, is listed twice, was already counted (its update id answered here), is based
-        on a later version than the push, or whose weights do not sum to the push's."""
+        block, is revoked, is listed twice, is based on a later version than the push, or whose weights
+        do not sum to the push's; and (MalformedInput "counted", naming them all) one that lists child
+        updates already counted here (answered, or in another relay's push), except `own`: those of
+        the combined update this one amends."""
         who = header.worker_id
         if not self.known(header.block, who):
             raise Refused("not_joined", f"{who!r} pushed a combined update without joining block {header.block} as a "
@@ -75,9 +85,11 @@ class Relays:
             if e.base_version > header.base_version:
                 raise MalformedInput("manifest", f"relay {who} lists {e.worker_id}'s update on version "
                                                  f"{e.base_version}, after the push's base {header.base_version}")
-            if answered(e.update_id) or self.counted(e.update_id):
-                raise MalformedInput("manifest", f"relay {who} lists update {e.update_id[:16]} of {e.worker_id}, "
-                                                 f"which was already counted here")
+        counted = [e.update_id for e in entries
+                   if e.update_id not in own and (answered(e.update_id) or self.counted(e.update_id))]
+        if counted:
+            raise MalformedInput("counted", f"relay {who} lists {len(counted)} child updates {COUNTED}"
+                                            f"{','.join(counted)}")
         total = manifest_sum(header)
         if abs(total - header.samples) > WEIGHT_TOLERANCE * max(1.0, total):
             raise MalformedInput("manifest", f"relay {who} claims weight {header.samples:g}; its children's weights "
@@ -87,7 +99,9 @@ class Relays:
         with self._lock:
             return update_id in self._counted
 
-    def pushed(self, header: PushHeader, accepted: bool) -> None:
+    def pushed(self, header: PushHeader, accepted: bool, replaced: frozenset[str] = frozenset()) -> None:
+        """Record a combined push's outcome; `replaced`: the child update ids of the combined update
+        it amended, which are counted no more unless it lists them again."""
         with self._lock:
             rec = self._by_block.get(header.block, {}).get(header.worker_id)
             if rec is None:  # not a relay: nothing to record
@@ -96,6 +110,8 @@ class Relays:
                 rec.refused += 1
                 return
             rec.pushes += 1
+            for i in replaced:
+                self._counted.pop(i, None)
             for e in header.manifest:
                 self._counted[e.update_id] = None
             while len(self._counted) > REMEMBERED:

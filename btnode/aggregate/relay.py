@@ -13,7 +13,7 @@ import queue
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -65,45 +65,60 @@ def manifest_of(u: Update, digest: str) -> tuple[ManifestEntry, ...]:
 
 
 class RelayBlock(BlockAggregator):
-    """A block at a relay: a round closes into a `Combined` handed to `on_combined`; after that the
-    round is sealed (later pushes for it are LATE) until the parent's next version is adopted."""
+    """A block at a relay: a round closes into a `Combined` handed to `on_combined`. The round stays
+    open after that, until the parent's next version is adopted: a child update that arrives later
+    (a child of a failed relay that moved here, mid-round) goes into it, and the round closes again
+    into an amended combined update, which takes the place of the first at the parent; children the
+    parent names as counted already (through the failed relay) are taken out exactly (`uncount`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.on_combined = lambda c: None  # set by RelaySwarm
         self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
-        self.sealed = False
+        self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
 
-    def _sealed(self, header: PushHeader) -> Judgement | None:
-        """LATE for a new update while the round is sealed (its combined update went to the parent)."""
-        if self.sealed and header.update_id not in self._answers:
-            return self._answer(header, self.round.judgement(
-                Outcome.LATE, f"this relay already forwarded round {self.round.version}; wait for the next version"))
-        return None
+    def _fresh(self) -> bool:
+        """Whether the round holds child updates that its last combined update did not carry."""
+        return bool(self.round.accepted) and {u.update_id for u in self.round.accepted.values()} != self.forwarded
 
-    def precheck(self, header: PushHeader) -> Judgement | None:
+    def _maybe_close(self):  # type: ignore[override]
+        return super()._maybe_close() if self._fresh() else None
+
+    def drain(self):  # type: ignore[override]
         with self.lock:
-            return self._sealed(header) or super().precheck(header)
+            return self._close("drain") if self._fresh() else None
 
-    def submit(self, header: PushHeader, delta: Tensors, **kwargs: Any) -> Judgement:
-        with self.lock:  # sealed between precheck and here: still LATE
-            return self._sealed(header) or super().submit(header, delta, **kwargs)
+    def uncount(self, update_ids: frozenset[str]) -> int:
+        """The parent counted these child updates already (they reached it through a relay that then
+        failed, and their workers re-pushed here): out of the round, exactly, and the rest forwarded
+        again. Returns how many child updates were taken out."""
+        with self.lock:
+            out = [u for u in self.round.accepted.values() if update_ids & set(u.included)]
+            for u in out:
+                self._withdraw(u)
+                self.counters[(Outcome.REJECTED.value, "counted_upstream")] += 1
+                log.info("%s round %d: the parent counted the update of %s already; taken out", self.name,
+                         self.round.version, u.worker_id)
+            if out and self._fresh():
+                self._close("amended")
+            return len(out)
 
     def _publish(self, reason: str) -> None:  # type: ignore[override]  # a relay publishes nothing
         ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
-        mean_of, _ = self._combiner(ups)
+        for worker_id, _ in dropped:  # already out of the sum (the screen took them out): out of the round
+            del self.round.accepted[worker_id]
+            self.round.counts[Outcome.ACCEPTED] -= 1
+        mean_of, _ = self._combiner(ups, release=False)  # the sum stays: an amendment adds to it
         delta = {n: mean_of(n) for n in self.spec}
-        manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.pop(u.update_id, "")))
+        manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, "")))
         combined = Combined(block=self.block, base_version=self.round.version, delta=delta,
                             weight=math.fsum(e.weight for e in manifest), loss=sum(u.loss for u in ups) / len(ups),
                             manifest=manifest)
         log.info("%s round %d: combined %d child updates (weight %g, %s, %d dropped by the screen) for the parent",
                  self.name, self.round.version, len(ups), combined.weight, reason, len(dropped))
         self.rounds_closed[reason] += 1
-        self._open(self.clock())  # the same version: sealed until the parent's next one is adopted
-        self.digests.clear()
-        self.sealed = True
+        self.forwarded = frozenset(u.update_id for u in ups)
         self.on_combined(combined)
 
     def adopt(self, info: VersionInfo, params: Tensors, *, raw: dict[str, bytes] | None, codec: Codec | None) -> None:
@@ -113,16 +128,17 @@ class RelayBlock(BlockAggregator):
             raise MalformedInput("checksum", f"{self.name} v{info.version} from the parent fails its hash")
         self.store.write(info.version, params, meta=self._meta(info, "relayed"), delta_raw=raw, delta_codec=codec)
         with self.lock:
-            if self.round.accepted:
-                self.lost += len(self.round.accepted)
+            missed = [u for u in self.round.accepted.values() if u.update_id not in self.forwarded]
+            if missed:
+                self.lost += len(missed)
                 log.warning("%s: version %d arrived before round %d was forwarded; %d child updates missed it",
-                            self.name, info.version, self.round.version, len(self.round.accepted))
+                            self.name, info.version, self.round.version, len(missed))
             self.params, self.info = params, info
             now = self.clock()
             self.recent.append(RoundSummary(info=info, closed_at=now))
             self._open(now)
             self.digests.clear()
-            self.sealed = False
+            self.forwarded = frozenset()
             self.lock.notify_all()
 
 

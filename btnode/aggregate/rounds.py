@@ -68,12 +68,13 @@ class Round:
     reported: set[str] = field(default_factory=set)
     counts: Counter = field(default_factory=Counter)
 
-    def judge(self, worker_id: str, base_version: int) -> tuple[Outcome, float, str]:
-        """(outcome, staleness weight factor, reason) for an update's timing, before its content."""
+    def judge(self, worker_id: str, base_version: int, *, replacing: bool = False) -> tuple[Outcome, float, str]:
+        """(outcome, staleness weight factor, reason) for an update's timing, before its content.
+        `replacing`: a relay's amended combined update, which takes the place of its accepted one."""
         v, s = self.version, self.cfg.max_staleness
         if base_version > v:
             raise MalformedInput("future_version", f"base version {base_version} is ahead of the current version {v}")
-        if worker_id in self.accepted:
+        if worker_id in self.accepted and not replacing:
             raise MalformedInput("duplicate", f"worker {worker_id!r} already has an accepted update in round {v}")
         if base_version >= v - s:
             return Outcome.ACCEPTED, self.cfg.staleness_decay ** (v - base_version), ""

@@ -260,8 +260,9 @@ class SwarmAggregator:
         if who is not None:
             joined = who.name in self.keys.of(header.block) or self.relays.known(header.block, who.name)
             self.identities.check_push(who, header, ever_joined=joined)
+        amends = block.amends(header)  # a relay's amendment: the child updates of the push it replaces
         try:
-            judged = self._judge(block, header, chunks)
+            judged = self._judge(block, header, chunks, amends)
         except PeerInputError as exc:
             if who is not None:
                 self.identities.judged(who, header, False, exc.reason)
@@ -271,7 +272,7 @@ class SwarmAggregator:
         if who is not None:
             self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
         if header.manifest:
-            self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED)
+            self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED, replaced=amends)
         return judged
 
     def revoke(self, name: str) -> float:
@@ -370,12 +371,13 @@ class SwarmAggregator:
                        probation=probation)
         return replace(judged, audit=self.audits.open(job))
 
-    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData]) -> Judgement:
+    def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData],
+               amends: frozenset[str] = frozenset()) -> Judgement:
         with contextlib.ExitStack() as decoding:  # held from the end of the upload to the judgement
-            return self._judged(block, header, chunks, decoding)
+            return self._judged(block, header, chunks, decoding, amends)
 
     def _judged(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData],
-                decoding: contextlib.ExitStack) -> Judgement:
+                decoding: contextlib.ExitStack, amends: frozenset[str]) -> Judgement:
         answered = block.answered(header.update_id)
         if answered is not None:  # a re-push: the same answer, and the same request for its state
             waiting = self.audits is not None and self.audits.waiting_for(header.update_id) is not None
@@ -394,7 +396,7 @@ class SwarmAggregator:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
             if header.manifest:
                 self.relays.check(header, self.keys.of(header.block), self.identities.is_revoked,
-                                  lambda u: block.answered(u) is not None)
+                                  lambda u: block.answered(u) is not None, own=amends)
             else:
                 self._check_key(header)
             delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding)
@@ -406,11 +408,11 @@ class SwarmAggregator:
                 audits.advance(header)
             raise
         if audits is None:
-            return block.submit(header, delta, raw=raw)
+            return block.submit(header, delta, raw=raw, amends=amends if header.manifest else None)
         base = block.current()
         probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
         try:
-            judged = block.submit(header, delta, raw=raw, hold=probation)
+            judged = block.submit(header, delta, raw=raw, hold=probation, amends=amends if header.manifest else None)
         except PeerInputError:
             audits.advance(header)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.manifests import counted_in
 from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import lazy_frames
@@ -126,15 +128,34 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
     log.log(level, "block %d round %d: combined update of %d children (weight %g) %s at the parent%s", c.block,
             c.base_version, len(c.manifest), c.weight, j.outcome.value, f": {j.reason}" if j.reason else "")
     relay.forwarded[j.outcome.value] = relay.forwarded.get(j.outcome.value, 0) + 1
+    counted = counted_in(j.reason) if j.outcome is Outcome.REJECTED else frozenset()
+    if counted:  # children of a failed relay, counted through it: out, and the rest amended (queued again)
+        block = relay.blocks[c.block]
+        assert isinstance(block, RelayBlock)
+        block.uncount(counted)
+
+
+def _latest(relay: RelaySwarm, first: Combined) -> list[Combined]:
+    """`first` and whatever else is queued, keeping only the newest combined update of each block and
+    round: an amendment takes the place of the one before it, so only the last needs to go up."""
+    queued = [first]
+    while True:
+        try:
+            queued.append(relay.outbox.get_nowait())
+        except queue.Empty:
+            break
+    newest = {(c.block, c.base_version): c for c in queued}
+    return list(newest.values())
 
 
 def _forwarder(parent: FailoverLink, relay: RelaySwarm, deadline_s: float, stop: threading.Event) -> None:
     while not (stop.is_set() and relay.outbox.empty()):
         try:
             c = relay.outbox.get(timeout=0.2)
-        except Exception:  # noqa: BLE001 - queue.Empty
+        except queue.Empty:
             continue
-        _forward(parent, relay, c, time.monotonic() + deadline_s)
+        for c in _latest(relay, c):
+            _forward(parent, relay, c, time.monotonic() + deadline_s)
 
 
 def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], listen: str, state_dir: Path, name: str,

@@ -140,8 +140,33 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
     assert len(accepted) == 4 and all(s["not_included"] == [] for s in stats.values())
     assert accepted <= included(c)  # 0 lost: each accepted update, re-pushed to rb, made it into a version
     st = c.status_dict()["blocks"][0]
-    assert {r["name"]: r["pushes"] for r in st["relays"]} == {"ra": 0, "rb": 2}
+    pushes = {r["name"]: r["pushes"] for r in st["relays"]}
+    assert pushes["ra"] == 0 and pushes["rb"] >= 2  # more when w1 re-pushed after rb forwarded w0's: an amendment
     assert all(f"moving to {spare}" in (tmp_path / f"{w}.log").read_text() for w in procs)
+    c.close()
+
+
+def test_a_spare_that_forwarded_its_round_amends_it_with_the_children_of_a_killed_relay(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "60")
+    first, spare = relays(processes, tmp_path, root, {"ra": ["--min-updates", "3"], "rb": []})
+    a = SwarmClient(first, timeout_s=15)
+    a.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
+        ClaimConfig(batch=4, steps_per_round=2)))
+    procs = {w: worker(processes, tmp_path, w, f"{first},{spare}", 2) for w in ("w0", "w1")}
+    procs["w2"] = worker(processes, tmp_path, "w2", spare, 2)  # rb's own child: rb forwards it at once
+    c = SwarmClient(root, timeout_s=15)
+    deadline = time.monotonic() + 60
+    while a.status_dict()["blocks"][0]["accepted_in_round"] < 2 or not c.status_dict()["blocks"][0]["accepted_in_round"]:
+        assert time.monotonic() < deadline, "ra never held two updates, or rb never forwarded w2's"
+        time.sleep(0.05)
+    a.close()
+    processes[1].send_signal(signal.SIGKILL)  # ra, holding w0's and w1's updates; rb's round went up already
+    c.leave("idle", 0)
+    stats = finished(tmp_path, procs)
+    accepted = {u for s in stats.values() for u in s["accepted_updates"]}
+    assert len(accepted) == 6 and all(s["not_included"] == [] for s in stats.values())
+    assert accepted <= included(c)  # 0 lost: w0's and w1's updates went up in rb's amendment
+    assert "amended its combined update (1 → 3 child updates)" in (tmp_path / "root.log").read_text()
     c.close()
 
 

@@ -1,0 +1,143 @@
+"""A relay's amended combined update (aggregate/relay.py, block.py `_replaces`): children of a failed
+relay that move to a spare after it forwarded its round go into an amendment, which takes the place of
+the spare's first push at the parent, exactly; children the parent names as counted already (through
+the failed relay) are taken out of the spare's round exactly and the rest pushed again."""
+
+from __future__ import annotations
+
+import torch
+
+from btnode.aggregate.averaging import OuterConfig
+from btnode.aggregate.block import AggregatorConfig, BlockAggregator
+from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.manifests import Relays, counted_in
+from btnode.aggregate.relay import Combined, RelayBlock
+from btnode.aggregate.rounds import RoundConfig
+from btnode.codec.codecs import Codec
+from btnode.errors import MalformedInput
+from btnode.protocol import ManifestEntry, Outcome, PushHeader
+from btnode.store.versions import VersionStore
+
+INIT = {"w": torch.randn(32, 48, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(700)}
+CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)
+SHA = "00" * 32
+
+
+def acfg(robust: str = "mean") -> AggregatorConfig:
+    return AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust=robust))
+
+
+def delta_of(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return {n: 0.01 * torch.randn(t.shape, generator=g) for n, t in INIT.items()}
+
+
+def combined(relay: str, children: list[str], i: int, base: int = 0) -> tuple[PushHeader, dict]:
+    manifest = tuple(ManifestEntry(c, f"{c}-u", base, 2.0, SHA) for c in children)
+    head = PushHeader(worker_id=relay, block=0, base_version=base, samples=2.0 * len(children), loss=1.0,
+                      codec=Codec.FP32, update_id=f"{relay}-{i}", manifest=manifest)
+    return head, delta_of(i)
+
+
+def root(tmp_path, name: str, registered: list[str]) -> BlockAggregator:
+    agg = BlockAggregator(0, INIT, VersionStore(tmp_path / name, 0), acfg(), clock=lambda: 1000.0)
+    for w in registered:
+        agg.register(w)
+    return agg
+
+
+def test_an_amendment_takes_the_place_of_the_first_push_bit_for_bit(tmp_path):
+    workers = ["c1", "c2", "c3", "d1"]
+    amended = root(tmp_path, "amended", workers)
+    assert amended.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
+    assert amended.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.ACCEPTED
+    assert amended.info.version == 0  # c2, c3 have not reported
+    head, delta = combined("ra", ["c1", "c2", "c3"], 3)
+    assert amended.amends(head) == {"c1-u"}
+    assert amended.submit(head, delta, amends=frozenset({"c1-u"})).outcome is Outcome.ACCEPTED
+    assert amended.info.version == 1 and amended.info.accepted == 2  # ra's amendment and rb's push
+    assert sorted(amended.info.included) == ["c1-u", "c2-u", "c3-u", "d1-u"]
+    assert amended.counters[("replaced", "")] == 1 and amended.counters[("accepted", "")] == 2
+    # the same version as a root that only ever got the amendment and rb's push
+    direct = root(tmp_path, "direct", workers)
+    assert direct.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.ACCEPTED
+    assert direct.submit(*combined("ra", ["c1", "c2", "c3"], 3)).outcome is Outcome.ACCEPTED
+    assert direct.info.sha256 == amended.info.sha256
+
+
+def test_an_amendment_checked_against_a_round_that_moved_on_is_late(tmp_path):
+    agg = root(tmp_path, "r", ["c1", "c2", "x"])
+    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
+    head, delta = combined("ra", ["c1", "c2"], 2)
+    j = agg.submit(head, delta, amends=frozenset())  # checked as a first push; it is not one any more
+    assert j.outcome is Outcome.LATE and "amend it again" in j.reason
+    assert agg.round.accepted["ra"].update_id == "ra-1"
+
+
+def test_a_manifest_naming_updates_counted_through_another_relay_is_refused_with_their_ids():
+    relays = Relays()
+    for r in ("ra", "rb"):
+        relays.joined(0, r)
+    joined = {w: "" for w in ("c1", "c2", "d1")}
+    first, _ = combined("ra", ["c1", "c2"], 1)
+    relays.check(first, joined, lambda w: False, lambda u: False)
+    relays.pushed(first, True)
+    moved, _ = combined("rb", ["c1", "c2", "d1"], 2)  # ra failed after its push; its children moved to rb
+    try:
+        relays.check(moved, joined, lambda w: False, lambda u: False)
+        raise AssertionError("a manifest counting c1 and c2 twice was accepted")
+    except MalformedInput as exc:
+        assert exc.reason == "counted" and counted_in(str(exc)) == {"c1-u", "c2-u"}
+    # ra's own amendment may list its children again; their ids are counted no more once replaced
+    again, _ = combined("ra", ["c1"], 3)
+    relays.check(again, joined, lambda w: False, lambda u: False, own=frozenset({"c1-u", "c2-u"}))
+    relays.pushed(again, True, replaced=frozenset({"c1-u", "c2-u"}))
+    assert relays.counted("c1-u") and not relays.counted("c2-u")
+    assert counted_in("some other refusal") == frozenset()
+
+
+def relay_block(tmp_path) -> tuple[RelayBlock, list[Combined]]:
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: 1000.0)
+    out: list[Combined] = []
+    block.on_combined = out.append
+    return block, out
+
+
+def child(worker: str, i: int) -> tuple[PushHeader, dict]:
+    head = PushHeader(worker_id=worker, block=0, base_version=0, samples=2.0, loss=1.0, codec=Codec.FP32,
+                      update_id=f"{worker}-u", steps=(0, 1))
+    return head, delta_of(i)
+
+
+def test_a_relay_amends_its_forwarded_round_with_a_child_that_moved_to_it(tmp_path):
+    block, out = relay_block(tmp_path)
+    block.register("d1")
+    assert block.submit(*child("d1", 1)).outcome is Outcome.ACCEPTED
+    assert [e.update_id for e in out[0].manifest] == ["d1-u"]
+    block.tick()
+    assert len(out) == 1  # nothing new: no second push
+    block.register("c1")  # a child of a failed relay joins here and re-pushes its update, same id
+    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED
+    assert len(out) == 2 and sorted(e.update_id for e in out[1].manifest) == ["c1-u", "d1-u"]
+    fresh, seen = relay_block(tmp_path / "fresh")
+    fresh.register("c1")
+    fresh.register("d1")
+    for h, d in (child("c1", 2), child("d1", 1)):
+        fresh.submit(h, d)
+    assert all(torch.equal(out[1].delta[n], seen[0].delta[n]) for n in INIT)  # the same sum, exactly
+
+
+def test_a_relay_takes_out_what_the_parent_counted_already_exactly(tmp_path):
+    block, out = relay_block(tmp_path)
+    for w in ("c1", "c2", "d1"):
+        block.register(w)
+    for i, w in enumerate(("c1", "c2", "d1")):
+        block.submit(*child(w, i))
+    assert len(out) == 1 and len(out[0].manifest) == 3
+    assert block.uncount(frozenset({"c1-u", "c2-u"})) == 2
+    assert [e.update_id for e in out[1].manifest] == ["d1-u"]
+    alone, seen = relay_block(tmp_path / "alone")
+    alone.register("d1")
+    alone.submit(*child("d1", 2))
+    assert all(torch.equal(out[1].delta[n], seen[0].delta[n]) for n in INIT)
+    assert block.counters[("rejected", "counted_upstream")] == 2
