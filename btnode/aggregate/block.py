@@ -125,6 +125,8 @@ class BlockAggregator:
         self.outer = OuterOptimizer(cfg.outer)
         self.residual: Tensors = {}
         self.registered: set[str] = set()
+        self.streams: Counter = Counter()  # worker id → its version streams open here (rpc/server.py Watch)
+        self.forgotten: set[str] = set()  # not waited for since they missed a round (`_forget_silent`)
         self.counters: Counter = Counter()  # (outcome, reason) → count
         self.rounds_closed: Counter = Counter()  # closed_by → count
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
@@ -171,11 +173,36 @@ class BlockAggregator:
                 # so a swarm that takes a while to start does not lose its first round to τ
                 self.round.opened_at = self.clock()
             self.registered.add(worker_id)
+            self.forgotten.discard(worker_id)
 
     def unregister(self, worker_id: str) -> None:
         with self.lock:
             self.registered.discard(worker_id)
             self._maybe_close()
+
+    def stream_opened(self, worker_id: str) -> None:
+        """A replica's version stream: it is registered while one is open here."""
+        with self.lock:
+            self.streams[worker_id] += 1
+        self.register(worker_id)
+
+    def stream_closed(self, worker_id: str) -> None:
+        with self.lock:
+            self.streams[worker_id] -= 1
+            if self.streams[worker_id] <= 0:
+                del self.streams[worker_id]
+        self.unregister(worker_id)
+
+    def _forget_silent(self) -> None:
+        """At a deadline close: stop waiting for the registered workers that did not report and hold no
+        version stream here (workers under relays: their relay tells us when their streams end, but a
+        relay that died cannot), until they report again (`_take`, through a relay's manifest)."""
+        silent = sorted(w for w in self.registered - self.round.reported if not self.streams.get(w))
+        if silent:
+            self.registered.difference_update(silent)
+            self.forgotten.update(silent)
+            log.warning("%s round %d: not waiting any more for %d replicas that missed it without a version stream "
+                        "here (%s)", self.name, self.round.version, len(silent), ", ".join(silent[:5]))
 
     # -- updates ----------------------------------------------------------------------------
     def precheck(self, header: PushHeader) -> Judgement | None:
@@ -308,7 +335,14 @@ class BlockAggregator:
         self.round.counts[Outcome.ACCEPTED] -= 1
         self.counters[(Outcome.ACCEPTED.value, "")] -= 1
 
+    def _recall(self, *workers: str) -> None:
+        """Workers that reported again (any answer, or listed in a relay's manifest) are waited for again."""
+        back = self.forgotten.intersection(workers)
+        self.forgotten.difference_update(back)
+        self.registered.update(back)
+
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
+        self._recall(header.worker_id)
         self.counters[(j.outcome.value, "")] += 1
         self.round.note(header.worker_id, j.outcome, header.base_version)
         self._maybe_close()
@@ -366,6 +400,7 @@ class BlockAggregator:
         elif update.raw is not None:
             update.spilled = self._spill.put(update.raw)
             update.raw = update.delta = None
+        self._recall(update.worker_id, *(e.worker_id for e in update.manifest))
         self.round.add(update)
 
     def _leave(self, update: Update) -> None:
@@ -532,6 +567,8 @@ class BlockAggregator:
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
         self.rounds_closed[reason] += 1
+        if reason == "deadline":
+            self._forget_silent()
         self._open(now)
         log.info("%s: version %d published (%s; %d accepted, %d late, %d stale, %d rejected; loss %.4f)",
                  self.name, info.version, reason, info.accepted, info.late, info.stale, info.rejected, info.mean_loss)

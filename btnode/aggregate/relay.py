@@ -6,10 +6,12 @@ hash check. node/relay.py wires it to the parent through rpc/."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +25,7 @@ from btnode.aggregate.rounds import Update
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData
-from btnode.errors import MalformedInput
+from btnode.errors import BtnodeError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
 from btnode.store.files import state_sha256
@@ -77,6 +79,28 @@ class RelayBlock(BlockAggregator):
         self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
         self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
+        self.on_membership = lambda worker_id, here: None  # set by RelaySwarm: a child went away / came back
+        self._away: set[str] = set()  # children whose version stream ended, told to the parent as gone
+
+    def register(self, worker_id: str) -> None:
+        super().register(worker_id)
+        with self.lock:
+            back = worker_id in self._away
+            self._away.discard(worker_id)
+        if back:
+            self.on_membership(worker_id, True)
+
+    def unregister(self, worker_id: str) -> None:
+        """A child's version stream ended (or it left): the parent stops waiting for it too, as an
+        aggregator stops waiting for a direct worker whose stream ended; it joins there again when its
+        stream comes back here."""
+        super().unregister(worker_id)
+        with self.lock:
+            gone = worker_id not in self.registered and worker_id not in self._away
+            if gone:
+                self._away.add(worker_id)
+        if gone:
+            self.on_membership(worker_id, False)
 
     def _fresh(self) -> bool:
         """Whether the round holds child updates that its last combined update did not carry."""
@@ -185,11 +209,35 @@ class RelaySwarm(SwarmAggregator):
         self.upstream, self.name = upstream, name
         self.keys = ParentKeys()  # type: ignore[assignment]
         self.outbox: queue.Queue[Combined] = queue.Queue()
+        self._joins: dict[tuple[int, str], tuple[str, str, str, str]] = {}  # a child's join, to send again
+        self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
+        threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
         self.forwarded: dict[str, int] = {}  # the parent's outcome → combined pushes (node/relay.py)
         self.last_forward: dict[int, tuple[PushHeader, Combined]] = {}  # block → the last one pushed (node/relay.py)
         for b in self.blocks.values():
             assert isinstance(b, RelayBlock)
             b.on_combined = self.outbox.put
+            b.on_membership = functools.partial(self._member, b.block)
+
+    def _member(self, block: int, worker_id: str, here: bool) -> None:
+        if not self.relays.known(block, worker_id):  # a child relay is no member at the parent
+            self._membership.put((block, worker_id, here))
+
+    def _tell_parent(self) -> None:
+        """Children that went away leave the parent (its rounds stop waiting for them); those that came
+        back join it again with their first join's arguments. A failure is logged, not retried: a
+        child that came back re-joins the parent itself when it re-joins here after a failover."""
+        while True:
+            block, worker_id, here = self._membership.get()
+            try:
+                if not here:
+                    self.upstream.leave(worker_id, block)
+                elif (block, worker_id) in self._joins:
+                    fingerprint, config_json, data_id, training_json = self._joins[(block, worker_id)]
+                    self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
+            except BtnodeError as exc:
+                log.warning("could not tell the parent that %s %s block %d: %s", worker_id,
+                            "is back on" if here else "left", block, exc)
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
              who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
@@ -201,14 +249,14 @@ class RelaySwarm(SwarmAggregator):
         if relay:
             return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
         parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
+        self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json)
         self.keys.record(block, worker_id, parent.data_key)
         mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)
         return replace(mine, data_key=parent.data_key)
 
     def leave(self, worker_id: str, block: int) -> None:
-        super().leave(worker_id, block)
-        if not self.relays.known(block, worker_id):
-            self.upstream.leave(worker_id, block)
+        super().leave(worker_id, block)  # the block tells the parent (RelayBlock.unregister)
+        self._joins.pop((block, worker_id), None)
 
     def push(self, header: PushHeader, chunks: Iterable[ChunkData], who: Identity | None = None) -> Judgement:
         """Judged as the aggregator judges, noting each frame's raw sha256 on the way for the manifest."""

@@ -275,8 +275,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         worker = request.worker_id
         revoked = self.agg.identities.revoked
         if worker:
-            block.register(worker)
-            context.add_callback(lambda: block.unregister(worker))
+            block.stream_opened(worker)
+            context.add_callback(lambda: block.stream_closed(worker))
         last = -1
         while context.is_active() and not self.stop.is_set() and (who is None or who.name not in revoked):
             info = block.wait_for(last, timeout=0.5)

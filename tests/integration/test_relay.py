@@ -170,6 +170,32 @@ def test_a_spare_that_forwarded_its_round_amends_it_with_the_children_of_a_kille
     c.close()
 
 
+def test_the_root_stops_waiting_for_a_child_whose_version_stream_at_its_relay_ended(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "60")
+    (relay,) = relays(processes, tmp_path, root, {"r1": []})
+    c, r = SwarmClient(root, timeout_s=15), SwarmClient(relay, timeout_s=15)
+    r.join("c9", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
+        ClaimConfig(batch=4, steps_per_round=2)))
+
+    def replicas_at_root_become(want: bool) -> None:
+        deadline = time.monotonic() + 20
+        while ("c9" in c.status_dict()["blocks"][0]["replicas"]) != want:
+            assert time.monotonic() < deadline, f"c9 {'never' if want else 'still'} a replica at the root"
+            time.sleep(0.05)
+
+    replicas_at_root_become(True)  # its join passed through the relay
+    stream = r.watch(0, "c9")
+    next(stream)  # the current version: the stream is open, c9 registered at the relay
+    r.cancel_watches("c9")  # its stream ends (as when its process dies): the relay tells the root
+    replicas_at_root_become(False)
+    assert "c9" not in r.status_dict()["blocks"][0]["replicas"]
+    stream = r.watch(0, "c9")  # back: the relay joins it at the root again, with its first join
+    next(stream)
+    replicas_at_root_become(True)
+    r.close()
+    c.close()
+
+
 def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, processes):
     listen = f"127.0.0.1:{free_port()}"
     root_args = ("--role", "aggregator", "--blocks-owned", "0", "--deadline", "20")

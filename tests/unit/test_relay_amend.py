@@ -141,3 +141,19 @@ def test_a_relay_takes_out_what_the_parent_counted_already_exactly(tmp_path):
     alone.submit(*child("d1", 2))
     assert all(torch.equal(out[1].delta[n], seen[0].delta[n]) for n in INIT)
     assert block.counters[("rejected", "counted_upstream")] == 2
+
+
+def test_at_a_deadline_the_root_stops_waiting_for_silent_replicas_without_a_stream_until_they_report(tmp_path):
+    now = [1000.0]
+    agg = BlockAggregator(0, INIT, VersionStore(tmp_path / "r", 0), acfg(), clock=lambda: now[0])
+    for w in ("c1", "c2", "c3"):
+        agg.register(w)  # joined through a relay: no version stream here
+    agg.stream_opened("d1")  # a direct worker, connected
+    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
+    now[0] += 11  # past the 10 s deadline: c2 and c3 (their relay died with them) and d1 missed the round
+    assert agg.tick() is not None and agg.info.closed_by == "deadline"
+    assert agg.registered == {"c1", "d1"} and agg.forgotten == {"c2", "c3"}
+    assert agg.submit(*combined("rb", ["c2"], 2, base=1)).outcome is Outcome.ACCEPTED  # c2 is back, via a spare
+    assert agg.registered == {"c1", "c2", "d1"} and agg.forgotten == {"c3"}
+    agg.stream_closed("d1")
+    assert "d1" not in agg.registered
