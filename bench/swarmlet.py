@@ -44,6 +44,8 @@ from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
 
 VARIANTS = 4  # distinct updates per process
+SPARES = 2  # upstreams after its first that a worker moves to in turn (a kill run kills a quarter of the relays:
+#   with one spare, a worker whose relay and spare both die has nowhere to go, and waits to the end)
 # refusals for now, retried; CANCELLED too: under load a connection whose keep-alive ping goes unanswered
 # is closed by gRPC and the calls on it end CANCELLED (seen at N = 1,024 on this shared host)
 RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -288,8 +290,8 @@ async def swarm(args: argparse.Namespace) -> None:
     names = [f"{args.prefix}{i:04d}" for i in range(args.first, args.first + args.count)]
     peers = args.peer.split(",")
     go, logged = asyncio.Event(), set()
-    k = len(peers)  # worker j talks to peer j mod k, with the next one as its spare
-    workers = [SimWorker(n, [peers[j % k], peers[(j + 1) % k]] if k > 1 else peers, cfg, terms, variants[j % VARIANTS],
+    k = len(peers)  # worker j talks to peer j mod k, with the next SPARES as its spares
+    workers = [SimWorker(n, [peers[(j + s) % k] for s in range(min(k, SPARES + 1))], cfg, terms, variants[j % VARIANTS],
                          log, rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go, logged=logged)
                for j, n in enumerate(names, start=args.first)]
     log("started", count=len(workers), pid=os.getpid())
@@ -308,7 +310,7 @@ async def swarm(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer", required=True, help="ADDRESS[,ADDRESS...]: worker j talks to the (j mod k)-th, with "
-                                                  "the next as its spare")
+                                                  f"the next {SPARES} as its spares")
     ap.add_argument("--config", required=True, help="ModelConfig as JSON")
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--count", type=int, required=True)

@@ -32,14 +32,15 @@ from btnode.data.source import ByteSource
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
-from btnode.durable import atomic_write
+from btnode.durable import Journal, atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
 from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
 SECRET_FILE = "audit.secret"
-TRAINING_FILE = "training.json"  # worker id → the training terms it joined with
+TRAINING_FILE = "training.jsonl"  # worker id → the training terms it joined with (a durable.Journal)
+LEGACY_TRAINING_FILE = "training.json"  # the same map, rewritten whole on each join by earlier versions
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -95,7 +96,7 @@ class SwarmAggregator:
                        for b in owned}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self._training_file = state_dir / TRAINING_FILE
-        self._training = self._read_training()  # worker id → the terms of its last admitted join (durable)
+        self._training = self._read_training(state_dir)  # worker id → the terms of its last admitted join (durable)
         self._training_lock = threading.Lock()
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
         self._decoding = threading.BoundedSemaphore(acfg.decode_slots)  # pushes decoded and judged at once
@@ -178,11 +179,10 @@ class SwarmAggregator:
             self._abandoned(worker_id, over)
         agg.register(worker_id)
         if terms is not None:
-            with self._training_lock:  # concurrent joins: the file written last holds every worker's terms
+            with self._training_lock:  # one line appended per changed worker: O(1) bytes a join, not O(N)
                 if self._training.get(worker_id) != terms:
                     self._training[worker_id] = terms
-                    atomic_write(self._training_file, json.dumps({w: t.to_json() for w, t in self._training.items()},
-                                                                 indent=1, sort_keys=True).encode())
+                    self._terms_journal.put(worker_id, terms.to_json())
         if who is not None:
             self.identities.joined(who, block)
         self.count("joins")
@@ -231,12 +231,11 @@ class SwarmAggregator:
         a replay of its updates trains with. Kept in the state folder, so a restart keeps them."""
         return self._training.get(worker_id)
 
-    def _read_training(self) -> dict[str, TrainingTerms]:
-        if not self._training_file.exists():
-            return {}
+    def _read_training(self, state_dir: Path) -> dict[str, TrainingTerms]:
         try:
-            return {w: TrainingTerms.from_json(t) for w, t in json.loads(self._training_file.read_bytes()).items()}
-        except (OSError, ValueError, AttributeError, MalformedInput) as exc:
+            self._terms_journal = Journal(self._training_file, legacy=state_dir / LEGACY_TRAINING_FILE)
+            return {w: TrainingTerms.from_json(t) for w, t in self._terms_journal.values.items()}  # type: ignore[arg-type]
+        except (OSError, ValueError, TypeError, AttributeError, MalformedInput) as exc:
             raise CheckpointError(f"{self._training_file} cannot be read as the workers' training settings: {exc}") from exc
 
     def leave(self, worker_id: str, block: int) -> None:

@@ -68,7 +68,7 @@ def test_rounds_advance_on_one_unit_and_every_replica_ends_on_the_published_hash
     assert isinstance(sim.replicas[0].worker.trainer.model, ByteTransformer)
     # the versions live in STATE/ar/ (beside the run and its data keys), each exactly its predecessor plus its
     # published delta
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar", "data_keys.json", "run.json", "training.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar", "data_keys.json", "run.json", "training.jsonl"]
     for v in range(1, 4):
         before, after = agg.store.load(v - 1).params, agg.store.load(v)
         codec, raw, meta = agg.store.delta(v)

@@ -143,7 +143,7 @@ def test_a_delta_is_read_without_the_model_and_still_hash_checked(tmp_path):
 
 
 def test_threads_writing_one_file_at_once_each_rename_their_own_temp_file(tmp_path):
-    """Two Joins at once both rewrite training.json: with one temp name per process, one thread's
+    """Two Joins at once both rewrote training.json (before it became a journal): with one temp name per process, one thread's
     rename took the other's temp file and the second failed (FileNotFoundError, an INTERNAL Join)."""
     import threading
 
@@ -165,3 +165,48 @@ def test_threads_writing_one_file_at_once_each_rename_their_own_temp_file(tmp_pa
         t.join(timeout=30)
     assert errors == [] and path.read_text().endswith("-19")
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # no temp file left behind
+
+
+def test_a_journal_appends_a_line_per_change_and_reads_the_last_of_each_name(tmp_path):
+    from btnode.durable import Journal
+
+    path = tmp_path / "terms.jsonl"
+    j = Journal(path)
+    for i in range(50):
+        j.put(f"w{i}", {"lr": i})
+    size = path.stat().st_size
+    j.put("w3", {"lr": 99})
+    assert path.stat().st_size - size < 40  # one line, not the whole map again
+    assert Journal(path).values == {**{f"w{i}": {"lr": i} for i in range(50)}, "w3": {"lr": 99}}
+
+
+def test_a_journal_drops_a_torn_last_line_and_refuses_a_corrupt_middle_one(tmp_path):
+    from btnode.durable import Journal
+
+    path = tmp_path / "terms.jsonl"
+    j = Journal(path)
+    j.put("a", 1)
+    j.put("b", 2)
+    with open(path, "ab") as f:
+        f.write(b'["c", 3')  # a crash mid-append
+    j = Journal(path)
+    assert j.values == {"a": 1, "b": 2}
+    j.put("d", 4)  # appended after the torn bytes were cut away
+    assert Journal(path).values == {"a": 1, "b": 2, "d": 4}
+    path.write_bytes(b'["a",1]\nnot json\n["b",2]\n')
+    with pytest.raises(ValueError, match="line 2"):
+        Journal(path)
+
+
+def test_a_journal_compacts_itself_and_folds_in_the_whole_map_of_earlier_versions(tmp_path):
+    from btnode.durable import Journal
+
+    legacy, path = tmp_path / "training.json", tmp_path / "training.jsonl"
+    legacy.write_text('{"old": "x"}')
+    j = Journal(path, legacy=legacy)
+    assert j.values == {"old": "x"} and not legacy.exists()
+    for i in range(30):
+        j.put("hot", i)
+    assert len(path.read_bytes().splitlines()) == 31
+    j = Journal(path)
+    assert j.values == {"old": "x", "hot": 29} and len(path.read_bytes().splitlines()) == 2
