@@ -161,9 +161,13 @@ class BlockAggregator:
         old = getattr(self, "_spill", None)
         if old is not None:
             old.close()
-        self._spill = Spill(self.store.folder)
+        self._spill = self._round_spill(now)
         key = hashlib.sha256(b"btnode-sketch\0" + self._sketch_key + self.info.sha256.encode()).digest()
         self._sketcher = Sketcher(self.spec, key) if self.cfg.outer.robust != "mean" else None
+
+    def _round_spill(self, now: float) -> Spill:
+        """Where the new round keeps its updates' bytes: an unnamed file (aggregate/spill.py)."""
+        return Spill(self.store.folder)
 
     # -- membership -------------------------------------------------------------------------
     def register(self, worker_id: str) -> None:

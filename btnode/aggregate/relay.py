@@ -21,7 +21,9 @@ import torch
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, RoundSummary
 from btnode.aggregate.identities import Identity
+from btnode.aggregate.roundlog import Recovered, RoundLog
 from btnode.aggregate.rounds import Update
+from btnode.aggregate.spill import Spill
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData
@@ -29,6 +31,7 @@ from btnode.errors import BtnodeError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
 from btnode.store.files import state_sha256
+from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -73,14 +76,21 @@ class RelayBlock(BlockAggregator):
     into an amended combined update, which takes the place of the first at the parent; children the
     parent names as counted already (through the failed relay) are taken out exactly (`uncount`)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, block: int, initial: Tensors, store: VersionStore, *args, **kwargs):
+        self.roundlog = RoundLog(store.folder)  # the open round, durable: a restart takes it up (roundlog.py)
+        self._recovered: Recovered | None = None
+        self._starting = True
+        super().__init__(block, initial, store, *args, **kwargs)
+        self._starting = False
         self.on_combined = lambda c: None  # set by RelaySwarm
         self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
         self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
         self.on_membership = lambda worker_id, here: None  # set by RelaySwarm: a child went away / came back
         self._away: set[str] = set()  # children whose version stream ended, told to the parent as gone
+        if self._recovered is not None:
+            self._take_up(self._recovered)
+            self._recovered = None
 
     def register(self, worker_id: str) -> None:
         super().register(worker_id)
@@ -101,6 +111,40 @@ class RelayBlock(BlockAggregator):
                 self._away.add(worker_id)
         if gone:
             self.on_membership(worker_id, False)
+
+    def _round_spill(self, now: float) -> Spill:
+        """A named spill with the round's log beside it; at start, the round a killed relay left, if
+        the version it was on is still this relay's current one."""
+        if self._starting:
+            self._recovered = self.roundlog.recover(self.info.version)
+            if self._recovered is not None:
+                return self._recovered.spill
+        return self.roundlog.start(self.info.version, now)
+
+    def _take_up(self, found: Recovered) -> None:
+        """Into the round again, as they were accepted: its sum, sketch, answers and digests."""
+        self.round.opened_at = found.opened_at
+        for u, digest in found.updates:
+            values = self._values(u)
+            if not self._holds_updates:
+                self._sum.add(values, u.weight)
+            if self._sketcher is not None:
+                u.sketch = self._sketcher.of(values)
+            self.round.add(u)
+            self.counters[(Outcome.ACCEPTED.value, "recovered")] += 1
+            self._remember(u.update_id, self.round.judgement(Outcome.ACCEPTED))
+            self.digests[u.update_id] = digest
+        log.info("%s round %d: took up %d child updates accepted before a restart", self.name, self.round.version,
+                 len(found.updates))
+
+    def _take(self, update: Update) -> None:
+        """Into the round, and durable (its bytes and its record) before its child hears ACCEPTED. An
+        update handed in without its codec bytes (in process) is kept as its fp32 values."""
+        if update.raw is None and update.delta is not None and not self._holds_updates:
+            update.raw = {n: t.contiguous().view(-1).numpy().tobytes() for n, t in update.delta.items()}
+            update.codec = Codec.FP32
+        super()._take(update)
+        self.roundlog.accepted(update, self.digests.get(update.update_id, ""), self._spill)
 
     def _fresh(self) -> bool:
         """Whether the round holds child updates that its last combined update did not carry."""

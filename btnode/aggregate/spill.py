@@ -16,11 +16,20 @@ Where = dict[str, tuple[int, int]]  # tensor name → (offset, length)
 
 
 class Spill:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, name: str | None = None, reopen: bool = False):
+        """`name`: a named file in `folder` instead (a relay's round, kept across a restart:
+        aggregate/roundlog.py), new and empty unless `reopen`."""
         folder.mkdir(parents=True, exist_ok=True)
-        self._file = tempfile.TemporaryFile(dir=folder, prefix=".spill-")
+        if name is None:
+            self._file = tempfile.TemporaryFile(dir=folder, prefix=".spill-")
+        else:
+            self._file = open(folder / name, "r+b" if reopen else "w+b")  # noqa: SIM115 - closed with the round
         self._fd = self._file.fileno()
-        self._end = 0
+        self._end = os.fstat(self._fd).st_size
+
+    def sync(self) -> None:
+        """Make what was put so far durable (a named spill)."""
+        os.fsync(self._fd)
 
     def put(self, raw: Mapping[str, bytes]) -> Where:
         where = {}

@@ -196,6 +196,35 @@ def test_the_root_stops_waiting_for_a_child_whose_version_stream_at_its_relay_en
     c.close()
 
 
+def test_a_relay_killed_with_its_workers_takes_its_round_up_again_after_a_restart(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "12")
+    listen = f"127.0.0.1:{free_port()}"
+    relay_args = ("--role", "relay", "--peer", root, "--relay-id", "r1", "--blocks-owned", "0")
+    relay = node(processes, tmp_path, "r1", *relay_args, listen=listen)
+    r = SwarmClient(relay, timeout_s=15)
+    terms = honest_terms(ClaimConfig(batch=4, steps_per_round=2))
+    keys = {w: r.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms).data_key
+            for w in ("c1", "c2", "idle")}  # idle never pushes: the relay's round is open when it is killed
+    spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
+    for i, w in enumerate(("c1", "c2")):
+        g = torch.Generator().manual_seed(i)
+        delta = {n: 1e-5 * torch.randn(s, generator=g) for n, s in spec.items()}
+        h = PushHeader(worker_id=w, block=0, base_version=0, samples=8.0, loss=1.0, codec=Codec.FP32,
+                       update_id=f"{w}-update", data_key=keys[w], steps=(0, 1))
+        assert r.push(h, encode_frames(delta, Codec.FP32)).outcome is Outcome.ACCEPTED
+    r.close()
+    processes[1].send_signal(signal.SIGKILL)  # the relay, and (in effect) c1 and c2: nobody will push again
+    processes[1].wait()
+    node(processes, tmp_path, "r1", *relay_args, listen=listen)  # systemd's Restart=, on the same state folder
+    c = SwarmClient(root, timeout_s=15)
+    deadline = time.monotonic() + 60
+    while not {"c1-update", "c2-update"} <= included(c):  # forwarded from the log; the root closes at its deadline
+        assert time.monotonic() < deadline, (tmp_path / "r1.log").read_text()[-3000:]
+        time.sleep(0.2)
+    assert "took up 2 child updates accepted before a restart" in (tmp_path / "r1.log").read_text()
+    c.close()
+
+
 def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, processes):
     listen = f"127.0.0.1:{free_port()}"
     root_args = ("--role", "aggregator", "--blocks-owned", "0", "--deadline", "20")

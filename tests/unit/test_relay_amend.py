@@ -157,3 +157,43 @@ def test_at_a_deadline_the_root_stops_waiting_for_silent_replicas_without_a_stre
     assert agg.registered == {"c1", "c2", "d1"} and agg.forgotten == {"c3"}
     agg.stream_closed("d1")
     assert "d1" not in agg.registered
+
+
+def test_a_relay_restarted_on_its_state_folder_takes_up_its_open_round_durably(tmp_path):
+    block, out = relay_block(tmp_path)
+    for w in ("c1", "c2", "c3"):
+        block.register(w)
+    for i, w in enumerate(("c1", "c2")):
+        assert block.submit(*child(w, i)).outcome is Outcome.ACCEPTED
+    assert out == []  # c3 has not reported: the round is open when the relay is killed
+    del block  # SIGKILL: nothing flushed or closed on the way out
+    again, out = relay_block(tmp_path)
+    assert sorted(again.round.accepted) == ["c1", "c2"]
+    assert again.submit(*child("c1", 0)).outcome is Outcome.ACCEPTED  # its re-push: the same answer, counted once
+    assert again.counters[("accepted", "recovered")] == 2 and len(again.round.accepted) == 2
+    again.drain()
+    fresh, seen = relay_block(tmp_path / "fresh")
+    for i, w in enumerate(("c1", "c2")):
+        fresh.submit(*child(w, i))
+    fresh.drain()
+    assert [e.update_id for e in out[0].manifest] == ["c1-u", "c2-u"]
+    assert all(torch.equal(out[0].delta[n], seen[0].delta[n]) for n in INIT)  # the same sum, bit for bit
+
+
+def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_taken_up(tmp_path):
+    from btnode.aggregate.roundlog import LOG_NAME
+
+    block, _ = relay_block(tmp_path)
+    for w in ("c1", "c2", "c3"):
+        block.register(w)
+    block.submit(*child("c1", 0))
+    block.submit(*child("c2", 1))
+    log_path = block.store.folder / LOG_NAME
+    data = log_path.read_bytes()
+    log_path.write_bytes(data[:-20])  # the second record torn mid-write: c2 was never told ACCEPTED
+    again, _ = relay_block(tmp_path)
+    assert sorted(again.round.accepted) == ["c1"]
+    assert again.submit(*child("c2", 1)).outcome is Outcome.ACCEPTED  # c2 re-pushes and is judged afresh
+    head = log_path.read_bytes().splitlines()[0].replace(b'"version":0', b'"version":7')
+    log_path.write_bytes(head + b"\n")
+    assert relay_block(tmp_path)[0].round.accepted == {}
