@@ -19,7 +19,9 @@ from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
 from btnode.protocol import ManifestEntry, Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
+from btnode.errors import Unauthenticated
 from btnode.rpc.convert import info_from_pb
+from btnode.rpc.security import Security
 from btnode.store.models import init_block
 from btnode.store.versions import VersionStore
 
@@ -312,4 +314,34 @@ def test_a_relay_under_a_relay_flattens_its_children_into_the_manifest(tmp_path,
     # r2 joined r1 only; neither relay is a replica: the root's rounds wait on the workers r1 reports for
     assert [(r["name"], r["children"]) for r in st["relays"]] == [("r1", ["w0", "w1"])]
     assert not {"r1", "r2"} & set(st["replicas"])
+    c.close()
+
+
+def test_the_swarm_token_is_checked_at_the_relay_and_presented_upstream(tmp_path, processes):
+    token = tmp_path / "token"
+    token.write_text("relay-token-1\n")
+
+    def secured(name: str, *args: str) -> str:
+        port = tmp_path / f"{name}.port"
+        proc = start(["--token-file", str(token), "join", *args, "--listen", "127.0.0.1:0", "--port-file", str(port),
+                      "--state-dir", str(tmp_path / name), *TINY_SHAPE, *CLAIMS], tmp_path / f"{name}.log")
+        processes.append(proc)
+        return f"127.0.0.1:{wait_port(port, proc)}"
+
+    root = secured("root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30")
+    relay = secured("r1", "--role", "relay", "--peer", root, "--relay-id", "r1", "--blocks-owned", "0")
+    bare = SwarmClient(relay, timeout_s=10)  # no token: refused at the relay itself
+    try:
+        bare.status()
+        raise AssertionError("the relay answered a call without the swarm token")
+    except Unauthenticated:
+        pass
+    bare.close()
+    w = start(["--token-file", str(token), "join", "--role", "worker", "--peer", relay, "--rounds", "1",
+               "--worker-id", "w0", "--stats-file", str(tmp_path / "w0.json"), *TINY_SHAPE, *WORKER],
+              tmp_path / "w0.log")
+    processes.append(w)
+    stats = finished(tmp_path, {"w0": w})
+    c = SwarmClient(root, timeout_s=15, security=Security(token="relay-token-1"))
+    assert set(stats["w0"]["accepted_updates"]) <= included(c)  # the relay's joins and pushes carried its token
     c.close()
