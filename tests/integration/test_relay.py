@@ -120,22 +120,31 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
     assert "relay r1: children [w0, w1]" in shown and "relay r2: children [w2, w3]" in shown, shown
 
 
-def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
-    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30")
-    # ra closes a round at 3 updates, and its third child never pushes: ra holds its children's accepted updates
-    # until it is killed (mid-round, deterministically); rb is the workers' spare
+def holding_relay(processes, tmp_path: Path, deadline_s: str, rb_child: bool):
+    """A root, relay ra holding w0's and w1's accepted updates (it closes a round at 3, and its third
+    child, idle, never pushes), and relay rb, their spare (with its own child w2 if `rb_child`, whose
+    update rb has forwarded): then ra SIGKILLed mid-round, deterministically. Returns (root client,
+    worker processes, rb's address)."""
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", deadline_s)
     first, spare = relays(processes, tmp_path, root, {"ra": ["--min-updates", "3"], "rb": []})
-    a = SwarmClient(first, timeout_s=15)
+    a, c = SwarmClient(first, timeout_s=15), SwarmClient(root, timeout_s=15)
     a.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
         ClaimConfig(batch=4, steps_per_round=2)))
     procs = {w: worker(processes, tmp_path, w, f"{first},{spare}", 2) for w in ("w0", "w1")}
-    deadline = time.monotonic() + 40
-    while a.status_dict()["blocks"][0]["accepted_in_round"] < 2:
-        assert time.monotonic() < deadline, "the workers' updates never reached relay ra"
+    if rb_child:
+        procs["w2"] = worker(processes, tmp_path, "w2", spare, 2)
+    deadline = time.monotonic() + 60
+    while (a.status_dict()["blocks"][0]["accepted_in_round"] < 2
+           or rb_child and not c.status_dict()["blocks"][0]["accepted_in_round"]):
+        assert time.monotonic() < deadline, "ra never held two updates, or rb never forwarded w2's"
         time.sleep(0.05)
     a.close()
-    processes[1].send_signal(signal.SIGKILL)  # ra, holding two accepted updates it has not forwarded
-    c = SwarmClient(root, timeout_s=15)
+    processes[1].send_signal(signal.SIGKILL)
+    return c, procs, spare
+
+
+def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
+    c, procs, spare = holding_relay(processes, tmp_path, "30", rb_child=False)
     c.leave("idle", 0)  # so that the root's rounds close once rb reports for w0 and w1
     stats = finished(tmp_path, procs)
     accepted = {u for s in stats.values() for u in s["accepted_updates"]}
@@ -149,20 +158,7 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
 
 
 def test_a_spare_that_forwarded_its_round_amends_it_with_the_children_of_a_killed_relay(tmp_path, processes):
-    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "60")
-    first, spare = relays(processes, tmp_path, root, {"ra": ["--min-updates", "3"], "rb": []})
-    a = SwarmClient(first, timeout_s=15)
-    a.join("idle", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(
-        ClaimConfig(batch=4, steps_per_round=2)))
-    procs = {w: worker(processes, tmp_path, w, f"{first},{spare}", 2) for w in ("w0", "w1")}
-    procs["w2"] = worker(processes, tmp_path, "w2", spare, 2)  # rb's own child: rb forwards it at once
-    c = SwarmClient(root, timeout_s=15)
-    deadline = time.monotonic() + 60
-    while a.status_dict()["blocks"][0]["accepted_in_round"] < 2 or not c.status_dict()["blocks"][0]["accepted_in_round"]:
-        assert time.monotonic() < deadline, "ra never held two updates, or rb never forwarded w2's"
-        time.sleep(0.05)
-    a.close()
-    processes[1].send_signal(signal.SIGKILL)  # ra, holding w0's and w1's updates; rb's round went up already
+    c, procs, _ = holding_relay(processes, tmp_path, "60", rb_child=True)  # rb's round went up before ra died
     c.leave("idle", 0)
     stats = finished(tmp_path, procs)
     accepted = {u for s in stats.values() for u in s["accepted_updates"]}
