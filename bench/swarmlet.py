@@ -116,19 +116,26 @@ class SimWorker:
         async with self._moving:
             if self.generation != seen or len(self.peers) < 2:
                 return
-            old = self.channel
-            self.at = (self.at + 1) % len(self.peers)
-            self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=CHANNEL_OPTIONS)
-            self.stub = pb_grpc.SwarmStub(self.channel)
-            self.generation += 1
-            self.log("moved", worker=self.name, to=self.peers[self.at])
-            self._old.append(old)  # closed at the end: closing it now would cancel calls still awaiting it
-            await self.retried("join", self._join, failover=False)
+            for _ in range(len(self.peers) - 1):  # a spare that is gone too: on to the next, as FailoverLink does
+                self._old.append(self.channel)  # closed at the end: closing it now would cancel calls awaiting it
+                self.at = (self.at + 1) % len(self.peers)
+                self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=CHANNEL_OPTIONS)
+                self.stub = pb_grpc.SwarmStub(self.channel)
+                self.generation += 1
+                self.log("moved", worker=self.name, to=self.peers[self.at])
+                try:
+                    await self.retried("join", self._join, failover=False, unavailable_limit=2)
+                    break
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
             self.arrived.set()  # wake the round loop: it re-pushes to the new peer
 
-    async def retried(self, what: str, make, *, failover: bool = True):  # noqa: ANN001 - a coroutine factory
+    async def retried(self, what: str, make, *, failover: bool = True,  # noqa: ANN001 - a coroutine factory
+                      unavailable_limit: int = 0):
         """await make(), retrying refusals with backoff (0.2 s doubling to 5 s) for up to wait_s; with
-        spares, a second UNAVAILABLE in a row moves to the next peer first."""
+        spares, a second UNAVAILABLE in a row moves to the next peer first. `unavailable_limit`: raise
+        after that many UNAVAILABLE in a row (0: no limit)."""
         start, attempt, unavailable = time.monotonic(), 0, 0
         while True:
             gen = self.generation
@@ -139,6 +146,8 @@ class SimWorker:
                     raise
                 self.log("refused", worker=self.name, call=what, code=err.code().name)
                 unavailable = unavailable + 1 if err.code() == grpc.StatusCode.UNAVAILABLE else 0
+                if unavailable_limit and unavailable >= unavailable_limit:
+                    raise
                 if failover and unavailable >= 2 and len(self.peers) > 1:
                     await self.move(gen)
                     unavailable = 0
