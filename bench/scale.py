@@ -671,7 +671,7 @@ def main() -> None:
         big = UNIT_SHAPE
         row = run_row(big, UNIT_N, "flat", args.work / f"{code}-unit", rounds=args.rounds, deadline=args.deadline)
         row.update(code=code, kill=False, bench_command=invoked(), block_params=block_params(big),
-                   shape=shown(shape_flags(big)))
+                   shape=shown(shape_flags(big)), idle_rss_mb=res["idle_rss_mb"])  # measured in the same run
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         res["unit_row"] = row
     finish(res)
@@ -681,9 +681,17 @@ def main() -> None:
 
 
 def current(res: dict) -> list[dict]:
-    """The rows the derived numbers use: per topology, those of the last code that ran it (not `before`)."""
-    last = {r["topology"]: r.get("code") for r in res["rows"] if not str(r.get("code", "")).startswith("before")}
-    return [r for r in res["rows"] if last.get(r["topology"]) == r.get("code")]
+    """The rows the derived numbers use: per topology, those of the last code that ran its sizes (not `before`,
+    and not a kill run alone: a kill row is shown, but fits and projections read the undisturbed rows)."""
+    last = {r["topology"]: r.get("code") for r in res["rows"]
+            if not str(r.get("code", "")).startswith("before") and not r.get("kill")}
+    return [r for r in res["rows"] if last.get(r["topology"]) == r.get("code") and not r.get("kill")]
+
+
+def latest_kills(res: dict) -> list[dict]:
+    """Per topology, the kill run of the last code that ran one."""
+    last = {r["topology"]: r.get("code") for r in res["rows"] if r.get("kill")}
+    return [r for r in res["rows"] if r.get("kill") and last.get(r["topology"]) == r.get("code")]
 
 
 def finish(res: dict) -> None:
@@ -694,7 +702,7 @@ def finish(res: dict) -> None:
     res["per_update_mb"] = fit[1] if fit else None
     unit_row = res.get("unit_row")
     if unit_row:
-        res["fixed_rss_over_unit"] = ((unit_row["root_peak_rss_mb"] - res["idle_rss_mb"])
+        res["fixed_rss_over_unit"] = ((unit_row["root_peak_rss_mb"] - unit_row.get("idle_rss_mb", res["idle_rss_mb"]))
                                       / (4 * unit_row["block_params"] / MB))
         res["fixed_rss_from"] = f"the unit row ({unit_row['shape']}, N = {unit_row['n_workers']})"
     else:
@@ -709,7 +717,7 @@ def finish(res: dict) -> None:
         "flat_rss_largest_mb": flat[-1]["root_peak_rss_mb"] if flat else None,
         "flat_close_largest_s": flat[-1]["close_s"] if flat else None,
         "tree_close_largest_s": tree[-1]["close_s"] if tree else None,
-        "lost": sum(r["lost"] for r in ours),
+        "lost": sum(r["lost"] for r in ours + latest_kills(res)),
         "max_watchdog_gap_s": max((r["max_watchdog_gap_s"] for r in ours), default=None)}
 
 if __name__ == "__main__":
