@@ -44,6 +44,9 @@ class Frame:
     header: FrameHeader
     payload: bytes
 
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
+        return iter_chunks([self], chunk_bytes)
+
 
 @dataclass(frozen=True)
 class ChunkData:
