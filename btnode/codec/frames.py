@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import zstandard
@@ -150,7 +153,7 @@ class FrameAssembler:
 
     def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
                  max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False,
-                 defer: bool = False):
+                 defer: bool = False, defer_dir: Path | None = None):
         self.spec = dict(spec)
         self.codecs = set(codecs)
         self.max_frame_bytes = max_frame_bytes
@@ -158,7 +161,12 @@ class FrameAssembler:
         self.finite = finite
         self.keep_sparse = keep_sparse  # a sparse frame becomes a SparseTensor, not a dense tensor
         self.defer = defer  # keep whole frames compressed until finish(), and decode them there
-        self._deferred: list[tuple[FrameHeader, bytes]] = []
+        # where deferred frames wait: (header, payload) here, or (header, offset) with the payload in an
+        # unnamed file in `defer_dir` (pushes waiting for a decode slot then hold no payload in memory)
+        self._deferred: list[tuple[FrameHeader, bytes | int]] = []
+        self.defer_dir = defer_dir
+        self._defer_file = None
+        self._defer_at = 0
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
         self.raw: dict[str, bytes] = {}
         self._current: FrameHeader | None = None
@@ -169,12 +177,12 @@ class FrameAssembler:
 
     @classmethod
     def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False,
-                 defer: bool = False) -> FrameAssembler:
+                 defer: bool = False, defer_dir: Path | None = None) -> FrameAssembler:
         """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
         codecs = list(codecs)
         largest = max(raw_size(c, math.prod(s)) for s in spec.values() for c in {Codec.FP32, *codecs})
         return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES,
-                   keep_sparse=keep_sparse, defer=defer)
+                   keep_sparse=keep_sparse, defer=defer, defer_dir=defer_dir)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -227,11 +235,27 @@ class FrameAssembler:
         assert h is not None
         payload = b"".join(self._parts)
         if self.defer:
-            self._deferred.append((h, payload))
+            self._deferred.append((h, self._park(payload) if self.defer_dir is not None else payload))
             self.tensors[h.name] = None  # type: ignore[assignment]  # arrived; decoded in finish()
             self._current, self._parts = None, []
             return
         self._decode(h, payload)
+
+    def _park(self, payload: bytes) -> int:
+        """A deferred frame's payload into the file in `defer_dir`; its offset there."""
+        if self._defer_file is None:
+            self._defer_file = tempfile.TemporaryFile(dir=self.defer_dir)
+        at = self._defer_at
+        self._defer_file.write(payload)
+        self._defer_file.flush()
+        self._defer_at += len(payload)
+        return at
+
+    def close(self) -> None:
+        """Drop the deferred frames' file (finish() does; a stream cut short should too)."""
+        if self._defer_file is not None:
+            self._defer_file.close()
+            self._defer_file = None
 
     def _decode(self, h: FrameHeader, payload: bytes) -> None:
         try:
@@ -269,6 +293,13 @@ class FrameAssembler:
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise MalformedInput("truncated", f"stream ended without tensors {', '.join(missing[:3])}{more}")
-        while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
-            self._decode(*self._deferred.pop(0))
+        try:
+            while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
+                h, payload = self._deferred.pop(0)
+                if isinstance(payload, int):
+                    assert self._defer_file is not None
+                    payload = os.pread(self._defer_file.fileno(), h.payload_bytes, payload)
+                self._decode(h, payload)
+        finally:
+            self.close()
         return {n: self.tensors[n] for n in self.spec}

@@ -277,3 +277,24 @@ def test_a_deferred_assembler_keeps_frames_compressed_until_finish_and_still_che
         feed(good()[:-1], defer=True)  # "vec" never came: nothing is decoded
     with pytest.raises(MalformedInput, match="sent twice"):
         feed(good() + good()[-1:], defer=True)
+
+
+def test_deferred_frames_can_wait_in_a_file_and_decode_the_same(tmp_path):
+    """With a defer_dir the compressed frames of a push waiting for a decode slot lie in an unnamed file
+    there, not in memory (issue #25): the same tensors come out, a corrupted frame is still refused, and
+    the file is gone afterwards, whether the push was whole or not."""
+    a = assembler(defer=True, defer_dir=tmp_path)
+    for c in good():
+        a.add(c)
+    assert a._deferred and all(isinstance(p, int) for _, p in a._deferred)  # offsets, not payloads
+    out = a.finish()
+    assert all(torch.equal(out[k], TENSORS[k]) for k in TENSORS) and a._defer_file is None
+    bad = list(iter_chunks(encode_frames(TENSORS, Codec.FP32)))
+    bad[-1] = ChunkData(bad[-1].header, bytes([bad[-1].data[0] ^ 1]) + bad[-1].data[1:])
+    with pytest.raises(MalformedInput):
+        feed(bad, defer=True, defer_dir=tmp_path)
+    cut = assembler(defer=True, defer_dir=tmp_path)
+    for c in good()[:-1]:
+        cut.add(c)
+    cut.close()  # a stream cut short: what _assemble does in its finally
+    assert cut._defer_file is None and list(tmp_path.iterdir()) == []
