@@ -123,6 +123,7 @@ class Accumulator:
 
     def _apply(self, delta: Delta, weight: float, sign: int) -> None:
         scale = self._scale(weight)
+        sparse = False
         for n, t in delta.items():
             acc = self.sum.get(n)
             if acc is None:
@@ -131,6 +132,7 @@ class Accumulator:
             if sign < 0:
                 terms.neg_()
             if isinstance(t, SparseTensor):
+                sparse = True
                 acc.index_add_(0, t.positions, terms)
                 if self.rule == "senders":
                     reached = self.reached.get(n)
@@ -142,7 +144,7 @@ class Accumulator:
                 acc.add_(terms)
             del terms
         self.total += sign * round(scale)
-        if not is_sparse(delta):
+        if not sparse:  # known from the loop: asking is_sparse would read (decode) the delta again
             self.dense_reached += sign * self._reach(weight)
         self.count += sign
 

@@ -189,7 +189,8 @@ class ClaimConfig:
         else:
             weight, steps = self.weight(header), len(header.steps)
         slack = self._slack(theta, codec, drift)
-        largest = max((d.numel() for d in delta.values() if isinstance(d, torch.Tensor)), default=0)
+        # from θ's shapes (the same as the delta's): reading a lazily decoded delta's values would decode it
+        largest = 0 if codec.sparse else max((theta[n].numel() for n in delta), default=0)
         limit_buf = over_buf = None
         for n, d in delta.items():
             if codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 SECRET_FILE = "audit.secret"
 TRAINING_FILE = "training.jsonl"  # worker id → the training terms it joined with (a durable.Journal)
 LEGACY_TRAINING_FILE = "training.json"  # the same map, rewritten whole on each join by earlier versions
+# A push of a unit larger than this in fp32 is judged from its raw codec bytes, decoded a tensor at a time
+# (each read decodes again: CPU for memory); a smaller one is decoded whole once, as the cheaper way.
+LAZY_DECODE_BYTES = 64 << 20
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -441,9 +445,12 @@ class SwarmAggregator:
         compressed (frame headers checked as they come), and decoded only once one of the
         `--decode-slots` is free, which `gate` then holds: however many pushes arrive at once, only a
         few are ever decoded (4 bytes a parameter, plus their raw bytes) at the same time. With a
-        `defer_dir`, the compressed frames wait in a file there, not in memory (issue #25)."""
+        `defer_dir`, the compressed frames wait in a file there, not in memory (issue #25). A push of a
+        unit over LAZY_DECODE_BYTES in fp32 is checked frame by frame and kept as its raw codec bytes
+        (codec/frames.LazyDelta): judging and summing it decodes one tensor at a time, a decode per read."""
+        lazy = gate is not None and 4 * sum(math.prod(s) for s in spec.values()) > LAZY_DECODE_BYTES
         asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True, defer=gate is not None,  # sparse stays sparse
-                                      defer_dir=defer_dir)
+                                      defer_dir=defer_dir, lazy=lazy)
         try:
             for chunk in chunks:
                 asm.add(chunk)

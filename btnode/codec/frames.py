@@ -143,6 +143,28 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+class LazyDelta(Mapping[str, "torch.Tensor | SparseTensor"]):
+    """An update held as its raw codec bytes, each dense tensor decoded afresh when read and dropped by
+    its reader: judging and summing a large update then holds one decoded tensor at a time, not the
+    whole update in fp32 (issue #25). Decoding is deterministic, so every read gives the same values,
+    bit for bit; the cost is a decode per read. `eager`: tensors already decoded (sparse ones)."""
+
+    def __init__(self, spec: Spec, codecs: Mapping[str, Codec], raw: Mapping[str, bytes],
+                 eager: Mapping[str, torch.Tensor | SparseTensor]):
+        self.spec, self.codecs, self.raw, self.eager = dict(spec), dict(codecs), raw, dict(eager)
+
+    def __getitem__(self, name: str) -> torch.Tensor | SparseTensor:
+        if name in self.eager:
+            return self.eager[name]
+        return decode(self.codecs[name], self.raw[name], self.spec[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.spec)
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+
 class FrameAssembler:
     """Rebuilds tensors from a chunk stream, validating against `spec`.
 
@@ -153,7 +175,7 @@ class FrameAssembler:
 
     def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
                  max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False,
-                 defer: bool = False, defer_dir: Path | None = None):
+                 defer: bool = False, defer_dir: Path | None = None, lazy: bool = False):
         self.spec = dict(spec)
         self.codecs = set(codecs)
         self.max_frame_bytes = max_frame_bytes
@@ -165,6 +187,8 @@ class FrameAssembler:
         # unnamed file in `defer_dir` (pushes waiting for a decode slot then hold no payload in memory)
         self._deferred: list[tuple[FrameHeader, bytes | int]] = []
         self.defer_dir = defer_dir
+        self.lazy = lazy  # finish() returns a LazyDelta: dense tensors checked here, decoded again when read
+        self._codecs: dict[str, Codec] = {}
         self._defer_file = None
         self._defer_at = 0
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
@@ -177,12 +201,12 @@ class FrameAssembler:
 
     @classmethod
     def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False,
-                 defer: bool = False, defer_dir: Path | None = None) -> FrameAssembler:
+                 defer: bool = False, defer_dir: Path | None = None, lazy: bool = False) -> FrameAssembler:
         """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
         codecs = list(codecs)
         largest = max(raw_size(c, math.prod(s)) for s in spec.values() for c in {Codec.FP32, *codecs})
         return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES,
-                   keep_sparse=keep_sparse, defer=defer, defer_dir=defer_dir)
+                   keep_sparse=keep_sparse, defer=defer, defer_dir=defer_dir, lazy=lazy)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -281,11 +305,14 @@ class FrameAssembler:
             t = decode(h.codec, raw, h.shape)
             if self.finite and not all_finite(t):
                 raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
+            if self.lazy:
+                self._codecs[h.name] = h.codec
+                t = None  # checked; LazyDelta decodes it again when it is read
         self.tensors[h.name] = t
         self.raw[h.name] = raw
         self._current, self._parts = None, []
 
-    def finish(self) -> dict[str, torch.Tensor | SparseTensor]:
+    def finish(self) -> Mapping[str, torch.Tensor | SparseTensor]:
         if self._current is not None:
             raise MalformedInput("truncated", f"stream ended inside frame {self._current.name!r} "
                                  f"({self._received} of {self._current.payload_bytes} bytes)")
@@ -302,4 +329,7 @@ class FrameAssembler:
                 self._decode(h, payload)
         finally:
             self.close()
+        if self.lazy:
+            return LazyDelta(self.spec, self._codecs, self.raw,
+                             {n: t for n, t in self.tensors.items() if n not in self._codecs})
         return {n: self.tensors[n] for n in self.spec}

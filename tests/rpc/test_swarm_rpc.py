@@ -95,7 +95,12 @@ def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     assert j.outcome is Outcome.REJECTED and "a trained steps 0-2 with data key '0/1', but its key here is '0/0'" in j.reason
 
 
-def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live):
+@pytest.mark.parametrize("lazy", [False, True], ids=["decoded-whole", "decoded-per-tensor"])
+def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypatch, lazy):
+    """Also with the pushes judged from their raw bytes a tensor at a time (LAZY_DECODE_BYTES, which a
+    unit this small is under: lowered to 0 here), as a large unit's are."""
+    if lazy:
+        monkeypatch.setattr("btnode.aggregate.service.LAZY_DECODE_BYTES", 0)
     join(live, "r1", "r2")
     base = live.client.pull(0, "r1", spec(live))
     assert base.info.version == 0 and state_sha256(base.tensors) == base.info.sha256
