@@ -43,6 +43,7 @@ MAX_TERM = 2.0**10  # |value| · weight/unit of one term
 MAX_TERMS = 2**13  # updates one sum may hold: MAX_TERM · 2^38 · 2^13 = 2^61 < 2^63
 REACHED_BITS = 16  # the "senders" weights' grid (int32): 2^-16 of a unit, N · weight/unit < 2^15
 SKETCH_SIZE = 4096
+TERMS_AT_ONCE = 1 << 20  # values turned into terms at a time: 16 MiB of float64 and int64 temporaries, whatever the tensor
 
 
 def is_sparse(delta: Delta) -> bool:
@@ -83,6 +84,12 @@ def _values(t: torch.Tensor | SparseTensor) -> torch.Tensor:
     return t.values if isinstance(t, SparseTensor) else t.reshape(-1)
 
 
+def _absmax(t: torch.Tensor) -> float:
+    """max |t| without a tensor of |t| (NaN if t holds one)."""
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (lo.isnan() or hi.isnan()) else math.nan
+
+
 class Accumulator:
     """Σ w·u over the updates added so far, exactly (fixed point), and the weight that reached each
     coordinate. `unit`: a power of two near the largest weight (weight_unit)."""
@@ -106,7 +113,7 @@ class Accumulator:
         """Refuse, before anything is added, an update the grid cannot hold."""
         if not 0 < weight / self.unit <= MAX_TERM:
             raise MalformedInput("range", f"weight {weight:g} is outside (0, {MAX_TERM:g}] × the unit {self.unit:g}")
-        largest = max((float(_values(t).abs().max()) for t in delta.values() if _values(t).numel()), default=0.0)
+        largest = max((_absmax(_values(t)) for t in delta.values() if _values(t).numel()), default=0.0)
         if largest * weight / self.unit > MAX_TERM:
             raise MalformedInput("range", f"a value of {largest:.4g} at weight {weight:g} is over the sum's range "
                                           f"({MAX_TERM:g} × the unit {self.unit:g})")
@@ -128,21 +135,25 @@ class Accumulator:
             acc = self.sum.get(n)
             if acc is None:
                 acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int64)
-            terms = torch.round(_values(t).double() * scale).to(torch.int64)  # one rounding per term, order-free
-            if sign < 0:
-                terms.neg_()
+            values = _values(t)
+            for lo in range(0, values.numel(), TERMS_AT_ONCE):  # temporaries of a slice, not of the tensor
+                hi = lo + TERMS_AT_ONCE
+                terms = torch.round(values[lo:hi].double() * scale).to(torch.int64)  # one rounding per term, order-free
+                if sign < 0:
+                    terms.neg_()
+                if isinstance(t, SparseTensor):
+                    acc.index_add_(0, t.positions[lo:hi], terms)
+                else:
+                    acc[lo:hi].add_(terms)
+                del terms
             if isinstance(t, SparseTensor):
                 sparse = True
-                acc.index_add_(0, t.positions, terms)
                 if self.rule == "senders":
                     reached = self.reached.get(n)
                     if reached is None:
                         reached = self.reached[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int32)
                     reached.index_add_(0, t.positions, torch.full_like(t.positions, sign * self._reach(weight),
                                                                        dtype=torch.int32))
-            else:
-                acc.add_(terms)
-            del terms
         self.total += sign * round(scale)
         if not sparse:  # known from the loop: asking is_sparse would read (decode) the delta again
             self.dense_reached += sign * self._reach(weight)
