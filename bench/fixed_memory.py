@@ -80,9 +80,13 @@ def main() -> None:
     ap = BenchParser(__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--label", default="")
+    ap.add_argument("--root-args", default="", help="more flags for the root, e.g. '--decode-slots 1'")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-fixed-memory")
     args = ap.parse_args()
     idle, unit = scale.idle_rss(), 4 * scale.block_params(scale.UNIT_SHAPE) / MB
+    if args.root_args:
+        command = scale.root_command
+        scale.root_command = lambda *a, **k: [*command(*a, **k), *args.root_args.split()]
     for k in range(args.runs):
         out = args.work / f"run-{k}"
         sampler = Sampler(str(out / "root"))

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 
 import torch
 
+from btnode.codec.frames import LazyDelta, absmax
 from btnode.codec.sparse import SparseTensor
 from btnode.errors import MalformedInput, Refused
 
@@ -54,9 +55,18 @@ def dense(delta: Delta) -> dict[str, torch.Tensor]:
     return {n: t.dense() if isinstance(t, SparseTensor) else t for n, t in delta.items()}
 
 
+def _stat(delta: Delta, n: str) -> tuple[float, float]:
+    """(max |v|, ‖v‖₂) of tensor n, from what a LazyDelta took when it checked it (no decode again)."""
+    known = delta.stat(n) if isinstance(delta, LazyDelta) else None
+    if known is not None:
+        return known
+    t = delta[n]
+    v = t.values if isinstance(t, SparseTensor) else t  # as the norm was always taken: same bits
+    return absmax(v), float(torch.linalg.vector_norm(v))
+
+
 def norm(delta: Delta) -> float:
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.values if isinstance(t, SparseTensor) else t)) ** 2
-                         for t in delta.values()))
+    return math.sqrt(sum(_stat(delta, n)[1] ** 2 for n in delta))
 
 
 def scaled(delta: Delta, factor: float) -> dict:
@@ -84,12 +94,6 @@ def _values(t: torch.Tensor | SparseTensor) -> torch.Tensor:
     return t.values if isinstance(t, SparseTensor) else t.reshape(-1)
 
 
-def _absmax(t: torch.Tensor) -> float:
-    """max |t| without a tensor of |t| (NaN if t holds one)."""
-    lo, hi = torch.aminmax(t)
-    return max(-float(lo), float(hi)) if not (lo.isnan() or hi.isnan()) else math.nan
-
-
 class Accumulator:
     """Σ w·u over the updates added so far, exactly (fixed point), and the weight that reached each
     coordinate. `unit`: a power of two near the largest weight (weight_unit)."""
@@ -113,7 +117,7 @@ class Accumulator:
         """Refuse, before anything is added, an update the grid cannot hold."""
         if not 0 < weight / self.unit <= MAX_TERM:
             raise MalformedInput("range", f"weight {weight:g} is outside (0, {MAX_TERM:g}] × the unit {self.unit:g}")
-        largest = max((_absmax(_values(t)) for t in delta.values() if _values(t).numel()), default=0.0)
+        largest = max((_stat(delta, n)[0] for n in delta), default=0.0)
         if largest * weight / self.unit > MAX_TERM:
             raise MalformedInput("range", f"a value of {largest:.4g} at weight {weight:g} is over the sum's range "
                                           f"({MAX_TERM:g} × the unit {self.unit:g})")

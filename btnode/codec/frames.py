@@ -143,6 +143,14 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def absmax(t: torch.Tensor) -> float:
+    """max |t| without a tensor of |t| (NaN if t holds one); 0 for an empty tensor."""
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (lo.isnan() or hi.isnan()) else math.nan
+
+
 class LazyDelta(Mapping[str, "torch.Tensor | SparseTensor"]):
     """An update held as its raw codec bytes, each dense tensor decoded afresh when read and dropped by
     its reader: judging and summing a large update then holds one decoded tensor at a time, not the
@@ -150,8 +158,13 @@ class LazyDelta(Mapping[str, "torch.Tensor | SparseTensor"]):
     bit for bit; the cost is a decode per read. `eager`: tensors already decoded (sparse ones)."""
 
     def __init__(self, spec: Spec, codecs: Mapping[str, Codec], raw: Mapping[str, bytes],
-                 eager: Mapping[str, torch.Tensor | SparseTensor]):
+                 eager: Mapping[str, torch.Tensor | SparseTensor], stats: Mapping[str, tuple[float, float]]):
         self.spec, self.codecs, self.raw, self.eager = dict(spec), dict(codecs), raw, dict(eager)
+        self.stats = dict(stats)  # name → (max |v|, ‖v‖₂) of a lazy tensor, taken when it was checked
+
+    def stat(self, name: str) -> tuple[float, float] | None:
+        """(max |v|, ‖v‖₂) of tensor `name` without decoding it again, where known."""
+        return self.stats.get(name)
 
     def __getitem__(self, name: str) -> torch.Tensor | SparseTensor:
         if name in self.eager:
@@ -189,6 +202,7 @@ class FrameAssembler:
         self.defer_dir = defer_dir
         self.lazy = lazy  # finish() returns a LazyDelta: dense tensors checked here, decoded again when read
         self._codecs: dict[str, Codec] = {}
+        self._stats: dict[str, tuple[float, float]] = {}
         self._defer_file = None
         self._defer_at = 0
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
@@ -307,6 +321,7 @@ class FrameAssembler:
                 raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
             if self.lazy:
                 self._codecs[h.name] = h.codec
+                self._stats[h.name] = (absmax(t), float(torch.linalg.vector_norm(t)))
                 t = None  # checked; LazyDelta decodes it again when it is read
         self.tensors[h.name] = t
         self.raw[h.name] = raw
@@ -331,5 +346,5 @@ class FrameAssembler:
             self.close()
         if self.lazy:
             return LazyDelta(self.spec, self._codecs, self.raw,
-                             {n: t for n, t in self.tensors.items() if n not in self._codecs})
+                             {n: t for n, t in self.tensors.items() if n not in self._codecs}, self._stats)
         return {n: self.tensors[n] for n in self.spec}

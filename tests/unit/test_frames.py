@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btnode.codec.codecs import Codec, decode, encode, raw_size
-from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, LazyDelta, encode_frames, frame_from_raw, iter_chunks,
+from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, LazyDelta, absmax, encode_frames, frame_from_raw, iter_chunks,
                                  spec_of)
 from btnode.errors import MalformedInput, PeerInputError, TooLarge
 from btnode.testing.fuzz import mutate_raw
@@ -309,6 +309,8 @@ def test_a_lazy_assembler_checks_every_frame_then_decodes_a_tensor_per_read_bit_
     assert isinstance(lazy, LazyDelta) and list(lazy) == list(eager)
     for _ in range(2):
         assert all(torch.equal(lazy[k], eager[k]) for k in TENSORS)
+    # max |v| and the norm, taken at the check, so judging need not decode a tensor again for them
+    assert all(lazy.stat(k) == (absmax(eager[k]), float(torch.linalg.vector_norm(eager[k]))) for k in TENSORS)
     nan = {**TENSORS, "vec": TENSORS["vec"].clone().fill_(float("nan"))}
     with pytest.raises(MalformedInput, match="NaN"):
         feed(list(iter_chunks(encode_frames(nan, Codec.FP32))), defer=True, lazy=True)
