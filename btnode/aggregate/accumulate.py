@@ -175,12 +175,19 @@ class Accumulator:
         s = self.sum.pop(n, None) if release else self.sum.get(n)
         if s is None:
             return torch.zeros(shape)
-        if self.rule == "all" or n not in self.reached:
-            return (s.double() / float(self.total)).float().reshape(shape)
-        reached = self.reached.pop(n) if release else self.reached[n]
-        r = reached.double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
-        out = torch.where(r > 0, s.double() / r.clamp(min=1.0), torch.zeros((), dtype=torch.float64))
-        return out.float().reshape(shape)
+        out = torch.empty(s.numel())
+        reached = None
+        if self.rule != "all" and n in self.reached:
+            reached = self.reached.pop(n) if release else self.reached[n]
+        for lo in range(0, s.numel(), TERMS_AT_ONCE):  # float64 temporaries of a slice, not of the tensor
+            hi = lo + TERMS_AT_ONCE
+            if reached is None:
+                out[lo:hi] = (s[lo:hi].double() / float(self.total)).float()
+                continue
+            r = reached[lo:hi].double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
+            out[lo:hi] = torch.where(r > 0, s[lo:hi].double() / r.clamp(min=1.0),
+                                     torch.zeros((), dtype=torch.float64)).float()
+        return out.reshape(shape)
 
     def mean(self) -> dict[str, torch.Tensor]:
         return {n: self.mean_of(n) for n in self.spec}

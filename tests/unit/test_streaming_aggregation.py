@@ -119,7 +119,8 @@ def test_the_mean_is_the_weighted_mean_to_within_the_grid():
 def test_terms_made_a_slice_at_a_time_sum_to_the_same_bits(monkeypatch, rule):
     """The running sum turns values into terms TERMS_AT_ONCE at a time (issue #25: a tensor's float64
     and int64 temporaries were 16 bytes a value of the whole tensor): dense and sparse updates, added
-    and one taken out again, give the same integers as terms made a whole tensor at a time."""
+    and one taken out again, give the same integers as terms made a whole tensor at a time, and the same
+    mean, read a slice at a time too."""
     import btnode.aggregate.accumulate as accumulate
 
     spec = {n: tuple(t.shape) for n, t in INIT.items()}
@@ -136,9 +137,11 @@ def test_terms_made_a_slice_at_a_time_sum_to_the_same_bits(monkeypatch, rule):
         for d, w in zip([*dense_, sparse_], [1.0, 3.0, 0.5, 2.0]):
             acc.add(d, w)
         acc.sub(dense_[1], 3.0)
+        acc.means = {n: acc.mean_of(n) for n in spec}  # the mean read a slice at a time too
         return acc
 
     whole, sliced = summed(1 << 30), summed(7)
+    assert all(torch.equal(whole.means[n], sliced.means[n]) for n in spec)
     assert all(t.numel() > 7 for t in INIT.values())  # more than one slice each
     assert set(whole.sum) == set(sliced.sum) and all(torch.equal(whole.sum[n], sliced.sum[n]) for n in whole.sum)
     assert all(torch.equal(whole.reached[n], sliced.reached[n]) for n in whole.reached)
