@@ -5,12 +5,15 @@ peak is named by the phase it happened in (join pulls, a push being judged, a cl
 fetches after it). Prints one line per phase: its peak RSS and that peak over the unit P, less
 the idle runtime (bench/scale.py's fixed_rss_over_unit is the same ratio at the row's VmHWM).
 
-Not a published table: a tool to find the peak. `--runs K` repeats the row.
+Not a published table: a tool to find the peak. `--runs K` repeats the row. Each run appends a line
+to bench/results/fixed-memory.jsonl (label, commit, root flags, idle, P, VmHWM, fixed over P, and
+the peak of each phase), the record BENCHMARKS.md's scale notes quote.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -97,6 +100,15 @@ def main() -> None:
         print(f"[fixed-memory] {args.label} run {k}: idle {idle:.0f} MB, P {unit:.0f} MiB")
         for msg, peak in phases(out / "root.log", sampler.samples):
             print(f"  {peak:7.0f} MB {(peak - idle) / unit:5.2f} P  after: {msg}")
+        record = {"label": args.label, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                                capture_output=True, text=True).stdout.strip(),
+                  "root_args": args.root_args, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "idle_mb": idle, "unit_mb": unit, "vmhwm_mb": row["root_peak_rss_mb"],
+                  "fixed_over_unit": (row["root_peak_rss_mb"] - idle) / unit, "lost": row["lost"],
+                  "close_s": row["close_s"], "phases": [{"after": m, "peak_mb": p} for m, p in phases(out / "root.log",
+                                                                                                  sampler.samples)]}
+        with open(ROOT / "bench" / "results" / "fixed-memory.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
         print(f"[fixed-memory] {args.label} VmHWM {row['root_peak_rss_mb']:.0f} MB → fixed "
               f"{(row['root_peak_rss_mb'] - idle) / unit:.2f} P; lost {row['lost']}, close {row['close_s']}", flush=True)
 
