@@ -205,6 +205,7 @@ class FrameAssembler:
         self._stats: dict[str, tuple[float, float]] = {}
         self._defer_file = None
         self._defer_at = 0
+        self._frame_at = 0
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
         self.raw: dict[str, bytes] = {}
         self._current: FrameHeader | None = None
@@ -238,7 +239,10 @@ class FrameAssembler:
         if self._received > self._current.payload_bytes:
             raise MalformedInput("size", f"frame {self._current.name!r} carries more than its "
                                  f"declared {self._current.payload_bytes} payload bytes")
-        self._parts.append(chunk.data)
+        if self.defer and self.defer_dir is not None:  # straight to the file: a waiting push holds no frame
+            self._park(chunk.data)
+        else:
+            self._parts.append(chunk.data)
         if self._received == self._current.payload_bytes:
             self._complete()
 
@@ -265,29 +269,26 @@ class FrameAssembler:
         if len(h.sha256) != 32:
             raise MalformedInput("checksum", f"tensor {h.name!r} has no valid sha256")
         self._current, self._parts, self._received = h, [], 0
+        self._frame_at = self._defer_at  # where this frame's payload starts in the defer file
         if h.payload_bytes == 0:
             raise MalformedInput("size", f"frame {h.name!r} declares an empty payload")
 
     def _complete(self) -> None:
         h = self._current
         assert h is not None
-        payload = b"".join(self._parts)
         if self.defer:
-            self._deferred.append((h, self._park(payload) if self.defer_dir is not None else payload))
+            self._deferred.append((h, self._frame_at if self.defer_dir is not None else b"".join(self._parts)))
             self.tensors[h.name] = None  # type: ignore[assignment]  # arrived; decoded in finish()
             self._current, self._parts = None, []
             return
-        self._decode(h, payload)
+        self._decode(h, b"".join(self._parts))
 
-    def _park(self, payload: bytes) -> int:
-        """A deferred frame's payload into the file in `defer_dir`; its offset there."""
+    def _park(self, data: bytes) -> None:
+        """Payload bytes of a deferred frame onto the end of the file in `defer_dir`."""
         if self._defer_file is None:
             self._defer_file = tempfile.TemporaryFile(dir=self.defer_dir)
-        at = self._defer_at
-        self._defer_file.write(payload)
-        self._defer_file.flush()
-        self._defer_at += len(payload)
-        return at
+        self._defer_file.write(data)
+        self._defer_at += len(data)
 
     def close(self) -> None:
         """Drop the deferred frames' file (finish() does; a stream cut short should too)."""
@@ -335,6 +336,8 @@ class FrameAssembler:
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise MalformedInput("truncated", f"stream ended without tensors {', '.join(missing[:3])}{more}")
+        if self._defer_file is not None:
+            self._defer_file.flush()  # what it buffered, before it is read back by offset
         try:
             while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
                 h, payload = self._deferred.pop(0)
