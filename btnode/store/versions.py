@@ -102,6 +102,8 @@ class VersionStore:
             raise UnknownBlock("version", f"{self.name} keeps no version {version}")
         try:
             meta = files.load_meta(self.folder, stem(version))
+            if "delta" not in meta["files"] or meta.get("delta_codec") not in Codec.__members__:
+                raise CheckpointError("it holds no delta tensors")  # version 0, or a version made otherwise
         except CheckpointError as exc:
             raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
 
