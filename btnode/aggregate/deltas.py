@@ -14,7 +14,7 @@ import zstandard
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import CHUNK_BYTES, ZSTD_LEVEL, ChunkData, FrameHeader, frame_from_raw
-from btnode.errors import MalformedInput
+from btnode.errors import UnknownBlock
 from btnode.protocol import VersionInfo
 
 
@@ -46,8 +46,8 @@ class DeltaFrames:
         try:
             for name, raw in pieces:
                 if name not in spec or name in found:
-                    raise MalformedInput("unknown_tensor", f"the stored delta of version {info.version} holds "
-                                                           f"{name!r} twice or outside the block")
+                    raise UnknownBlock("version", f"the stored delta of version {info.version} holds {name!r} "
+                                                  f"twice or outside the block")
                 frame = frame_from_raw(name, spec[name], codec, raw, compressor)
                 del raw
                 self._file.write(frame.payload)
@@ -59,8 +59,8 @@ class DeltaFrames:
             raise
         if set(found) != set(spec):
             self._file.close()
-            raise MalformedInput("truncated", f"the stored delta of version {info.version} lacks "
-                                              f"{sorted(set(spec) - set(found))[:3]}")
+            raise UnknownBlock("version", f"the stored delta of version {info.version} lacks "
+                                          f"{sorted(set(spec) - set(found))[:3]}")
         self.frames = [found[n] for n in spec]
 
     def read(self, offset: int, size: int) -> bytes:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from btnode.aggregate.block import ABORTED
-from btnode.aggregate.deltas import DeltaFrames
+from btnode.aggregate.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.identities import Identity
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -179,7 +179,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         info, frames = self._delta_frames(request.block, request.version)
         yield from self._send(info, frames, "fetch_delta")
 
-    def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list]:
+    def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[StoredFrame]]:
         """The frames of the delta that produced `version`, compressed in a file (aggregate/deltas.py): the
         newest one asked for is cached (and built under a lock, so that concurrent first fetches read and
         compress it once); a stream already sending an older one keeps its file until it ends."""
@@ -193,7 +193,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         built = block.delta_frames(version)  # an older version (a worker catching up): not cached
         return built.info, built.frames
 
-    def _send(self, info: VersionInfo, frames: Iterable[Frame], what: str) -> Iterator[pb.TensorStream]:
+    def _send(self, info: VersionInfo, frames: Iterable[Frame | StoredFrame], what: str) -> Iterator[pb.TensorStream]:
         """A version's info, then its frames in chunks, each counted as it goes out."""
         t0 = time.perf_counter()
         meter = self.agg.meter
