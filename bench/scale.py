@@ -507,7 +507,8 @@ def render(res: dict) -> str:
         "",
         f"Block: {res['block_params']:,} parameters, **{res['block_fp32_mb']:.1f} MB** in fp32. Root RSS fitted over "
         f"the latest code's flat rows: **{f(res.get('per_update_mb'), '.2f')} MB per extra worker**; fixed RSS above an "
-        f"idle Python + torch + btnode process ({res['idle_rss_mb']:,.0f} MB) over the block's fp32 size, from "
+        f"idle Python + torch + btnode process ({(res.get('unit_row') or res).get('idle_rss_mb', res['idle_rss_mb']):,.0f} MB, "
+        f"measured in that run) over the block's fp32 size, from "
         f"{res.get('fixed_rss_from', '')}: **fixed_rss_over_unit = {f(res['fixed_rss_over_unit'], '.1f')}**."
         + (f" Unit row: root peak RSS {res['unit_row']['root_peak_rss_mb']:,.0f} MB (by the end of the joins' full "
            f"pulls: {f(res['unit_row'].get('root_peak_rss_joins_mb'), ',.0f')} MB) with a "

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 
 import torch
 
+from btnode.codec.frames import LazyDelta, absmax
 from btnode.codec.sparse import SparseTensor
 from btnode.errors import MalformedInput, Refused
 
@@ -43,6 +44,7 @@ MAX_TERM = 2.0**10  # |value| · weight/unit of one term
 MAX_TERMS = 2**13  # updates one sum may hold: MAX_TERM · 2^38 · 2^13 = 2^61 < 2^63
 REACHED_BITS = 16  # the "senders" weights' grid (int32): 2^-16 of a unit, N · weight/unit < 2^15
 SKETCH_SIZE = 4096
+TERMS_AT_ONCE = 1 << 20  # values turned into terms at a time: 16 MiB of float64 and int64 temporaries, whatever the tensor
 
 
 def is_sparse(delta: Delta) -> bool:
@@ -53,9 +55,18 @@ def dense(delta: Delta) -> dict[str, torch.Tensor]:
     return {n: t.dense() if isinstance(t, SparseTensor) else t for n, t in delta.items()}
 
 
+def _stat(delta: Delta, n: str) -> tuple[float, float]:
+    """(max |v|, ‖v‖₂) of tensor n, from what a LazyDelta took when it checked it (no decode again)."""
+    known = delta.stat(n) if isinstance(delta, LazyDelta) else None
+    if known is not None:
+        return known
+    t = delta[n]
+    v = t.values if isinstance(t, SparseTensor) else t  # as the norm was always taken: same bits
+    return absmax(v), float(torch.linalg.vector_norm(v))
+
+
 def norm(delta: Delta) -> float:
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.values if isinstance(t, SparseTensor) else t)) ** 2
-                         for t in delta.values()))
+    return math.sqrt(sum(_stat(delta, n)[1] ** 2 for n in delta))
 
 
 def scaled(delta: Delta, factor: float) -> dict:
@@ -106,7 +117,7 @@ class Accumulator:
         """Refuse, before anything is added, an update the grid cannot hold."""
         if not 0 < weight / self.unit <= MAX_TERM:
             raise MalformedInput("range", f"weight {weight:g} is outside (0, {MAX_TERM:g}] × the unit {self.unit:g}")
-        largest = max((float(_values(t).abs().max()) for t in delta.values() if _values(t).numel()), default=0.0)
+        largest = max((_stat(delta, n)[0] for n in delta), default=0.0)
         if largest * weight / self.unit > MAX_TERM:
             raise MalformedInput("range", f"a value of {largest:.4g} at weight {weight:g} is over the sum's range "
                                           f"({MAX_TERM:g} × the unit {self.unit:g})")
@@ -123,26 +134,32 @@ class Accumulator:
 
     def _apply(self, delta: Delta, weight: float, sign: int) -> None:
         scale = self._scale(weight)
+        sparse = False
         for n, t in delta.items():
             acc = self.sum.get(n)
             if acc is None:
                 acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int64)
-            terms = torch.round(_values(t).double() * scale).to(torch.int64)  # one rounding per term, order-free
-            if sign < 0:
-                terms.neg_()
+            values = _values(t)
+            for lo in range(0, values.numel(), TERMS_AT_ONCE):  # temporaries of a slice, not of the tensor
+                hi = lo + TERMS_AT_ONCE
+                terms = torch.round(values[lo:hi].double() * scale).to(torch.int64)  # one rounding per term, order-free
+                if sign < 0:
+                    terms.neg_()
+                if isinstance(t, SparseTensor):
+                    acc.index_add_(0, t.positions[lo:hi], terms)
+                else:
+                    acc[lo:hi].add_(terms)
+                del terms
             if isinstance(t, SparseTensor):
-                acc.index_add_(0, t.positions, terms)
+                sparse = True
                 if self.rule == "senders":
                     reached = self.reached.get(n)
                     if reached is None:
                         reached = self.reached[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int32)
                     reached.index_add_(0, t.positions, torch.full_like(t.positions, sign * self._reach(weight),
                                                                        dtype=torch.int32))
-            else:
-                acc.add_(terms)
-            del terms
         self.total += sign * round(scale)
-        if not is_sparse(delta):
+        if not sparse:  # known from the loop: asking is_sparse would read (decode) the delta again
             self.dense_reached += sign * self._reach(weight)
         self.count += sign
 
@@ -158,12 +175,19 @@ class Accumulator:
         s = self.sum.pop(n, None) if release else self.sum.get(n)
         if s is None:
             return torch.zeros(shape)
-        if self.rule == "all" or n not in self.reached:
-            return (s.double() / float(self.total)).float().reshape(shape)
-        reached = self.reached.pop(n) if release else self.reached[n]
-        r = reached.double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
-        out = torch.where(r > 0, s.double() / r.clamp(min=1.0), torch.zeros((), dtype=torch.float64))
-        return out.float().reshape(shape)
+        out = torch.empty(s.numel())
+        reached = None
+        if self.rule != "all" and n in self.reached:
+            reached = self.reached.pop(n) if release else self.reached[n]
+        for lo in range(0, s.numel(), TERMS_AT_ONCE):  # float64 temporaries of a slice, not of the tensor
+            hi = lo + TERMS_AT_ONCE
+            if reached is None:
+                out[lo:hi] = (s[lo:hi].double() / float(self.total)).float()
+                continue
+            r = reached[lo:hi].double().add_(self.dense_reached).mul_(2.0 ** (FRACTION_BITS - REACHED_BITS))
+            out[lo:hi] = torch.where(r > 0, s[lo:hi].double() / r.clamp(min=1.0),
+                                     torch.zeros((), dtype=torch.float64)).float()
+        return out.reshape(shape)
 
     def mean(self) -> dict[str, torch.Tensor]:
         return {n: self.mean_of(n) for n in self.spec}

@@ -32,6 +32,7 @@ import torch
 from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, dense, norm, scaled, weight_unit
 from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.deltas import DeltaFrames
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
 from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.aggregate.spill import Spill
@@ -603,6 +604,11 @@ class BlockAggregator:
     def delta(self, version: int) -> tuple[VersionInfo, Codec, dict[str, bytes]]:
         codec, raw, meta = self.store.delta(version)
         return _info_from_meta(meta), codec, raw
+
+    def delta_frames(self, version: int) -> DeltaFrames:
+        """The delta that produced `version` as compressed frames in a file (aggregate/deltas.py)."""
+        codec, meta, pieces = self.store.delta_pieces(version)
+        return DeltaFrames(_info_from_meta(meta), codec, pieces, self.spec, self.store.folder)
 
 
 def _info_from_meta(meta: dict) -> VersionInfo:

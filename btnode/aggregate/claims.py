@@ -52,6 +52,7 @@ ROUNDING = 2.0**-8  # a decoded bf16 value may exceed its source by this share
 # A relay's combined update is bounded as the loosest dense child could be: a weighted mean of
 # values each within its own bound stays within the largest (relays take dense codecs only).
 RELAYED_CODEC = Codec.INT8
+CHECK_AT_ONCE = 1 << 20  # values bounded and compared at a time: two 4 MiB buffers, whatever the tensor
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ class ClaimConfig:
         else:
             weight, steps = self.weight(header), len(header.steps)
         slack = self._slack(theta, codec, drift)
-        largest = max((d.numel() for d in delta.values() if isinstance(d, torch.Tensor)), default=0)
+        # from θ's shapes (the same as the delta's): reading a lazily decoded delta's values would decode it
+        largest = 0 if codec.sparse else max((theta[n].numel() for n in delta), default=0)
         limit_buf = over_buf = None
         for n, d in delta.items():
             if codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual
@@ -198,14 +200,19 @@ class ClaimConfig:
             if d.numel() == 0 or _absmax(d) <= self._least(steps, theta[n], slack, drift):
                 continue
             if limit_buf is None or over_buf is None:
-                limit_buf, over_buf = torch.empty(largest), torch.empty(largest)
-            limit = self._bound_into(limit_buf[:d.numel()].view(d.shape), steps, theta[n], slack, drift)
-            over = torch.abs(d, out=over_buf[:d.numel()].view(d.shape)).sub_(limit)
-            if bool((over > 0).any()):
-                i = int(over.argmax())
-                raise MalformedInput("bound", f"{header.worker_id}: {n}[{i}] moved {float(d.flatten()[i]):.4g}, over the "
-                                              f"{float(limit.flatten()[i]):.4g} that {steps} AdamW steps "
-                                              f"at lr {self.lr:g} can move it")
+                limit_buf, over_buf = torch.empty(min(largest, CHECK_AT_ONCE)), torch.empty(min(largest, CHECK_AT_ONCE))
+            flat_d, flat_t = d.reshape(-1), theta[n].reshape(-1)
+            for lo in range(0, d.numel(), CHECK_AT_ONCE):  # a slice at a time: the same float operations per value
+                t = flat_t[lo:lo + CHECK_AT_ONCE]
+                t = t.view(1, -1) if theta[n].ndim >= 2 else t  # _bound_into tells matrices by ndim
+                k = t.numel()
+                limit = self._bound_into(limit_buf[:k].view(t.shape), steps, t, slack, drift)
+                over = torch.abs(flat_d[lo:lo + k].view(t.shape), out=over_buf[:k].view(t.shape)).sub_(limit)
+                if bool((over > 0).any()):
+                    j = int(over.argmax())
+                    raise MalformedInput("bound", f"{header.worker_id}: {n}[{lo + j}] moved {float(flat_d[lo + j]):.4g}, "
+                                                  f"over the {float(limit.flatten()[j]):.4g} that {steps} AdamW steps "
+                                                  f"at lr {self.lr:g} can move it")
         return weight
 
     def _check_sparse(self, header: PushHeader, name: str, d: torch.Tensor | SparseTensor, theta: torch.Tensor,

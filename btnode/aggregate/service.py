@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 SECRET_FILE = "audit.secret"
 TRAINING_FILE = "training.jsonl"  # worker id → the training terms it joined with (a durable.Journal)
 LEGACY_TRAINING_FILE = "training.json"  # the same map, rewritten whole on each join by earlier versions
+# A push of a unit larger than this in fp32 is judged from its raw codec bytes, decoded a tensor at a time
+# (each read decodes again: CPU for memory); a smaller one is decoded whole once, as the cheaper way.
+LAZY_DECODE_BYTES = 64 << 20
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -398,7 +402,7 @@ class SwarmAggregator:
                                   lambda u: block.answered(u) is not None, own=amends)
             else:
                 self._check_key(header)
-            delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding)
+            delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding, defer_dir=block.store.folder)
         except PeerInputError as exc:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
@@ -434,13 +438,19 @@ class SwarmAggregator:
                                           f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
 
     def _assemble(self, spec: Mapping[str, tuple[int, ...]], codec: Codec, chunks: Iterable[ChunkData], *,
-                  gate: contextlib.ExitStack | None = None) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+                  gate: contextlib.ExitStack | None = None,
+                  defer_dir: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """The tensors of a chunk stream, each frame checked against `spec` and `codec`, and their raw
         codec bytes; its bytes are counted as far as it got. With a `gate`, the upload is received
         compressed (frame headers checked as they come), and decoded only once one of the
         `--decode-slots` is free, which `gate` then holds: however many pushes arrive at once, only a
-        few are ever decoded (4 bytes a parameter, plus their raw bytes) at the same time."""
-        asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True, defer=gate is not None)  # sparse stays sparse
+        few are ever decoded (4 bytes a parameter, plus their raw bytes) at the same time. With a
+        `defer_dir`, the compressed frames wait in a file there, not in memory (issue #25). A push of a
+        unit over LAZY_DECODE_BYTES in fp32 is checked frame by frame and kept as its raw codec bytes
+        (codec/frames.LazyDelta): judging and summing it decodes one tensor at a time, a decode per read."""
+        lazy = gate is not None and 4 * sum(math.prod(s) for s in spec.values()) > LAZY_DECODE_BYTES
+        asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True, defer=gate is not None,  # sparse stays sparse
+                                      defer_dir=defer_dir, lazy=lazy)
         try:
             for chunk in chunks:
                 asm.add(chunk)
@@ -448,6 +458,7 @@ class SwarmAggregator:
                 gate.enter_context(self._decoding)
             return asm.finish(), asm.raw
         finally:
+            asm.close()
             self._received(asm)
 
     def _received(self, asm: FrameAssembler) -> None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import zstandard
@@ -43,6 +46,9 @@ class FrameHeader:
 class Frame:
     header: FrameHeader
     payload: bytes
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
+        return iter_chunks([self], chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,41 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def absmax(t: torch.Tensor) -> float:
+    """max |t| without a tensor of |t| (NaN if t holds one); 0 for an empty tensor."""
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (lo.isnan() or hi.isnan()) else math.nan
+
+
+class LazyDelta(Mapping[str, "torch.Tensor | SparseTensor"]):
+    """An update held as its raw codec bytes, each dense tensor decoded afresh when read and dropped by
+    its reader: judging and summing a large update then holds one decoded tensor at a time, not the
+    whole update in fp32 (issue #25). Decoding is deterministic, so every read gives the same values,
+    bit for bit; the cost is a decode per read. `eager`: tensors already decoded (sparse ones)."""
+
+    def __init__(self, spec: Spec, codecs: Mapping[str, Codec], raw: Mapping[str, bytes],
+                 eager: Mapping[str, torch.Tensor | SparseTensor], stats: Mapping[str, tuple[float, float]]):
+        self.spec, self.codecs, self.raw, self.eager = dict(spec), dict(codecs), raw, dict(eager)
+        self.stats = dict(stats)  # name → (max |v|, ‖v‖₂) of a lazy tensor, taken when it was checked
+
+    def stat(self, name: str) -> tuple[float, float] | None:
+        """(max |v|, ‖v‖₂) of tensor `name` without decoding it again, where known."""
+        return self.stats.get(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor | SparseTensor:
+        if name in self.eager:
+            return self.eager[name]
+        return decode(self.codecs[name], self.raw[name], self.spec[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.spec)
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+
 class FrameAssembler:
     """Rebuilds tensors from a chunk stream, validating against `spec`.
 
@@ -147,7 +188,7 @@ class FrameAssembler:
 
     def __init__(self, spec: Spec, *, codecs: Iterable[Codec], max_frame_bytes: int,
                  max_chunk_bytes: int = CHUNK_BYTES, finite: bool = True, keep_sparse: bool = False,
-                 defer: bool = False):
+                 defer: bool = False, defer_dir: Path | None = None, lazy: bool = False):
         self.spec = dict(spec)
         self.codecs = set(codecs)
         self.max_frame_bytes = max_frame_bytes
@@ -155,7 +196,16 @@ class FrameAssembler:
         self.finite = finite
         self.keep_sparse = keep_sparse  # a sparse frame becomes a SparseTensor, not a dense tensor
         self.defer = defer  # keep whole frames compressed until finish(), and decode them there
-        self._deferred: list[tuple[FrameHeader, bytes]] = []
+        # where deferred frames wait: (header, payload) here, or (header, offset) with the payload in an
+        # unnamed file in `defer_dir` (pushes waiting for a decode slot then hold no payload in memory)
+        self._deferred: list[tuple[FrameHeader, bytes | int]] = []
+        self.defer_dir = defer_dir
+        self.lazy = lazy  # finish() returns a LazyDelta: dense tensors checked here, decoded again when read
+        self._codecs: dict[str, Codec] = {}
+        self._stats: dict[str, tuple[float, float]] = {}
+        self._defer_file = None
+        self._defer_at = 0
+        self._frame_at = 0
         self.tensors: dict[str, torch.Tensor | SparseTensor] = {}
         self.raw: dict[str, bytes] = {}
         self._current: FrameHeader | None = None
@@ -166,12 +216,12 @@ class FrameAssembler:
 
     @classmethod
     def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False,
-                 defer: bool = False) -> FrameAssembler:
+                 defer: bool = False, defer_dir: Path | None = None, lazy: bool = False) -> FrameAssembler:
         """An assembler whose frame limit is the largest tensor of `spec` in fp32, plus zstd's slack."""
         codecs = list(codecs)
         largest = max(raw_size(c, math.prod(s)) for s in spec.values() for c in {Codec.FP32, *codecs})
         return cls(spec, codecs=codecs, max_frame_bytes=largest + FRAME_SLACK, max_chunk_bytes=CHUNK_BYTES,
-                   keep_sparse=keep_sparse, defer=defer)
+                   keep_sparse=keep_sparse, defer=defer, defer_dir=defer_dir, lazy=lazy)
 
     def add(self, chunk: ChunkData) -> None:
         if len(chunk.data) > self.max_chunk_bytes:
@@ -189,7 +239,10 @@ class FrameAssembler:
         if self._received > self._current.payload_bytes:
             raise MalformedInput("size", f"frame {self._current.name!r} carries more than its "
                                  f"declared {self._current.payload_bytes} payload bytes")
-        self._parts.append(chunk.data)
+        if self.defer and self.defer_dir is not None:  # straight to the file: a waiting push holds no frame
+            self._park(chunk.data)
+        else:
+            self._parts.append(chunk.data)
         if self._received == self._current.payload_bytes:
             self._complete()
 
@@ -216,19 +269,32 @@ class FrameAssembler:
         if len(h.sha256) != 32:
             raise MalformedInput("checksum", f"tensor {h.name!r} has no valid sha256")
         self._current, self._parts, self._received = h, [], 0
+        self._frame_at = self._defer_at  # where this frame's payload starts in the defer file
         if h.payload_bytes == 0:
             raise MalformedInput("size", f"frame {h.name!r} declares an empty payload")
 
     def _complete(self) -> None:
         h = self._current
         assert h is not None
-        payload = b"".join(self._parts)
         if self.defer:
-            self._deferred.append((h, payload))
+            self._deferred.append((h, self._frame_at if self.defer_dir is not None else b"".join(self._parts)))
             self.tensors[h.name] = None  # type: ignore[assignment]  # arrived; decoded in finish()
             self._current, self._parts = None, []
             return
-        self._decode(h, payload)
+        self._decode(h, b"".join(self._parts))
+
+    def _park(self, data: bytes) -> None:
+        """Payload bytes of a deferred frame onto the end of the file in `defer_dir`."""
+        if self._defer_file is None:
+            self._defer_file = tempfile.TemporaryFile(dir=self.defer_dir)
+        self._defer_file.write(data)
+        self._defer_at += len(data)
+
+    def close(self) -> None:
+        """Drop the deferred frames' file (finish() does; a stream cut short should too)."""
+        if self._defer_file is not None:
+            self._defer_file.close()
+            self._defer_file = None
 
     def _decode(self, h: FrameHeader, payload: bytes) -> None:
         try:
@@ -254,11 +320,15 @@ class FrameAssembler:
             t = decode(h.codec, raw, h.shape)
             if self.finite and not all_finite(t):
                 raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
+            if self.lazy:
+                self._codecs[h.name] = h.codec
+                self._stats[h.name] = (absmax(t), float(torch.linalg.vector_norm(t)))
+                t = None  # checked; LazyDelta decodes it again when it is read
         self.tensors[h.name] = t
         self.raw[h.name] = raw
         self._current, self._parts = None, []
 
-    def finish(self) -> dict[str, torch.Tensor | SparseTensor]:
+    def finish(self) -> Mapping[str, torch.Tensor | SparseTensor]:
         if self._current is not None:
             raise MalformedInput("truncated", f"stream ended inside frame {self._current.name!r} "
                                  f"({self._received} of {self._current.payload_bytes} bytes)")
@@ -266,6 +336,18 @@ class FrameAssembler:
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise MalformedInput("truncated", f"stream ended without tensors {', '.join(missing[:3])}{more}")
-        while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
-            self._decode(*self._deferred.pop(0))
+        if self._defer_file is not None:
+            self._defer_file.flush()  # what it buffered, before it is read back by offset
+        try:
+            while self._deferred:  # whole and complete: only now decompressed, hashed and decoded
+                h, payload = self._deferred.pop(0)
+                if isinstance(payload, int):
+                    assert self._defer_file is not None
+                    payload = os.pread(self._defer_file.fileno(), h.payload_bytes, payload)
+                self._decode(h, payload)
+        finally:
+            self.close()
+        if self.lazy:
+            return LazyDelta(self.spec, self._codecs, self.raw,
+                             {n: t for n, t in self.tensors.items() if n not in self._codecs}, self._stats)
         return {n: self.tensors[n] for n in self.spec}

@@ -16,13 +16,13 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import zstandard
 
 from btnode.aggregate.block import ABORTED
+from btnode.aggregate.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.identities import Identity
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, frame_from_raw, iter_chunks, lazy_frames
+from btnode.codec.frames import ChunkData, Frame, lazy_frames
 from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
 from btnode.protocol import PushHeader, VersionInfo
 from btnode.rpc import convert
@@ -141,7 +141,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         self.identities = identities
         # the newest delta fetched of each block, as frames ready to send: after a publish every worker
         # fetches the same one, so it is read, hash-checked and compressed once, not once per worker
-        self._deltas: dict[int, tuple[int, VersionInfo, list[Frame]]] = {}
+        self._deltas: dict[int, DeltaFrames] = {}
         self._deltas_lock = threading.Lock()
 
     def _who(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> Identity | None:
@@ -179,26 +179,21 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         info, frames = self._delta_frames(request.block, request.version)
         yield from self._send(info, frames, "fetch_delta")
 
-    def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[Frame]]:
-        """The frames of the delta that produced `version`: the newest one asked for is cached (and
-        built under a lock, so that concurrent first fetches read and compress it once)."""
+    def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[StoredFrame]]:
+        """The frames of the delta that produced `version`, compressed in a file (aggregate/deltas.py): the
+        newest one asked for is cached (and built under a lock, so that concurrent first fetches read and
+        compress it once); a stream already sending an older one keeps its file until it ends."""
         block = self.agg.block(b)
-
-        def build() -> tuple[VersionInfo, list[Frame]]:
-            info, codec, raw = block.delta(version)
-            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-            return info, [frame_from_raw(n, block.spec[n], codec, raw[n], compressor) for n in block.spec]
-
         with self._deltas_lock:
             cached = self._deltas.get(b)
-            if cached is None or version >= cached[0]:
-                if cached is None or version > cached[0]:
-                    cached = (version, *build())
-                    self._deltas[b] = cached
-                return cached[1], cached[2]
-        return build()  # an older version (a worker catching up): not cached
+            if cached is None or version >= cached.info.version:
+                if cached is None or version > cached.info.version:
+                    cached = self._deltas[b] = block.delta_frames(version)
+                return cached.info, cached.frames
+        built = block.delta_frames(version)  # an older version (a worker catching up): not cached
+        return built.info, built.frames
 
-    def _send(self, info: VersionInfo, frames: Iterable[Frame], what: str) -> Iterator[pb.TensorStream]:
+    def _send(self, info: VersionInfo, frames: Iterable[Frame | StoredFrame], what: str) -> Iterator[pb.TensorStream]:
         """A version's info, then its frames in chunks, each counted as it goes out."""
         t0 = time.perf_counter()
         meter = self.agg.meter
@@ -206,7 +201,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         for frame in frames:
             meter.count(("sent", "raw"), frame.header.raw_bytes)
             meter.count(("sent", "wire"), frame.header.payload_bytes)
-            for chunk in iter_chunks([frame]):
+            for chunk in frame.chunks():
                 yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 

@@ -120,10 +120,48 @@ def _read_tensors(folder: Path, record: dict[str, Any], with_path: Path) -> dict
         raise CheckpointError(f"checkpoint {with_path}: {path.name} is not a valid safetensors file: {exc}") from exc
 
 
-def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str, ...] = (),
-         optional_roles: tuple[str, ...] = (), with_model: bool = True) -> Checkpoint:
-    """Every file read is checked against the commit record. `with_model=False` reads only the
-    groups asked for (a delta fetch reads the delta, not the model); `tensors` is then empty."""
+def iter_group(folder: Path, stem: str, role: str, piece_bytes: int = 16 << 20) -> Iterator[tuple[str, bytes]]:
+    """The tensors of one group as (name, raw bytes), one at a time in file order, read in pieces and
+    hashed as they go: a large group is never whole in memory. CheckpointError, at the end, if the
+    file fails its commit record: a caller keeps nothing it was given until the iteration ends."""
+    meta_path = folder / f"{stem}.json"
+    record = load_meta(folder, stem)["files"].get(role)
+    if not isinstance(record, dict):
+        raise CheckpointError(f"checkpoint {meta_path} holds no {role!r} tensors")
+    path = folder / record["name"]
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            text = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+            digest.update(head + text)
+            size += len(head) + len(text)
+            header = json.loads(text)
+            spans = sorted(((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__"))
+            at = 0
+            for (lo, hi), name in spans:
+                if lo != at or hi < lo:
+                    raise ValueError(f"tensor {name!r} lies at bytes {lo}..{hi}, expected it to start at {at}")
+                at = hi
+                parts = []
+                for start in range(lo, hi, piece_bytes):
+                    piece = f.read(min(piece_bytes, hi - start))
+                    digest.update(piece)
+                    parts.append(piece)
+                size += hi - lo
+                yield name, b"".join(parts) if len(parts) != 1 else parts[0]
+            rest = f.read()
+            digest.update(rest)
+            size += len(rest)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CheckpointError(f"checkpoint {meta_path}: cannot read {path.name}: {exc}") from exc
+    if size != record["bytes"] or digest.hexdigest() != record["sha256"]:
+        raise CheckpointError(f"checkpoint {meta_path}: {path.name} is truncated or corrupted "
+                              f"({size} bytes, expected {record['bytes']}; sha256 differs)")
+
+
+def load_meta(folder: Path, stem: str) -> dict[str, Any]:
+    """A checkpoint's commit record (its JSON), checked to be one."""
     meta_path = folder / f"{stem}.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -133,6 +171,15 @@ def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str,
         raise CheckpointError(f"checkpoint metadata {meta_path} is unreadable or truncated: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta.get("files", {}):
         raise CheckpointError(f"checkpoint metadata {meta_path} is not a btnode checkpoint of format {FORMAT}")
+    return meta
+
+
+def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str, ...] = (),
+         optional_roles: tuple[str, ...] = (), with_model: bool = True) -> Checkpoint:
+    """Every file read is checked against the commit record. `with_model=False` reads only the
+    groups asked for (a delta fetch reads the delta, not the model); `tensors` is then empty."""
+    meta_path = folder / f"{stem}.json"
+    meta = load_meta(folder, stem)
     tensors = _read_tensors(folder, meta["files"]["model"], meta_path) if with_model else {}
     optim = None
     if with_optim:

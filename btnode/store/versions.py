@@ -14,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,3 +94,23 @@ class VersionStore:
             raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
         raw = {n: t.numpy().tobytes() for n, t in ck.extra["delta"].items()}
         return Codec[ck.meta["delta_codec"]], raw, ck.meta
+
+    def delta_pieces(self, version: int) -> tuple[Codec, dict[str, Any], Iterator[tuple[str, bytes]]]:
+        """As `delta`, but the raw bytes come one tensor at a time (files.iter_group): a fetch of a large
+        delta never holds all of it; UnknownBlock, at the end of the iteration, if the file fails its hash."""
+        if version not in self.versions():
+            raise UnknownBlock("version", f"{self.name} keeps no version {version}")
+        try:
+            meta = files.load_meta(self.folder, stem(version))
+            if "delta" not in meta["files"] or meta.get("delta_codec") not in Codec.__members__:
+                raise CheckpointError("it holds no delta tensors")  # version 0, or a version made otherwise
+        except CheckpointError as exc:
+            raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
+
+        def pieces() -> Iterator[tuple[str, bytes]]:
+            try:
+                yield from files.iter_group(self.folder, stem(version), "delta")
+            except CheckpointError as exc:
+                raise UnknownBlock("version", f"{self.name} version {version} has no readable delta: {exc}") from exc
+
+        return Codec[meta["delta_codec"]], meta, pieces()

@@ -123,10 +123,14 @@ def test_the_issues_cheats_are_refused_from_round_0(tmp_path, cheat):
     assert agg.block(0).counters[("rejected", reason)] == 1 and agg.block(0).info.version == 0
 
 
+@pytest.mark.parametrize("at_once", [None, 7], ids=["whole", "sliced"])
 @pytest.mark.parametrize("codec", [Codec.FP32, Codec.INT8])
-def test_check_agrees_with_bound_at_and_one_ulp_over_every_coordinate_limit(codec):
+def test_check_agrees_with_bound_at_and_one_ulp_over_every_coordinate_limit(codec, at_once, monkeypatch):
     """check() decides a tensor within its least bound at once and builds the rest in place: either way
-    its answer is bound()'s, coordinate for coordinate."""
+    its answer is bound()'s, coordinate for coordinate; also built CHECK_AT_ONCE values at a time (issue
+    #25: two buffers of a slice, not of the largest tensor), here 7, across slice edges."""
+    if at_once is not None:
+        monkeypatch.setattr("btnode.aggregate.claims.CHECK_AT_ONCE", at_once)
     theta = {"w": torch.linspace(-3, 3, 600).reshape(20, 30), "b": torch.randn(7), "v": torch.randn(5, 4) * 1e-3}
     header = dataclasses.replace(PUSH, codec=codec)
     limits = CLAIMS.bound(len(header.steps), theta, codec)

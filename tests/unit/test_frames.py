@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btnode.codec.codecs import Codec, decode, encode, raw_size
-from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, encode_frames, frame_from_raw, iter_chunks,
+from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, LazyDelta, absmax, encode_frames, frame_from_raw, iter_chunks,
                                  spec_of)
 from btnode.errors import MalformedInput, PeerInputError, TooLarge
 from btnode.testing.fuzz import mutate_raw
@@ -277,3 +277,40 @@ def test_a_deferred_assembler_keeps_frames_compressed_until_finish_and_still_che
         feed(good()[:-1], defer=True)  # "vec" never came: nothing is decoded
     with pytest.raises(MalformedInput, match="sent twice"):
         feed(good() + good()[-1:], defer=True)
+
+
+def test_deferred_frames_can_wait_in_a_file_and_decode_the_same(tmp_path):
+    """With a defer_dir the compressed frames of a push waiting for a decode slot lie in an unnamed file
+    there, not in memory (issue #25): the same tensors come out, a corrupted frame is still refused, and
+    the file is gone afterwards, whether the push was whole or not."""
+    a = assembler(defer=True, defer_dir=tmp_path)
+    for c in good():
+        a.add(c)
+    assert a._deferred and all(isinstance(p, int) for _, p in a._deferred)  # offsets, not payloads
+    out = a.finish()
+    assert all(torch.equal(out[k], TENSORS[k]) for k in TENSORS) and a._defer_file is None
+    bad = list(iter_chunks(encode_frames(TENSORS, Codec.FP32)))
+    bad[-1] = ChunkData(bad[-1].header, bytes([bad[-1].data[0] ^ 1]) + bad[-1].data[1:])
+    with pytest.raises(MalformedInput):
+        feed(bad, defer=True, defer_dir=tmp_path)
+    cut = assembler(defer=True, defer_dir=tmp_path)
+    for c in good()[:-1]:
+        cut.add(c)
+    cut.close()  # a stream cut short: what _assemble does in its finally
+    assert cut._defer_file is None and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.INT8, Codec.BF16])
+def test_a_lazy_assembler_checks_every_frame_then_decodes_a_tensor_per_read_bit_for_bit(codec):
+    """A large push is judged from its raw bytes (issue #25): finish() still decodes and checks each frame
+    once, and every read of the LazyDelta gives what an eager assembler gives, bit for bit."""
+    chunks = list(iter_chunks(encode_frames(TENSORS, codec)))
+    eager, lazy = feed(chunks, defer=True), feed(chunks, defer=True, lazy=True)
+    assert isinstance(lazy, LazyDelta) and list(lazy) == list(eager)
+    for _ in range(2):
+        assert all(torch.equal(lazy[k], eager[k]) for k in TENSORS)
+    # max |v| and the norm, taken at the check, so judging need not decode a tensor again for them
+    assert all(lazy.stat(k) == (absmax(eager[k]), float(torch.linalg.vector_norm(eager[k]))) for k in TENSORS)
+    nan = {**TENSORS, "vec": TENSORS["vec"].clone().fill_(float("nan"))}
+    with pytest.raises(MalformedInput, match="NaN"):
+        feed(list(iter_chunks(encode_frames(nan, Codec.FP32))), defer=True, lazy=True)

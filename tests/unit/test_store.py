@@ -132,6 +132,12 @@ def test_a_delta_is_read_without_the_model_and_still_hash_checked(tmp_path):
     (store.folder / "v000000000001.safetensors").write_bytes(b"not a model")
     codec, got, meta = store.delta(1)
     assert codec is Codec.INT8 and got == raw and meta["version"] == 1
+    codec, meta, pieces = store.delta_pieces(1)  # one tensor at a time, as a fetch streams it
+    assert codec is Codec.INT8 and dict(pieces) == raw and meta["version"] == 1
+    store.write(0, {"w": torch.zeros(4, 4), "b": torch.zeros(3)}, meta={"info": {}})  # version 0: no delta made it
+    for read in (store.delta, store.delta_pieces):
+        with pytest.raises(UnknownBlock, match="has no readable delta"):
+            read(0)
     with pytest.raises(CheckpointError):
         store.load(1)  # the model's file really is unreadable
     path = store.folder / "v000000000001.delta.safetensors"
@@ -140,6 +146,8 @@ def test_a_delta_is_read_without_the_model_and_still_hash_checked(tmp_path):
     path.write_bytes(bytes(blob))
     with pytest.raises(UnknownBlock, match="truncated or corrupted"):
         store.delta(1)
+    with pytest.raises(UnknownBlock, match="truncated or corrupted"):
+        list(store.delta_pieces(1)[2])  # the hash is known only at the end: nothing before it is kept
 
 
 def test_threads_writing_one_file_at_once_each_rename_their_own_temp_file(tmp_path):

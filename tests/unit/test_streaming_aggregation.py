@@ -115,6 +115,39 @@ def test_the_mean_is_the_weighted_mean_to_within_the_grid():
         torch.testing.assert_close(acc.mean_of(n), want[n], rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule", ["all", "senders"])
+def test_terms_made_a_slice_at_a_time_sum_to_the_same_bits(monkeypatch, rule):
+    """The running sum turns values into terms TERMS_AT_ONCE at a time (issue #25: a tensor's float64
+    and int64 temporaries were 16 bytes a value of the whole tensor): dense and sparse updates, added
+    and one taken out again, give the same integers as terms made a whole tensor at a time, and the same
+    mean, read a slice at a time too."""
+    import btnode.aggregate.accumulate as accumulate
+
+    spec = {n: tuple(t.shape) for n, t in INIT.items()}
+    g = torch.Generator().manual_seed(3)
+    dense_ = [{n: torch.randn(t.shape, generator=g) * 0.1 for n, t in INIT.items()} for _ in range(3)]
+    sparse_ = {}
+    for n, t in INIT.items():
+        pos = torch.randperm(t.numel(), generator=g)[:max(1, t.numel() // 5)].sort().values
+        sparse_[n] = SparseTensor(tuple(t.shape), pos, torch.randn(len(pos), generator=g) * 0.1)
+
+    def summed(at_once: int) -> Accumulator:
+        monkeypatch.setattr(accumulate, "TERMS_AT_ONCE", at_once)
+        acc = Accumulator(spec, rule, unit=weight_unit(8.0))
+        for d, w in zip([*dense_, sparse_], [1.0, 3.0, 0.5, 2.0]):
+            acc.add(d, w)
+        acc.sub(dense_[1], 3.0)
+        acc.means = {n: acc.mean_of(n) for n in spec}  # the mean read a slice at a time too
+        return acc
+
+    whole, sliced = summed(1 << 30), summed(7)
+    assert all(torch.equal(whole.means[n], sliced.means[n]) for n in spec)
+    assert all(t.numel() > 7 for t in INIT.values())  # more than one slice each
+    assert set(whole.sum) == set(sliced.sum) and all(torch.equal(whole.sum[n], sliced.sum[n]) for n in whole.sum)
+    assert all(torch.equal(whole.reached[n], sliced.reached[n]) for n in whole.reached)
+    assert (whole.total, whole.dense_reached, whole.count) == (sliced.total, sliced.dense_reached, sliced.count)
+
+
 def test_an_update_outside_the_grid_is_refused_before_it_touches_the_sum():
     spec = {n: tuple(t.shape) for n, t in INIT.items()}
     acc = Accumulator(spec, "all", unit=1.0)
