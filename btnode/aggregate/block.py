@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import math
 import statistics
 import threading
 import time
@@ -35,6 +34,7 @@ from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.deltas import DeltaFrames
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
 from btnode.aggregate.rounds import Round, RoundConfig, Update
+from btnode.aggregate.screen import sketch_cosines, spilled_rule
 from btnode.aggregate.spill import Spill
 from btnode.codec.codecs import Codec, decode, encode, parse
 from btnode.codec.sparse import SparseTensor, keep_of
@@ -51,7 +51,6 @@ ABORTED = "aborted"  # reason for a push whose sender vanished mid-stream: it ma
 # An update that did not arrive whole says nothing about whether its replica is done with the round
 # (a dropped connection can look like either reason), so these do not count as the replica reporting.
 INCOMPLETE = {ABORTED, "truncated"}
-ROBUST_COLUMN_BYTES = 64 << 20  # trimmed and median: what one column of the round's updates may hold
 
 
 @dataclass(frozen=True)
@@ -452,7 +451,7 @@ class BlockAggregator:
         low, high = self.cfg.screen_band if screened else (0.0, self.cfg.max_norm_ratio)
         norms = [u.norm for u in ups]
         ref = statistics.median(norms)
-        cosines = self._cosines(ups)
+        cosines = sketch_cosines(ups)
         least = max(0.0, self.cfg.screen_cosine * statistics.median(cosines)) if screened else 0.0
         kept, dropped = [], []
         for u, size, cos in zip(ups, norms, cosines):
@@ -473,57 +472,16 @@ class BlockAggregator:
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
         return kept, [(u.worker_id, why) for u, why in dropped]
 
-    @staticmethod
-    def _cosines(ups: list[Update]) -> list[float]:
-        """Each update's cosine with a robust reference, in sketch space (accumulate.Sketcher): in
-        dense rounds the coordinate-wise median of the round's sketches (robust to a minority, however
-        large its updates: what the median update was before, at 32 KB an update instead of 4 bytes a
-        parameter); in rounds with sparse updates, whose median is zero almost everywhere, the weighted
-        sum of the other updates (the round's sum less its own share)."""
-        sketches = torch.stack([u.sketch for u in ups])
-        if not any(u.codec.sparse for u in ups):
-            ref = sketches.median(dim=0).values if len(ups) % 2 else sketches.sort(dim=0).values[
-                len(ups) // 2 - 1:len(ups) // 2 + 1].mean(dim=0)
-            ref_norm = float(ref.norm())
-            return [float(s.dot(ref)) / max(float(s.norm()) * ref_norm, 1e-30) for s in sketches]
-        total = torch.zeros_like(ups[0].sketch)
-        for u in ups:
-            total.add_(u.sketch, alpha=u.weight)
-        t2 = float(total.dot(total))
-        out = []
-        for u in ups:
-            own2, d = float(u.sketch.dot(u.sketch)), float(u.sketch.dot(total))
-            others2 = max(t2 - 2 * u.weight * d + u.weight**2 * own2, 0.0)
-            out.append((d - u.weight * own2) / max(math.sqrt(own2 * others2), 1e-30))
-        return out
-
     def _combiner(self, ups: list[Update], *, release: bool = True) -> tuple[Callable[[str], torch.Tensor], str]:
         """(tensor name → that tensor of Δ̄, the rule's name). The round's running sum, with what the
         screen dropped already taken out; trimmed and median combine the updates they held (sparse
         ones made dense: N copies, the cost of choosing them), computing the rule once."""
         if self._holds_updates:
-            return functools.partial(self._robust_of, ups), self._robust_rule(len(ups))
+            return (functools.partial(spilled_rule, self._spill, ups, self.spec, self.cfg.outer),
+                    combine([{"x": torch.zeros(1)}] * len(ups), [1.0] * len(ups), self.cfg.outer)[1])
         robust = self.cfg.outer.robust if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
         rule = f"{robust}/{self.cfg.sparse_mean}" if any(u.codec.sparse for u in ups) else robust
         return functools.partial(self._sum.mean_of, release=release), rule
-
-    def _robust_rule(self, n: int) -> str:
-        return combine([{"x": torch.zeros(1)}] * n, [1.0] * n, self.cfg.outer)[1]
-
-    def _robust_of(self, ups: list[Update], n: str) -> torch.Tensor:
-        """Tensor `n` of the trimmed mean or median of the updates, whose fp32 values the round
-        spilled: read a column of coordinates of all of them at a time, ROBUST_COLUMN_BYTES in all,
-        so memory is bounded whatever N (the cost is disk: 4 bytes a parameter per update)."""
-        numel = math.prod(self.spec[n])
-        width = max(1024, ROBUST_COLUMN_BYTES // (4 * len(ups)))
-        weights = [u.weight for u in ups]
-        out = torch.empty(numel)
-        for lo in range(0, numel, width):
-            hi = min(numel, lo + width)
-            rows = [{"c": torch.frombuffer(bytearray(self._spill.read(u.spilled[n][0] + 4 * lo, 4 * (hi - lo))),
-                                           dtype=torch.float32)} for u in ups]
-            out[lo:hi] = combine(rows, weights, self.cfg.outer)[0]["c"]
-        return out.reshape(self.spec[n])
 
     def _close(self, reason: str) -> VersionInfo:
         try:

@@ -197,10 +197,10 @@ def test_a_close_that_fails_midway_rebuilds_its_sum_and_publishes_the_same_versi
 
 @pytest.mark.parametrize("robust", ["median", "trimmed"])
 def test_median_and_trimmed_read_spilled_columns_and_match_the_rule_on_the_held_updates(tmp_path, monkeypatch, robust):
-    import btnode.aggregate.block as block_module
+    import btnode.aggregate.screen as screen_module
     from btnode.aggregate.averaging import combine
 
-    monkeypatch.setattr(block_module, "ROBUST_COLUMN_BYTES", 4 * 1000)  # many columns per tensor
+    monkeypatch.setattr(screen_module, "ROBUST_COLUMN_BYTES", 4 * 1000)  # many columns per tensor
     agg = make(tmp_path, robust=robust)
     for w in WORKERS:
         agg.register(w)

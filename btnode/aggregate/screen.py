@@ -1,0 +1,57 @@
+"""What a round's close reads of the updates it no longer holds (aggregate/block.py): each update's
+cosine with a robust reference, from the 4,096-value sketches the round kept; and the trimmed mean or
+median of their fp32 values, read from the round's spill a column of coordinates at a time."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from btnode.aggregate.averaging import OuterConfig, combine
+from btnode.aggregate.rounds import Update
+from btnode.aggregate.spill import Spill
+
+ROBUST_COLUMN_BYTES = 64 << 20  # trimmed and median: what one column of the round's updates may hold
+
+
+def sketch_cosines(ups: list[Update]) -> list[float]:
+    """Each update's cosine with a robust reference, in sketch space (accumulate.Sketcher): in
+    dense rounds the coordinate-wise median of the round's sketches (robust to a minority, however
+    large its updates: what the median update was before, at 32 KB an update instead of 4 bytes a
+    parameter); in rounds with sparse updates, whose median is zero almost everywhere, the weighted
+    sum of the other updates (the round's sum less its own share)."""
+    sketches = torch.stack([u.sketch for u in ups])
+    if not any(u.codec.sparse for u in ups):
+        ref = sketches.median(dim=0).values if len(ups) % 2 else sketches.sort(dim=0).values[
+            len(ups) // 2 - 1:len(ups) // 2 + 1].mean(dim=0)
+        ref_norm = float(ref.norm())
+        return [float(s.dot(ref)) / max(float(s.norm()) * ref_norm, 1e-30) for s in sketches]
+    total = torch.zeros_like(ups[0].sketch)
+    for u in ups:
+        total.add_(u.sketch, alpha=u.weight)
+    t2 = float(total.dot(total))
+    out = []
+    for u in ups:
+        own2, d = float(u.sketch.dot(u.sketch)), float(u.sketch.dot(total))
+        others2 = max(t2 - 2 * u.weight * d + u.weight**2 * own2, 0.0)
+        out.append((d - u.weight * own2) / max(math.sqrt(own2 * others2), 1e-30))
+    return out
+
+
+def spilled_rule(spill: Spill, ups: list[Update], spec: Mapping[str, tuple[int, ...]], outer: OuterConfig,
+                 n: str) -> torch.Tensor:
+    """Tensor `n` of the trimmed mean or median of the updates, whose fp32 values the round spilled:
+    read a column of coordinates of all of them at a time, ROBUST_COLUMN_BYTES in all, so memory is
+    bounded whatever N (the cost is disk: 4 bytes a parameter per update)."""
+    numel = math.prod(spec[n])
+    width = max(1024, ROBUST_COLUMN_BYTES // (4 * len(ups)))
+    weights = [u.weight for u in ups]
+    out = torch.empty(numel)
+    for lo in range(0, numel, width):
+        hi = min(numel, lo + width)
+        rows = [{"c": torch.frombuffer(bytearray(spill.read(u.spilled[n][0] + 4 * lo, 4 * (hi - lo))),
+                                       dtype=torch.float32)} for u in ups]
+        out[lo:hi] = combine(rows, weights, outer)[0]["c"]
+    return out.reshape(spec[n])
