@@ -5,6 +5,7 @@ an in-process link (tests, the simulator) can implement AggregatorLink without a
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -84,6 +85,20 @@ class ManifestEntry:
     base_version: int
     weight: float  # the weight the relay counted it with
     sha256: str  # hex sha256 over the child's raw codec bytes, frames in name order
+    samples: float = 0.0  # the child's own weight claim (0: not stated), which `signature` covers
+    cert: bytes = b""  # under mutual TLS: the child's certificate (PEM) and its signature over push_statement
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class EvidenceChild:
+    """One update in a relay's evidence for a combined push (docs/swarm.md, "Relays"); the frames of
+    that update, as the relay received them, follow it in the stream."""
+
+    update_id: str  # a manifest entry's, or a child relay's combined push's
+    weight: float  # the weight the relay summed it with
+    scale: float = 1.0  # the --clip factor applied before summing
+    entries: int = 1  # manifest entries it stands for (a child relay's: its children)
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,8 @@ class PushHeader:
     steps: tuple[int, ...] = ()  # the step of each batch trained into it: windows = batch(seed, data_key, step, …)
     claim: WorkClaim | None = None  # what the delta depends on (None: an older worker)
     manifest: tuple[ManifestEntry, ...] = ()  # a relay's combined push: the child updates in it
+    cert: bytes = b""  # under mutual TLS, a worker's push: its certificate (PEM) and signature over push_statement
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class JoinInfo:
     max_staleness: int
     data_key: str = ""  # which windows the worker trains (see btnode/aggregate/datakeys.py); empty: an older aggregator
     audits: bool = False  # updates may be replayed: train nothing while waiting, and keep each round's start state
+    relay_audits: bool = False  # to a relay: its combined pushes may be audited (aggregate/evidence.py)
 
 
 @dataclass
@@ -197,3 +215,18 @@ class Meter:
     def snapshot(self) -> tuple[dict[tuple[str, ...], float], dict[str, tuple[int, float]]]:
         with self._lock:
             return dict(self.counts), dict(self.durations)
+
+
+def join_statement(worker_id: str, block: int, fingerprint: str, data_id: str, training_json: str) -> bytes:
+    """What a worker signs when it joins under mutual TLS (docs/security.md, "Relays"): a relay can
+    pass the join on, and the root checks that the certificate's holder asked for exactly this."""
+    training = hashlib.sha256(training_json.encode()).hexdigest()
+    return b"btnode-join\0" + json.dumps([worker_id, block, fingerprint, data_id, training]).encode()
+
+
+def push_statement(worker_id: str, block: int, base_version: int, update_id: str, samples: float,
+                   digest: str) -> bytes:
+    """What a worker signs when it pushes under mutual TLS: its push receipt. `digest`: the frames'
+    digest (aggregate/evidence.frames_digest), which a relay's manifest entry names."""
+    return b"btnode-push\0" + json.dumps([worker_id, block, base_version, update_id, float(samples).hex(),
+                                           digest]).encode()

@@ -32,6 +32,7 @@ from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, den
 from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.deltas import DeltaFrames
+from btnode.aggregate.evidence import RelayAuditConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
 from btnode.aggregate.rounds import Round, RoundConfig, Update
 from btnode.aggregate.screen import sketch_cosines, spilled_rule
@@ -59,6 +60,7 @@ class AggregatorConfig:
     outer: OuterConfig = OuterConfig()
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
+    relay_audit: RelayAuditConfig = RelayAuditConfig()  # relays' combined pushes checked bit for bit (evidence.py)
     update_codecs: tuple[Codec, ...] = tuple(Codec)
     publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2.",
                                 default=Codec.FP32, value=str, parse=parse,
@@ -289,16 +291,23 @@ class BlockAggregator:
         log.warning("%s: %s update from %s: %s", self.name, outcome.value,
                     header.worker_id if header else "?", exc)
 
-    def admit_held(self, update_id: str) -> bool:
+    def admit_held(self, update_id: str, *, amends: frozenset[str] = frozenset()) -> bool:
         """A held update passed its audit: into the round, if the round it was based on is still open.
-        True if it got in."""
+        A relay's combined update held while it amends one already accepted (`amends`: that one's child
+        updates, as when it was judged) takes its place, unless the round changed meanwhile. True if it got in."""
         with self.lock:
             update = self.held.pop(update_id, None)
             if update is None:
                 return False
-            if update.base_version != self.round.version or update.worker_id in self.round.accepted:
+            old = self.round.accepted.get(update.worker_id)
+            replaced = old is not None and bool(old.manifest) and bool(update.manifest)
+            if (update.base_version != self.round.version or (old is not None and not replaced)
+                    or frozenset(old.included if replaced else ()) != amends):
                 self.counters[(Outcome.LATE.value, "audited_after_close")] += 1
                 return False
+            if replaced:
+                self._withdraw(old)
+                self.counters[("replaced", "")] += 1
             self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)

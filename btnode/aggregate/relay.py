@@ -7,35 +7,38 @@ hash check. node/relay.py wires it to the parent through rpc/."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, RoundSummary
+from btnode.aggregate.evidence import frames_digest
 from btnode.aggregate.identities import Identity
 from btnode.aggregate.roundlog import Recovered, RoundLog
 from btnode.aggregate.rounds import Update
 from btnode.aggregate.spill import Spill
 from btnode.aggregate.service import SwarmAggregator
+from btnode.aggregate.spill import Spill
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData
-from btnode.errors import BtnodeError, MalformedInput
+from btnode.codec.frames import ChunkData, Frame, ReplayableFrames, frame_from_raw
+from btnode.errors import BtnodeError, ConfigError, InputError, MalformedInput, Refused
 from btnode.model.config import ModelConfig
-from btnode.protocol import JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
+from btnode.protocol import EvidenceChild, JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 DENSE_CODECS = tuple(c for c in Codec if not c.sparse)  # what a relay combines (module doc of claims.py)
+KEPT_ROUNDS = 2  # earlier rounds whose spill a relay keeps for its parent's relay audit (aggregate/evidence.py)
 
 
 @dataclass(frozen=True)
@@ -48,23 +51,18 @@ class Combined:
     weight: float  # the children's summed weight (math.fsum, manifest order)
     loss: float  # the children's mean training CE
     manifest: tuple[ManifestEntry, ...]
+    ups: tuple[Update, ...] = field(default=(), repr=False, compare=False)  # what it combined (its evidence)
 
 
-def frames_digest(frame_sha256: dict[str, bytes]) -> str:
-    """sha256 over each frame's raw-bytes sha256, in name order: what a manifest entry names."""
-    h = hashlib.sha256()
-    for name in sorted(frame_sha256):
-        h.update(name.encode())
-        h.update(frame_sha256[name])
-    return h.hexdigest()
-
-
-def manifest_of(u: Update, digest: str) -> tuple[ManifestEntry, ...]:
-    """A kept child update's manifest entries: itself, or, for a child that is a relay, its own
-    children (a tree of relays gives the root a flat list), their weights scaled as it was."""
+def manifest_of(u: Update, digest: str, receipt: tuple[float, bytes, bytes] = (0.0, b"", b"")
+                ) -> tuple[ManifestEntry, ...]:
+    """A kept child update's manifest entries: itself (with its signed receipt under mutual TLS:
+    samples, certificate, signature), or, for a child that is a relay, its own children (a tree of
+    relays gives the root a flat list), their weights scaled as it was."""
     if not u.manifest:
+        samples, cert, signature = receipt
         return (ManifestEntry(worker_id=u.worker_id, update_id=u.update_id, base_version=u.base_version,
-                              weight=u.weight, sha256=digest),)
+                              weight=u.weight, sha256=digest, samples=samples, cert=cert, signature=signature),)
     scale = u.weight / u.samples
     return tuple(replace(e, weight=e.weight * scale) for e in u.manifest)
 
@@ -84,6 +82,8 @@ class RelayBlock(BlockAggregator):
         self._starting = False
         self.on_combined = lambda c: None  # set by RelaySwarm
         self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
+        self.receipts: dict[str, tuple[float, bytes, bytes]] = {}  # update id → (samples, cert, signature) it came with
+        self.kept: OrderedDict[int, Spill] = OrderedDict()  # earlier rounds' spills, for evidence (`_keep_spill`)
         self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
         self.on_membership = lambda worker_id, here: None  # set by RelaySwarm: a child went away / came back
@@ -179,10 +179,11 @@ class RelayBlock(BlockAggregator):
             self.round.counts[Outcome.ACCEPTED] -= 1
         mean_of, _ = self._combiner(ups, release=False)  # the sum stays: an amendment adds to it
         delta = {n: mean_of(n) for n in self.spec}
-        manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, "")))
+        manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, ""),
+                                                              self.receipts.get(u.update_id, (0.0, b"", b""))))
         combined = Combined(block=self.block, base_version=self.round.version, delta=delta,
                             weight=math.fsum(e.weight for e in manifest), loss=sum(u.loss for u in ups) / len(ups),
-                            manifest=manifest)
+                            manifest=manifest, ups=tuple(ups))
         log.info("%s round %d: combined %d child updates (weight %g, %s, %d dropped by the screen) for the parent",
                  self.name, self.round.version, len(ups), combined.weight, reason, len(dropped))
         self.rounds_closed[reason] += 1
@@ -204,10 +205,42 @@ class RelayBlock(BlockAggregator):
             self.params, self.info = params, info
             now = self.clock()
             self.recent.append(RoundSummary(info=info, closed_at=now))
+            self._keep_spill()
             self._open(now)
             self.digests.clear()
+            self.receipts.clear()
             self.forwarded = frozenset()
             self.lock.notify_all()
+
+
+    def _keep_spill(self) -> None:
+        """The ending round's spill (its children's codec bytes as they came) stays, for KEPT_ROUNDS
+        rounds: the parent may still ask for the evidence of a combined push of it (`evidence`)."""
+        spill, self._spill = self._spill, None  # taken from the round, so that _open does not close it
+        self.kept[self.round.version] = spill
+        while len(self.kept) > KEPT_ROUNDS:
+            self.kept.popitem(last=False)[1].close()
+
+    def evidence(self, c: Combined) -> ReplayableFrames:
+        """The evidence of combined update `c` (aggregate/evidence.py): for each child update it
+        combined, in manifest order, its EvidenceChild, then its frames rebuilt from the spilled codec
+        bytes (the same bytes, so the same sha256 as the child sent). Read lazily, again on each pass."""
+        with self.lock:
+            spill = self._spill if c.base_version == self.round.version else self.kept.get(c.base_version)
+        if spill is None or not c.ups:
+            raise InputError(f"{self.name}: the children's bytes of round {c.base_version} are not kept any more")
+
+        def parts() -> Iterator[EvidenceChild | Frame]:
+            for u in c.ups:
+                if u.spilled is None:
+                    raise InputError(f"{self.name}: the update of {u.worker_id} was not spilled")
+                yield EvidenceChild(update_id=u.update_id, weight=u.weight, scale=u.scale,
+                                    entries=max(1, len(u.manifest)))
+                raw = spill.get(u.spilled)
+                for n in self.spec:
+                    yield frame_from_raw(n, self.spec[n], u.codec, raw[n])
+
+        return ReplayableFrames(parts)  # type: ignore[arg-type]
 
 
 class Upstream(Protocol):
@@ -215,7 +248,7 @@ class Upstream(Protocol):
     failover link over several parents)."""
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "", relay: bool = False) -> JoinInfo: ...
+             training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo: ...
 
     def leave(self, worker_id: str, block: int) -> None: ...
 
@@ -248,12 +281,18 @@ class RelaySwarm(SwarmAggregator):
 
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, upstream: Upstream, name: str,
                  blocks: Iterable[int] | None = None, seed: int = 0):
+        if acfg.outer.robust in ("trimmed", "median"):
+            raise ConfigError(f"a relay combines its children by their weighted mean (--robust mean or screened), "
+                              f"which its parent can recompute to audit it; not {acfg.outer.robust}")
         super().__init__(cfg, replace(acfg, update_codecs=tuple(c for c in acfg.update_codecs if not c.sparse)),
                          state_dir, blocks=blocks, seed=seed)
+        self.parent_audits = False  # the parent audits this relay's pushes (JoinInfo.relay_audits; node/relay.py)
+        # under mutual TLS (node/relay.py sets it): check a child's signed push receipt (rpc/certs.check_receipt)
+        self.check_receipt: Callable[[PushHeader, str], None] | None = None
         self.upstream, self.name = upstream, name
         self.keys = ParentKeys()  # type: ignore[assignment]
         self.outbox: queue.Queue[Combined] = queue.Queue()
-        self._joins: dict[tuple[int, str], tuple[str, str, str, str]] = {}  # a child's join, to send again
+        self._joins: dict[tuple[int, str], tuple] = {}  # a child's join (and its proof), to send again
         self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
         threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
         self.forwarded: dict[str, int] = {}  # the parent's outcome → combined pushes (node/relay.py)
@@ -277,23 +316,30 @@ class RelaySwarm(SwarmAggregator):
                 if not here:
                     self.upstream.leave(worker_id, block)
                 elif (block, worker_id) in self._joins:
-                    fingerprint, config_json, data_id, training_json = self._joins[(block, worker_id)]
-                    self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
+                    fingerprint, config_json, data_id, training_json, proof = self._joins[(block, worker_id)]
+                    self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
+                                       proof=proof)
             except BtnodeError as exc:
                 log.warning("could not tell the parent that %s %s block %d: %s", worker_id,
                             "is back on" if here else "left", block, exc)
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
+             who: Identity | None = None, *, training_json: str = "", relay: bool = False,
+             proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
         """The parent judges a worker's join first (fingerprint, data, training terms, revocation) and
         keeps the record; then the relay admits the child with the same checks and the parent's data
         key. A child relay joins here only: the parent knows the workers under it from their own joins
         and sees their updates in this relay's manifests, so it does not wait on the child relay."""
         self.block(block)
+        if relay and self.parent_audits:
+            self.count("join_refused", "relay")
+            raise Refused("relay", f"{self.name}'s parent audits relays, which a relay under a relay cannot pass (its "
+                                   f"children's frames never reach this relay): join the parent directly")
         if relay:
             return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
-        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
-        self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json)
+        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
+                                    proof=proof)  # under mutual TLS the worker's signed join, passed on
+        self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json, proof)
         self.keys.record(block, worker_id, parent.data_key)
         mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)
         return replace(mine, data_key=parent.data_key)
@@ -313,10 +359,20 @@ class RelaySwarm(SwarmAggregator):
                 if c.header is not None:
                     frames[c.header.name] = c.header.sha256
                 yield c
+            digest = frames_digest(frames)
+            if self.check_receipt is not None:  # under mutual TLS: the child's signed receipt, before it is judged
+                self.check_receipt(header, digest)
             with block.lock:
-                block.digests[header.update_id] = frames_digest(frames)
+                block.digests[header.update_id] = digest
+                block.receipts[header.update_id] = (header.samples, header.cert, header.signature)
 
         return super().push(header, noted(), who)
+
+    def evidence(self, c: Combined) -> ReplayableFrames:
+        """The evidence of combined update `c` (RelayBlock.evidence)."""
+        b = self.block(c.block)
+        assert isinstance(b, RelayBlock)
+        return b.evidence(c)
 
     def lost(self) -> int:
         return sum(b.lost for b in self.blocks.values() if isinstance(b, RelayBlock))

@@ -25,6 +25,7 @@ import torch
 from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
 from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
+from btnode.aggregate.evidence import RelayAuditJob, RelayAudits, check_evidence
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.aggregate.manifests import Relays
 from btnode.codec.frames import ChunkData, FrameAssembler
@@ -32,7 +33,7 @@ from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
+from btnode.protocol import MAX_NAME, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import Journal, atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
@@ -113,6 +114,8 @@ class SwarmAggregator:
                                   "(the same as the workers')")
             self.audits = Audits(acfg.audit, secret, clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
+        # relays' combined pushes drawn for a bit-for-bit check against their children's frames
+        self.relay_audits = RelayAudits(acfg.relay_audit, secret, clock) if acfg.relay_audit.rate > 0 else None
 
     def admit(self, who: Identity, method: str, claimed: str = "") -> None:
         """Let a call of `who` through (aggregate/identities.py), or count its refusal
@@ -150,10 +153,13 @@ class SwarmAggregator:
         return agg
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
-             who: Identity | None = None, *, training_json: str = "", relay: bool = False) -> JoinInfo:
+             who: Identity | None = None, *, training_json: str = "", relay: bool = False,
+             proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
         """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
         (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
-        identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name)."""
+        identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name, or the
+        worker's signature on a join a relay passed on). `proof`: that certificate and signature, which
+        a relay (RelaySwarm.join) passes on to its parent."""
         if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if self.identities.is_revoked(worker_id):
@@ -207,7 +213,7 @@ class SwarmAggregator:
         self.count("joins", "relay")
         log.info("relay %s joined %s", name, agg.name)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
-                        max_staleness=self.acfg.round.max_staleness)
+                        max_staleness=self.acfg.round.max_staleness, relay_audits=self.relay_audits is not None)
 
     def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
         """The worker's training terms, once their swarm-wide settings match the claims this
@@ -274,7 +280,7 @@ class SwarmAggregator:
             raise
         if who is not None:
             self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
-        if header.manifest:
+        if header.manifest and judged.outcome is not Outcome.PROBATION:  # a held one is recorded at its verdict
             self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED, replaced=amends)
         return judged
 
@@ -382,8 +388,9 @@ class SwarmAggregator:
     def _judged(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData],
                 decoding: contextlib.ExitStack, amends: frozenset[str]) -> Judgement:
         answered = block.answered(header.update_id)
-        if answered is not None:  # a re-push: the same answer, and the same request for its state
-            waiting = self.audits is not None and self.audits.waiting_for(header.update_id) is not None
+        if answered is not None:  # a re-push: the same answer, and the same request for its state (or evidence)
+            waiting = any(a is not None and a.waiting_for(header.update_id) is not None
+                          for a in (self.audits, self.relay_audits))
             return replace(answered, audit=waiting)
         audits = self.audits
         try:
@@ -411,6 +418,8 @@ class SwarmAggregator:
                 audits.advance(header)
             raise
         if audits is None:
+            if header.manifest and self.relay_audits is not None and self.relay_audits.drawn(header.update_id):
+                return self._hold_for_evidence(block, header, delta, raw, amends)
             return block.submit(header, delta, raw=raw, amends=amends if header.manifest else None)
         base = block.current()
         probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
@@ -423,6 +432,74 @@ class SwarmAggregator:
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, raw, base[1], judged, probation)
+
+    # -- relay audits (aggregate/evidence.py) --------------------------------------------------
+    def _hold_for_evidence(self, block: BlockAggregator, header: PushHeader, delta: Tensors, raw: dict[str, bytes],
+                           amends: frozenset[str]) -> Judgement:
+        """A combined push drawn for a relay audit: judged in full, then held out of the round (PROBATION)
+        until the relay's evidence recombines to it; the answer asks the relay for that evidence.
+        `amends`: the child updates of the relay's combined update it replaces once it passes."""
+        assert self.relay_audits is not None
+        judged = block.submit(header, dict(delta), raw=raw, hold=True, amends=amends)
+        if judged.outcome is not Outcome.PROBATION:
+            return judged
+        self.relay_audits.open(header, raw, amends)
+        self.count("relay_audits", "drawn")
+        log.info("relay %s: combined push %s (%d children) drawn for audit; held until its evidence checks", header.worker_id,
+                 header.update_id[:8], len(header.manifest))
+        return replace(judged, audit=True)
+
+    def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | ChunkData],
+                        who: Identity | None = None) -> None:
+        """A relay's evidence for its held combined push `header`: a pass lets the push into its round;
+        a failure from the relay's proven identity (mutual TLS) revokes it at once. Without mutual TLS
+        a failing stream is refused and the audit keeps waiting (anyone who saw the update id could
+        send one), and fails at its timeout with the refusal's reason (`expire_relay_audits`)."""
+        job = self.relay_audits.waiting_for(header.update_id) if self.relay_audits is not None else None
+        if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
+            raise MalformedInput("no_audit", f"no relay audit waits for the evidence of {header.update_id[:16]!r} of "
+                                             f"{header.worker_id!r}")
+        try:
+            check_evidence(job, unit, parts, self.block(header.block).spec)
+        except PeerInputError as exc:
+            if exc.reason in INCOMPLETE:  # the stream broke: the relay may send it again
+                raise
+            job.refused = f"{exc.reason}: {exc}"
+            if who is not None and who.name == header.worker_id:
+                self._relay_verdict(job, exc.reason, str(exc))
+            raise
+        self._relay_verdict(job, "", "its children's frames recombine to its push bit for bit")
+
+    def expire_relay_audits(self) -> None:
+        """Fail the relay audits whose evidence did not come (or did not hold) in time."""
+        if self.relay_audits is None:
+            return
+        for job in self.relay_audits.expired():
+            reason, _, detail = job.refused.partition(": ")
+            self._relay_verdict(job, reason or "timeout", detail or f"no evidence within "
+                                                                     f"{self.acfg.relay_audit.timeout_s:g} s")
+
+    def _relay_verdict(self, job: RelayAuditJob, failed: str, detail: str) -> None:
+        """Pass (`failed` empty): the held push goes into its round, if that is still open. Fail: the
+        relay is revoked and its push stays out (its children's updates miss this round)."""
+        assert self.relay_audits is not None
+        if self.relay_audits.close(job.header.update_id) is None:
+            return  # another stream, or the expiry, judged it first
+        h = job.header
+        self.count("relay_audits", failed or "passed")
+        if not failed:
+            admitted = self.block(h.block).admit_held(h.update_id, amends=job.amends)
+            if admitted:  # one that missed its round (or whose round changed) is neither counted nor refused
+                self.relays.pushed(h, True, replaced=job.amends)
+            log.info("relay audit of %s's combined push %s passed (%s)%s", h.worker_id, h.update_id[:8], detail,
+                     "" if admitted else "; its round had closed: its children's updates missed it")
+            return
+        self.relays.pushed(h, False)
+        self.identities.revoke(h.worker_id, seen_only=False)
+        self.count("revoked", f"relay_{failed}")
+        log.warning("relay %s revoked after a failed relay audit of combined push %s (%s): %s; the updates of its %d "
+                    "children miss this round", h.worker_id, h.update_id[:8], failed, detail, len(h.manifest))
+        self._drop(h.worker_id, f"relay_audit_{failed}")
 
     def _check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
         """A work claim must name the swarm's data and, for the current version, its hash: a replay

@@ -156,6 +156,10 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s; %s)", owns,
              host, port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust, claims)
     auditor = _start_auditor(agg, stop) if agg.audits is not None else None
+    if agg.relay_audits is not None:
+        r = acfg.relay_audit
+        log.info("relay audits: rate %g, evidence within %g s", r.rate, r.timeout_s)
+        threading.Thread(target=expire_relay_audits, args=(agg, stop), daemon=True, name="relay-audits").start()
     tickers, alive = serving(agg.blocks, stop, port=port, port_file=port_file, health=health,
                              status=f"serving blocks {sorted(agg.blocks)} on port {port}")
     try:
@@ -173,6 +177,15 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
             log.info("drain: block %d published version %d with the round's accepted updates", info.block,
                      info.version)
         log.info("aggregator stopped")
+
+
+def expire_relay_audits(agg: SwarmAggregator, stop: threading.Event) -> None:
+    """Fail the relay audits whose evidence is late (aggregate/evidence.py), once a second, until `stop`."""
+    while not stop.wait(1.0):
+        try:
+            agg.expire_relay_audits()
+        except Exception:  # noqa: BLE001 - a bug here must not take the node down
+            log.exception("relay audits: expiring late evidence failed")
 
 
 def _start_auditor(agg: SwarmAggregator, stop: threading.Event) -> threading.Thread:

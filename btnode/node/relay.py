@@ -4,6 +4,7 @@ stored, re-served), and push each closed round's combined update upstream."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,13 +21,15 @@ from btnode.aggregate.manifests import counted_in
 from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import lazy_frames
-from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
+from btnode.errors import BtnodeError, ConfigError, Forbidden, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.node.aggregator import AggregatorNodeConfig, install_stop_signals, serving, watch_ticks
+from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
 from btnode.node.systemd import notify
 from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Outcome, PushHeader, VersionInfo
+from btnode.rpc import security
+from btnode.rpc.certs import check_receipt
 from btnode.rpc.failover import FailoverLink, parse_peers
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimits
@@ -103,6 +106,8 @@ def _reforward(parent: FailoverLink, relay: RelaySwarm, block: int, info: Versio
     j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
     log.info("block %d round %d: re-pushed the combined update of %d children after reconnecting: %s%s", block,
              c.base_version, len(c.manifest), j.outcome.value, f" ({j.reason})" if j.reason else "")
+    if j.audit:  # a restarted parent draws it again (the same update id): it needs the evidence again
+        _evidence(parent, relay, header, c)
 
 
 def _header(c: Combined, name: str) -> PushHeader:
@@ -124,7 +129,7 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
                           c.block, c.base_version, exc, len(c.manifest))
                 return
             time.sleep(0.5)
-    level = logging.INFO if j.outcome is Outcome.ACCEPTED else logging.WARNING
+    level = logging.INFO if j.outcome in (Outcome.ACCEPTED, Outcome.PROBATION) else logging.WARNING
     log.log(level, "block %d round %d: combined update of %d children (weight %g) %s at the parent%s", c.block,
             c.base_version, len(c.manifest), c.weight, j.outcome.value, f": {j.reason}" if j.reason else "")
     relay.forwarded[j.outcome.value] = relay.forwarded.get(j.outcome.value, 0) + 1
@@ -133,6 +138,8 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
         block = relay.blocks[c.block]
         assert isinstance(block, RelayBlock)
         block.uncount(counted)
+    if j.audit:
+        _evidence(parent, relay, header, c)
 
 
 def _latest(relay: RelaySwarm, first: Combined) -> list[Combined]:
@@ -148,14 +155,35 @@ def _latest(relay: RelaySwarm, first: Combined) -> list[Combined]:
     return list(newest.values())
 
 
+def _evidence(parent: FailoverLink, relay: RelaySwarm, header: PushHeader, c: Combined) -> None:
+    """The parent drew this combined push for a relay audit (aggregate/evidence.py): send it the
+    children's frames the round kept, from which it recombines the push bit for bit."""
+    block = relay.block(c.block)
+    assert isinstance(block, RelayBlock)
+    try:
+        parent.submit_evidence(header, block.unit, relay.evidence(c))
+    except BtnodeError as exc:
+        log.error("block %d round %d: the evidence of the combined push was refused or not sent: %s", c.block,
+                  c.base_version, exc)
+        return
+    log.info("block %d round %d: sent the evidence of the combined push (%d children) for the parent's audit", c.block,
+             c.base_version, len(c.manifest))
+
+
 def _forwarder(parent: FailoverLink, relay: RelaySwarm, deadline_s: float, stop: threading.Event) -> None:
     while not (stop.is_set() and relay.outbox.empty()):
         try:
             c = relay.outbox.get(timeout=0.2)
         except queue.Empty:
             continue
-        for c in _latest(relay, c):
-            _forward(parent, relay, c, time.monotonic() + deadline_s)
+        try:
+            for c in _latest(relay, c):
+                _forward(parent, relay, c, time.monotonic() + deadline_s)
+        except Forbidden as exc:  # revoked at the parent (an operator, or a failed relay audit)
+            log.error("the parent refuses this relay (%s): %d child updates not forwarded; stopping, so that the "
+                      "children move to their spares", exc, len(c.manifest))
+            stop.set()
+            return
 
 
 def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], listen: str, state_dir: Path, name: str,
@@ -184,6 +212,10 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     acfg = replace(acfg, round=replace(acfg.round, deadline_s=own, max_staleness=joined[0].max_staleness),
                    update_codecs=tuple(c for c in acfg.update_codecs if c in joined[0].codecs))
     relay = RelaySwarm(cfg, acfg, state_dir, upstream=parent, name=name, blocks=owned, seed=seed)
+    relay.parent_audits = any(j.relay_audits for j in joined)  # then it keeps its rounds' evidence and takes no child relay
+    sec = security.current()
+    if sec.client_auth and sec.ca is not None:  # children's receipts are checked here, as the root will check them
+        relay.check_receipt = functools.partial(check_receipt, sec.ca.read_bytes())
     for b in relay.blocks.values():  # start from the parent's current version (hash-checked by adopt)
         assert isinstance(b, RelayBlock)
         pulled, have = parent.pull(b.block, "", b.spec), b.current()[0]
@@ -193,6 +225,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     server, port, server_stop = serve(relay, listen, limits=limits, health=health)
     threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop), daemon=True, name=f"follow-{b.block}")
                for b in relay.blocks.values() if isinstance(b, RelayBlock)]
+    threads.append(threading.Thread(target=expire_relay_audits, args=(relay, stop), daemon=True, name="relay-audits"))
     threads.append(threading.Thread(target=_forwarder, args=(parent, relay, parent_deadline, stop), daemon=True,
                                     name="forwarder"))
     for t in threads:
@@ -212,7 +245,11 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         relay.drain()  # an open round with accepted updates goes upstream before the relay exits
         threads[-1].join(timeout=parent_deadline)
         while not relay.outbox.empty():  # the forwarder may have stopped before the drain queued its round
-            _forward(parent, relay, relay.outbox.get(), time.monotonic() + parent_deadline)
+            try:
+                _forward(parent, relay, relay.outbox.get(), time.monotonic() + parent_deadline)
+            except Forbidden as exc:
+                log.error("the parent refuses this relay (%s): its open round is not forwarded", exc)
+                break
         parent.cancel_watches()
         parent.close()
         log.info("relay stopped (forwarded %s; %d child updates missed their round)", relay.forwarded, relay.lost())

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from btnode.aggregate.identities import Identity, Role
 from btnode.errors import ConfigError, Forbidden, InputError, Unauthenticated
-from btnode.protocol import MAX_NAME
+from btnode.protocol import MAX_NAME, PushHeader, push_statement
 
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 URI_PREFIX = "btnode:"
@@ -176,3 +177,59 @@ def peer_identity(context: grpc.ServicerContext) -> Identity:
     if peer.not_after < dt.datetime.now(dt.timezone.utc):
         raise Forbidden("expired", f"the certificate of {peer.identity.name!r} expired at {peer.not_after:%Y-%m-%d %H:%M} UTC")
     return peer.identity
+
+
+def sign(key_pem: bytes, statement: bytes) -> bytes:
+    """ECDSA-SHA256 signature of `statement` with this node's private key (a worker signing its join
+    or push receipt under mutual TLS: protocol.join_statement, push_statement)."""
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError("signing joins and pushes needs an EC key (as `btnode admit` makes)")
+    return key.sign(statement, ec.ECDSA(hashes.SHA256()))
+
+
+def verify_signed(ca_pem: bytes, cert_pem: bytes, signature: bytes, statement: bytes, name: str) -> Identity:
+    """The identity of `cert_pem` once it is proven: issued by the swarm CA, in date, a worker's,
+    naming `name`, and `signature` is its key's over `statement`. Raises Forbidden("signature")
+    otherwise (a relay passing on a join or push it cannot prove)."""
+    def refuse(why: str) -> Forbidden:
+        return Forbidden("signature", f"the proof for {name!r} fails: {why}")
+
+    try:
+        ca = _ca_cert(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise refuse("its certificate is not PEM") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise refuse("its certificate is not issued by this swarm's CA") from None
+    now = dt.datetime.now(dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise refuse(f"its certificate is not valid now (until {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC)")
+    who = _parse(cert_pem).identity
+    if who.name != name or who.role is not Role.WORKER:
+        raise refuse(f"its certificate names {who.role.value} {who.name!r}")
+    key = cert.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise refuse("its certificate's key is not an EC key")
+    try:
+        key.verify(signature, statement, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        raise refuse("the signature is not its key's over this statement") from None
+    return who
+
+
+def check_receipt(ca_pem: bytes, header: PushHeader, digest: str) -> None:
+    """A relay's check of a child's signed push receipt as it arrives (its frames' `digest` known), so
+    that one child with a bad signature cannot get its relay's whole combined push refused upstream."""
+    if header.manifest:
+        return  # a child relay's combined push: its entries carry their own receipts
+    verify_signed(ca_pem, header.cert, header.signature, push_statement(
+        header.worker_id, header.block, header.base_version, header.update_id, header.samples, digest),
+        header.worker_id)
+
+
+@functools.lru_cache(maxsize=8)
+def _ca_cert(ca_pem: bytes) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(ca_pem)

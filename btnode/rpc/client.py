@@ -12,7 +12,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import grpc
@@ -20,9 +20,12 @@ import grpc
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
-from btnode.protocol import JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo
+from btnode.aggregate.evidence import frames_digest
+from btnode.protocol import (EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
+                             join_statement, push_statement)
 from btnode.rpc import convert
-from btnode.rpc.security import Security, channel
+from btnode.rpc.certs import sign
+from btnode.rpc.security import Security, channel, current
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.status import error_from_rpc
 from btnode.v1 import swarm_pb2 as pb
@@ -55,6 +58,7 @@ class SwarmClient:
         self.retries: Counter[tuple[str, str]] = Counter()  # (call, reason) → retries
         self._rng = random.Random()
         self.channel = channel(address, CHANNEL_OPTIONS, security)
+        self.security = security or current()  # its certificate and key sign joins and pushes under mutual TLS
         self.stub = pb_grpc.SwarmStub(self.channel)
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
 
@@ -82,13 +86,37 @@ class SwarmClient:
                 raise error_from_rpc(err, f"{what} at {self.address}") from None
         return self._retrying(what, once, replayable=replayable)
 
+    def _credentials(self) -> tuple[bytes, bytes] | None:
+        """This node's certificate and key (PEM), when it has both: it signs with them."""
+        sec = self.security
+        if sec.cert is None or sec.key is None:
+            return None
+        return sec.cert.read_bytes(), sec.key.read_bytes()
+
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "", relay: bool = False) -> JoinInfo:
+             training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
+        """`proof`: a worker's certificate and signature over the join, passed on by a relay; without
+        it a worker with a certificate signs its own join (protocol.join_statement)."""
+        mine = self._credentials() if proof is None and not relay else None
+        if mine is not None:
+            proof = mine[0], sign(mine[1], join_statement(worker_id, block, fingerprint, data_id, training_json))
+        cert, signature = proof or (b"", b"")
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
                                                                   fingerprint=fingerprint, config_json=config_json,
                                                                   data_id=data_id, training_json=training_json,
-                                                                  relay=relay))
+                                                                  relay=relay, cert=cert, signature=signature))
         return convert.join_from_pb(reply)
+
+    def signed(self, header: PushHeader, frames: list[Frame]) -> PushHeader:
+        """A worker's push header signed with its certificate's key (protocol.push_statement), so that
+        a relay's manifest can carry the proof to the root; as it was without a certificate."""
+        mine = self._credentials()
+        if mine is None or header.manifest or header.signature:
+            return header
+        digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
+        statement = push_statement(header.worker_id, header.block, header.base_version, header.update_id,
+                                   header.samples, digest)
+        return replace(header, cert=mine[0], signature=sign(mine[1], statement))
 
     def leave(self, worker_id: str, block: int) -> None:
         self._call("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, block=block))
@@ -134,6 +162,9 @@ class SwarmClient:
         `frames` may be a lazy iterator, consumed by gRPC's sending thread chunk by chunk; then a
         refused push is not retried here (its frames are spent). An iterable that makes fresh frames
         each time it is iterated (a list, `ReplayableFrames`) is retried."""
+        if self._credentials() is not None and not header.manifest:
+            frames = list(frames)  # the receipt signs the frames' digest, which the header carries before them
+            header = self.signed(header, frames)
         try:
             reply = self._call("push", lambda timeout: self.stub.Push(_messages(header, frames), timeout=timeout),
                                replayable=not isinstance(frames, Iterator))
@@ -150,6 +181,23 @@ class SwarmClient:
         self._call("state upload",
                    lambda timeout: self.stub.SubmitState(_messages(header, frames), timeout=timeout),
                    replayable=not isinstance(frames, Iterator))
+
+    def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | Frame]) -> None:
+        """A relay's evidence for its combined push `header` (aggregate/evidence.py): each child's
+        EvidenceChild, then its frames, read lazily (re-read on a retry unless `parts` is an iterator).
+        A refusal raises its PeerInputError (no_audit, evidence, ...)."""
+
+        def messages() -> Iterator[pb.EvidenceMessage]:
+            yield pb.EvidenceMessage(header=pb.EvidenceHeader(push=convert.push_header_to_pb(header), unit=unit))
+            for p in parts:
+                if isinstance(p, EvidenceChild):
+                    yield pb.EvidenceMessage(child=convert.evidence_child_to_pb(p))
+                else:
+                    for chunk in iter_chunks([p]):
+                        yield pb.EvidenceMessage(chunk=convert.chunk_to_pb(chunk))
+
+        self._call("evidence upload", lambda timeout: self.stub.SubmitEvidence(messages(), timeout=timeout),
+                   replayable=not isinstance(parts, Iterator))
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""

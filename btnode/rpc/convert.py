@@ -10,7 +10,7 @@ from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.protocol import MAX_NAME, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader, VersionInfo, WorkClaim
+from btnode.protocol import MAX_NAME, EvidenceChild, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader, VersionInfo, WorkClaim
 from btnode.v1 import swarm_pb2 as pb
 
 # The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
@@ -84,13 +84,25 @@ def claim_from_pb(m: pb.WorkClaim) -> WorkClaim:
     return WorkClaim(data_id=m.data_id, recipe=m.recipe, **{f: getattr(m, f).hex() for f in _CLAIM_HASHES})
 
 
+MAX_CERT, MAX_SIGNATURE = 8192, 256  # a P-256 certificate in PEM is under 1 KB, its ECDSA signature 72 bytes
+
+
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
                          loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps,
                          claim=claim_to_pb(h.claim) if h.claim is not None else None,
                          manifest=[pb.ManifestEntry(worker_id=e.worker_id, update_id=e.update_id,
                                                     base_version=e.base_version, weight=e.weight,
-                                                    sha256=bytes.fromhex(e.sha256)) for e in h.manifest])
+                                                    sha256=bytes.fromhex(e.sha256), samples=e.samples, cert=e.cert,
+                                                    signature=e.signature) for e in h.manifest],
+                         cert=h.cert, signature=h.signature)
+
+
+def proof_from_pb(cert: bytes, signature: bytes, what: str) -> tuple[bytes, bytes]:
+    """A certificate and signature as sent (checked in full by rpc/certs.verify_signed): sizes only here."""
+    if len(cert) > MAX_CERT or len(signature) > MAX_SIGNATURE:
+        raise MalformedInput(what, f"a certificate is at most {MAX_CERT} bytes and a signature {MAX_SIGNATURE}")
+    return bytes(cert), bytes(signature)
 
 
 def manifest_from_pb(m: pb.PushHeader) -> tuple[ManifestEntry, ...]:
@@ -101,8 +113,12 @@ def manifest_from_pb(m: pb.PushHeader) -> tuple[ManifestEntry, ...]:
         if not (math.isfinite(e.weight) and e.weight > 0) or len(e.sha256) != 32:
             raise MalformedInput("manifest", f"manifest entry {e.update_id[:16]!r}: weight must be positive and "
                                              f"sha256 32 bytes")
+        if not math.isfinite(e.samples) or e.samples < 0:
+            raise MalformedInput("manifest", f"manifest entry {e.update_id[:16]!r}: samples must be finite and >= 0")
+        cert, signature = proof_from_pb(e.cert, e.signature, "manifest")
         out.append(ManifestEntry(worker_id=e.worker_id, update_id=e.update_id, base_version=e.base_version,
-                                 weight=e.weight, sha256=e.sha256.hex()))
+                                 weight=e.weight, sha256=e.sha256.hex(), samples=e.samples, cert=cert,
+                                 signature=signature))
     return tuple(out)
 
 
@@ -116,7 +132,18 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
     return PushHeader(worker_id=m.worker_id, block=m.block, base_version=m.base_version, samples=m.samples,
                       loss=m.loss, codec=codec_from_pb(m.codec), update_id=m.update_id, data_key=m.data_key,
                       steps=tuple(m.steps), claim=claim_from_pb(m.claim) if m.HasField("claim") else None,
-                      manifest=manifest_from_pb(m))
+                      manifest=manifest_from_pb(m), **dict(zip(("cert", "signature"),
+                                                              proof_from_pb(m.cert, m.signature, "header"))))
+
+
+def evidence_child_to_pb(c: EvidenceChild) -> pb.EvidenceChild:
+    return pb.EvidenceChild(update_id=c.update_id, weight=c.weight, scale=c.scale, entries=c.entries)
+
+
+def evidence_child_from_pb(m: pb.EvidenceChild) -> EvidenceChild:
+    if not m.update_id or len(m.update_id) > MAX_NAME:
+        raise MalformedInput("evidence", "an evidence child needs an update id (≤ 256 characters)")
+    return EvidenceChild(update_id=m.update_id, weight=m.weight, scale=m.scale, entries=m.entries)
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
@@ -132,13 +159,14 @@ def judgement_from_pb(m: pb.PushReply) -> Judgement:
 
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[int(c) for c in j.codecs],
-                        max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits)
+                        max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits,
+                        relay_audits=j.relay_audits)
 
 
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
                     codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness,
-                    data_key=m.data_key, audits=m.audits)
+                    data_key=m.data_key, audits=m.audits, relay_audits=m.relay_audits)
 
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:

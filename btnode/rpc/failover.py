@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from btnode.codec.frames import Frame
 from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
-from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
+from btnode.protocol import EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
 from btnode.rpc.client import SwarmClient
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ class FailoverLink:
             return fn(self.clients[self.index])
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "", relay: bool = False) -> JoinInfo:
+             training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
         args = (worker_id, block, fingerprint, config_json, data_id)
-        kwargs = {"training_json": training_json, "relay": relay}
+        kwargs = {"training_json": training_json, "relay": relay, "proof": proof}
         self._joins[(worker_id, block)] = (args, kwargs)
         return self._run(lambda c: c.join(*args, **kwargs))
 
@@ -103,6 +103,9 @@ class FailoverLink:
     def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
         frames = list(frames)
         self._run(lambda c: c.submit_state(header, frames))
+
+    def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | Frame]) -> None:
+        self._run(lambda c: c.submit_evidence(header, unit, parts))  # re-iterable: re-read on the next upstream
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """The current upstream's announcements; a broken stream moves to the next upstream and ends

@@ -26,7 +26,7 @@ from btnode.settings import flag
 
 log = logging.getLogger(__name__)
 SERVICE = "/btnode.v1.Swarm/"
-TRANSFERS = ("Push", "SubmitState", "Pull", "FetchDelta")
+TRANSFERS = ("Push", "SubmitState", "SubmitEvidence", "Pull", "FetchDelta")
 LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
 LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
                  "call_budget")  # a refusal's reason: a client backs off and retries

@@ -19,16 +19,16 @@ import grpc
 
 from btnode.aggregate.block import ABORTED
 from btnode.aggregate.deltas import DeltaFrames, StoredFrame
-from btnode.aggregate.identities import Identity
+from btnode.aggregate.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, lazy_frames
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
-from btnode.protocol import PushHeader, VersionInfo
+from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
+from btnode.protocol import EvidenceChild, PushHeader, VersionInfo, join_statement, push_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
-from btnode.rpc.certs import peer_identity
+from btnode.rpc.certs import peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
@@ -51,6 +51,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
+EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/evidence.py)
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
@@ -135,10 +136,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     """`identities`: bind every call to its client certificate (under mutual TLS): the identity
     must be admitted for the call (aggregate/identities.py) and any worker id it claims must be its name."""
 
-    def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False):
+    def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False, ca: bytes = b""):
         self.agg = agg
         self.stop = stop
         self.identities = identities
+        self.ca = ca  # the swarm CA (PEM): the proofs relays pass on are checked against it
         # the newest delta fetched of each block, as frames ready to send: after a publish every worker
         # fetches the same one, so it is read, hash-checked and compressed once, not once per worker
         self._deltas: dict[int, DeltaFrames] = {}
@@ -153,11 +155,43 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        who = self._who(context, "Join", request.worker_id)
+        proof = convert.proof_from_pb(request.cert, request.signature, "join")
+        who = self._who(context, "Join", "" if proof[0] and not request.relay else request.worker_id)
+        if who is not None and who.name != request.worker_id:  # a relay passing on a worker's join
+            who = self._proven(who, request.worker_id, proof, join_statement(
+                request.worker_id, request.block, request.fingerprint, request.data_id, request.training_json))
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
                              request.data_id, who=who, training_json=request.training_json,
-                             relay=request.relay)
+                             relay=request.relay, proof=proof if proof[0] else None)
         return convert.join_to_pb(info)
+
+    def _proven(self, relay: Identity, worker_id: str, proof: tuple[bytes, bytes], statement: bytes) -> Identity:
+        """The worker's identity behind a join or push receipt that the relay `relay` passes on, once
+        its certificate and signature prove it (rpc/certs.verify_signed); refused (Forbidden) otherwise."""
+        if relay.role is not Role.RELAY:
+            self.agg.admit(relay, "Join", worker_id)  # refused (and recorded): one speaks only for its own name
+        try:
+            if not proof[0]:
+                raise Forbidden("signature", f"relay {relay.name} passes on {worker_id!r} without its signature "
+                                             f"(under mutual TLS a worker signs what a relay passes on)")
+            child = verify_signed(self.ca, proof[0], proof[1], statement, worker_id)
+            self.agg.identities.admit(child, "Join", worker_id)
+        except PeerInputError as exc:
+            self.agg.count("identity_refused", exc.reason)
+            raise
+        return child
+
+    def _check_manifest(self, relay: Identity, header: PushHeader) -> None:
+        """Under mutual TLS each child update a relay lists must carry its worker's signed receipt,
+        naming this block and the entry's base version, update id, samples and frames digest; the
+        relay may only weigh it down (staleness), never up."""
+        for e in header.manifest:
+            self._proven(relay, e.worker_id, (e.cert, e.signature), push_statement(
+                e.worker_id, header.block, e.base_version, e.update_id, e.samples, e.sha256))
+            if e.weight > e.samples * (1 + 1e-12):
+                self.agg.count("identity_refused", "signature")
+                raise Forbidden("signature", f"relay {relay.name} weighs {e.worker_id}'s update {e.weight:g}; its "
+                                             f"signed claim is {e.samples:g}")
 
     @_guard
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
@@ -239,6 +273,13 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
+        if who is not None and header.manifest:
+            try:
+                self._check_manifest(who, header)
+            except PeerInputError as exc:
+                self.agg.block(header.block).reject(header, exc)
+                self.agg.relays.pushed(header, False)
+                raise
         judged = self.agg.push(header, chunks, who=who)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
@@ -259,6 +300,49 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                         exc)
             raise
         self.agg.meter.observe("submit_state", time.perf_counter() - t0)
+        return pb.SubmitStateReply()
+
+    @_guard
+    def SubmitEvidence(self, request_iterator: Iterator[pb.EvidenceMessage],
+                       context: grpc.ServicerContext) -> pb.SubmitStateReply:
+        """A relay's evidence for a combined push drawn for audit (aggregate/evidence.py)."""
+        t0 = time.perf_counter()
+        who = self._who(context, "SubmitEvidence")
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise MalformedInput("no_header", "a SubmitEvidence stream must start with its header")
+            header = convert.push_header_from_pb(first.header.push)
+            if who is not None:
+                self.agg.identities.admit(who, "SubmitEvidence", header.worker_id)
+        except PeerInputError as exc:
+            self.agg.count(EVIDENCE_REFUSED, exc.reason)
+            log.warning("refused SubmitEvidence: %s", exc)
+            raise
+
+        def parts() -> Iterator[EvidenceChild | ChunkData]:
+            try:
+                for msg in request_iterator:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "child":
+                        yield convert.evidence_child_from_pb(msg.child)
+                    elif kind == "chunk":
+                        yield convert.chunk_from_pb(msg.chunk)
+                    else:
+                        raise MalformedInput("header", "a SubmitEvidence stream carries one header only")
+            except grpc.RpcError:
+                raise MalformedInput(ABORTED, "the relay went away in the middle of its evidence") from None
+            if not context.is_active():
+                raise MalformedInput(ABORTED, "the relay went away in the middle of its evidence")
+
+        try:
+            self.agg.submit_evidence(header, first.header.unit, parts(), who=who)
+        except PeerInputError as exc:
+            self.agg.count(EVIDENCE_REFUSED, exc.reason)
+            log.warning("refused the evidence of combined push %s from %s: %s", header.update_id[:16],
+                        header.worker_id, exc)
+            raise
+        self.agg.meter.observe("submit_evidence", time.perf_counter() - t0)
         return pb.SubmitStateReply()
 
     @_guard
@@ -315,7 +399,8 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
                          interceptors=[*interceptors(sec, refused), limiter,
                                        DecodeGuard()])
-    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth), server)
+    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth,
+                                                      ca=sec.ca.read_bytes() if sec.client_auth and sec.ca else b""), server)
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
     port = bind(server, address, sec)
     server.start()

@@ -99,7 +99,7 @@ class VersionInfo(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json", "relay")
+    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json", "relay", "cert", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class JoinRequest(_message.Message):
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    CERT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
@@ -114,23 +116,27 @@ class JoinRequest(_message.Message):
     data_id: str
     training_json: str
     relay: bool
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
+    cert: bytes
+    signature: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits")
+    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits", "relay_audits")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     AUDITS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_AUDITS_FIELD_NUMBER: _ClassVar[int]
     current: VersionInfo
     deadline_s: float
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     max_staleness: int
     data_key: str
     audits: bool
-    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ..., audits: _Optional[bool] = ...) -> None: ...
+    relay_audits: bool
+    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ..., audits: _Optional[bool] = ..., relay_audits: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "block")
@@ -169,7 +175,7 @@ class TensorStream(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps", "claim", "manifest")
+    __slots__ = ("worker_id", "block", "base_version", "samples", "loss", "codec", "update_id", "data_key", "steps", "claim", "manifest", "cert", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +187,8 @@ class PushHeader(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CERT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     base_version: int
@@ -192,21 +200,29 @@ class PushHeader(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     claim: WorkClaim
     manifest: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ..., manifest: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ...) -> None: ...
+    cert: bytes
+    signature: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ..., manifest: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ManifestEntry(_message.Message):
-    __slots__ = ("worker_id", "update_id", "base_version", "weight", "sha256")
+    __slots__ = ("worker_id", "update_id", "base_version", "weight", "sha256", "samples", "cert", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CERT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     update_id: str
     base_version: int
     weight: float
     sha256: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., weight: _Optional[float] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    samples: float
+    cert: bytes
+    signature: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., weight: _Optional[float] = ..., sha256: _Optional[bytes] = ..., samples: _Optional[float] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class WorkClaim(_message.Message):
     __slots__ = ("base_sha256", "data_id", "recipe", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
@@ -249,6 +265,36 @@ class PushReply(_message.Message):
 class SubmitStateReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EvidenceHeader(_message.Message):
+    __slots__ = ("push", "unit")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    push: PushHeader
+    unit: float
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., unit: _Optional[float] = ...) -> None: ...
+
+class EvidenceChild(_message.Message):
+    __slots__ = ("update_id", "weight", "scale", "entries")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    weight: float
+    scale: float
+    entries: int
+    def __init__(self, update_id: _Optional[str] = ..., weight: _Optional[float] = ..., scale: _Optional[float] = ..., entries: _Optional[int] = ...) -> None: ...
+
+class EvidenceMessage(_message.Message):
+    __slots__ = ("header", "child", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHILD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: EvidenceHeader
+    child: EvidenceChild
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[EvidenceHeader, _Mapping]] = ..., child: _Optional[_Union[EvidenceChild, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("block", "worker_id")

@@ -64,6 +64,11 @@ class SwarmStub:
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
                 response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
                 _registered_method=True)
+        self.SubmitEvidence = channel.stream_unary(
+                '/btnode.v1.Swarm/SubmitEvidence',
+                request_serializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
+                response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/btnode.v1.Swarm/Watch',
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.WatchRequest.SerializeToString,
@@ -122,6 +127,14 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitEvidence(self, request_iterator, context):
+        """A relay's evidence for a combined push whose answer asked for it (PushReply.audit): the children's
+        frames, which the parent checks against the manifest and recombines bit for bit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -171,6 +184,11 @@ def add_SwarmServicer_to_server(servicer, server):
             'SubmitState': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitState,
                     request_deserializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.FromString,
+                    response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
+            ),
+            'SubmitEvidence': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitEvidence,
+                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.FromString,
                     response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
@@ -350,6 +368,33 @@ class Swarm:
             target,
             '/btnode.v1.Swarm/SubmitState',
             btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
+            btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitEvidence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/btnode.v1.Swarm/SubmitEvidence',
+            btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
             btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
             options,
             channel_credentials,

@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
+from btnode.node import launch
 from btnode.protocol import ManifestEntry, Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
 from btnode.errors import Unauthenticated
@@ -260,7 +262,9 @@ def _push(c: SwarmClient, relay: str, manifest: list[ManifestEntry], samples: fl
 
 
 def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
-    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30")
+    # no relay audits: these hand-made pushes have no evidence behind them (the audit test is below)
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30",
+                "--relay-audit-rate", "0")
     c = SwarmClient(root, timeout_s=15)
     terms = honest_terms(ClaimConfig(batch=4, steps_per_round=2))
     c.join("liar", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True)
@@ -295,8 +299,9 @@ def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
 
 
 def test_a_relay_under_a_relay_flattens_its_children_into_the_manifest(tmp_path, processes):
+    # relays of relays cannot pass relay audits (docs/swarm.md): a root that audits makes r1 refuse r2
     root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "30",
-                "--keep", "100")
+                "--keep", "100", "--relay-audit-rate", "0")
     (upper,) = relays(processes, tmp_path, root, {"r1": []})
     (lower,) = relays(processes, tmp_path, upper, {"r2": []})
     stats = finished(tmp_path, {w: worker(processes, tmp_path, w, lower, 2) for w in ("w0", "w1")})
@@ -340,4 +345,59 @@ def test_the_swarm_token_is_checked_at_the_relay_and_presented_upstream(tmp_path
     stats = finished(tmp_path, {"w0": w})
     c = SwarmClient(root, timeout_s=15, security=Security(token="relay-token-1"))
     assert set(stats["w0"]["accepted_updates"]) <= included(c)  # the relay's joins and pushes carried its token
+    c.close()
+
+
+def forging_relay(processes, tmp: Path, name: str, cheat: str, parent: str) -> str:
+    """A relay process running a test cheat (btnode/testing/relay_cheats.py); its address."""
+    port = tmp / f"{name}.port"
+    with open(tmp / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "btnode.testing.relay_cheats", cheat, "join", "--role", "relay",
+                                 "--peer", parent, "--relay-id", name, "--blocks-owned", "0", "--listen", "127.0.0.1:0",
+                                 "--port-file", str(port), "--state-dir", str(tmp / name), *TINY_SHAPE, *CLAIMS],
+                                stdout=log, stderr=subprocess.STDOUT, env=launch.one_thread_env())
+    processes.append(proc)
+    return f"127.0.0.1:{wait_port(port, proc)}"
+
+
+def event(text: str, name: str, reason: str) -> float:
+    m = re.search(rf'btnode_swarm_events_total\{{event="{name}",reason="{reason}"\}} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_relay_audit_passes_an_honest_relay_and_revokes_one_that_nudges_one_value(tmp_path, processes):
+    metrics = free_port()
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "12",
+                "--keep", "100", "--relay-audit-rate", "1", "--relay-audit-timeout", "4",
+                "--metrics-listen", f"127.0.0.1:{metrics}")
+    (honest,) = relays(processes, tmp_path, root, {"r1": []})
+    forger = forging_relay(processes, tmp_path, "r2", "nudge", root)  # one coordinate one fp32 step off
+    procs = {"w0": worker(processes, tmp_path, "w0", honest, 3), "w1": worker(processes, tmp_path, "w1", honest, 3),
+             "w2": worker(processes, tmp_path, "w2", f"{forger},{honest}", 3),  # the honest relay is their spare
+             "w3": worker(processes, tmp_path, "w3", f"{forger},{honest}", 3)}
+    stats = finished(tmp_path, procs, timeout=300)
+    c = SwarmClient(root, timeout_s=15)
+    went_in = included(c)
+    # the honest relay's children are in the versions, every one of their accepted updates
+    for w in ("w0", "w1"):
+        assert stats[w]["not_included"] == [] and set(stats[w]["accepted_updates"]) <= went_in, stats[w]
+    # the forging relay's children lost what it took: its drawn push was held, its evidence did not recombine to
+    # what it pushed, it was revoked, its next push was refused and it stopped; they moved to the spare, and
+    # what they pushed there went in
+    lost = {u for w in ("w2", "w3") for u in stats[w]["not_included"]}
+    assert lost and not lost & went_in, stats
+    assert all(set(stats[w]["accepted_updates"]) - lost <= went_in for w in ("w2", "w3")), stats
+    assert any(set(stats[w]["accepted_updates"]) & went_in for w in ("w2", "w3")), stats
+    text = scrape(metrics)
+    assert event(text, "relay_audits", "passed") >= 1, text
+    assert event(text, "relay_audits", "evidence") == 1, text
+    assert event(text, "revoked", "relay_evidence") == 1, text
+    assert event(text, "evidence_refused", "evidence") >= 1, text
+    st = c.status_dict()["blocks"][0]
+    records = {r["name"]: r for r in st["relays"]}
+    assert records["r1"]["refused"] == 0 and records["r1"]["pushes"] >= 3, records
+    assert records["r2"]["pushes"] == 0 and records["r2"]["refused"] >= 1, records
+    forger_log = (tmp_path / "r2.log").read_text()
+    assert "not the mean of its children" in forger_log and "the parent refuses this relay" in forger_log
+    assert "sent the evidence of the combined push" in (tmp_path / "r1.log").read_text()
     c.close()

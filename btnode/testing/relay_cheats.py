@@ -1,0 +1,66 @@
+"""Cheating relays, for tests only (docs/swarm.md, "Relays"): a `RelaySwarm` that combines its
+children honestly, then pushes a forged combined update under the honest manifest and weight. The
+relay audit (aggregate/evidence.py) must catch each, however small the change.
+
+Run one as a real process: `python -m btnode.testing.relay_cheats CHEAT join --role relay ...`
+(the arguments after CHEAT are `btnode`'s own)."""
+
+from __future__ import annotations
+
+import math
+import runpy
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
+from btnode.node import relay as relay_node
+
+Tensors = dict[str, torch.Tensor]
+SCALE = 1.01  # the scaled cheat's factor: well within the claims' element-wise bound
+
+
+def scaled(delta: Tensors) -> Tensors:
+    """Every value × SCALE: a relay inflating its children's step a little."""
+    return {n: t * SCALE for n, t in delta.items()}
+
+
+def nudged(delta: Tensors) -> Tensors:
+    """One coordinate moved to the next fp32 value: the smallest change there is."""
+    out = {n: t.clone() for n, t in delta.items()}
+    first = next(iter(out))
+    flat = out[first].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+    return out
+
+
+CHEATS: dict[str, Callable[[Tensors], Tensors]] = {"scale": scaled, "nudge": nudged}
+
+
+def cheating_relay(forge: Callable[[Tensors], Tensors]) -> type[RelaySwarm]:
+    """A RelaySwarm whose blocks hand `forge(Δ)` upstream in place of the combined Δ."""
+
+    class ForgingRelaySwarm(RelaySwarm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for b in self.blocks.values():
+                assert isinstance(b, RelayBlock)
+                b.on_combined = self._forged
+
+        def _forged(self, c: Combined) -> None:
+            self.outbox.put(replace(c, delta=forge(c.delta)))
+
+    return ForgingRelaySwarm
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in CHEATS:
+        sys.exit(f"usage: python -m btnode.testing.relay_cheats {{{','.join(CHEATS)}}} join --role relay ...")
+    relay_node.RelaySwarm = cheating_relay(CHEATS[sys.argv.pop(1)])  # type: ignore[misc]  # what run_relay builds
+    runpy.run_module("btnode_cli.main", run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

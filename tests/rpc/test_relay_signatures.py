@@ -1,0 +1,167 @@
+"""Workers under mutual TLS through a relay (docs/security.md, "Relay audits"): real gRPC servers
+(a root and a relay, each with its certificate) in this process. A worker signs its join and its
+push receipt; the relay passes both on; the root checks them against the swarm CA, so a relay can
+neither invent a join or a child update under a worker's name nor alter a listed one."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.evidence import RelayAuditConfig
+from btnode.aggregate.identities import Role
+from btnode.aggregate.relay import RelaySwarm
+from btnode.aggregate.service import SwarmAggregator
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import encode_frames
+from btnode.errors import Forbidden
+from btnode.node.relay import _header
+from btnode.protocol import Outcome, PushHeader
+from btnode.rpc.certs import admit, check_receipt, init_ca
+from btnode.rpc.client import SwarmClient
+from btnode.rpc.security import Security
+from btnode.rpc.server import serve
+
+from conftest import CFG
+from procs import honest_terms
+
+CLAIMS = ClaimConfig(batch=1, lr=0.01, steps_per_round=4)
+ACFG = AggregatorConfig(claims=CLAIMS, relay_audit=RelayAuditConfig(rate=0.0))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    init_ca(d / "ca")
+    admit(d / "ca", "root", role=Role.AGGREGATOR, hosts=("127.0.0.1",), out=d)
+    admit(d / "ca", "r1", role=Role.RELAY, hosts=("127.0.0.1",), out=d)
+    for name in ("w1", "w2"):
+        admit(d / "ca", name, out=d)
+    init_ca(d / "rogue")
+    admit(d / "rogue", "w2", out=d / "rogue")  # w2's name under a CA the swarm does not trust
+    return d
+
+
+def creds(pki: Path, name: str, folder: Path | None = None, server: bool = False) -> Security:
+    folder = folder or pki
+    return Security(cert=folder / f"{name}.pem", key=folder / f"{name}.key", ca=pki / "ca" / "ca.pem",
+                    client_auth=server)
+
+
+@pytest.fixture
+def tree(tmp_path, pki):
+    """(root aggregator, relay, relay's upstream client, client(name, folder) to the relay)."""
+    root = SwarmAggregator(CFG, ACFG, tmp_path / "root")
+    rserver, rport, _ = serve(root, "127.0.0.1:0", security=creds(pki, "root", server=True))
+    upstream = SwarmClient(f"127.0.0.1:{rport}", timeout_s=10, security=creds(pki, "r1"))
+    relay = RelaySwarm(CFG, ACFG, tmp_path / "relay", upstream=upstream, name="r1", blocks=[0])
+    relay.check_receipt = functools.partial(check_receipt, (pki / "ca" / "ca.pem").read_bytes())  # as node/relay.py
+    upstream.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True)
+    server, port, _ = serve(relay, "127.0.0.1:0", security=creds(pki, "r1", server=True))
+    clients = [upstream]
+
+    def client(name: str, folder: Path | None = None) -> SwarmClient:
+        clients.append(SwarmClient(f"127.0.0.1:{port}", timeout_s=10, security=creds(pki, name, folder)))
+        return clients[-1]
+
+    yield root, relay, upstream, client
+    for c in clients:
+        c.close()
+    server.stop(0).wait()
+    rserver.stop(0).wait()
+
+
+def join(c: SwarmClient, worker: str):
+    return c.join(worker, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
+
+
+def push(c: SwarmClient, root: SwarmAggregator, worker: str, update_id: str):
+    header = PushHeader(worker_id=worker, block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32,
+                        update_id=update_id, steps=(0,))
+    return c.push(header, encode_frames({n: torch.full(s, 1e-3) for n, s in root.block(0).spec.items()}, Codec.FP32))
+
+
+def combined(relay: RelaySwarm) -> PushHeader:
+    """The relay's closed round as the header its forwarder would push (node/relay.py), and its frames."""
+    c = relay.outbox.get(timeout=10)
+    return _header(c, "r1"), encode_frames(c.delta, Codec.FP32)
+
+
+def test_a_worker_joins_and_pushes_through_a_relay_under_its_own_certificate(tree):
+    root, relay, upstream, client = tree
+    w1 = client("w1")
+    assert join(w1, "w1").data_key  # the root admitted w1 by its signed join, passed on by r1
+    assert {r.name: (r.role, r.joined) for r in root.status().identities}["w1"] == ("worker", {0})
+    assert push(w1, root, "w1", "u1").outcome is Outcome.ACCEPTED  # at the relay: its only child reported
+    header, frames = combined(relay)
+    (entry,) = header.manifest
+    assert entry.worker_id == "w1" and entry.signature and entry.cert and entry.samples == 1.0
+    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED
+    assert root.block(0).info.version == 1 and root.block(0).recent[-1].info.included == ("u1",)
+
+
+def test_a_relay_cannot_alter_or_invent_a_signed_child_update(tree):
+    root, relay, upstream, client = tree
+    w1 = client("w1")
+    join(w1, "w1")
+    push(w1, root, "w1", "u1")
+    header, frames = combined(relay)
+    (entry,) = header.manifest
+    forged = {  # each refused whole by the root, reason "signature"
+        "another update id": replace(entry, update_id="u-invented"),
+        "other frames": replace(entry, sha256="11" * 32),
+        "more samples": replace(entry, samples=2.0, weight=2.0),
+        "heavier than signed": replace(entry, weight=1.5),
+        "unsigned": replace(entry, cert=b"", signature=b""),
+    }
+    for what, e in forged.items():
+        h = replace(header, manifest=(e,), samples=e.weight, update_id=f"{header.update_id}-{len(what)}")
+        with pytest.raises(Forbidden, match="signature|signed") as exc:
+            upstream.push(h, frames)
+        assert exc.value.reason == "signature", what
+    assert root.block(0).info.version == 0
+    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED  # the untouched one still goes in
+
+
+def test_a_relay_cannot_pass_on_a_join_it_cannot_prove(tree, pki):
+    root, relay, upstream, client = tree
+    fp, cfg, terms = CFG.fingerprint(), json.dumps(CFG.to_dict()), honest_terms(CLAIMS)
+    with pytest.raises(Forbidden, match="names relay 'r1'"):  # a join the relay makes up (and signs itself)
+        upstream.join("w2", 0, fp, cfg, training_json=terms)
+    with pytest.raises(Forbidden, match="certificate names 'r1', but the call claims worker id 'w2'"):  # unsigned
+        upstream.join("w2", 0, fp, cfg, training_json=terms, proof=(b"", b""))
+    w1_join = (pki.joinpath("w1.pem").read_bytes(), b"")
+    with pytest.raises(Forbidden, match="names worker 'w1'"):  # w1's certificate under w2's name
+        upstream.join("w2", 0, fp, cfg, training_json=terms, proof=w1_join)
+    with pytest.raises(Forbidden, match="not issued by this swarm's CA"):  # a rogue CA's w2, through the relay
+        upstream.join("w2", 0, fp, cfg, training_json=terms,
+                      proof=(pki.joinpath("rogue", "w2.pem").read_bytes(), b"x" * 70))
+    with pytest.raises(Forbidden, match="not its key's"):  # w2's real certificate, a signature over another join
+        upstream.join("w2", 0, fp, cfg, training_json=terms, proof=(pki.joinpath("w2.pem").read_bytes(), b"x" * 70))
+    assert "w2" not in root.keys.of(0)
+    assert join(client("w2"), "w2").data_key  # w2 itself, through the same relay, is admitted
+
+
+def test_a_child_with_a_bad_receipt_is_refused_at_the_relay_and_spoils_nothing(tree, pki):
+    root, relay, upstream, client = tree
+    w1, w2 = client("w1"), client("w2")
+    join(w1, "w1")
+    join(w2, "w2")
+    spec = root.block(0).spec
+    bad = PushHeader(worker_id="w1", block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32, update_id="u1",
+                     steps=(0,), cert=pki.joinpath("w1.pem").read_bytes(), signature=b"x" * 70)
+    with pytest.raises(Forbidden, match="not its key's"):
+        w1.push(bad, encode_frames({n: torch.full(s, 1e-3) for n, s in spec.items()}, Codec.FP32))
+    assert "already pushed update u1" in push(w1, root, "w1", "u1b").reason  # one push per round and identity
+    assert push(w2, root, "w2", "u2").outcome is Outcome.ACCEPTED
+    header, frames = combined(relay)  # w1 reported (refused), w2 accepted: the relay's round closed with w2's
+    assert [e.update_id for e in header.manifest] == ["u2"]
+    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED
+    assert root.block(0).round.accepted["r1"].included == ("u2",)  # (the root's round waits on w1 until τ)
