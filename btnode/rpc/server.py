@@ -195,7 +195,10 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        self._who(context, "Leave", request.worker_id)
+        who = self._who(context, "Leave")
+        if who is not None and who.name != request.worker_id and who.role is not Role.RELAY:
+            self.agg.admit(who, "Leave", request.worker_id)  # refused: one leaves under its own name only
+        # (a relay tells its parent that a child's version stream ended: aggregate/relay.py)
         self.agg.leave(request.worker_id, request.block)
         return pb.LeaveReply()
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.identities import Role
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
 from btnode.node import launch
 from btnode.protocol import ManifestEntry, Outcome, PushHeader
+from btnode.rpc.certs import admit, init_ca
 from btnode.rpc.client import SwarmClient
 from btnode.errors import Unauthenticated
 from btnode.rpc.convert import info_from_pb
@@ -400,4 +402,50 @@ def test_a_relay_audit_passes_an_honest_relay_and_revokes_one_that_nudges_one_va
     forger_log = (tmp_path / "r2.log").read_text()
     assert "not the mean of its children" in forger_log and "the parent refuses this relay" in forger_log
     assert "sent the evidence of the combined push" in (tmp_path / "r1.log").read_text()
+    c.close()
+
+
+def test_workers_under_mutual_tls_join_and_push_through_a_relay_with_signed_receipts(tmp_path, processes):
+    pki = tmp_path / "pki"
+    init_ca(pki / "ca")
+    admit(pki / "ca", "root", role=Role.AGGREGATOR, hosts=("127.0.0.1",), out=pki)
+    admit(pki / "ca", "r1", role=Role.RELAY, hosts=("127.0.0.1",), out=pki)
+    for name in ("w0", "w1", "op"):
+        admit(pki / "ca", name, role=Role.OPERATOR if name == "op" else Role.WORKER, out=pki)
+
+    def tls(name: str, server: bool) -> dict[str, str]:
+        return {"BTNODE_TLS_CERT": str(pki / f"{name}.pem"), "BTNODE_TLS_KEY": str(pki / f"{name}.key"),
+                "BTNODE_TLS_CA": str(pki / "ca" / "ca.pem"), **({"BTNODE_TLS_CLIENT_AUTH": "1"} if server else {})}
+
+    def run(name: str, args: list[str], server: bool) -> subprocess.Popen:
+        proc = launch.spawn_node([*args, *TINY_SHAPE, *CLAIMS], log=tmp_path / f"{name}.log",
+                                 env=launch.one_thread_env(**tls(name, server)))
+        processes.append(proc)
+        return proc
+
+    def served(name: str, args: list[str]) -> str:
+        port = tmp_path / f"{name}.port"
+        proc = run(name, ["join", *args, "--listen", "127.0.0.1:0", "--port-file", str(port), "--state-dir",
+                          str(tmp_path / name)], server=True)
+        return f"127.0.0.1:{wait_port(port, proc)}"
+
+    root = served("root", ["--role", "aggregator", "--blocks-owned", "0", "--deadline", "20", "--keep", "100",
+                           "--relay-audit-rate", "1"])
+    relay = served("r1", ["--role", "relay", "--peer", root, "--relay-id", "r1", "--blocks-owned", "0"])
+    procs = {w: run(w, ["join", "--role", "worker", "--peer", relay, "--rounds", "2", "--worker-id", w,
+                        "--stats-file", str(tmp_path / f"{w}.json"), "--warmup", "1", "--block", "0"], server=False)
+             for w in ("w0", "w1")}
+    stats = finished(tmp_path, procs)
+    c = SwarmClient(root, timeout_s=15, security=Security(cert=pki / "op.pem", key=pki / "op.key",
+                                                          ca=pki / "ca" / "ca.pem"))
+    went_in = included(c)
+    for w, s in stats.items():  # every accepted update of theirs, carried by r1 with their signatures, went in
+        assert s["not_included"] == [] and s["accepted_updates"] and set(s["accepted_updates"]) <= went_in, (w, s)
+    identities = {r["name"]: r for r in c.status_dict()["identities"]}
+    assert {w: (identities[w]["role"], identities[w]["joined"]) for w in ("w0", "w1")} == {
+        "w0": ("worker", [0]), "w1": ("worker", [0])}  # admitted by their own signed joins, passed on by r1
+    # r1's drawn pushes were held for their audit (PROBATION, counted in its record) and passed; nothing refused
+    assert identities["r1"]["role"] == "relay" and set(identities["r1"]["refused"]) <= {"probation"}, identities["r1"]
+    root_log = (tmp_path / "root.log").read_text()
+    assert "signature" not in root_log and "passed (its children's frames recombine" in root_log  # audited too
     c.close()
