@@ -308,6 +308,8 @@ class BlockAggregator:
             if replaced:
                 self._withdraw(old)
                 self.counters[("replaced", "")] += 1
+                log.info("%s round %d: %s amended its combined update (%d → %d child updates)", self.name,
+                         self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
             self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
