@@ -332,7 +332,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                     elif kind == "chunk":
                         yield convert.chunk_from_pb(msg.chunk)
                     else:
-                        raise MalformedInput("header", "a SubmitEvidence stream carries one header only")
+                        raise MalformedInput("header", f"a SubmitEvidence stream carries one header, then children and chunks "
+                                                  f"only (got {kind or 'an unknown message'})")
             except grpc.RpcError:
                 raise MalformedInput(ABORTED, "the relay went away in the middle of its evidence") from None
             if not context.is_active():

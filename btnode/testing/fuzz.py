@@ -29,15 +29,17 @@ from pathlib import Path
 import grpc
 import torch
 
+from btnode.aggregate.accumulate import Accumulator
 from btnode.aggregate.audit import AuditConfig, AuditJob, split_state
 from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.evidence import frames_digest
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, encode
 from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, frame_from_raw, iter_chunks
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
-from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, PushHeader, RoundSize, WorkClaim
+from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, ManifestEntry, PushHeader, RoundSize, WorkClaim
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.rpc.stages import serve_stage
@@ -54,6 +56,7 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED}
 SWARM = "/btnode.v1.Swarm/"
 AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
+EVIDENCED, CHILD = "evidenced", "child-u"  # the relay push whose evidence the aggregator waits for, and its child
 STAGE = "/btnode.v1.Stage/"
 KEEPS = (1, 41, 410, 4096)  # a sparse codec's values per chunk: 1 … CHUNK
 PUSH_CODECS = (Codec.INT8, Codec.SPARSE8, Codec.SPARSE2)  # the codecs of fuzzed pushes' frames
@@ -201,6 +204,26 @@ def await_state(agg: SwarmAggregator) -> None:
                              probation=False))
 
 
+def evidence_child() -> dict[str, torch.Tensor]:
+    """The child update behind the combined push `EVIDENCED` (its frames are the honest evidence)."""
+    return {n: torch.full(s, 1e-3) for n, s in _spec().items()}
+
+
+def await_evidence(agg: SwarmAggregator) -> None:
+    """A relay audit waiting for the evidence of `EVIDENCED` (worker "a"'s update `CHILD`, relayed by
+    "r"), so that evidence streams reach their checks; opened again once a whole one passed it."""
+    assert agg.relay_audits is not None
+    if agg.relay_audits.waiting_for(EVIDENCED) is not None:
+        return
+    child, unit = evidence_child(), agg.block(0).unit
+    digest = frames_digest({n: hashlib.sha256(encode(Codec.FP32, t)).digest() for n, t in child.items()})
+    acc = Accumulator(_spec(), "all", unit=unit)
+    acc.add(child, 1.0)
+    header = PushHeader(worker_id="r", block=0, base_version=0, samples=1.0, loss=1.0, codec=Codec.FP32,
+                        update_id=EVIDENCED, manifest=(ManifestEntry("a", CHILD, 0, 1.0, digest),))
+    agg.relay_audits.open(header, {n: encode(Codec.FP32, acc.mean_of(n)) for n in child})
+
+
 @dataclass
 class Target:
     """A live aggregator (two replicas of block 0 registered, τ long), one with audits on (`audit_agg`,
@@ -281,6 +304,30 @@ def _state_messages(rng: random.Random) -> list[bytes]:
     return _stream(rng, header, chunks)
 
 
+def _evidence_messages(rng: random.Random, unit: float) -> list[bytes]:
+    """A SubmitEvidence stream: mostly for the push a relay audit waits for, its evidence whole or mutated."""
+    push = swarm_pb2.PushHeader(worker_id=rng.choice(["r", "r", "a", ""]), block=rng.choice([0, 0, 0, 1]), samples=1.0,
+                                codec=1, update_id=rng.choice([EVIDENCED, EVIDENCED, "nobody", ""]))
+    header = swarm_pb2.EvidenceHeader(push=push, unit=rng.choice([unit, unit, unit, 3.0, 0.0, float("nan")]))
+    child = swarm_pb2.EvidenceChild(update_id=rng.choice([CHILD, CHILD, CHILD, "x", ""]),
+                                    weight=rng.choice([1.0, 1.0, 1.0, 2.0, -1.0, float("nan")]),
+                                    scale=rng.choice([1.0, 1.0, 1.0, 0.5, 0.0, 2.0]), entries=rng.choice([1, 1, 1, 0, 2]))
+    chunks = list(iter_chunks(encode_frames(evidence_child(), Codec.FP32), rng.choice([256, 4096, 1 << 20])))
+    if rng.random() < 0.5:
+        chunks = mutate_chunks(rng, chunks, list(_spec()))
+    msgs = [swarm_pb2.EvidenceMessage(header=header).SerializeToString()]
+    if rng.random() < 0.9:
+        msgs.append(swarm_pb2.EvidenceMessage(child=child).SerializeToString())
+    msgs += [swarm_pb2.EvidenceMessage(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
+    if rng.random() < 0.15:
+        msgs.append(swarm_pb2.EvidenceMessage(child=child).SerializeToString())  # a second child: not listed
+    if rng.random() < 0.2:
+        msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
+    if rng.random() < 0.1:
+        msgs = msgs[1:]  # no header
+    return msgs
+
+
 def _stream(rng: random.Random, header: swarm_pb2.PushHeader, chunks: list[ChunkData]) -> list[bytes]:
     """A header then chunks, serialised, now and then with junk inserted or the header left out."""
     msgs = [swarm_pb2.PushMessage(header=header).SerializeToString()]
@@ -323,7 +370,7 @@ def _random_request(rng: random.Random, message: type) -> bytes:
 SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.LeaveRequest, "unary"),
                "Status": (swarm_pb2.StatusRequest, "unary"), "Pull": (swarm_pb2.PullRequest, "stream"),
                "FetchDelta": (swarm_pb2.FetchDeltaRequest, "stream"), "Watch": (swarm_pb2.WatchRequest, "stream"),
-               "Push": (None, "push"), "SubmitState": (None, "state")}
+               "Push": (None, "push"), "SubmitState": (None, "state"), "SubmitEvidence": (None, "evidence")}
 STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
@@ -353,8 +400,12 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
         else:
             if kind == "state":
                 await_state(target.audit_agg)  # a case before may have failed the audit, or passed its state
-            channel.stream_unary(method, request_serializer=ident, response_deserializer=ident)(
-                iter(_push_messages(rng) if kind == "push" else _state_messages(rng)), timeout=10)
+            if kind == "evidence":
+                await_evidence(target.agg)  # a case before may have passed it
+            messages = (_push_messages(rng) if kind == "push" else _state_messages(rng) if kind == "state"
+                        else _evidence_messages(rng, target.agg.block(0).unit))
+            channel.stream_unary(method, request_serializer=ident, response_deserializer=ident)(iter(messages),
+                                                                                                timeout=10)
         return "OK"
     except grpc.RpcError as err:
         code = err.code()

@@ -46,6 +46,14 @@ def test_state_uploads_for_audits_are_taken_or_refused_with_a_status(target):
     assert target.audit_agg.counters[("state_refused", "no_audit")], target.audit_agg.counters
 
 
+def test_relay_evidence_is_taken_or_refused_with_a_status(target):
+    codes = Counter(fuzz_rpc(target, seed, only="SubmitEvidence") for seed in range(150))
+    assert codes["OK"] and codes["INVALID_ARGUMENT"], codes  # whole evidence taken, the rest refused
+    events = target.agg.counters
+    assert events[("relay_audits", "passed")] and events[("evidence_refused", "evidence")], events
+    assert not target.model_changed()
+
+
 def test_after_the_fuzzing_the_node_serves_and_no_model_changed(target):
     for seed in range(100):
         fuzz_rpc(target, seed)
