@@ -6,9 +6,11 @@ hash check. node/relay.py wires it to the parent through rpc/."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -22,11 +24,10 @@ import torch
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, RoundSummary
 from btnode.aggregate.evidence import frames_digest
 from btnode.aggregate.identities import Identity
-from btnode.aggregate.roundlog import Recovered, RoundLog
+from btnode.aggregate.roundlog import SPILL_NAME, Recovered, RoundLog
 from btnode.aggregate.rounds import Update
 from btnode.aggregate.spill import Spill
 from btnode.aggregate.service import SwarmAggregator
-from btnode.aggregate.spill import Spill
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, ReplayableFrames, frame_from_raw
 from btnode.errors import BtnodeError, ConfigError, InputError, MalformedInput, Refused
@@ -217,6 +218,9 @@ class RelayBlock(BlockAggregator):
         """The ending round's spill (its children's codec bytes as they came) stays, for KEPT_ROUNDS
         rounds: the parent may still ask for the evidence of a combined push of it (`evidence`)."""
         spill, self._spill = self._spill, None  # taken from the round, so that _open does not close it
+        # its name goes (the open file stays readable): the next round's spill is a new file of that name
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.store.folder / SPILL_NAME)
         self.kept[self.round.version] = spill
         while len(self.kept) > KEPT_ROUNDS:
             self.kept.popitem(last=False)[1].close()

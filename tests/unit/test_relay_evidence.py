@@ -19,7 +19,8 @@ from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.frames import Frame, iter_chunks
 from btnode.errors import InputError, MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.protocol import EvidenceChild, ManifestEntry, Outcome, PushHeader
+from btnode.protocol import EvidenceChild, ManifestEntry, Outcome, PushHeader, VersionInfo
+from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
 INIT = {"w": torch.randn(64, 96, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(5000)}
@@ -143,3 +144,17 @@ def test_a_relay_audit_without_evidence_in_time_revokes_the_relay_and_keeps_its_
     assert agg.counters[("revoked", "relay_timeout")] == 1 and agg.relay_audits.waiting_for("x") is None
     with pytest.raises(MalformedInput, match="no relay audit waits"):
         agg.submit_evidence(h, 1.0, [])
+
+
+def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
+    block, combined = closed_round(tmp_path)
+    _, params = block.current()
+    block.adopt(VersionInfo(block=0, version=1, base_version=0, sha256=state_sha256(params)), params, raw=None,
+                codec=None)
+    block.register("c9")  # the next round's spill takes new bytes under the same file name
+    raw = {n: encode(Codec.FP32, torch.full(s, 0.02)) for n, s in SPEC.items()}
+    head = PushHeader(worker_id="c9", block=0, base_version=1, samples=1.0, loss=1.0, codec=Codec.FP32,
+                      update_id="c9-u", steps=(0,))
+    assert block.submit(head, {n: decode(Codec.FP32, b, SPEC[n]) for n, b in raw.items()}, raw=raw).outcome is \
+        Outcome.ACCEPTED
+    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), SPEC)  # round 0's, bit for bit
