@@ -125,6 +125,7 @@ class RelayBlock(BlockAggregator):
     def _take_up(self, found: Recovered) -> None:
         """Into the round again, as they were accepted: its sum, sketch, answers and digests."""
         self.round.opened_at = found.opened_at
+        self.receipts.update(found.receipts)  # under mutual TLS: the children's signed receipts, for the manifest
         for u, digest in found.updates:
             values = self._values(u)
             if not self._holds_updates:
@@ -145,7 +146,8 @@ class RelayBlock(BlockAggregator):
             update.raw = {n: t.contiguous().view(-1).numpy().tobytes() for n, t in update.delta.items()}
             update.codec = Codec.FP32
         super()._take(update)
-        self.roundlog.accepted(update, self.digests.get(update.update_id, ""), self._spill)
+        self.roundlog.accepted(update, self.digests.get(update.update_id, ""), self._spill,
+                               self.receipts.get(update.update_id))
 
     def _fresh(self) -> bool:
         """Whether the round holds child updates that its last combined update did not carry."""

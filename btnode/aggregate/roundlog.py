@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from btnode.aggregate.rounds import Update
@@ -33,6 +33,7 @@ class Recovered:
     opened_at: float
     updates: list[tuple[Update, str]]  # each accepted update (its bytes in the spill) and its frames digest
     spill: Spill
+    receipts: dict[str, tuple[float, bytes, bytes]] = field(default_factory=dict)  # update id → signed receipt
 
 
 def _jsonable(v: object) -> object:
@@ -70,10 +71,15 @@ class RoundLog:
         self._append({"version": version, "opened_at": opened_at})
         return spill
 
-    def accepted(self, u: Update, digest: str, spill: Spill) -> None:
-        """Durable before its child hears ACCEPTED: its bytes, then its record."""
+    def accepted(self, u: Update, digest: str, spill: Spill,
+                 receipt: tuple[float, bytes, bytes] | None = None) -> None:
+        """Durable before its child hears ACCEPTED: its bytes, then its record (with the child's signed
+        receipt under mutual TLS: samples, certificate, signature; its manifest entry carries them)."""
         spill.sync()
-        self._append(_record(u, digest))
+        record = _record(u, digest)
+        if receipt is not None and receipt[2]:
+            record["receipt"] = [receipt[0], receipt[1].hex(), receipt[2].hex()]
+        self._append(record)
 
     def recover(self, version: int) -> Recovered | None:
         """The round the log holds, if it is on `version`; None (nothing to take up) otherwise."""
@@ -89,17 +95,21 @@ class RoundLog:
             log.info("the round log in %s is for version %s, not %d: nothing to take up", self.folder,
                      head.get("version"), version)
             return None
-        updates = []
+        updates, receipts = [], {}
         for i, line in enumerate(lines[1:], start=2):
             try:
-                updates.append(_update(json.loads(line)))
+                record = json.loads(line)
+                updates.append(_update(record))
+                if "receipt" in record:
+                    samples, cert, signature = record["receipt"]
+                    receipts[record["update_id"]] = (float(samples), bytes.fromhex(cert), bytes.fromhex(signature))
             except (ValueError, KeyError, TypeError) as exc:
                 if i != len(lines):
                     raise ValueError(f"{path}: line {i}: {exc}") from exc
                 atomic_write(path, b"".join(x + b"\n" for x in lines[:-1]))  # torn: its child was never answered
         spill = Spill(self.folder, name=SPILL_NAME, reopen=True)
         self._file = open(path, "ab")  # noqa: SIM115 - kept open for the round
-        return Recovered(opened_at=float(head["opened_at"]), updates=updates, spill=spill)
+        return Recovered(opened_at=float(head["opened_at"]), updates=updates, spill=spill, receipts=receipts)
 
     def _append(self, doc: dict) -> None:
         assert self._file is not None

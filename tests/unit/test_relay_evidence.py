@@ -158,3 +158,35 @@ def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
     assert block.submit(head, {n: decode(Codec.FP32, b, SPEC[n]) for n, b in raw.items()}, raw=raw).outcome is \
         Outcome.ACCEPTED
     check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), SPEC)  # round 0's, bit for bit
+
+
+def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(tmp_path):
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust="mean"))
+
+    def relay_block():
+        b = RelayBlock(0, INIT, VersionStore(tmp_path, 0, keep=acfg.keep), acfg, clock=lambda: 1000.0,
+                       sketch_key=b"k" * 32)
+        out = []
+        b.on_combined = out.append
+        for w in CHILDREN:
+            b.register(w)
+        return b, out
+
+    def pushed(block, i, w, codec):
+        raw = {n: encode(codec, 0.01 * torch.randn(s, generator=torch.Generator().manual_seed(i))) for n, s in SPEC.items()}
+        head = PushHeader(worker_id=w, block=0, base_version=0, samples=float(1 + i), loss=1.0, codec=codec,
+                          update_id=f"{w}-u", steps=tuple(range(1 + i)))
+        block.digests[head.update_id] = frames_digest({n: hashlib.sha256(b).digest() for n, b in raw.items()})
+        block.receipts[head.update_id] = (head.samples, f"cert-{w}".encode(), f"sig-{w}".encode())  # as RelaySwarm.push
+        return block.submit(head, {n: decode(codec, raw[n], s) for n, s in SPEC.items()}, raw=raw)
+
+    block, _ = relay_block()
+    for i, (w, codec) in enumerate(list(CHILDREN.items())[:2]):
+        assert pushed(block, i, w, codec).outcome is Outcome.ACCEPTED
+    del block  # killed mid-round
+    again, out = relay_block()
+    assert pushed(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
+    (combined,) = out
+    assert [(e.worker_id, e.samples, e.cert, e.signature) for e in combined.manifest] == [
+        (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode()) for i, w in enumerate(CHILDREN)]
+    check_evidence(job_of(combined), again.unit, wire(again.evidence(combined)), SPEC)  # bytes taken up too
