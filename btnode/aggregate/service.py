@@ -440,7 +440,7 @@ class SwarmAggregator:
         until the relay's evidence recombines to it; the answer asks the relay for that evidence.
         `amends`: the child updates of the relay's combined update it replaces once it passes."""
         assert self.relay_audits is not None
-        judged = block.submit(header, dict(delta), raw=raw, hold=True, amends=amends)
+        judged = block.submit(header, delta, raw=raw, hold=True, amends=amends)
         if judged.outcome is not Outcome.PROBATION:
             return judged
         self.relay_audits.open(header, raw, amends)
