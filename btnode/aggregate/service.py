@@ -495,8 +495,9 @@ class SwarmAggregator:
                      "" if admitted else "; its round had closed: its children's updates missed it")
             return
         self.relays.pushed(h, False)
-        self.identities.revoke(h.worker_id, seen_only=False)
-        self.count("revoked", f"relay_{failed}")
+        if not self.identities.is_revoked(h.worker_id):  # (another of its pushes, an amendment, may fail too)
+            self.identities.revoke(h.worker_id, seen_only=False)
+            self.count("revoked", f"relay_{failed}")
         log.warning("relay %s revoked after a failed relay audit of combined push %s (%s): %s; the updates of its %d "
                     "children miss this round", h.worker_id, h.update_id[:8], failed, detail, len(h.manifest))
         self._drop(h.worker_id, f"relay_audit_{failed}")

@@ -392,7 +392,7 @@ def test_a_relay_audit_passes_an_honest_relay_and_revokes_one_that_nudges_one_va
     assert any(set(stats[w]["accepted_updates"]) & went_in for w in ("w2", "w3")), stats
     text = scrape(metrics)
     assert event(text, "relay_audits", "passed") >= 1, text
-    assert event(text, "relay_audits", "evidence") == 1, text
+    assert event(text, "relay_audits", "evidence") >= 1, text  # (an amendment of its round may be drawn and fail too)
     assert event(text, "revoked", "relay_evidence") == 1, text
     assert event(text, "evidence_refused", "evidence") >= 1, text
     st = c.status_dict()["blocks"][0]

@@ -144,6 +144,11 @@ def test_a_relay_audit_without_evidence_in_time_revokes_the_relay_and_keeps_its_
     assert agg.counters[("revoked", "relay_timeout")] == 1 and agg.relay_audits.waiting_for("x") is None
     with pytest.raises(MalformedInput, match="no relay audit waits"):
         agg.submit_evidence(h, 1.0, [])
+    h2 = replace(h, update_id="y")  # another of its pushes (an amendment) failing too: one revocation
+    agg.relay_audits.open(h2, {})
+    now[0] = 12.0
+    agg.expire_relay_audits()
+    assert agg.counters[("relay_audits", "timeout")] == 2 and agg.counters[("revoked", "relay_timeout")] == 1
 
 
 def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
