@@ -36,7 +36,6 @@ TRANSFERS = ("Push", "SubmitState", "Pull", "FetchDelta")
 LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
 LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
                  "call_budget", "transfer_wait")  # a refusal's reason: a client backs off and retries
-WAIT_SLICE_S = 0.5  # a waiting transfer checks this often whether its caller went away
 SPARE_THREADS = 32  # past the budgets: room for calls that are only being refused
 
 
@@ -58,7 +57,7 @@ class PeerLimits:
                                default=1024, min=0)
     transfer_wait_s: float = flag("--transfer-wait-s", "How long a transfer may wait for a slot (less if its own "
                                                        "deadline comes sooner) before it is refused for now.",
-                                  default=30.0, min=0)
+                                  default=60.0, min=0)
     max_calls: int = 64  # other calls in progress at once (Join, Leave, Status, Revoke, health)
     max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/SubmitState/Pull/FetchDelta streams one IP "
                                                      "may hold.",
@@ -91,12 +90,15 @@ def peer_host(peer: str) -> str:
 
 
 class _Waiter:
-    """A transfer waiting for a slot; `granted` is set by the call that hands it its slot."""
+    """A transfer waiting for a slot: woken (`woken`) when a call hands it its slot (`granted`) or
+    when its caller goes away. It sleeps until then: a thousand waiters that polled every half
+    second starved the node's other threads (the watchdog's keep-alives 22 s apart at N = 1,024)."""
 
-    __slots__ = ("granted",)
+    __slots__ = ("granted", "woken")
 
     def __init__(self) -> None:
-        self.granted = threading.Event()
+        self.granted = False
+        self.woken = threading.Event()
 
 
 class PeerLimiter(grpc.ServerInterceptor):
@@ -153,14 +155,11 @@ class PeerLimiter(grpc.ServerInterceptor):
         """Wait for the slot `waiter` queued for: None once it has it, else the refusal reason (and out
         of the queue). Bounded by --transfer-wait-s and by the call's own deadline."""
         left = context.time_remaining()
-        until = time.monotonic() + min(self.limits.transfer_wait_s, math.inf if left is None else max(0.0, left - 1.0))
-        while not waiter.granted.is_set():
-            now = time.monotonic()
-            if now >= until or not context.is_active():
-                break
-            waiter.granted.wait(min(WAIT_SLICE_S, until - now))
+        wait_s = min(self.limits.transfer_wait_s, math.inf if left is None else max(0.0, left - 1.0))
+        if context.add_callback(waiter.woken.set):  # False: the call has ended already
+            waiter.woken.wait(wait_s)
         with self._lock:
-            if waiter.granted.is_set():  # granted, perhaps just as it gave up: the slot is its own
+            if waiter.granted:  # granted, perhaps just as it gave up: the slot is its own
                 self.waited += 1
                 return None
             self._waiting.remove(waiter)
@@ -182,7 +181,9 @@ class PeerLimiter(grpc.ServerInterceptor):
             if self._open[(peer, kind)] <= 0:
                 del self._open[(peer, kind)]
             if kind == "transfer" and self._waiting:
-                self._waiting.popleft().granted.set()  # its peer's stream was counted when it queued
+                waiter = self._waiting.popleft()  # its peer's stream was counted when it queued
+                waiter.granted = True
+                waiter.woken.set()
             else:
                 self._total[kind] -= 1
 
