@@ -238,6 +238,41 @@ def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
         server.stop(0).wait()
 
 
+def test_a_waiting_transfer_whose_caller_leaves_leaves_the_queue(tmp_path):
+    """A pull waiting for the only slot is cancelled by its client: it leaves the queue at once (not
+    after --transfer-wait-s, 60 s here) and holds nothing; the next transfer gets the slot in turn."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1")
+    limiter = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=60))
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
+    address = f"127.0.0.1:{port}"
+    release, results = threading.Event(), queue.Queue()
+    pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
+    pusher.start()
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        assert results.get(timeout=20) == ("sent", "w0")
+        call = pb_grpc.SwarmStub(channel).Pull(pb.PullRequest(block=0, worker_id="w1"), timeout=60)
+        deadline = time.monotonic() + 20
+        while limiter.waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert limiter.waiting() == 1
+        call.cancel()
+        t0 = time.monotonic()
+        while limiter.waiting() and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert limiter.waiting() == 0 and time.monotonic() - t0 < 5
+        assert agg.counters[("limited", "transfer_wait")] == 1  # counted as a wait that ended unserved
+        release.set()
+        assert results.get(timeout=20)[0] == "ok"
+        assert limiter.open_streams() == 0
+    finally:
+        release.set()
+        channel.close()
+        pusher.join(timeout=10)
+        server.stop(0).wait()
+
+
 def test_version_streams_have_their_own_budget(tmp_path):
     """Two connected workers at most: a third Watch is refused (watch_budget) while pushes and pulls,
     which draw on the transfer budget, are still served."""
