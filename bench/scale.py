@@ -243,14 +243,14 @@ def wait_ready(out: Path, sims: list[subprocess.Popen], timeout_s: float = 900) 
 
 
 def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
-            kill: bool = False, seed: int = 0) -> dict:
+            kill: bool = False, seed: int = 0, root_args: tuple[str, ...] = ()) -> dict:
     """One row: start the root (and relays), N simulated workers, `rounds` rounds; measure."""
     if out.exists():
         shutil.rmtree(out)  # a row starts from an empty state folder, and reads only its own events
     out.mkdir(parents=True)
     notes = Notifications(out / "notify.sock")
     metrics_port = free_port()
-    cmd = root_command(cfg, out, n, metrics_port, deadline)
+    cmd = [*root_command(cfg, out, n, metrics_port, deadline), *root_args]
     env = one_thread_env(NOTIFY_SOCKET=str(notes.path), WATCHDOG_USEC=str(WATCHDOG_USEC))
     root = start_node(cmd[len(CLI):], port_file=out / "root.port", log=out / "root.log", env=env, name="aggregator",
                       timeout_s=300)
@@ -401,6 +401,7 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "errors_by_call": dict(errors),
         "root_limited": {dict(lb).get("reason", ""): v for (nm, lb), v in m1.items()
                          if nm == "btnode_swarm_events_total" and dict(lb).get("event") == "limited"},
+        "root_queued": metric(m1, "btnode_swarm_events_total", event="queued"),  # transfers that waited for a slot
         "pulls_served": metric(m1, "btnode_rpc_duration_seconds_count", call="pull"),
         "delta_fetches_served": delta("btnode_rpc_duration_seconds_count", call="fetch_delta"),
         "root_cpu_s": cpu,
@@ -625,6 +626,8 @@ def main() -> None:
     ap.add_argument("--kill-only", action="store_true", help="only the kill run, at the largest N")
     ap.add_argument("--code", default="", help="label of these rows (default: the commit)")
     ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
+    ap.add_argument("--root-args", default="", help="more flags for the root, space-separated (a lever to try: "
+                                                    "'--max-transfers 16'); they show in each row's command")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
     ap.add_argument("--unit-row", action="store_true",
                     help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
@@ -642,7 +645,7 @@ def main() -> None:
     new = []
     for n in () if args.kill_only else sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
-                      deadline=args.deadline)
+                      deadline=args.deadline, root_args=tuple(args.root_args.split()))
         row.update(code=code, kill=False, bench_command=invoked())
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)

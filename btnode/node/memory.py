@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 with 4 KiB pages), v2 as
 # "max"; anything from 2^62 up is that sentinel, not a limit.
 UNLIMITED = 1 << 62
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt's parameters (malloc.h)
+ARENAS = 2  # glibc heaps shared by a node's threads (its default: 8 per core)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -150,13 +151,18 @@ def check_worker(cfg: ModelConfig, *, block: int, batch: int, codec: Codec, sett
 
 
 def return_freed_memory() -> bool:
-    """Make glibc hand large freed blocks back to the kernel (issue #25). By default glibc raises its
-    mmap threshold each time a large block is freed (up to 32 MiB), after which tensors of that size
-    come from the heap and their pages stay with the process when freed: an aggregator's RSS then
-    stays at the peak of its largest close for good. A fixed 128 KiB threshold keeps every tensor
-    above it mmapped, so freeing it returns its pages. True if set (glibc only)."""
+    """Make glibc hand large freed blocks back to the kernel, and keep fewer heaps (issue #25). By
+    default glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
+    which tensors of that size come from the heap and their pages stay with the process when freed:
+    an aggregator's RSS then stays at the peak of its largest close for good. A fixed 128 KiB
+    threshold keeps every tensor above it mmapped, so freeing it returns its pages. And glibc gives
+    threads their own heaps (arenas, up to 8 per core), each keeping what was freed in it: with a
+    server thread per connected worker, ARENAS of them took the root's peak RSS at 256 simulated
+    workers from 499 to 457 MB (bench/scale.py, MALLOC_ARENA_MAX=2; BENCHMARKS.md's scale notes).
+    Call it before the server's threads start. True if set (glibc only)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
+                and bool(libc.mallopt(M_ARENA_MAX, ARENAS)))
     except (OSError, AttributeError):
         return False

@@ -1,8 +1,13 @@
 """Call limits (issues #7, #25): per peer, how many streams one IP may hold and how often it may
 join; over all peers, separate budgets for version streams (Watch), transfers and other calls, so
-that a thousand held version streams never starve a push or a pull. Over a limit the call is
-refused with RESOURCE_EXHAUSTED before its handler runs, with its reason in trailing metadata,
-counted (`on_refusal`) and logged (at most one line per reason every LOG_EVERY_S).
+that a thousand held version streams never starve a push or a pull. A transfer that finds the
+transfer budget full waits for a slot (first come, first served) before its handler reads a byte,
+so that HTTP/2 flow control holds its sender (the server reads no payload it has no slot for:
+rpc/server.py turns off BDP probing, which would open each stream's window to its whole upload);
+it is refused only when --transfer-queue transfers already wait or it waited --transfer-wait-s.
+Over a limit the call is refused with RESOURCE_EXHAUSTED before its handler runs, with its
+reason in trailing metadata, counted (`on_refusal`) and logged (at most one line per reason
+every LOG_EVERY_S).
 
 The server's threads and gRPC's own cap are sized from these budgets (`PeerLimits.threads`), so
 gRPC's silent refusal is never the one a worker meets. Frame, chunk and update sizes are limited
@@ -13,6 +18,7 @@ slack, an update = exactly the block's tensors; gRPC messages ≤ 4 MiB).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, defaultdict, deque
@@ -29,7 +35,7 @@ SERVICE = "/btnode.v1.Swarm/"
 TRANSFERS = ("Push", "SubmitState", "SubmitEvidence", "Pull", "FetchDelta")
 LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
 LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
-                 "call_budget")  # a refusal's reason: a client backs off and retries
+                 "call_budget", "transfer_wait")  # a refusal's reason: a client backs off and retries
 SPARE_THREADS = 32  # past the budgets: room for calls that are only being refused
 
 
@@ -45,6 +51,13 @@ class PeerLimits:
                                                  "--decode-slots decodes it; a pull, one tensor's frame at a time); "
                                                  "more are refused for now and retried by their clients.",
                               default=64, min=1)
+    transfer_queue: int = flag("--transfer-queue", "Transfers that may wait for a slot when --max-transfers are in "
+                                                   "progress (each holds a server thread and at most one flow-control "
+                                                   "window of its upload, not the upload); more are refused for now.",
+                               default=1024, min=0)
+    transfer_wait_s: float = flag("--transfer-wait-s", "How long a transfer may wait for a slot (less if its own "
+                                                       "deadline comes sooner) before it is refused for now.",
+                                  default=60.0, min=0)
     max_calls: int = 64  # other calls in progress at once (Join, Leave, Status, Revoke, health)
     max_streams: int = flag("--max-streams-per-peer", "Concurrent Push/SubmitState/Pull/FetchDelta streams one IP "
                                                      "may hold.",
@@ -56,8 +69,9 @@ class PeerLimits:
 
     @property
     def threads(self) -> int:
-        """Server threads (and gRPC's own cap on calls in progress): every budget full, plus spare."""
-        return self.max_workers + self.max_transfers + self.max_calls + SPARE_THREADS
+        """Server threads (and gRPC's own cap on calls in progress): every budget and the transfer queue
+        full, plus spare."""
+        return self.max_workers + self.max_transfers + self.transfer_queue + self.max_calls + SPARE_THREADS
 
 
 def kind_of(full_method: str) -> str:
@@ -75,17 +89,33 @@ def peer_host(peer: str) -> str:
     return host.strip("[]")
 
 
+class _Waiter:
+    """A transfer waiting for a slot: woken (`woken`) when a call hands it its slot (`granted`) or
+    when its caller goes away. It sleeps until then: a thousand waiters that polled every half
+    second starved the node's other threads (the watchdog's keep-alives 22 s apart at N = 1,024)."""
+
+    __slots__ = ("granted", "woken")
+
+    def __init__(self) -> None:
+        self.granted = False
+        self.woken = threading.Event()
+
+
 class PeerLimiter(grpc.ServerInterceptor):
     def __init__(self, limits: PeerLimits, on_refusal: Callable[[str], None] = lambda reason: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_queued: Callable[[], None] = lambda: None):
+        """`on_refusal(reason)` counts each refusal; `on_queued()` each transfer that had to wait for a slot."""
         self.limits = limits
-        self.on_refusal = on_refusal
+        self.on_refusal, self.on_queued = on_refusal, on_queued
         self.clock = clock
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], int] = defaultdict(int)  # (peer, kind) → open calls
         self._total: Counter[str] = Counter()  # kind → open calls over all peers
         self._joins: dict[str, deque[float]] = defaultdict(deque)
         self._quiet: dict[str, tuple[float, int]] = {}  # reason → (last logged at, refused since)
+        self._waiting: deque[_Waiter] = deque()  # transfers waiting for a slot, first come first served
+        self.waited = 0  # transfers that waited for a slot and got one
+        self.most_waiting = 0  # the longest the queue has been
 
     def _budget(self, kind: str) -> tuple[int, int]:
         """(per peer, over all peers) for calls of `kind`."""
@@ -93,8 +123,9 @@ class PeerLimiter(grpc.ServerInterceptor):
         return {"watch": (lim.max_watches, lim.max_workers), "transfer": (lim.max_streams, lim.max_transfers),
                 "call": (lim.max_calls, lim.max_calls)}[kind]
 
-    def _admit(self, peer: str, full_method: str) -> str | None:
-        """None if admitted (and counted), else the refusal reason."""
+    def _admit(self, peer: str, full_method: str) -> str | _Waiter | None:
+        """None if admitted (and counted); a _Waiter if it is queued for a transfer slot (counted against
+        its peer's streams already); else the refusal reason."""
         kind = kind_of(full_method)
         with self._lock:
             if full_method == SERVICE + "Join":
@@ -105,13 +136,37 @@ class PeerLimiter(grpc.ServerInterceptor):
                     return "join_rate"
                 q.append(now)
             per_peer, overall = self._budget(kind)
-            if self._total[kind] >= overall:
-                return f"{kind}_budget"
             if self._open[(peer, kind)] >= per_peer:
                 return f"{kind}_streams" if kind != "call" else "calls"
+            if self._total[kind] >= overall or (kind == "transfer" and self._waiting):  # no overtaking the queue
+                if kind != "transfer" or len(self._waiting) >= self.limits.transfer_queue:
+                    return f"{kind}_budget"
+                self._open[(peer, kind)] += 1
+                waiter = _Waiter()
+                self._waiting.append(waiter)
+                self.most_waiting = max(self.most_waiting, len(self._waiting))
+                self.on_queued()
+                return waiter
             self._open[(peer, kind)] += 1
             self._total[kind] += 1
             return None
+
+    def _wait(self, waiter: _Waiter, peer: str, context: grpc.ServicerContext) -> str | None:
+        """Wait for the slot `waiter` queued for: None once it has it, else the refusal reason (and out
+        of the queue). Bounded by --transfer-wait-s and by the call's own deadline."""
+        left = context.time_remaining()
+        wait_s = min(self.limits.transfer_wait_s, math.inf if left is None else max(0.0, left - 1.0))
+        if context.add_callback(waiter.woken.set):  # False: the call has ended already
+            waiter.woken.wait(wait_s)
+        with self._lock:
+            if waiter.granted:  # granted, perhaps just as it gave up: the slot is its own
+                self.waited += 1
+                return None
+            self._waiting.remove(waiter)
+            self._open[(peer, "transfer")] -= 1
+            if self._open[(peer, "transfer")] <= 0:
+                del self._open[(peer, "transfer")]
+        return "transfer_wait"
 
     def open_streams(self, kind: str = "transfer") -> int:
         """Calls of `kind` ("transfer", "watch" or "call") admitted and not yet ended, over all peers."""
@@ -119,12 +174,23 @@ class PeerLimiter(grpc.ServerInterceptor):
             return self._total[kind]
 
     def _release(self, peer: str, full_method: str) -> None:
+        """End a call; a transfer's slot passes to the first one waiting, if any."""
         kind = kind_of(full_method)
         with self._lock:
-            self._total[kind] -= 1
             self._open[(peer, kind)] -= 1
             if self._open[(peer, kind)] <= 0:
                 del self._open[(peer, kind)]
+            if kind == "transfer" and self._waiting:
+                waiter = self._waiting.popleft()  # its peer's stream was counted when it queued
+                waiter.granted = True
+                waiter.woken.set()
+            else:
+                self._total[kind] -= 1
+
+    def waiting(self) -> int:
+        """Transfers waiting for a slot now."""
+        with self._lock:
+            return len(self._waiting)
 
     def _refused(self, reason: str, method: str, peer: str) -> None:
         """Count every refusal; log the first of a reason, then at most one line per LOG_EVERY_S."""
@@ -137,6 +203,7 @@ class PeerLimiter(grpc.ServerInterceptor):
                 return
             self._quiet[reason] = (now, 0)
         held = ", ".join(f"{k} {n}" for k, n in sorted(self._total.items()))
+        held += f", {len(self._waiting)} waiting for a transfer slot" if self._waiting else ""
         log.warning("refused %s from %s: over the limit (%s; in progress: %s)%s", method, peer, reason, held or "none",
                     f"; {since} more refused since the last line" if since else "")
 
@@ -152,6 +219,8 @@ class PeerLimiter(grpc.ServerInterceptor):
             def call(request: Any, context: grpc.ServicerContext) -> Any:
                 peer = peer_host(context.peer())
                 reason = limiter._admit(peer, full_method)
+                if isinstance(reason, _Waiter):  # its payload stays with its sender while it waits
+                    reason = limiter._wait(reason, peer, context)
                 if reason is not None:
                     limiter._refused(reason, method, peer)
                     context.set_trailing_metadata((("btnode-reason", reason),))

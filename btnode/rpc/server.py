@@ -52,7 +52,16 @@ CHANNEL_OPTIONS = [
 ]
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/evidence.py)
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # No BDP probing on what the server receives: with it, gRPC grows each connection's window to the
+    # bandwidth-delay product it measures (on a LAN, past a whole 1 MB upload), and a push waiting for
+    # a transfer slot (rpc/limits.py) had its payload read into the server anyway: +0.95 MB of RSS per
+    # waiting 1 MB push, against +0.03 MB without (64 waiting pushes, measured). Without it a stream's
+    # window is 64 KB plus the message being read (a chunk ≤ 1 MiB); what the server sends is paced by
+    # its clients' windows, which keep BDP probing.
+    ("grpc.http2.bdp_probe", 0),
+]
 
 
 def _abort(context: grpc.ServicerContext, exc: BtnodeError) -> None:
@@ -389,8 +398,8 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
 
     The limiter's budgets (rpc/limits.py) refuse a call before gRPC's own cap would: the thread
     pool and `maximum_concurrent_rpcs` are sized past them (`PeerLimits.threads`; a sync server
-    holds one thread per call in progress, a held version stream included, about 16 KB of RSS
-    each). A `PeerLimiter` given in place of `limits` is used as it is (a caller that wants to
+    holds one thread per call in progress, a held version stream and a transfer waiting for its
+    slot included, about 16 KB of RSS each). A `PeerLimiter` given in place of `limits` is used as it is (a caller that wants to
     watch its open streams)."""
     stop = threading.Event()
     sec = security or current()
@@ -398,6 +407,7 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
     limited = lambda reason: agg.count("limited", reason)  # noqa: E731
     limiter = limits if isinstance(limits, PeerLimiter) else PeerLimiter(limits or PeerLimits())
     limiter.on_refusal = limited
+    limiter.on_queued = lambda: agg.count("queued", "transfer")
     threads = limiter.limits.threads
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
@@ -408,7 +418,8 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
     port = bind(server, address, sec)
     server.start()
-    log.info("serving up to %d connected workers (version streams), %d transfers and %d other calls at once "
-             "(%d threads at most)", limiter.limits.max_workers, limiter.limits.max_transfers,
-             limiter.limits.max_calls, threads)
+    lim = limiter.limits
+    log.info("serving up to %d connected workers (version streams), %d transfers (%d more waiting) and %d other "
+             "calls at once (%d threads at most)", lim.max_workers, lim.max_transfers, lim.transfer_queue,
+             lim.max_calls, threads)
     return server, port, stop

@@ -136,11 +136,12 @@ def test_joins_per_minute_are_limited_per_peer(limited):
 
 
 def test_a_refused_pull_is_retried_with_backoff_until_a_transfer_slot_frees(tmp_path):
-    """One transfer at a time over all peers: a pull made while a push holds the only slot is refused
-    (counted by the server as transfer_budget), retried by the client, and served once the push ends."""
+    """One transfer at a time over all peers and no queue: a pull made while a push holds the only slot
+    is refused (counted by the server as transfer_budget), retried by the client, and served once the
+    push ends."""
     agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
     join(agg, CFG, "w0", "w1")
-    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1))
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1, transfer_queue=0))
     address = f"127.0.0.1:{port}"
     release, results = threading.Event(), queue.Queue()
     pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
@@ -163,6 +164,111 @@ def test_a_refused_pull_is_retried_with_backoff_until_a_transfer_slot_frees(tmp_
     finally:
         release.set()
         c.close()
+        pusher.join(timeout=10)
+        server.stop(0).wait()
+
+
+def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
+    """One transfer slot, a queue of two: while a push holds the slot, two pulls wait (no refusal, no
+    retry) and are served in the order they came once it ends; a third finds the queue full and is
+    refused (transfer_budget), and one that waits longer than --transfer-wait-s is refused
+    (transfer_wait). Every wait and refusal is counted."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1", "w2", "w3", "w4")
+    limiter = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=60))
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
+    address = f"127.0.0.1:{port}"
+    release, results = threading.Event(), queue.Queue()
+    pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
+    pusher.start()
+    c = SwarmClient(address, timeout_s=30, retry=Retry(budget_s=0))
+    served: queue.Queue = queue.Queue()
+
+    def pull(worker: str) -> None:
+        try:
+            served.put((worker, c.pull(0, worker, agg.block(0).spec).info.version))
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread
+            served.put((worker, exc))
+
+    pullers = []
+    try:
+        assert results.get(timeout=20) == ("sent", "w0")  # the push holds the only slot
+        for i, worker in enumerate(("w1", "w2")):
+            pullers.append(threading.Thread(target=pull, args=(worker,)))
+            pullers[-1].start()
+            deadline = time.monotonic() + 20
+            while limiter.waiting() < i + 1 and time.monotonic() < deadline:  # queued in this order
+                time.sleep(0.01)
+            assert limiter.waiting() == i + 1
+        with pytest.raises(Overloaded) as err:  # the queue is full
+            c.pull(0, "w3", agg.block(0).spec)
+        assert err.value.reason == "transfer_budget"
+        assert served.empty()  # the two queued pulls still wait: neither was refused
+        release.set()
+        assert [served.get(timeout=20) for _ in range(2)] == [("w1", 0), ("w2", 0)]
+        assert results.get(timeout=20)[0] == "ok"
+        assert agg.counters[("queued", "transfer")] == 2 and limiter.waited == 2
+        assert agg.counters[("limited", "transfer_budget")] == 1 and not c.retries
+        assert limiter.open_streams() == 0 and limiter.waiting() == 0
+
+        short = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=0.5))
+        server2, port2, _ = serve(agg, "127.0.0.1:0", limits=short)
+        try:
+            hold, again = threading.Event(), queue.Queue()
+            holder = threading.Thread(target=held_push, args=(f"127.0.0.1:{port2}", CFG, "w4", hold, again))
+            holder.start()
+            assert again.get(timeout=20) == ("sent", "w4")
+            c2 = SwarmClient(f"127.0.0.1:{port2}", timeout_s=30, retry=Retry(budget_s=0))
+            t0 = time.monotonic()
+            with pytest.raises(Overloaded) as err:  # waited its 0.5 s, then refused
+                c2.pull(0, "w1", agg.block(0).spec)
+            assert err.value.reason == "transfer_wait" and time.monotonic() - t0 >= 0.5
+            assert agg.counters[("limited", "transfer_wait")] == 1 and short.waiting() == 0
+            hold.set()
+            holder.join(timeout=20)
+            c2.close()
+        finally:
+            server2.stop(0).wait()
+    finally:
+        release.set()
+        c.close()
+        pusher.join(timeout=10)
+        for t in pullers:
+            t.join(timeout=10)
+        server.stop(0).wait()
+
+
+def test_a_waiting_transfer_whose_caller_leaves_leaves_the_queue(tmp_path):
+    """A pull waiting for the only slot is cancelled by its client: it leaves the queue at once (not
+    after --transfer-wait-s, 60 s here) and holds nothing; the next transfer gets the slot in turn."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
+    join(agg, CFG, "w0", "w1")
+    limiter = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=60))
+    server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
+    address = f"127.0.0.1:{port}"
+    release, results = threading.Event(), queue.Queue()
+    pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
+    pusher.start()
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        assert results.get(timeout=20) == ("sent", "w0")
+        call = pb_grpc.SwarmStub(channel).Pull(pb.PullRequest(block=0, worker_id="w1"), timeout=60)
+        deadline = time.monotonic() + 20
+        while limiter.waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert limiter.waiting() == 1
+        call.cancel()
+        t0 = time.monotonic()
+        while limiter.waiting() and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert limiter.waiting() == 0 and time.monotonic() - t0 < 5
+        assert agg.counters[("limited", "transfer_wait")] == 1  # counted as a wait that ended unserved
+        release.set()
+        assert results.get(timeout=20)[0] == "ok"
+        assert limiter.open_streams() == 0
+    finally:
+        release.set()
+        channel.close()
         pusher.join(timeout=10)
         server.stop(0).wait()
 
@@ -262,7 +368,7 @@ def test_a_worker_outlives_a_refused_pull_and_a_refused_version_stream(tmp_path)
     tc, h = TrainConfig(steps=200, warmup=2), ClaimConfig().steps_per_round  # the claims `held_push` makes
     agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=2.0)), tmp_path)
     join(agg, CFG, "other")
-    server, port, stop = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1, max_workers=1))
+    server, port, stop = serve(agg, "127.0.0.1:0", limits=PeerLimits(max_transfers=1, max_workers=1, transfer_queue=0))
     address = f"127.0.0.1:{port}"
     done = threading.Event()
     ticker = threading.Thread(target=lambda: [agg.tick() for _ in iter(lambda: done.wait(0.05), True)], daemon=True)
@@ -314,3 +420,87 @@ def _run(worker):
         return worker.run()
     except BaseException as exc:  # noqa: BLE001 - handed to the test thread
         return exc
+
+
+def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
+    """A real aggregator process with one transfer slot and a queue: 24 workers each push once (so that
+    every connection has carried a full upload, as a worker's has after its first round), then, while
+    another push holds the slot, each pushes again and waits. The waiting pushes' payloads stay with
+    their senders (HTTP/2 flow control; rpc/server.py turns off BDP probing, which let the server read
+    a waiting push's whole upload): the server's RSS grows by a small part of their bytes. Then the
+    slot frees and every waiting push is answered, none refused."""
+    cfg = ModelConfig()  # the swarm's default block: 3.2 MB of fp32, ~0.8 MB an int8 upload
+    k, port = 24, free_port()
+    proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
+                             str(tmp_path / "s"), "--max-transfers", "1", "--transfer-queue", "64",
+                             "--max-streams-per-peer", "64", "--max-joins-per-minute", "64"],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(tmp_path / "agg.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    spec = {n: tuple(t.shape) for n, t in init_block(cfg, 0, 0).state_dict().items()}
+    g = torch.Generator().manual_seed(0)  # random values: an upload zstd cannot shrink
+    chunks = list(iter_chunks(encode_frames({n: 1e-3 * (torch.rand(s, generator=g) - 0.5) for n, s in spec.items()},
+                                            Codec.INT8)))
+    upload_mb = sum(len(c.data) for c in chunks) / 2**20
+    channels = [grpc.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(k)]
+
+    def push(i: int, attempt: int) -> int:
+        header = PushHeader(worker_id=f"w{i}", block=0, base_version=0, samples=float(TrainConfig.batch), loss=1.0,
+                            codec=Codec.INT8, update_id=f"w{i}-{attempt}", steps=(0,))
+        messages = [pb.PushMessage(header=convert.push_header_to_pb(header)),
+                    *(pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in chunks)]
+        return pb_grpc.SwarmStub(channels[i]).Push(iter(messages), timeout=120).outcome
+
+    try:
+        c = SwarmClient(address, timeout_s=5)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c.status()
+                break
+            except Exception:  # noqa: BLE001 - starting
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        join(c, cfg, "holder", *(f"w{i}" for i in range(k)))
+        for i in range(k):  # one at a time: each connection carries a whole upload
+            push(i, 0)
+        release, held = threading.Event(), queue.Queue()
+        holder = threading.Thread(target=held_push, args=(address, cfg, "holder", release, held))
+        holder.start()
+        assert held.get(timeout=60) == ("sent", "holder")
+        time.sleep(0.5)
+        before = rss_mb(proc.pid)
+        answers: queue.Queue = queue.Queue()
+
+        def second(i: int) -> None:
+            try:
+                answers.put(("answered", push(i, 1)))
+            except grpc.RpcError as err:
+                answers.put(("refused", err.code()))
+
+        pushers = [threading.Thread(target=second, args=(i,)) for i in range(k)]
+        for t in pushers:
+            t.start()
+
+        def queued() -> float:
+            return sum(e["value"] for e in c.status_dict()["counters"] if e["name"] == "queued")
+
+        deadline = time.monotonic() + 60
+        while queued() < k and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert queued() == k and answers.empty()  # all waiting, none refused
+        time.sleep(2.0)  # what each sender may send without a slot has arrived
+        waiting = rss_mb(proc.pid)
+        release.set()
+        got = [answers.get(timeout=120) for _ in range(k)]
+        assert all(kind == "answered" for kind, _ in got), got[:3]
+        growth = waiting - before
+        print(f"aggregator RSS: {before:.0f} MB with the slot held, {waiting:.0f} MB with {k} pushes of "
+              f"{upload_mb:.2f} MB waiting (+{growth / k:.3f} MB a push)")
+        assert growth < 0.25 * k * upload_mb, (growth, k * upload_mb)
+        c.close()
+    finally:
+        for ch in channels:
+            ch.close()
+        proc.terminate()
+        proc.wait(timeout=60)
