@@ -77,6 +77,19 @@ def limited(tmp_path):
     server.stop(0).wait()
 
 
+
+def serving(address: str, proc: subprocess.Popen) -> SwarmClient:
+    """A client of the aggregator process at `address`, once it answers."""
+    c = SwarmClient(address, timeout_s=5)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            c.status()
+            return c
+        except Exception:  # noqa: BLE001 - starting
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+
 def test_a_peer_may_hold_only_so_many_transfer_streams(limited):
     address, agg, limiter = limited
     release, results = threading.Event(), queue.Queue()
@@ -319,15 +332,7 @@ def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
                             stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     try:
-        c = SwarmClient(address, timeout_s=5)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                c.status()
-                break
-            except Exception:  # noqa: BLE001 - starting
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.2)
+        c = serving(address, proc)
         join(c, cfg, *(f"w{i}" for i in range(50)))
         c.close()
         idle = rss_mb(proc.pid)
@@ -452,15 +457,7 @@ def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
         return pb_grpc.SwarmStub(channels[i]).Push(iter(messages), timeout=120).outcome
 
     try:
-        c = SwarmClient(address, timeout_s=5)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                c.status()
-                break
-            except Exception:  # noqa: BLE001 - starting
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.2)
+        c = serving(address, proc)
         join(c, cfg, "holder", *(f"w{i}" for i in range(k)))
         for i in range(k):  # one at a time: each connection carries a whole upload
             push(i, 0)
