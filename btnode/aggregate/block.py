@@ -113,6 +113,8 @@ class BlockStatus:
     relays: tuple = ()  # manifests.RelayRecord of each relay pushing here (filled by SwarmAggregator)
 
 
+FORGET_AFTER = 2  # deadline rounds in a row a replica without a stream here may miss before it is not waited for
+
 class BlockAggregator:
     def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
                  clock: Callable[[], float] = time.time, name: str = "", sketch_key: bytes = b""):
@@ -128,7 +130,8 @@ class BlockAggregator:
         self.residual: Tensors = {}
         self.registered: set[str] = set()
         self.streams: Counter = Counter()  # worker id → its version streams open here (rpc/server.py Watch)
-        self.forgotten: set[str] = set()  # not waited for since they missed a round (`_forget_silent`)
+        self.forgotten: set[str] = set()  # not waited for since they missed rounds (`_forget_silent`)
+        self.missed: Counter = Counter()  # worker id → deadline rounds in a row it missed without a stream here
         self.counters: Counter = Counter()  # (outcome, reason) → count
         self.rounds_closed: Counter = Counter()  # closed_by → count
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
@@ -200,10 +203,19 @@ class BlockAggregator:
         self.unregister(worker_id)
 
     def _forget_silent(self) -> None:
-        """At a deadline close: stop waiting for the registered workers that did not report and hold no
-        version stream here (workers under relays: their relay tells us when their streams end, but a
-        relay that died cannot), until they report again (`_take`, through a relay's manifest)."""
-        silent = sorted(w for w in self.registered - self.round.reported if not self.streams.get(w))
+        """At a deadline close: stop waiting for the registered workers that missed FORGET_AFTER deadline
+        rounds in a row without a version stream here (workers under relays: their relay tells us when
+        their streams end, but a relay that died cannot), until they report again (`_recall`). Not after
+        one: a dead relay's live children join again through a spare and report in the next round,
+        whose close must wait for them (forgotten after one round, they were not, and the spare's
+        push came late: 95 updates lost in a kill run at N = 1,024)."""
+        missing = [w for w in self.registered - self.round.reported if not self.streams.get(w)]
+        for w in set(self.missed) - set(missing):
+            del self.missed[w]
+        self.missed.update(missing)
+        silent = sorted(w for w in missing if self.missed[w] >= FORGET_AFTER)
+        for w in silent:
+            del self.missed[w]
         if silent:
             self.registered.difference_update(silent)
             self.forgotten.update(silent)
@@ -354,6 +366,8 @@ class BlockAggregator:
         """Workers that reported again (any answer, or listed in a relay's manifest) are waited for again."""
         back = self.forgotten.intersection(workers)
         self.forgotten.difference_update(back)
+        for w in workers:
+            self.missed.pop(w, None)
         self.registered.update(back)
 
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
