@@ -31,7 +31,7 @@ class RelayAuditConfig:
     rate: float = flag("--relay-audit-rate", "Share of relays' combined pushes checked bit for bit against their "
                                              "children's frames (0: none).", default=0.1)
     timeout_s: float = flag("--relay-audit-timeout", "Seconds a relay has to send the evidence of a combined push "
-                                                     "drawn for audit, before it is revoked.", default=20.0)
+                                                     "drawn for audit, before it is revoked.", default=120.0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rate <= 1 or self.timeout_s <= 0:
