@@ -201,3 +201,20 @@ def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_tak
     head = log_path.read_bytes().splitlines()[0].replace(b'"version":0', b'"version":7')
     log_path.write_bytes(head + b"\n")
     assert relay_block(tmp_path)[0].round.accepted == {}
+
+
+def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_than_amend(tmp_path):
+    now = [1000.0]
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0])
+    out: list[Combined] = []
+    block.on_combined = out.append
+    block.register("d1")
+    block.submit(*child("d1", 1))
+    block.register("c1")
+    now[0] += 5  # within its 10 s deadline: an amendment still reaches the parent in time
+    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED and len(out) == 2
+    block.register("c2")
+    now[0] += 6  # past it: the parent closes soon, an amendment would come late
+    j = block.submit(*child("c2", 3))
+    assert j.outcome is Outcome.LATE and "deadline passed" in j.reason and len(out) == 2
+    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED  # a re-push still gets its answer
