@@ -181,19 +181,27 @@ def test_a_refused_pull_is_retried_with_backoff_until_a_transfer_slot_frees(tmp_
         server.stop(0).wait()
 
 
-def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
-    """One transfer slot, a queue of two: while a push holds the slot, two pulls wait (no refusal, no
-    retry) and are served in the order they came once it ends; a third finds the queue full and is
-    refused (transfer_budget), and one that waits longer than --transfer-wait-s is refused
-    (transfer_wait). Every wait and refusal is counted."""
+
+def one_slot_held(tmp_path: Path, *workers: str):
+    """An aggregator on a real server with one transfer slot and a queue of two, `workers` joined, and
+    w0's push holding the slot until `release` is set: (agg, limiter, server, address, release,
+    results, the pushing thread)."""
     agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
-    join(agg, CFG, "w0", "w1", "w2", "w3", "w4")
+    join(agg, CFG, *workers)
     limiter = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=60))
     server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
     address = f"127.0.0.1:{port}"
     release, results = threading.Event(), queue.Queue()
     pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
     pusher.start()
+    return agg, limiter, server, address, release, results, pusher
+
+def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
+    """One transfer slot, a queue of two: while a push holds the slot, two pulls wait (no refusal, no
+    retry) and are served in the order they came once it ends; a third finds the queue full and is
+    refused (transfer_budget), and one that waits longer than --transfer-wait-s is refused
+    (transfer_wait). Every wait and refusal is counted."""
+    agg, limiter, server, address, release, results, pusher = one_slot_held(tmp_path, "w0", "w1", "w2", "w3", "w4")
     c = SwarmClient(address, timeout_s=30, retry=Retry(budget_s=0))
     served: queue.Queue = queue.Queue()
 
@@ -254,14 +262,7 @@ def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
 def test_a_waiting_transfer_whose_caller_leaves_leaves_the_queue(tmp_path):
     """A pull waiting for the only slot is cancelled by its client: it leaves the queue at once (not
     after --transfer-wait-s, 60 s here) and holds nothing; the next transfer gets the slot in turn."""
-    agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
-    join(agg, CFG, "w0", "w1")
-    limiter = PeerLimiter(PeerLimits(max_transfers=1, transfer_queue=2, transfer_wait_s=60))
-    server, port, _ = serve(agg, "127.0.0.1:0", limits=limiter)
-    address = f"127.0.0.1:{port}"
-    release, results = threading.Event(), queue.Queue()
-    pusher = threading.Thread(target=held_push, args=(address, CFG, "w0", release, results))
-    pusher.start()
+    agg, limiter, server, address, release, results, pusher = one_slot_held(tmp_path, "w0", "w1")
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
         assert results.get(timeout=20) == ("sent", "w0")
