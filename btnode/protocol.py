@@ -88,6 +88,17 @@ class ManifestEntry:
     samples: float = 0.0  # the child's own weight claim (0: not stated), which `signature` covers
     cert: bytes = b""  # under mutual TLS: the child's certificate (PEM) and its signature over push_statement
     signature: bytes = b""
+    claim_sha256: str = ""  # claim_digest of the child's work claim ("": none), which `signature` covers
+    token: bytes = b""  # under a root that replays audits: its commit token for this update (Drawn.token)
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A root's answer to a relay committing a child update (SwarmAggregator.draw): `drawn`, the relay
+    pushes the update as it came, for a replay audit; else `token`, which its manifest entry carries."""
+
+    drawn: bool
+    token: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -224,9 +235,24 @@ def join_statement(worker_id: str, block: int, fingerprint: str, data_id: str, t
     return b"btnode-join\0" + json.dumps([worker_id, block, fingerprint, data_id, training]).encode()
 
 
+def claim_digest(claim: WorkClaim | None) -> str:
+    """sha256 (hex) of a work claim, "" for none: what a push receipt signs of it, so that a relay
+    passing a child's update on cannot change the claim a root audits it by."""
+    if claim is None:
+        return ""
+    return hashlib.sha256(json.dumps([getattr(claim, f) for f in WorkClaim.__dataclass_fields__]).encode()).hexdigest()
+
+
 def push_statement(worker_id: str, block: int, base_version: int, update_id: str, samples: float,
-                   digest: str) -> bytes:
+                   digest: str, claim_sha256: str = "") -> bytes:
     """What a worker signs when it pushes under mutual TLS: its push receipt. `digest`: the frames'
-    digest (aggregate/evidence.frames_digest), which a relay's manifest entry names."""
+    digest (aggregate/evidence.frames_digest), which a relay's manifest entry names; `claim_sha256`:
+    its work claim's claim_digest."""
     return b"btnode-push\0" + json.dumps([worker_id, block, base_version, update_id, float(samples).hex(),
-                                           digest]).encode()
+                                           digest, claim_sha256]).encode()
+
+
+def receipt_statement(header: PushHeader, digest: str) -> bytes:
+    """The push receipt of a worker's push `header` whose frames have `digest` (push_statement)."""
+    return push_statement(header.worker_id, header.block, header.base_version, header.update_id, header.samples,
+                          digest, claim_digest(header.claim))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from btnode.aggregate.accumulate import Accumulator, scaled
@@ -45,6 +45,17 @@ def frames_digest(frame_sha256: Mapping[str, bytes]) -> str:
         h.update(name.encode())
         h.update(frame_sha256[name])
     return h.hexdigest()
+
+
+def noting_digest(chunks: Iterable[ChunkData], then: Callable[[str], None]) -> Iterator[ChunkData]:
+    """`chunks` as they come; once they end, `then(frames_digest)` of their frames, before whoever reads
+    them goes on (it checks a signed receipt, or commits the update, before the update is judged)."""
+    frames: dict[str, bytes] = {}
+    for c in chunks:
+        if c.header is not None:
+            frames[c.header.name] = c.header.sha256
+        yield c
+    then(frames_digest(frames))
 
 
 @dataclass

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import torch
 
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator, RoundSummary
-from btnode.aggregate.evidence import frames_digest
+from btnode.aggregate.evidence import noting_digest
 from btnode.aggregate.identities import Identity
-from btnode.aggregate.roundlog import SPILL_NAME, Recovered, RoundLog
+from btnode.aggregate.roundlog import SPILL_NAME, Receipt, Recovered, RoundLog
 from btnode.aggregate.rounds import Update
 from btnode.aggregate.spill import Spill
 from btnode.aggregate.service import SwarmAggregator
@@ -32,7 +32,8 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, ReplayableFrames, frame_from_raw
 from btnode.errors import BtnodeError, ConfigError, InputError, MalformedInput, Refused
 from btnode.model.config import ModelConfig
-from btnode.protocol import EvidenceChild, JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo
+from btnode.protocol import (Drawn, EvidenceChild, JoinInfo, Judgement, ManifestEntry, Outcome, PushHeader, VersionInfo,
+                             claim_digest)
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
@@ -55,15 +56,15 @@ class Combined:
     ups: tuple[Update, ...] = field(default=(), repr=False, compare=False)  # what it combined (its evidence)
 
 
-def manifest_of(u: Update, digest: str, receipt: tuple[float, bytes, bytes] = (0.0, b"", b"")
-                ) -> tuple[ManifestEntry, ...]:
-    """A kept child update's manifest entries: itself (with its signed receipt under mutual TLS:
-    samples, certificate, signature), or, for a child that is a relay, its own children (a tree of
-    relays gives the root a flat list), their weights scaled as it was."""
+def manifest_of(u: Update, digest: str, receipt: Receipt = Receipt()) -> tuple[ManifestEntry, ...]:
+    """A kept child update's manifest entries: itself (with what it came with: its weight claim, its
+    claim's digest, its signed receipt under mutual TLS, its commit token under replay audits), or, for
+    a child that is a relay, its own children (a tree of relays gives the root a flat list), their
+    weights scaled as it was."""
     if not u.manifest:
-        samples, cert, signature = receipt
         return (ManifestEntry(worker_id=u.worker_id, update_id=u.update_id, base_version=u.base_version,
-                              weight=u.weight, sha256=digest, samples=samples, cert=cert, signature=signature),)
+                              weight=u.weight, sha256=digest, samples=receipt.samples, cert=receipt.cert,
+                              signature=receipt.signature, claim_sha256=receipt.claim_sha256, token=receipt.token),)
     scale = u.weight / u.samples
     return tuple(replace(e, weight=e.weight * scale) for e in u.manifest)
 
@@ -83,7 +84,7 @@ class RelayBlock(BlockAggregator):
         self._starting = False
         self.on_combined = lambda c: None  # set by RelaySwarm
         self.digests: dict[str, str] = {}  # update id → frames_digest, for the manifest
-        self.receipts: dict[str, tuple[float, bytes, bytes]] = {}  # update id → (samples, cert, signature) it came with
+        self.receipts: dict[str, Receipt] = {}  # update id → what it came with, for its manifest entry
         self.kept: OrderedDict[int, Spill] = OrderedDict()  # earlier rounds' spills, for evidence (`_keep_spill`)
         self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
@@ -203,7 +204,7 @@ class RelayBlock(BlockAggregator):
         mean_of, _ = self._combiner(ups, release=False)  # the sum stays: an amendment adds to it
         delta = {n: mean_of(n) for n in self.spec}
         manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, ""),
-                                                              self.receipts.get(u.update_id, (0.0, b"", b""))))
+                                                              self.receipts.get(u.update_id, Receipt())))
         combined = Combined(block=self.block, base_version=self.round.version, delta=delta,
                             weight=math.fsum(e.weight for e in manifest), loss=sum(u.loss for u in ups) / len(ups),
                             manifest=manifest, ups=tuple(ups))
@@ -269,6 +270,12 @@ class RelayBlock(BlockAggregator):
         return ReplayableFrames(parts)  # type: ignore[arg-type]
 
 
+def _remember(ids: OrderedDict[str, None], update_id: str, keep: int = 4096) -> None:
+    ids[update_id] = None
+    while len(ids) > keep:
+        ids.popitem(last=False)
+
+
 class Upstream(Protocol):
     """What a relay asks of its parent while admitting children (rpc.client.SwarmClient or the
     failover link over several parents)."""
@@ -277,6 +284,12 @@ class Upstream(Protocol):
              training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo: ...
 
     def leave(self, worker_id: str, block: int) -> None: ...
+
+    def draw(self, header: PushHeader, digest: str) -> Drawn: ...
+
+    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement: ...
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None: ...
 
 
 class ParentKeys:
@@ -313,6 +326,9 @@ class RelaySwarm(SwarmAggregator):
         super().__init__(cfg, replace(acfg, update_codecs=tuple(c for c in acfg.update_codecs if not c.sparse)),
                          state_dir, blocks=blocks, seed=seed)
         self.parent_audits = False  # the parent audits this relay's pushes (JoinInfo.relay_audits; node/relay.py)
+        self.parent_replays = False  # the parent replays audits: each child update is committed there first (Draw)
+        self._drawn: OrderedDict[str, None] = OrderedDict()  # child updates the parent drew, not passed on yet
+        self._passed_on: OrderedDict[str, None] = OrderedDict()  # ... passed on: their start state goes up too
         # under mutual TLS (node/relay.py sets it): check a child's signed push receipt (rpc/certs.check_receipt)
         self.check_receipt: Callable[[PushHeader, str], None] | None = None
         self.upstream, self.name = upstream, name
@@ -357,10 +373,11 @@ class RelaySwarm(SwarmAggregator):
         key. A child relay joins here only: the parent knows the workers under it from their own joins
         and sees their updates in this relay's manifests, so it does not wait on the child relay."""
         self.block(block)
-        if relay and self.parent_audits:
+        if relay and (self.parent_audits or self.parent_replays):
             self.count("join_refused", "relay")
-            raise Refused("relay", f"{self.name}'s parent audits relays, which a relay under a relay cannot pass (its "
-                                   f"children's frames never reach this relay): join the parent directly")
+            raise Refused("relay", f"{self.name}'s parent audits relays or replays updates, which a relay under a "
+                                   f"relay cannot pass (its children's updates never reach this relay one by one): "
+                                   f"join the parent directly")
         if relay:
             return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
         parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
@@ -368,31 +385,53 @@ class RelaySwarm(SwarmAggregator):
         self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json, proof)
         self.keys.record(block, worker_id, parent.data_key)
         mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)
-        return replace(mine, data_key=parent.data_key)
+        return replace(mine, data_key=parent.data_key, audits=parent.audits)  # a worker keeps its start states
 
     def leave(self, worker_id: str, block: int) -> None:
         super().leave(worker_id, block)  # the block tells the parent (RelayBlock.unregister)
         self._joins.pop((block, worker_id), None)
 
     def push(self, header: PushHeader, chunks: Iterable[ChunkData], who: Identity | None = None) -> Judgement:
-        """Judged as the aggregator judges, noting each frame's raw sha256 on the way for the manifest."""
+        """Judged as the aggregator judges, noting its frames' digest on the way for the manifest. Under
+        a parent that replays audits, a child's update is committed there once its frames are in, before
+        it is judged here: one the parent drew goes up as it came (`_routed`), not into the round."""
         block = self.block(header.block)
         assert isinstance(block, RelayBlock)
-        frames: dict[str, bytes] = {}
 
-        def noted() -> Iterator[ChunkData]:
-            for c in chunks:
-                if c.header is not None:
-                    frames[c.header.name] = c.header.sha256
-                yield c
-            digest = frames_digest(frames)
+        def noted(digest: str) -> None:
             if self.check_receipt is not None:  # under mutual TLS: the child's signed receipt, before it is judged
                 self.check_receipt(header, digest)
+            token = b""
+            if self.parent_replays and not header.manifest:
+                drawn = self.upstream.draw(header, digest)  # a refusal (chain, claim, revoked) is the child's answer
+                if drawn.drawn:
+                    _remember(self._drawn, header.update_id)
+                token = drawn.token
             with block.lock:
                 block.digests[header.update_id] = digest
-                block.receipts[header.update_id] = (header.samples, header.cert, header.signature)
+                block.receipts[header.update_id] = Receipt(header.samples, header.cert, header.signature,
+                                                           claim_digest(header.claim), token)
 
-        return super().push(header, noted(), who)
+        return super().push(header, noting_digest(chunks, noted), who)
+
+    def _routed(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes]) -> Judgement | None:
+        """A child's update the parent drew for a replay audit: pushed up as it came (its frames rebuilt
+        from the same codec bytes, its header and signed receipt untouched), the parent's answer the child's."""
+        if header.update_id not in self._drawn:
+            return None
+        del self._drawn[header.update_id]
+        judged = self.upstream.push(header, [frame_from_raw(n, s, header.codec, raw[n]) for n, s in block.spec.items()])
+        _remember(self._passed_on, header.update_id)
+        self.count("passed_on", judged.outcome.value)
+        log.info("%s: %s's update %s drawn for a replay audit at the parent, passed on: %s%s", block.name,
+                 header.worker_id, header.update_id[:8], judged.outcome.value, " (audit)" if judged.audit else "")
+        return judged
+
+    def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """The start state of a child update passed on for a replay audit: passed on to the parent, as it came."""
+        if header.update_id not in self._passed_on:
+            raise MalformedInput("no_audit", f"{self.name} passed no update {header.update_id[:16]!r} on for an audit")
+        self.upstream.submit_state(header, chunks)
 
     def evidence(self, c: Combined) -> ReplayableFrames:
         """The evidence of combined update `c` (RelayBlock.evidence)."""

@@ -28,12 +28,23 @@ LOG_NAME, SPILL_NAME = "relay-round.jsonl", "relay-round.spill"
 FIELDS = ("worker_id", "update_id", "base_version", "samples", "loss", "weight", "norm", "scale")
 
 
+@dataclass(frozen=True)
+class Receipt:
+    """What a child update came with that its manifest entry carries (relay.manifest_of)."""
+
+    samples: float = 0.0  # its own weight claim
+    cert: bytes = b""  # under mutual TLS: its certificate and signature over its push receipt
+    signature: bytes = b""
+    claim_sha256: str = ""  # protocol.claim_digest of its work claim, which that signature covers
+    token: bytes = b""  # under a root that replays audits: the root's commit token (aggregate/commits.py)
+
+
 @dataclass
 class Recovered:
     opened_at: float
     updates: list[tuple[Update, str]]  # each accepted update (its bytes in the spill) and its frames digest
     spill: Spill
-    receipts: dict[str, tuple[float, bytes, bytes]] = field(default_factory=dict)  # update id → signed receipt
+    receipts: dict[str, Receipt] = field(default_factory=dict)  # update id → what it came with
 
 
 def _jsonable(v: object) -> object:
@@ -56,6 +67,12 @@ def _update(r: dict) -> tuple[Update, str]:
     return u, r["digest"]
 
 
+def _receipt(r: dict | list) -> Receipt:
+    if isinstance(r, list):  # an earlier relay's log: samples, certificate, signature
+        return Receipt(float(r[0]), bytes.fromhex(r[1]), bytes.fromhex(r[2]))
+    return Receipt(**{k: _unjson(v) for k, v in r.items()})  # type: ignore[arg-type]
+
+
 class RoundLog:
     """The open round's log and spill in `folder`."""
 
@@ -71,14 +88,13 @@ class RoundLog:
         self._append({"version": version, "opened_at": opened_at})
         return spill
 
-    def accepted(self, u: Update, digest: str, spill: Spill,
-                 receipt: tuple[float, bytes, bytes] | None = None) -> None:
-        """Durable before its child hears ACCEPTED: its bytes, then its record (with the child's signed
-        receipt under mutual TLS: samples, certificate, signature; its manifest entry carries them)."""
+    def accepted(self, u: Update, digest: str, spill: Spill, receipt: Receipt | None = None) -> None:
+        """Durable before its child hears ACCEPTED: its bytes, then its record (with what its manifest
+        entry carries: its weight claim, and its signed receipt and commit token when it has them)."""
         spill.sync()
         record = _record(u, digest)
-        if receipt is not None and receipt[2]:
-            record["receipt"] = [receipt[0], receipt[1].hex(), receipt[2].hex()]
+        if receipt is not None:
+            record["receipt"] = {k: _jsonable(v) for k, v in dataclasses.asdict(receipt).items()}
         self._append(record)
 
     def recover(self, version: int) -> Recovered | None:
@@ -101,8 +117,7 @@ class RoundLog:
                 record = json.loads(line)
                 updates.append(_update(record))
                 if "receipt" in record:
-                    samples, cert, signature = record["receipt"]
-                    receipts[record["update_id"]] = (float(samples), bytes.fromhex(cert), bytes.fromhex(signature))
+                    receipts[record["update_id"]] = _receipt(record["receipt"])
             except (ValueError, KeyError, TypeError) as exc:
                 if i != len(lines):
                     raise ValueError(f"{path}: line {i}: {exc}") from exc

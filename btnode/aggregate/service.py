@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
+from btnode.aggregate.commits import Commits
 from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
 from btnode.aggregate.evidence import RelayAuditJob, RelayAudits, check_evidence
@@ -33,7 +34,7 @@ from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import MAX_NAME, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
+from btnode.protocol import MAX_NAME, Drawn, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import Journal, atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
@@ -108,12 +109,14 @@ class SwarmAggregator:
         self.clock = clock
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
+        self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
         if acfg.audit.on:
             if corpus is None:
                 raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
                                   "(the same as the workers')")
             self.audits = Audits(acfg.audit, secret, clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
+            self.commits = Commits(secret)
         # relays' combined pushes drawn for a bit-for-bit check against their children's frames
         self.relay_audits = RelayAudits(acfg.relay_audit, secret, clock) if acfg.relay_audit.rate > 0 else None
 
@@ -202,18 +205,16 @@ class SwarmAggregator:
 
     def _join_relay(self, agg: BlockAggregator, name: str, who: Identity | None) -> JoinInfo:
         """A relay joins a block to push its children's combined updates: it trains nothing, so it has
-        no data key and no training terms; its children join through it, one by one."""
-        if self.audits is not None:
-            self.count("join_refused", "relay")
-            raise Refused("relay", "this aggregator replays audits, which do not pass through relays yet: workers "
-                                   "must push to it directly")
+        no data key and no training terms; its children join through it, one by one. Under replay
+        audits it commits each child update here before it counts it (`draw`)."""
         self.relays.joined(agg.block, name)  # not a replica: the round waits on the workers it reports for
         if who is not None:
             self.identities.joined(who, agg.block)
         self.count("joins", "relay")
         log.info("relay %s joined %s", name, agg.name)
         return JoinInfo(current=agg.current()[0], deadline_s=self.acfg.round.deadline_s, codecs=self.acfg.update_codecs,
-                        max_staleness=self.acfg.round.max_staleness, relay_audits=self.relay_audits is not None)
+                        max_staleness=self.acfg.round.max_staleness, audits=self.audits is not None,
+                        relay_audits=self.relay_audits is not None)
 
     def _check_training(self, worker_id: str, training_json: str) -> TrainingTerms | None:
         """The worker's training terms, once their swarm-wide settings match the claims this
@@ -392,7 +393,7 @@ class SwarmAggregator:
             waiting = any(a is not None and a.waiting_for(header.update_id) is not None
                           for a in (self.audits, self.relay_audits))
             return replace(answered, audit=waiting)
-        audits = self.audits
+        audits = None if header.manifest else self.audits  # a relay's children were committed one by one (`draw`)
         try:
             if audits is not None:
                 audits.check_chain(header)
@@ -407,6 +408,8 @@ class SwarmAggregator:
             if header.manifest:
                 self.relays.check(header, self.keys.of(header.block), self.identities.is_revoked,
                                   lambda u: block.answered(u) is not None, own=amends)
+                if self.commits is not None:
+                    self.commits.check(header)
             else:
                 self._check_key(header)
             delta, raw = self._assemble(block.spec, header.codec, chunks, gate=decoding, defer_dir=block.store.folder)
@@ -414,9 +417,11 @@ class SwarmAggregator:
             block.reject(header, exc)
             if audits is not None and exc.reason == "chain":
                 self._punish(header.worker_id, "chain", str(exc))
-            elif audits is not None and exc.reason not in INCOMPLETE:  # refused: the worker moves on from it
-                audits.advance(header)
+            elif audits is not None and exc.reason not in (*INCOMPLETE, "signature"):  # the worker moves on from it
+                audits.advance(header)  # (not from one a relay passed on that its receipt does not prove: a forgery)
             raise
+        if (routed := self._routed(block, header, raw)) is not None:
+            return routed
         if audits is None:
             if header.manifest and self.relay_audits is not None and self.relay_audits.drawn(header.update_id):
                 return self._hold_for_evidence(block, header, delta, raw, amends)
@@ -432,6 +437,47 @@ class SwarmAggregator:
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
         return self._open_audit(block, header, raw, base[1], judged, probation)
+
+    def _routed(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes]) -> Judgement | None:
+        """An update judged elsewhere: a relay passes a child's update its parent drew for a replay audit
+        on as it came (aggregate/relay.py). None here: it is judged here."""
+        return None
+
+    # -- replay audits through relays (aggregate/commits.py) ------------------------------------
+    def draw(self, header: PushHeader, digest: str) -> Drawn:
+        """A relay commits a child's update before it counts it: `header` is the child's own push
+        header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
+        on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
+        and replayed here as a direct push, its chain advanced then; not drawn, its chain advances now and
+        the answer carries the token its manifest entry must bring. Refusals are a direct push's."""
+        audits, commits, block = self.audits, self.commits, self.block(header.block)
+        if audits is None or commits is None:
+            raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
+        if header.manifest:
+            raise MalformedInput("manifest", "a combined update is not drawn: its relay commits each child update")
+        if self.identities.is_revoked(header.worker_id):
+            raise Forbidden("revoked", f"worker {header.worker_id!r} was revoked")
+        if (token := commits.known(header.update_id)) is not None:
+            return Drawn(False, token)  # committed before (the relay failed over, or the child re-pushed)
+        if block.answered(header.update_id) is not None:
+            return Drawn(True)  # drawn and pushed here before: pushed again, it gets the same answer
+        try:
+            audits.check_chain(header)
+            self._check_claim(block, header)
+            self._check_key(header)
+        except PeerInputError as exc:
+            self.count("draws_refused", exc.reason)
+            if exc.reason == "chain":
+                self._punish(header.worker_id, "chain", str(exc))
+            raise
+        probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
+        if probation or (audits.drawn(header.update_id) and self.training(header.worker_id) is not None
+                         and header.base_version == block.current()[0].version):
+            self.count("draws", "drawn")
+            return Drawn(True)
+        audits.advance(header)
+        self.count("draws", "committed")
+        return Drawn(False, commits.commit(header, digest))
 
     # -- relay audits (aggregate/evidence.py) --------------------------------------------------
     def _hold_for_evidence(self, block: BlockAggregator, header: PushHeader, delta: Tensors, raw: dict[str, bytes],

@@ -215,6 +215,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
                    update_codecs=tuple(c for c in acfg.update_codecs if c in joined[0].codecs))
     relay = RelaySwarm(cfg, acfg, state_dir, upstream=parent, name=name, blocks=owned, seed=seed)
     relay.parent_audits = any(j.relay_audits for j in joined)  # then it keeps its rounds' evidence and takes no child relay
+    relay.parent_replays = any(j.audits for j in joined)  # then it commits each child update there first (Draw)
     sec = security.current()
     if sec.client_auth and sec.ca is not None:  # children's receipts are checked here, as the root will check them
         relay.check_receipt = functools.partial(check_receipt, sec.ca.read_bytes())

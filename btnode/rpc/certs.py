@@ -26,7 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from btnode.aggregate.identities import Identity, Role
 from btnode.errors import ConfigError, Forbidden, InputError, Unauthenticated
-from btnode.protocol import MAX_NAME, PushHeader, push_statement
+from btnode.protocol import MAX_NAME, PushHeader, receipt_statement
 
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 URI_PREFIX = "btnode:"
@@ -220,14 +220,14 @@ def verify_signed(ca_pem: bytes, cert_pem: bytes, signature: bytes, statement: b
     return who
 
 
-def check_receipt(ca_pem: bytes, header: PushHeader, digest: str) -> None:
-    """A relay's check of a child's signed push receipt as it arrives (its frames' `digest` known), so
-    that one child with a bad signature cannot get its relay's whole combined push refused upstream."""
+def check_receipt(ca_pem: bytes, header: PushHeader, digest: str) -> Identity | None:
+    """A check of a worker's signed push receipt once its frames' `digest` is known: at a relay as a
+    child's push arrives (so that one child with a bad signature cannot get its relay's whole combined
+    push refused upstream), and at the root for a child's update a relay passes on for a replay audit.
+    Returns the worker's proven identity (None for a child relay's combined push)."""
     if header.manifest:
-        return  # a child relay's combined push: its entries carry their own receipts
-    verify_signed(ca_pem, header.cert, header.signature, push_statement(
-        header.worker_id, header.block, header.base_version, header.update_id, header.samples, digest),
-        header.worker_id)
+        return None  # a child relay's combined push: its entries carry their own receipts
+    return verify_signed(ca_pem, header.cert, header.signature, receipt_statement(header, digest), header.worker_id)
 
 
 @functools.lru_cache(maxsize=8)

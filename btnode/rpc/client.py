@@ -18,11 +18,11 @@ from typing import TypeVar
 import grpc
 
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import Frame, FrameAssembler, iter_chunks
+from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
 from btnode.aggregate.evidence import frames_digest
-from btnode.protocol import (EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
-                             join_statement, push_statement)
+from btnode.protocol import (Drawn, EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
+                             join_statement, receipt_statement)
 from btnode.rpc import convert
 from btnode.rpc.certs import sign
 from btnode.rpc.security import Security, channel, current
@@ -108,15 +108,13 @@ class SwarmClient:
         return convert.join_from_pb(reply)
 
     def signed(self, header: PushHeader, frames: list[Frame]) -> PushHeader:
-        """A worker's push header signed with its certificate's key (protocol.push_statement), so that
+        """A worker's push header signed with its certificate's key (protocol.receipt_statement), so that
         a relay's manifest can carry the proof to the root; as it was without a certificate."""
         mine = self._credentials()
         if mine is None or header.manifest or header.signature:
             return header
         digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
-        statement = push_statement(header.worker_id, header.block, header.base_version, header.update_id,
-                                   header.samples, digest)
-        return replace(header, cert=mine[0], signature=sign(mine[1], statement))
+        return replace(header, cert=mine[0], signature=sign(mine[1], receipt_statement(header, digest)))
 
     def leave(self, worker_id: str, block: int) -> None:
         self._call("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, block=block))
@@ -175,9 +173,17 @@ class SwarmClient:
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
         return convert.judgement_from_pb(reply)
 
-    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+    def draw(self, header: PushHeader, digest: str) -> Drawn:
+        """A relay's commit of a child's update (`header`, its frames' `digest`) to a root that replays
+        audits (aggregate/commits.py). A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
+        reply = self._call("draw", self.stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
+                                                                  digest=bytes.fromhex(digest)))
+        return Drawn(drawn=reply.drawn, token=bytes(reply.token))
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
         """Send the start state of an update drawn for audit (AggregatorLink.submit_state): its push
-        header, then its fp32 frames. A refusal raises its PeerInputError (no_audit, state, ...)."""
+        header, then its fp32 frames (or their chunks as received, which a relay passes on). A refusal
+        raises its PeerInputError (no_audit, state, ...)."""
         self._call("state upload",
                    lambda timeout: self.stub.SubmitState(_messages(header, frames), timeout=timeout),
                    replayable=not isinstance(frames, Iterator))
@@ -262,8 +268,9 @@ class SwarmClient:
         self.channel.close()
 
 
-def _messages(header: PushHeader, frames: Iterable[Frame]) -> Iterator[pb.PushMessage]:
-    """A Push or SubmitState stream: the header, then the frames' chunks."""
+def _messages(header: PushHeader, frames: Iterable[Frame | ChunkData]) -> Iterator[pb.PushMessage]:
+    """A Push or SubmitState stream: the header, then the frames' chunks (chunks given pass as they are)."""
     yield pb.PushMessage(header=convert.push_header_to_pb(header))
-    for chunk in iter_chunks(frames):
-        yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))
+    for item in frames:
+        for chunk in [item] if isinstance(item, ChunkData) else iter_chunks([item]):
+            yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))

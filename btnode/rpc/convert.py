@@ -85,6 +85,7 @@ def claim_from_pb(m: pb.WorkClaim) -> WorkClaim:
 
 
 MAX_CERT, MAX_SIGNATURE = 8192, 256  # a P-256 certificate in PEM is under 1 KB, its ECDSA signature 72 bytes
+MAX_TOKEN = 64  # a root's commit token: an HMAC-SHA256 (32 bytes)
 
 
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
@@ -94,7 +95,8 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
                          manifest=[pb.ManifestEntry(worker_id=e.worker_id, update_id=e.update_id,
                                                     base_version=e.base_version, weight=e.weight,
                                                     sha256=bytes.fromhex(e.sha256), samples=e.samples, cert=e.cert,
-                                                    signature=e.signature) for e in h.manifest],
+                                                    signature=e.signature, claim_sha256=bytes.fromhex(e.claim_sha256),
+                                                    token=e.token) for e in h.manifest],
                          cert=h.cert, signature=h.signature)
 
 
@@ -115,10 +117,13 @@ def manifest_from_pb(m: pb.PushHeader) -> tuple[ManifestEntry, ...]:
                                              f"sha256 32 bytes")
         if not math.isfinite(e.samples) or e.samples < 0:
             raise MalformedInput("manifest", f"manifest entry {e.update_id[:16]!r}: samples must be finite and >= 0")
+        if len(e.claim_sha256) not in (0, 32) or len(e.token) > MAX_TOKEN:
+            raise MalformedInput("manifest", f"manifest entry {e.update_id[:16]!r}: a claim digest is 32 bytes and a "
+                                             f"commit token at most {MAX_TOKEN}")
         cert, signature = proof_from_pb(e.cert, e.signature, "manifest")
         out.append(ManifestEntry(worker_id=e.worker_id, update_id=e.update_id, base_version=e.base_version,
                                  weight=e.weight, sha256=e.sha256.hex(), samples=e.samples, cert=cert,
-                                 signature=signature))
+                                 signature=signature, claim_sha256=e.claim_sha256.hex(), token=bytes(e.token)))
     return tuple(out)
 
 

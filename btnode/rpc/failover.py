@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from btnode.codec.frames import Frame
+from btnode.codec.frames import ChunkData, Frame
 from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
-from btnode.protocol import EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
+from btnode.protocol import Drawn, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
 from btnode.rpc.client import SwarmClient
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,10 @@ class FailoverLink:
         frames = list(frames)  # a retry on the next upstream sends them again
         return self._run(lambda c: c.push(header, frames))
 
-    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+    def draw(self, header: PushHeader, digest: str) -> Drawn:
+        return self._run(lambda c: c.draw(header, digest))
+
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
         frames = list(frames)
         self._run(lambda c: c.submit_state(header, frames))
 

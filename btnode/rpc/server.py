@@ -19,16 +19,17 @@ import grpc
 
 from btnode.aggregate.block import ABORTED
 from btnode.aggregate.deltas import DeltaFrames, StoredFrame
+from btnode.aggregate.evidence import noting_digest
 from btnode.aggregate.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, lazy_frames
 from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
-from btnode.protocol import EvidenceChild, PushHeader, VersionInfo, join_statement, push_statement
+from btnode.protocol import EvidenceChild, PushHeader, VersionInfo, join_statement, push_statement, receipt_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
-from btnode.rpc.certs import peer_identity, verify_signed
+from btnode.rpc.certs import check_receipt, peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v1 import swarm_pb2 as pb
@@ -192,11 +193,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     def _check_manifest(self, relay: Identity, header: PushHeader) -> None:
         """Under mutual TLS each child update a relay lists must carry its worker's signed receipt,
-        naming this block and the entry's base version, update id, samples and frames digest; the
-        relay may only weigh it down (staleness), never up."""
+        naming this block and the entry's base version, update id, samples, frames digest and claim
+        digest; the relay may only weigh it down (staleness), never up."""
         for e in header.manifest:
             self._proven(relay, e.worker_id, (e.cert, e.signature), push_statement(
-                e.worker_id, header.block, e.base_version, e.update_id, e.samples, e.sha256))
+                e.worker_id, header.block, e.base_version, e.update_id, e.samples, e.sha256, e.claim_sha256))
             if e.weight > e.samples * (1 + 1e-12):
                 self.agg.count("identity_refused", "signature")
                 raise Forbidden("signature", f"relay {relay.name} weighs {e.worker_id}'s update {e.weight:g}; its "
@@ -261,8 +262,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise MalformedInput("no_header", f"a {method} stream must start with its header")
             header = convert.push_header_from_pb(first.header)
-            if who is not None:
-                self.agg.identities.admit(who, method, header.worker_id)
+            if who is not None:  # a relay passes a child's update on for a replay audit under the child's id
+                self.agg.identities.admit(who, method, "" if _relayed(who, header) else header.worker_id)
         except PeerInputError as exc:
             self.agg.count(refused, exc.reason)
             log.warning("refused %s: %s", method, exc)
@@ -285,6 +286,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
+        if who is not None and _relayed(who, header):  # a child's update drawn for audit: its own signed receipt
+            chunks, who = self._receipted(header, chunks), None
         if who is not None and header.manifest:
             try:
                 self._check_manifest(who, header)
@@ -297,6 +300,31 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
         return convert.judgement_to_pb(judged)
+
+    def _receipted(self, header: PushHeader, chunks: Iterator[ChunkData]) -> Iterator[ChunkData]:
+        """The chunks of a child's update a relay passes on, its worker's signed receipt checked
+        against their frames once they are in (before the update is judged): Forbidden otherwise."""
+        def proven(digest: str) -> None:
+            try:
+                check_receipt(self.ca, header, digest)
+            except PeerInputError as exc:
+                self.agg.count("identity_refused", exc.reason)
+                raise
+        return noting_digest(chunks, proven)
+
+    @_guard
+    def Draw(self, request: pb.DrawRequest, context: grpc.ServicerContext) -> pb.DrawReply:
+        """A relay commits a child's update before it counts it (aggregate/commits.py); under mutual
+        TLS the child's signed receipt must cover its header, claim and frames digest."""
+        who = self._who(context, "Draw")
+        header = convert.push_header_from_pb(request.header)
+        if len(request.digest) != 32:
+            raise MalformedInput("digest", "a Draw names the child's frames digest: 32 bytes")
+        digest = request.digest.hex()
+        if who is not None and who.name != header.worker_id:
+            self._proven(who, header.worker_id, (header.cert, header.signature), receipt_statement(header, digest))
+        drawn = self.agg.draw(header, digest)
+        return pb.DrawReply(drawn=drawn.drawn, token=drawn.token)
 
     @_guard
     def SubmitState(self, request_iterator: Iterator[pb.PushMessage],
@@ -388,6 +416,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                                            "(--tls-client-auth) so that worker ids are certificates, not claims")
         self._who(context, "Revoke")
         return pb.RevokeReply(revoked_at_unix=self.agg.revoke(request.name))
+
+
+def _relayed(who: Identity, header: PushHeader) -> bool:
+    """Whether a relay sends a child's own update (or its start state), drawn for a replay audit."""
+    return who.role is Role.RELAY and not header.manifest and header.worker_id != who.name
 
 
 def serve(agg: SwarmAggregator, address: str, *, security: Security | None = None,

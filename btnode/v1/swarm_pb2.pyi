@@ -205,7 +205,7 @@ class PushHeader(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., base_version: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., update_id: _Optional[str] = ..., data_key: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., claim: _Optional[_Union[WorkClaim, _Mapping]] = ..., manifest: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ManifestEntry(_message.Message):
-    __slots__ = ("worker_id", "update_id", "base_version", "weight", "sha256", "samples", "cert", "signature")
+    __slots__ = ("worker_id", "update_id", "base_version", "weight", "sha256", "samples", "cert", "signature", "claim_sha256", "token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class ManifestEntry(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CERT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     update_id: str
     base_version: int
@@ -222,7 +224,9 @@ class ManifestEntry(_message.Message):
     samples: float
     cert: bytes
     signature: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., weight: _Optional[float] = ..., sha256: _Optional[bytes] = ..., samples: _Optional[float] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    claim_sha256: bytes
+    token: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., weight: _Optional[float] = ..., sha256: _Optional[bytes] = ..., samples: _Optional[float] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claim_sha256: _Optional[bytes] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class WorkClaim(_message.Message):
     __slots__ = ("base_sha256", "data_id", "recipe", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
@@ -265,6 +269,22 @@ class PushReply(_message.Message):
 class SubmitStateReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DrawRequest(_message.Message):
+    __slots__ = ("header", "digest")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    digest: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class DrawReply(_message.Message):
+    __slots__ = ("drawn", "token")
+    DRAWN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    drawn: bool
+    token: bytes
+    def __init__(self, drawn: _Optional[bool] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class EvidenceHeader(_message.Message):
     __slots__ = ("push", "unit")

@@ -69,6 +69,11 @@ class SwarmStub:
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
                 response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
                 _registered_method=True)
+        self.Draw = channel.unary_unary(
+                '/btnode.v1.Swarm/Draw',
+                request_serializer=btnode_dot_v1_dot_swarm__pb2.DrawRequest.SerializeToString,
+                response_deserializer=btnode_dot_v1_dot_swarm__pb2.DrawReply.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/btnode.v1.Swarm/Watch',
                 request_serializer=btnode_dot_v1_dot_swarm__pb2.WatchRequest.SerializeToString,
@@ -135,6 +140,13 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Draw(self, request, context):
+        """A relay's child update, committed to a root that replays audits before the relay counts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -190,6 +202,11 @@ def add_SwarmServicer_to_server(servicer, server):
                     servicer.SubmitEvidence,
                     request_deserializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.FromString,
                     response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
+            ),
+            'Draw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Draw,
+                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.DrawRequest.FromString,
+                    response_serializer=btnode_dot_v1_dot_swarm__pb2.DrawReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -396,6 +413,33 @@ class Swarm:
             '/btnode.v1.Swarm/SubmitEvidence',
             btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
             btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Draw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v1.Swarm/Draw',
+            btnode_dot_v1_dot_swarm__pb2.DrawRequest.SerializeToString,
+            btnode_dot_v1_dot_swarm__pb2.DrawReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from btnode.aggregate.audit import AuditConfig
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.evidence import RelayAuditConfig
+from btnode.aggregate.evidence import RelayAuditConfig, frames_digest
 from btnode.aggregate.identities import Role
 from btnode.aggregate.relay import RelaySwarm
 from btnode.aggregate.service import SwarmAggregator
@@ -23,7 +24,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.errors import Forbidden
 from btnode.node.relay import _header
-from btnode.protocol import Outcome, PushHeader
+from btnode.protocol import EMPTY_STATE, Outcome, PushHeader, WorkClaim
 from btnode.rpc.certs import admit, check_receipt, init_ca
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.security import Security
@@ -55,15 +56,14 @@ def creds(pki: Path, name: str, folder: Path | None = None, server: bool = False
                     client_auth=server)
 
 
-@pytest.fixture
-def tree(tmp_path, pki):
+def _tree(tmp_path: Path, pki: Path, audit: AuditConfig = AuditConfig()):
     """(root aggregator, relay, relay's upstream client, client(name, folder) to the relay)."""
-    root = SwarmAggregator(CFG, ACFG, tmp_path / "root")
+    root = SwarmAggregator(CFG, replace(ACFG, audit=audit), tmp_path / "root", corpus=bytes(range(256)) * 4)
     rserver, rport, _ = serve(root, "127.0.0.1:0", security=creds(pki, "root", server=True))
     upstream = SwarmClient(f"127.0.0.1:{rport}", timeout_s=10, security=creds(pki, "r1"))
     relay = RelaySwarm(CFG, ACFG, tmp_path / "relay", upstream=upstream, name="r1", blocks=[0])
     relay.check_receipt = functools.partial(check_receipt, (pki / "ca" / "ca.pem").read_bytes())  # as node/relay.py
-    upstream.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True)
+    relay.parent_replays = upstream.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True).audits
     server, port, _ = serve(relay, "127.0.0.1:0", security=creds(pki, "r1", server=True))
     clients = [upstream]
 
@@ -76,6 +76,17 @@ def tree(tmp_path, pki):
         c.close()
     server.stop(0).wait()
     rserver.stop(0).wait()
+
+
+@pytest.fixture
+def tree(tmp_path, pki):
+    yield from _tree(tmp_path, pki)
+
+
+@pytest.fixture
+def replaying_tree(tmp_path, pki):
+    """The tree under a root that replays every update (p = 1, no probation)."""
+    yield from _tree(tmp_path, pki, AuditConfig(share=1.0, probation=0))
 
 
 def join(c: SwarmClient, worker: str):
@@ -165,3 +176,28 @@ def test_a_child_with_a_bad_receipt_is_refused_at_the_relay_and_spoils_nothing(t
     assert [e.update_id for e in header.manifest] == ["u2"]
     assert upstream.push(header, frames).outcome is Outcome.ACCEPTED
     assert root.block(0).round.accepted["r1"].included == ("u2",)  # (the root's round waits on w1 until τ)
+
+
+def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and_claim(replaying_tree):
+    root, relay, upstream, client = replaying_tree
+    w1 = client("w1")
+    join(w1, "w1")
+    claim = WorkClaim(base_sha256=root.block(0).current()[0].sha256, data_id="", recipe="{}", optimizer_start=EMPTY_STATE,
+                      optimizer_end="cd" * 32, residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
+    frames = encode_frames({n: torch.full(s, 1e-3) for n, s in root.block(0).spec.items()}, Codec.FP32)
+    header = w1.signed(PushHeader(worker_id="w1", block=0, base_version=0, samples=2.0, loss=1.0, codec=Codec.FP32,
+                                  update_id="u1", steps=(0, 1), claim=claim), frames)
+    digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
+    # the relay can neither commit w1's update under another claim nor pass it on with other frames
+    with pytest.raises(Forbidden, match="not its key's"):
+        upstream.draw(replace(header, claim=replace(claim, optimizer_end="ef" * 32)), digest)
+    assert upstream.draw(header, digest).drawn  # (drawn: p = 1; its chain advances with its push)
+    other = encode_frames({n: torch.full(s, 2e-3) for n, s in root.block(0).spec.items()}, Codec.FP32)
+    with pytest.raises(Forbidden, match="not its key's"):
+        upstream.push(header, other)
+    assert root.block(0).status().accepted_in_round == 0
+    judged = w1.push(header, frames)  # through the relay: committed, drawn, passed on as it came
+    assert judged.outcome is Outcome.ACCEPTED  # its only worker reported: the root's round closed with it
+    assert root.block(0).info.version == 1 and root.block(0).info.included == ("u1",)
+    assert relay.counters[("passed_on", "accepted")] == 1 and not relay.block(0).round.accepted
+    assert root.audits is not None and root.audits.due()[0][0].header.update_id == "u1"  # its replay is due

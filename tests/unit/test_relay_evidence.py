@@ -13,6 +13,7 @@ from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.evidence import RelayAuditConfig, RelayAudits, RelayAuditJob, check_evidence, frames_digest
 from btnode.aggregate.relay import RelayBlock
+from btnode.aggregate.roundlog import Receipt
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, decode, encode
@@ -182,7 +183,8 @@ def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(t
         head = PushHeader(worker_id=w, block=0, base_version=0, samples=float(1 + i), loss=1.0, codec=codec,
                           update_id=f"{w}-u", steps=tuple(range(1 + i)))
         block.digests[head.update_id] = frames_digest({n: hashlib.sha256(b).digest() for n, b in raw.items()})
-        block.receipts[head.update_id] = (head.samples, f"cert-{w}".encode(), f"sig-{w}".encode())  # as RelaySwarm.push
+        block.receipts[head.update_id] = Receipt(head.samples, f"cert-{w}".encode(), f"sig-{w}".encode(), f"{i:02d}" * 32,
+                                                 f"token-{w}".encode())  # as RelaySwarm.push
         return block.submit(head, {n: decode(codec, raw[n], s) for n, s in SPEC.items()}, raw=raw)
 
     block, _ = relay_block()
@@ -192,6 +194,7 @@ def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(t
     again, out = relay_block()
     assert pushed(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
     (combined,) = out
-    assert [(e.worker_id, e.samples, e.cert, e.signature) for e in combined.manifest] == [
-        (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode()) for i, w in enumerate(CHILDREN)]
+    assert [(e.worker_id, e.samples, e.cert, e.signature, e.claim_sha256, e.token) for e in combined.manifest] == [
+        (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode(), f"{i:02d}" * 32, f"token-{w}".encode())
+        for i, w in enumerate(CHILDREN)]
     check_evidence(job_of(combined), again.unit, wire(again.evidence(combined)), SPEC)  # bytes taken up too

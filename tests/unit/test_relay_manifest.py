@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from btnode.aggregate.relay import frames_digest, manifest_of
+from btnode.aggregate.evidence import frames_digest
+from btnode.aggregate.relay import manifest_of
 from btnode.aggregate.rounds import Update
 from btnode.protocol import ManifestEntry
 

@@ -1,0 +1,65 @@
+"""Replay audits through relays (docs/security.md, "Replay audits through relays"): the root's side.
+
+A root that replays audits sees a relay's children only as entries of a combined push, so it cannot
+draw their updates when they arrive, as it draws a direct push's. Instead the relay commits each child
+update before it counts it (`SwarmAggregator.draw`, the Draw RPC): it sends the child's own push header
+(its work claim in it, which the child's signed receipt covers under mutual TLS) and its frames' digest.
+The root checks the claim as a direct push's (the chain of the worker's states, its data, its base's
+hash, its data key) and draws it with the same secret draw. A drawn update the relay pushes as it came,
+and the root judges and replays it as a direct push; an update not drawn gets a commit token, an HMAC
+under the root's secret over (block, worker, update id, base version, frames digest), which its
+manifest entry must carry. A manifest entry without a valid token is an update the relay counted
+without committing it (one it kept from the draw) and is refused (reason "uncommitted"). Tokens need
+no memory at the root and survive its restarts, as the secret does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+from collections import OrderedDict
+
+from btnode.errors import MalformedInput
+from btnode.protocol import PushHeader
+
+REMEMBERED = 1 << 16  # committed update ids kept to answer a relay that commits one again (after a failover)
+
+
+class Commits:
+    """Commit tokens: made for child updates not drawn, checked on the manifests that list them."""
+
+    def __init__(self, secret: bytes):
+        self._key = hashlib.sha256(b"btnode-commit\0" + secret).digest()  # not the draw key itself
+        self._known: OrderedDict[str, bytes] = OrderedDict()  # update id → its token
+        self._lock = threading.Lock()
+
+    def token(self, block: int, worker_id: str, update_id: str, base_version: int, digest: str) -> bytes:
+        message = json.dumps([block, worker_id, update_id, base_version, digest]).encode()
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def known(self, update_id: str) -> bytes | None:
+        """The token of an update committed here before (None: not, or forgotten)."""
+        with self._lock:
+            return self._known.get(update_id)
+
+    def commit(self, header: PushHeader, digest: str) -> bytes:
+        """The token of `header`'s update, remembered (a relay may commit it again after a failover)."""
+        token = self.token(header.block, header.worker_id, header.update_id, header.base_version, digest)
+        with self._lock:
+            self._known[header.update_id] = token
+            while len(self._known) > REMEMBERED:
+                self._known.popitem(last=False)
+        return token
+
+    def check(self, header: PushHeader) -> None:
+        """MalformedInput("uncommitted") naming the entries of a combined push whose token is not this
+        root's for that entry (a forged, missing or moved token: each binds its update's frames digest)."""
+        bad = [e.update_id for e in header.manifest
+               if not hmac.compare_digest(e.token, self.token(header.block, e.worker_id, e.update_id, e.base_version,
+                                                              e.sha256))]
+        if bad:
+            raise MalformedInput("uncommitted", f"relay {header.worker_id} lists {len(bad)} child updates this "
+                                                f"aggregator did not commit (Draw); it replays audits, so every "
+                                                f"child update is committed before it is counted: {','.join(bad[:8])}")
