@@ -170,6 +170,14 @@ class RelayBlock(BlockAggregator):
         with self.lock:  # the lock is re-entrant: the check and the judgement see one round
             return self._too_late(header) or super().submit(header, delta, **kwargs)
 
+    def passed_on(self, header: PushHeader) -> None:
+        """A child's update went up on its own (drawn for a replay audit at the parent): the child has
+        reported for this round, which closes once the rest have, without waiting for its deadline."""
+        with self.lock:
+            if header.base_version == self.round.version:
+                self.round.reported.add(header.worker_id)
+            self._maybe_close()
+
     def _fresh(self) -> bool:
         """Whether the round holds child updates that its last combined update did not carry."""
         return bool(self.round.accepted) and {u.update_id for u in self.round.accepted.values()} != self.forwarded
@@ -420,8 +428,11 @@ class RelaySwarm(SwarmAggregator):
         if header.update_id not in self._drawn:
             return None
         del self._drawn[header.update_id]
+        assert isinstance(block, RelayBlock)
         judged = self.upstream.push(header, [frame_from_raw(n, s, header.codec, raw[n]) for n, s in block.spec.items()])
         _remember(self._passed_on, header.update_id)
+        if judged.outcome in (Outcome.ACCEPTED, Outcome.PROBATION):
+            block.passed_on(header)
         self.count("passed_on", judged.outcome.value)
         log.info("%s: %s's update %s drawn for a replay audit at the parent, passed on: %s%s", block.name,
                  header.worker_id, header.update_id[:8], judged.outcome.value, " (audit)" if judged.audit else "")

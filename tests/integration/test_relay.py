@@ -449,3 +449,36 @@ def test_workers_under_mutual_tls_join_and_push_through_a_relay_with_signed_rece
     root_log = (tmp_path / "root.log").read_text()
     assert "signature" not in root_log and "passed (its children's frames recombine" in root_log  # audited too
     c.close()
+
+
+def test_an_auditing_root_replays_the_updates_of_workers_behind_a_relay(tmp_path, processes):
+    """A root with --audit 0.5 --probation 1 and workers behind a relay: every child update is committed
+    at the root before the relay counts it; each worker's first one (probation) and the drawn ones go up
+    as they came and are replayed there, the others go up combined with the root's commit tokens."""
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "20",
+                "--keep", "100", "--audit", "0.5", "--probation", "1")
+    (relay,) = relays(processes, tmp_path, root, {"r1": []})
+    stats = finished(tmp_path, {w: worker(processes, tmp_path, w, relay, 4) for w in ("w0", "w1")}, timeout=240)
+    c = SwarmClient(root, timeout_s=15)
+    deadline = time.monotonic() + 60
+    while True:  # the last replays may still run after the workers exit
+        status = c.status_dict()
+        events = {(x["name"], x["labels"].get("reason", "")): x["value"] for x in status["counters"]}
+        audited = {r["name"]: (r["audited"], r["failed"]) for r in status["identities"]}
+        if sum(a for a, _ in audited.values()) >= events.get(("draws", "drawn"), 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    drawn, committed = events.get(("draws", "drawn"), 0), events.get(("draws", "committed"), 0)
+    pushed = sum(sum(s["outcomes"].values()) for s in stats.values())
+    assert drawn >= 2 and drawn + committed == pushed, (events, stats)  # each push committed once (no re-push here)
+    assert audited == {"w0": (audited["w0"][0], 0), "w1": (audited["w1"][0], 0)}  # replayed, none failed
+    assert sum(a for a, _ in audited.values()) == drawn  # every drawn update replayed, bit for bit
+    for name, s in stats.items():
+        assert s["not_included"] == [] and set(s["outcomes"]) <= {"accepted", "probation", "late"}, (name, s)
+    assert {u for s in stats.values() for u in s["accepted_updates"]} <= included(c)
+    root_log = (tmp_path / "root.log").read_text()
+    assert "revoked" not in root_log and "uncommitted" not in root_log
+    if committed:  # (p = 0.5 over 6 draws: 1 run in 32 draws every one of them, and no combined push carries one)
+        (record,) = status["blocks"][0]["relays"]
+        assert record["pushes"] >= 1 and record["refused"] == 0
+    c.close()
