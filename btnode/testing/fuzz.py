@@ -57,6 +57,7 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 SWARM = "/btnode.v1.Swarm/"
 AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
 EVIDENCED, CHILD = "evidenced", "child-u"  # the relay push whose evidence the aggregator waits for, and its child
+COMMITTER = "d"  # a worker joined at the audit aggregator, whose updates relays commit there (Draw)
 STAGE = "/btnode.v1.Stage/"
 KEEPS = (1, 41, 410, 4096)  # a sparse codec's values per chunk: 1 … CHUNK
 PUSH_CODECS = (Codec.INT8, Codec.SPARSE8, Codec.SPARSE2)  # the codecs of fuzzed pushes' frames
@@ -266,6 +267,7 @@ def start_target(state_dir: Path) -> Target:
     audit_agg = SwarmAggregator(CFG, AggregatorConfig(round=rounds, audit=AuditConfig(share=1.0)), state_dir / "audit",
                                 corpus=bytes(range(256)) * 4, audit_secret=bytes(32))
     await_state(audit_agg)
+    audit_agg.join(COMMITTER, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)  # Draw reaches its chain
     aserver, aport, astop = serve(audit_agg, "127.0.0.1:0")
     stage = LocalBlockStage(init_block(CFG, 1, 0), 1, CFG.n_blocks, next=None, device=torch.device("cpu"))
     sserver, sport, sstop = serve_stage(stage, "127.0.0.1:0")
@@ -302,6 +304,28 @@ def _state_messages(rng: random.Random) -> list[bytes]:
     if rng.random() < 0.7:
         chunks = mutate_chunks(rng, chunks, list(state))
     return _stream(rng, header, chunks)
+
+
+def _draw_request(rng: random.Random, base_sha256: str) -> bytes:
+    """A relay's Draw: a child's header (mostly of the joined COMMITTER, with a claim that starts a
+    fresh chain on the current version; now and then one that breaks it, which revokes COMMITTER) and
+    a frames digest, or a mutation of one of them."""
+    def pick(good, *bad, p: float = 0.85):
+        return good if rng.random() < p else rng.choice(bad)
+
+    claim = WorkClaim(base_sha256=pick(base_sha256, "00" * 32), data_id="", recipe="{}",
+                      optimizer_start=pick(EMPTY_STATE, "11" * 32, p=0.97), optimizer_end="22" * 32,
+                      residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
+    header = swarm_pb2.PushHeader(worker_id=pick(COMMITTER, "a", "", "z" * 300), block=pick(0, 1, 7),
+                                  base_version=pick(0, 1, 2**63), samples=pick(2.0, 0.0, float("nan")), loss=1.0,
+                                  codec=pick(Codec.INT8, 99), update_id=f"u{rng.randrange(2**32)}", steps=[0, 1])
+    if rng.random() < 0.9:
+        header.claim.CopyFrom(convert.claim_to_pb(claim))
+    request = swarm_pb2.DrawRequest(header=header, digest=pick(rng.randbytes(32), b"", b"x" * 31))
+    data = bytearray(request.SerializeToString())
+    if rng.random() < 0.1:
+        data[rng.randrange(len(data))] ^= 0xFF
+    return bytes(data)
 
 
 def _evidence_messages(rng: random.Random, unit: float) -> list[bytes]:
@@ -370,7 +394,8 @@ def _random_request(rng: random.Random, message: type) -> bytes:
 SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.LeaveRequest, "unary"),
                "Status": (swarm_pb2.StatusRequest, "unary"), "Pull": (swarm_pb2.PullRequest, "stream"),
                "FetchDelta": (swarm_pb2.FetchDeltaRequest, "stream"), "Watch": (swarm_pb2.WatchRequest, "stream"),
-               "Push": (None, "push"), "SubmitState": (None, "state"), "SubmitEvidence": (None, "evidence")}
+               "Push": (None, "push"), "SubmitState": (None, "state"), "SubmitEvidence": (None, "evidence"),
+               "Draw": (None, "draw")}
 STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
@@ -383,13 +408,16 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
     calls = STAGE_CALLS if stage else SWARM_CALLS
     name = only or rng.choice(sorted(calls))
     message, kind = calls[name]
-    channel = target.stage_channel if stage else target.audit_channel if kind == "state" else target.channel
+    channel = target.stage_channel if stage else target.audit_channel if kind in ("state", "draw") else target.channel
     method = (STAGE if stage else SWARM) + name
     ident = lambda b: b  # noqa: E731  (raw bytes on the wire)
     try:
         if kind == "unary":
             channel.unary_unary(method, request_serializer=ident, response_deserializer=ident)(
                 _random_request(rng, message), timeout=10)
+        elif kind == "draw":
+            channel.unary_unary(method, request_serializer=ident, response_deserializer=ident)(
+                _draw_request(rng, target.audit_agg.block(0).current()[0].sha256), timeout=10)
         elif kind == "stream":
             call = channel.unary_stream(method, request_serializer=ident, response_deserializer=ident)(
                 _random_request(rng, message), timeout=0.5 if name == "Watch" else 10)
@@ -409,6 +437,7 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
         return "OK"
     except grpc.RpcError as err:
         code = err.code()
-        if code in REFUSALS or code == grpc.StatusCode.CANCELLED:
+        if code in REFUSALS or code == grpc.StatusCode.CANCELLED or (
+                kind == "draw" and code == grpc.StatusCode.PERMISSION_DENIED):  # a broken chain revoked COMMITTER
             return code.name
         raise AssertionError(f"{method} seed {seed}: {code.name}: {err.details()}") from None

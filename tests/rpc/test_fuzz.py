@@ -61,3 +61,11 @@ def test_after_the_fuzzing_the_node_serves_and_no_model_changed(target):
     assert client.status().fingerprint  # still answering
     client.close()
     assert not target.model_changed()
+
+
+def test_relays_commits_of_child_updates_are_taken_or_refused_with_a_status(target):
+    codes = Counter(fuzz_rpc(target, seed, only="Draw") for seed in range(150))
+    assert codes["OK"] and codes["INVALID_ARGUMENT"], codes  # fresh claims committed or drawn, the rest refused
+    events = target.audit_agg.counters
+    assert events[("draws", "drawn")] and events[("draws_refused", "claim")], events
+    assert not target.model_changed()

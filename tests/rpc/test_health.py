@@ -188,7 +188,7 @@ def test_reflection_lists_each_servers_services_and_their_methods(servers):
         names, pool = services(ch)
         assert names == {SWARM_SERVICE, *STANDARD}
         methods = {m.name for m in pool.FindServiceByName(SWARM_SERVICE).methods}
-        assert methods == {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "SubmitEvidence", "Watch", "Status",
+        assert methods == {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "SubmitEvidence", "Draw", "Watch", "Status",
                            "Revoke"}
         assert pool.FindMessageTypeByName("btnode.v1.PushHeader").fields_by_name["base_version"].number > 0
     with grpc.insecure_channel(stage()) as ch:
