@@ -57,7 +57,8 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 SWARM = "/btnode.v1.Swarm/"
 AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
 EVIDENCED, CHILD = "evidenced", "child-u"  # the relay push whose evidence the aggregator waits for, and its child
-COMMITTER = "d"  # a worker joined at the audit aggregator, whose updates relays commit there (Draw)
+COMMITTER = "d"  # a worker joined at the audit aggregator, whose updates relays commit there (Draw) ...
+BREAKER = "e"  # ... and one whose claims break its chain (revoked by the first)
 STAGE = "/btnode.v1.Stage/"
 KEEPS = (1, 41, 410, 4096)  # a sparse codec's values per chunk: 1 … CHUNK
 PUSH_CODECS = (Codec.INT8, Codec.SPARSE8, Codec.SPARSE2)  # the codecs of fuzzed pushes' frames
@@ -267,7 +268,8 @@ def start_target(state_dir: Path) -> Target:
     audit_agg = SwarmAggregator(CFG, AggregatorConfig(round=rounds, audit=AuditConfig(share=1.0)), state_dir / "audit",
                                 corpus=bytes(range(256)) * 4, audit_secret=bytes(32))
     await_state(audit_agg)
-    audit_agg.join(COMMITTER, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)  # Draw reaches its chain
+    for w in (COMMITTER, BREAKER):  # Draw reaches their chains
+        audit_agg.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=terms)
     aserver, aport, astop = serve(audit_agg, "127.0.0.1:0")
     stage = LocalBlockStage(init_block(CFG, 1, 0), 1, CFG.n_blocks, next=None, device=torch.device("cpu"))
     sserver, sport, sstop = serve_stage(stage, "127.0.0.1:0")
@@ -308,22 +310,24 @@ def _state_messages(rng: random.Random) -> list[bytes]:
 
 def _draw_request(rng: random.Random, base_sha256: str) -> bytes:
     """A relay's Draw: a child's header (mostly of the joined COMMITTER, with a claim that starts a
-    fresh chain on the current version; now and then one that breaks it, which revokes COMMITTER) and
+    fresh chain on the current version, or of BREAKER, whose claims break its chain and revoke it) and
     a frames digest, or a mutation of one of them."""
     def pick(good, *bad, p: float = 0.85):
         return good if rng.random() < p else rng.choice(bad)
 
     claim = WorkClaim(base_sha256=pick(base_sha256, "00" * 32), data_id="", recipe="{}",
-                      optimizer_start=pick(EMPTY_STATE, "11" * 32, p=0.97), optimizer_end="22" * 32,
+                      optimizer_start=EMPTY_STATE, optimizer_end="22" * 32,
                       residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
-    header = swarm_pb2.PushHeader(worker_id=pick(COMMITTER, "a", "", "z" * 300), block=pick(0, 1, 7),
+    header = swarm_pb2.PushHeader(worker_id=pick(COMMITTER, BREAKER, "a", "", "z" * 300), block=pick(0, 1, 7),
                                   base_version=pick(0, 1, 2**63), samples=pick(2.0, 0.0, float("nan")), loss=1.0,
                                   codec=pick(Codec.INT8, 99), update_id=f"u{rng.randrange(2**32)}", steps=[0, 1])
+    if header.worker_id == BREAKER:
+        claim = replace(claim, optimizer_start="11" * 32)
     if rng.random() < 0.9:
         header.claim.CopyFrom(convert.claim_to_pb(claim))
     request = swarm_pb2.DrawRequest(header=header, digest=pick(rng.randbytes(32), b"", b"x" * 31))
     data = bytearray(request.SerializeToString())
-    if rng.random() < 0.1:
+    if header.worker_id != COMMITTER and rng.random() < 0.3:  # (a flipped bit of its claim would break its chain)
         data[rng.randrange(len(data))] ^= 0xFF
     return bytes(data)
 
@@ -438,6 +442,6 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
     except grpc.RpcError as err:
         code = err.code()
         if code in REFUSALS or code == grpc.StatusCode.CANCELLED or (
-                kind == "draw" and code == grpc.StatusCode.PERMISSION_DENIED):  # a broken chain revoked COMMITTER
+                kind == "draw" and code == grpc.StatusCode.PERMISSION_DENIED):  # BREAKER, revoked
             return code.name
         raise AssertionError(f"{method} seed {seed}: {code.name}: {err.details()}") from None
