@@ -686,9 +686,10 @@ def main() -> None:
 
 def current(res: dict) -> list[dict]:
     """The rows the derived numbers use: per topology, those of the last code that ran its sizes (not `before`,
-    and not a kill run alone: a kill row is shown, but fits and projections read the undisturbed rows)."""
+    not a `lever-` row run beside them with other root flags, and not a kill run alone: a kill row is shown, but
+    fits and projections read the undisturbed rows)."""
     last = {r["topology"]: r.get("code") for r in res["rows"]
-            if not str(r.get("code", "")).startswith("before") and not r.get("kill")}
+            if not str(r.get("code", "")).startswith(("before", "lever")) and not r.get("kill")}
     return [r for r in res["rows"] if last.get(r["topology"]) == r.get("code") and not r.get("kill")]
 
 

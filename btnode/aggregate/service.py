@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,15 +26,16 @@ from btnode.aggregate.audit import AuditJob, Audits, Replayer, Verdict
 from btnode.aggregate.commits import Commits
 from btnode.aggregate.block import INCOMPLETE, AggregatorConfig, BlockAggregator, BlockStatus
 from btnode.aggregate.datakeys import DataKeys
-from btnode.aggregate.evidence import RelayAuditJob, RelayAudits, check_evidence
+from btnode.aggregate.evidence import RelayAudits
 from btnode.aggregate.identities import Identities, Identity, IdentityRecord
 from btnode.aggregate.manifests import Relays
+from btnode.aggregate.relayed import RelayChecks
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.codec.codecs import Codec
 from btnode.data.source import ByteSource
 from btnode.errors import CheckpointError, ConfigError, ConfigMismatchError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import MAX_NAME, Drawn, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
+from btnode.protocol import MAX_NAME, JoinInfo, Judgement, Meter, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.durable import Journal, atomic_write
 from btnode.store.models import RUN_FILE, init_unit, unit_stem
 from btnode.store.versions import VersionStore
@@ -75,7 +76,7 @@ class SwarmStatus:
     identities: tuple[IdentityRecord, ...] = ()  # under mutual TLS: each certificate's record, by name
 
 
-class SwarmAggregator:
+class SwarmAggregator(RelayChecks):
     block_class: type[BlockAggregator] = BlockAggregator  # a relay's blocks combine and forward (aggregate/relay.py)
 
     def __init__(self, cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, blocks: Iterable[int] | None = None,
@@ -442,117 +443,6 @@ class SwarmAggregator:
         """An update judged elsewhere: a relay passes a child's update its parent drew for a replay audit
         on as it came (aggregate/relay.py). None here: it is judged here."""
         return None
-
-    # -- replay audits through relays (aggregate/commits.py) ------------------------------------
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
-        """A relay commits a child's update before it counts it: `header` is the child's own push
-        header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
-        on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
-        and replayed here as a direct push, its chain advanced then; not drawn, its chain advances now and
-        the answer carries the token its manifest entry must bring. Refusals are a direct push's."""
-        audits, commits, block = self.audits, self.commits, self.block(header.block)
-        if audits is None or commits is None:
-            raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
-        if header.manifest:
-            raise MalformedInput("manifest", "a combined update is not drawn: its relay commits each child update")
-        if self.identities.is_revoked(header.worker_id):
-            raise Forbidden("revoked", f"worker {header.worker_id!r} was revoked")
-        if (token := commits.known(header.update_id)) is not None:
-            return Drawn(False, token)  # committed before (the relay failed over, or the child re-pushed)
-        if block.answered(header.update_id) is not None:
-            return Drawn(True)  # drawn and pushed here before: pushed again, it gets the same answer
-        try:
-            audits.check_chain(header)
-            self._check_claim(block, header)
-            self._check_key(header)
-        except PeerInputError as exc:
-            self.count("draws_refused", exc.reason)
-            if exc.reason == "chain":
-                self._punish(header.worker_id, "chain", str(exc))
-            raise
-        probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
-        if probation or (audits.drawn(header.update_id) and self.training(header.worker_id) is not None
-                         and header.base_version == block.current()[0].version):
-            self.count("draws", "drawn")
-            return Drawn(True)
-        audits.advance(header)
-        self.count("draws", "committed")
-        return Drawn(False, commits.commit(header, digest))
-
-    # -- relay audits (aggregate/evidence.py) --------------------------------------------------
-    def _hold_for_evidence(self, block: BlockAggregator, header: PushHeader, delta: Tensors, raw: dict[str, bytes],
-                           amends: frozenset[str]) -> Judgement:
-        """A combined push drawn for a relay audit: judged in full, then held out of the round (PROBATION)
-        until the relay's evidence recombines to it; the answer asks the relay for that evidence.
-        `amends`: the child updates of the relay's combined update it replaces once it passes."""
-        assert self.relay_audits is not None
-        judged = block.submit(header, delta, raw=raw, hold=True, amends=amends)
-        if judged.outcome is not Outcome.PROBATION:
-            return judged
-        self.relay_audits.open(header, raw, amends)
-        self.count("relay_audits", "drawn")
-        log.info("relay %s: combined push %s (%d children) drawn for audit; held until its evidence checks", header.worker_id,
-                 header.update_id[:8], len(header.manifest))
-        return replace(judged, audit=True)
-
-    def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | ChunkData],
-                        who: Identity | None = None) -> None:
-        """A relay's evidence for its held combined push `header`: a pass lets the push into its round;
-        a failure from the relay's proven identity (mutual TLS) revokes it at once. Without mutual TLS
-        a failing stream is refused and the audit keeps waiting (anyone who saw the update id could
-        send one), and fails at its timeout with the refusal's reason (`expire_relay_audits`)."""
-        job = self.relay_audits.waiting_for(header.update_id) if self.relay_audits is not None else None
-        if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
-            raise MalformedInput("no_audit", f"no relay audit waits for the evidence of {header.update_id[:16]!r} of "
-                                             f"{header.worker_id!r}")
-        def metered() -> Iterator[EvidenceChild | ChunkData]:  # evidence is ingress too (bench/scale.py reads it)
-            for part in parts:
-                if isinstance(part, ChunkData):
-                    self.meter.count(("received", "wire"), len(part.data))
-                yield part
-
-        try:
-            check_evidence(job, unit, metered(), self.block(header.block).spec)
-        except PeerInputError as exc:
-            if exc.reason in INCOMPLETE:  # the stream broke: the relay may send it again
-                raise
-            job.refused = f"{exc.reason}: {exc}"
-            if who is not None and who.name == header.worker_id:
-                self._relay_verdict(job, exc.reason, str(exc))
-            raise
-        self._relay_verdict(job, "", "its children's frames recombine to its push bit for bit")
-
-    def expire_relay_audits(self) -> None:
-        """Fail the relay audits whose evidence did not come (or did not hold) in time."""
-        if self.relay_audits is None:
-            return
-        for job in self.relay_audits.expired():
-            reason, _, detail = job.refused.partition(": ")
-            self._relay_verdict(job, reason or "timeout", detail or f"no evidence within "
-                                                                     f"{self.acfg.relay_audit.timeout_s:g} s")
-
-    def _relay_verdict(self, job: RelayAuditJob, failed: str, detail: str) -> None:
-        """Pass (`failed` empty): the held push goes into its round, if that is still open. Fail: the
-        relay is revoked and its push stays out (its children's updates miss this round)."""
-        assert self.relay_audits is not None
-        if self.relay_audits.close(job.header.update_id) is None:
-            return  # another stream, or the expiry, judged it first
-        h = job.header
-        self.count("relay_audits", failed or "passed")
-        if not failed:
-            admitted = self.block(h.block).admit_held(h.update_id, amends=job.amends)
-            if admitted:  # one that missed its round (or whose round changed) is neither counted nor refused
-                self.relays.pushed(h, True, replaced=job.amends)
-            log.info("relay audit of %s's combined push %s passed (%s)%s", h.worker_id, h.update_id[:8], detail,
-                     "" if admitted else "; its round had closed: its children's updates missed it")
-            return
-        self.relays.pushed(h, False)
-        if not self.identities.is_revoked(h.worker_id):  # (another of its pushes, an amendment, may fail too)
-            self.identities.revoke(h.worker_id, seen_only=False)
-            self.count("revoked", f"relay_{failed}")
-        log.warning("relay %s revoked after a failed relay audit of combined push %s (%s): %s; the updates of its %d "
-                    "children miss this round", h.worker_id, h.update_id[:8], failed, detail, len(h.manifest))
-        self._drop(h.worker_id, f"relay_audit_{failed}")
 
     def _check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
         """A work claim must name the swarm's data and, for the current version, its hash: a replay
