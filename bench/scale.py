@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
 from bench.report import ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
+from btnode.data.identity import BUNDLED
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, NodeProcess, one_thread_env, spawn_node, start_node, stop_processes, wait_port
 
@@ -215,7 +216,7 @@ def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str) -> tuple[list
 
 
 def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], rounds: int, deadline: float, *,
-                    processes: int = 1) -> list[subprocess.Popen]:
+                    processes: int = 1, data_id: str = "") -> list[subprocess.Popen]:
     """N simulated workers in WORKERS_PER_PROCESS-sized processes (at least `processes` of them)."""
     k = max(processes, math.ceil(n / WORKERS_PER_PROCESS))
     per = math.ceil(n / k)
@@ -226,7 +227,7 @@ def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], round
                              "--first", str(first), "--count", str(count), "--rounds", str(rounds),
                              "--batch", str(BATCH), "--lr", str(LR), "--h", str(H), "--wait", str(4 * deadline),
                              "--events", str(out / f"events-{i}.jsonl"), "--ready", str(out / f"ready-{i}"),
-                             "--go", str(out / "go"))
+                             "--go", str(out / "go"), "--data-id", data_id)
         with open(out / f"swarmlet-{i}.log", "ab") as log:
             sims.append(subprocess.Popen(sim, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env()))
     return sims
@@ -262,7 +263,8 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
             relays, relay_cmd = start_relays(cfg, out, n, root.address())
             procs += [r.proc for r in relays]
         sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline,
-                               processes=4 if kill else 1)
+                               processes=4 if kill else 1,
+                               data_id=BUNDLED if "--audit" in root_args else "")  # an auditing root's own data
         procs += sims
         wait_ready(out, sims)
         m0 = scrape(metrics_port)

@@ -94,10 +94,11 @@ class SimWorker:
     pushes its round's update again (the same update id), as a real worker's failover link does."""
 
     def __init__(self, name: str, peers: list[str], cfg: ModelConfig, terms: TrainingTerms,
-                 update: list[pb.PushMessage], log: Log, *, rounds: int, wait_s: float, recipe: str,
+                 update: list[pb.PushMessage], log: Log, *, rounds: int, wait_s: float, recipe: str, data_id: str = "",
                  go: asyncio.Event, logged: set[int]):
         self.name, self.peers, self.cfg, self.terms = name, peers, cfg, terms
         self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
+        self.data_id = data_id  # stated at Join and in each claim (a root with --audit requires its own)
         self.at, self.generation = 0, 0  # which peer, and how many moves so far
         self.channel = grpc.aio.insecure_channel(peers[0], options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SwarmStub(self.channel)
@@ -213,7 +214,7 @@ class SimWorker:
                           samples=float(h * self.terms.train.batch), loss=1.0, codec=Codec.INT8,
                           update_id=uuid.uuid4().hex, data_key=self.key,
                           steps=tuple(range(v.version * h, (v.version + 1) * h)),
-                          claim=WorkClaim(base_sha256=v.sha256, data_id="", recipe=self.recipe,
+                          claim=WorkClaim(base_sha256=v.sha256, data_id=self.data_id, recipe=self.recipe,
                                           optimizer_start=EMPTY_STATE, optimizer_end=EMPTY_STATE,
                                           residual_start=EMPTY_STATE, residual_end=EMPTY_STATE))
 
@@ -233,7 +234,7 @@ class SimWorker:
     async def _join(self) -> None:
         reply = await self.stub.Join(pb.JoinRequest(
             worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
-            config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json()))
+            config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json(), data_id=self.data_id))
         self.key = convert.join_from_pb(reply).data_key
 
     async def run(self) -> None:
@@ -301,7 +302,8 @@ async def swarm(args: argparse.Namespace) -> None:
     go, logged = asyncio.Event(), set()
     k = len(peers)  # worker j talks to peer j mod k, with the next SPARES as its spares
     workers = [SimWorker(n, [peers[(j + s) % k] for s in range(min(k, SPARES + 1))], cfg, terms, variants[j % VARIANTS],
-                         log, rounds=args.rounds, wait_s=args.wait, recipe=recipe, go=go, logged=logged)
+                         log, rounds=args.rounds, wait_s=args.wait, recipe=recipe, data_id=args.data_id, go=go,
+                         logged=logged)
                for j, n in enumerate(names, start=args.first)]
     log("started", count=len(workers), pid=os.getpid())
     runs = [asyncio.create_task(w.run()) for w in workers]
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", type=Path, required=True)
     ap.add_argument("--ready", type=Path, required=True, help="touched once every worker here has joined and pulled")
     ap.add_argument("--go", type=Path, required=True, help="the rounds start once this file exists")
+    ap.add_argument("--data-id", default="", help="the data id the workers state (a root with --audit requires its own)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     asyncio.run(swarm(args))

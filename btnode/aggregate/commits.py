@@ -11,6 +11,12 @@ under the root's secret over (block, worker, update id, base version, frames dig
 manifest entry must carry. A manifest entry without a valid token is an update the relay counted
 without committing it (one it kept from the draw) and is refused (reason "uncommitted"). Tokens need
 no memory at the root and survive its restarts, as the secret does.
+
+The root also remembers, per round, which relay committed which update (`open`), and once the round's
+version is out it counts those the version does not include (`settle`): a relay that drops a committed
+child update is seen at the root, not only by the child (a relay's screen, a child refused at the relay
+after its commit, or a combined push that came too late are the honest reasons; the count is a signal
+to look, by relay).
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ import hashlib
 import hmac
 import json
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from btnode.errors import MalformedInput
-from btnode.protocol import PushHeader
+from btnode.protocol import PushHeader, VersionInfo
 
 REMEMBERED = 1 << 16  # committed update ids kept to answer a relay that commits one again (after a failover)
 
@@ -33,6 +39,7 @@ class Commits:
     def __init__(self, secret: bytes):
         self._key = hashlib.sha256(b"btnode-commit\0" + secret).digest()  # not the draw key itself
         self._known: OrderedDict[str, bytes] = OrderedDict()  # update id → its token
+        self._open: dict[tuple[int, int], dict[str, str]] = {}  # (block, round) → update id → the relay that committed it
         self._lock = threading.Lock()
 
     def token(self, block: int, worker_id: str, update_id: str, base_version: int, digest: str) -> bytes:
@@ -44,14 +51,31 @@ class Commits:
         with self._lock:
             return self._known.get(update_id)
 
-    def commit(self, header: PushHeader, digest: str) -> bytes:
-        """The token of `header`'s update, remembered (a relay may commit it again after a failover)."""
+    def commit(self, header: PushHeader, digest: str, relay: str = "") -> bytes:
+        """The token of `header`'s update, remembered (a relay may commit it again after a failover),
+        and the update noted as committed by `relay` in its round (its base version)."""
         token = self.token(header.block, header.worker_id, header.update_id, header.base_version, digest)
         with self._lock:
             self._known[header.update_id] = token
             while len(self._known) > REMEMBERED:
                 self._known.popitem(last=False)
+            self._open.setdefault((header.block, header.base_version), {})[header.update_id] = relay
         return token
+
+    def rounds(self, block: int) -> list[int]:
+        """The rounds of `block` with commits not settled yet."""
+        with self._lock:
+            return sorted(v for b, v in self._open if b == block)
+
+    def settle(self, block: int, info: VersionInfo | None, round_version: int) -> Counter[str]:
+        """Forget round `round_version`'s commits; with `info`, the version that round published, count by
+        relay those it does not include (None: the round's summary is gone, nothing to count)."""
+        with self._lock:
+            committed = self._open.pop((block, round_version), {})
+        if info is None:
+            return Counter()
+        included = set(info.included)
+        return Counter(relay for update_id, relay in committed.items() if update_id not in included)
 
     def check(self, header: PushHeader) -> None:
         """MalformedInput("uncommitted") naming the entries of a combined push whose token is not this

@@ -31,17 +31,19 @@ class RelayChecks:
     audits: Audits | None
     commits: Commits | None
     relay_audits: RelayAudits | None
+    blocks: dict[int, BlockAggregator]
     identities: Identities
     relays: Relays
     meter: Meter
 
     # -- replay audits through relays (aggregate/commits.py) ------------------------------------
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
         """A relay commits a child's update before it counts it: `header` is the child's own push
         header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
         on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
         and replayed here as a direct push, its chain advanced then; not drawn, its chain advances now and
-        the answer carries the token its manifest entry must bring. Refusals are a direct push's."""
+        the answer carries the token its manifest entry must bring. Refusals are a direct push's.
+        `relay`: the caller's name under mutual TLS (its uncounted commits are counted by it: `settle_commits`)."""
         audits, commits, block = self.audits, self.commits, self.block(header.block)
         if audits is None or commits is None:
             raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
@@ -69,7 +71,25 @@ class RelayChecks:
             return Drawn(True)
         audits.advance(header)
         self.count("draws", "committed")
-        return Drawn(False, commits.commit(header, digest))
+        return Drawn(False, commits.commit(header, digest, relay))
+
+    def settle_commits(self) -> None:
+        """Count (`relay_uncounted`, by relay; logged) the committed child updates that their round's
+        published version does not include: a relay that dropped one is seen here (aggregate/commits.py)."""
+        if self.commits is None:
+            return
+        for b, block in self.blocks.items():
+            current = block.current()[0].version
+            published = {s.info.base_version: s.info for s in list(block.recent)}
+            for v in self.commits.rounds(b):
+                if v >= current:
+                    continue
+                info = published.get(v)
+                for relay, n in self.commits.settle(b, info, v).items():
+                    self.count("relay_uncounted", relay)
+                    log.warning("%s round %d: %d child updates committed by relay %s are not in version %d (dropped "
+                                "by the relay, refused there after their commit, or late)", block.name, v, n,
+                                relay or "(unnamed: no mutual TLS)", info.version if info else -1)
 
     # -- relay audits (aggregate/evidence.py) --------------------------------------------------
     def _hold_for_evidence(self, block: BlockAggregator, header: PushHeader, delta: Tensors, raw: dict[str, bytes],

@@ -340,6 +340,7 @@ class SwarmAggregator(RelayChecks):
         """Replay every audit whose start state is in, fail those whose state is late; returns the verdicts."""
         if self.audits is None:
             return []
+        self.settle_commits()
         ready, late = self.audits.due()
         verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.acfg.audit.state_timeout_s:g} s",
                             0.0, j.probation, self.clock() - j.arrived) for j in late]

@@ -323,7 +323,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         digest = request.digest.hex()
         if who is not None and who.name != header.worker_id:
             self._proven(who, header.worker_id, (header.cert, header.signature), receipt_statement(header, digest))
-        drawn = self.agg.draw(header, digest)
+        drawn = self.agg.draw(header, digest, relay=who.name if who is not None else "")
         return pb.DrawReply(drawn=drawn.drawn, token=drawn.token)
 
     @_guard

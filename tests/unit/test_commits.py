@@ -97,3 +97,17 @@ def test_a_drawn_child_update_gets_no_token_and_its_chain_waits_for_its_own_push
     with pytest.raises(MalformedInput) as exc:  # listed in a combined push, it is not counted
         _combined(root, [ManifestEntry("w1", "w1-u", 0, 1.0, DIGEST, samples=1.0)], "kept")
     assert exc.value.reason == "uncommitted"
+
+
+def test_a_committed_child_update_its_relay_left_out_is_counted_against_that_relay(tmp_path):
+    root = _root(tmp_path, share=1e-12)
+    tokens = {w: root.draw(_child(root, w), DIGEST, relay="r1").token for w in ("w1", "w2")}
+    root.settle_commits()
+    assert ("relay_uncounted", "r1") not in root.counters  # its round is still open
+    kept = ManifestEntry("w1", "w1-u", 0, 1.0, DIGEST, samples=1.0, token=tokens["w1"])  # w2's update dropped
+    assert _combined(root, [kept], "c1").outcome is Outcome.ACCEPTED
+    (info,) = root.drain()
+    assert info.included == ("w1-u",)
+    root.settle_commits()
+    root.settle_commits()  # settled once
+    assert root.counters[("relay_uncounted", "r1")] == 1
