@@ -40,6 +40,7 @@ class Commits:
         self._key = hashlib.sha256(b"btnode-commit\0" + secret).digest()  # not the draw key itself
         self._known: OrderedDict[str, bytes] = OrderedDict()  # update id → its token
         self._open: dict[tuple[int, int], dict[str, str]] = {}  # (block, round) → update id → the relay that committed it
+        self._drawn: OrderedDict[str, None] = OrderedDict()  # drawn, not yet pushed and judged
         self._lock = threading.Lock()
 
     def token(self, block: int, worker_id: str, update_id: str, base_version: int, digest: str) -> bytes:
@@ -61,6 +62,22 @@ class Commits:
                 self._known.popitem(last=False)
             self._open.setdefault((header.block, header.base_version), {})[header.update_id] = relay
         return token
+
+    def drew(self, update_id: str) -> None:
+        """A drawn update: its relay may push it here as it came, once (`was_drawn`, `judged`)."""
+        with self._lock:
+            self._drawn[update_id] = None
+            while len(self._drawn) > REMEMBERED:
+                self._drawn.popitem(last=False)
+
+    def was_drawn(self, update_id: str) -> bool:
+        with self._lock:
+            return update_id in self._drawn
+
+    def judged(self, update_id: str) -> None:
+        """A drawn update pushed and judged: a re-push gets its answer; nobody may push it anew."""
+        with self._lock:
+            self._drawn.pop(update_id, None)
 
     def rounds(self, block: int) -> list[int]:
         """The rounds of `block` with commits not settled yet."""

@@ -42,8 +42,10 @@ class RelayChecks:
         header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
         on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
         and replayed here as a direct push, its chain advanced then; not drawn, its chain advances now and
-        the answer carries the token its manifest entry must bring. Refusals are a direct push's.
-        `relay`: the caller's name under mutual TLS (its uncounted commits are counted by it: `settle_commits`)."""
+        the answer carries the token its manifest entry must bring. Refusals are a direct push's, except
+        that a broken chain does not revoke the worker: a relay could replay an old claim the worker
+        signed, so the claim's order is not the worker's word here. `relay`: the caller's name under
+        mutual TLS (its uncounted commits are counted by it: `settle_commits`)."""
         audits, commits, block = self.audits, self.commits, self.block(header.block)
         if audits is None or commits is None:
             raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
@@ -61,17 +63,26 @@ class RelayChecks:
             self._check_key(header)
         except PeerInputError as exc:
             self.count("draws_refused", exc.reason)
-            if exc.reason == "chain":
-                self._punish(header.worker_id, "chain", str(exc))
             raise
         probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
         if probation or (audits.drawn(header.update_id) and self.training(header.worker_id) is not None
                          and header.base_version == block.current()[0].version):
             self.count("draws", "drawn")
+            commits.drew(header.update_id)
             return Drawn(True)
         audits.advance(header)
         self.count("draws", "committed")
         return Drawn(False, commits.commit(header, digest, relay))
+
+    def check_passed_on(self, header: PushHeader) -> None:
+        """Refused (`not_drawn`) unless a child's update that a relay pushes here in the child's name is
+        one this root drew (Draw) and has not judged yet, or a re-push of one it judged: a relay cannot
+        push a committed child update directly (its chain has moved on: the root would take it for a
+        cheat), nor replay an old one."""
+        if self.commits is None or not (self.commits.was_drawn(header.update_id)
+                                        or self.block(header.block).answered(header.update_id) is not None):
+            raise Refused("not_drawn", f"a relay pushes {header.worker_id}'s update {header.update_id[:16]!r} in its "
+                                       f"name, which this aggregator did not draw for an audit")
 
     def settle_commits(self) -> None:
         """Count (`relay_uncounted`, by relay; logged) the committed child updates that their round's

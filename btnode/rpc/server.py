@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from btnode.aggregate.block import ABORTED
+from btnode.aggregate.block import ABORTED, INCOMPLETE
 from btnode.aggregate.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.evidence import noting_digest
 from btnode.aggregate.identities import Identity, Role
@@ -286,7 +286,13 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
-        if who is not None and _relayed(who, header):  # a child's update drawn for audit: its own signed receipt
+        relayed = who is not None and _relayed(who, header)
+        if relayed:  # a child's update drawn for audit: only that, under its own signed receipt
+            try:
+                self.agg.check_passed_on(header)
+            except PeerInputError as exc:
+                self.agg.block(header.block).reject(None, exc)
+                raise
             chunks, who = self._receipted(header, chunks), None
         if who is not None and header.manifest:
             try:
@@ -295,7 +301,14 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                 self.agg.block(header.block).reject(header, exc)
                 self.agg.relays.pushed(header, False)
                 raise
-        judged = self.agg.push(header, chunks, who=who)
+        try:
+            judged = self.agg.push(header, chunks, who=who)
+        except PeerInputError as exc:
+            if relayed and exc.reason not in INCOMPLETE and self.agg.commits is not None:
+                self.agg.commits.judged(header.update_id)  # refused: its chain moved on (or it never was its worker's)
+            raise
+        if relayed and self.agg.commits is not None:
+            self.agg.commits.judged(header.update_id)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))

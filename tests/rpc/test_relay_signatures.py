@@ -22,7 +22,7 @@ from btnode.aggregate.relay import RelaySwarm
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
-from btnode.errors import Forbidden
+from btnode.errors import Forbidden, MalformedInput
 from btnode.node.relay import _header
 from btnode.protocol import EMPTY_STATE, Outcome, PushHeader, WorkClaim
 from btnode.rpc.certs import admit, check_receipt, init_ca
@@ -87,6 +87,22 @@ def tree(tmp_path, pki):
 def replaying_tree(tmp_path, pki):
     """The tree under a root that replays every update (p = 1, no probation)."""
     yield from _tree(tmp_path, pki, AuditConfig(share=1.0, probation=0))
+
+
+@pytest.fixture
+def committing_tree(tmp_path, pki):
+    """The tree under a root that replays audits but draws no update (p = 1e-12)."""
+    yield from _tree(tmp_path, pki, AuditConfig(share=1e-12, probation=0))
+
+
+def signed_update(w: SwarmClient, root: SwarmAggregator, worker: str, update_id: str, **claim: str):
+    """A worker's signed header with a claim that starts a fresh chain on the root's version, its frames and digest."""
+    fresh = WorkClaim(base_sha256=root.block(0).current()[0].sha256, data_id="", recipe="{}", optimizer_start=EMPTY_STATE,
+                      optimizer_end="cd" * 32, residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
+    frames = encode_frames({n: torch.full(s, 1e-3) for n, s in root.block(0).spec.items()}, Codec.FP32)
+    header = w.signed(PushHeader(worker_id=worker, block=0, base_version=0, samples=2.0, loss=1.0, codec=Codec.FP32,
+                                 update_id=update_id, steps=(0, 1), claim=replace(fresh, **claim)), frames)
+    return header, frames, frames_digest({f.header.name: f.header.sha256 for f in frames})
 
 
 def join(c: SwarmClient, worker: str):
@@ -182,12 +198,9 @@ def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and
     root, relay, upstream, client = replaying_tree
     w1 = client("w1")
     join(w1, "w1")
-    claim = WorkClaim(base_sha256=root.block(0).current()[0].sha256, data_id="", recipe="{}", optimizer_start=EMPTY_STATE,
-                      optimizer_end="cd" * 32, residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
-    frames = encode_frames({n: torch.full(s, 1e-3) for n, s in root.block(0).spec.items()}, Codec.FP32)
-    header = w1.signed(PushHeader(worker_id="w1", block=0, base_version=0, samples=2.0, loss=1.0, codec=Codec.FP32,
-                                  update_id="u1", steps=(0, 1), claim=claim), frames)
-    digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
+    header, frames, digest = signed_update(w1, root, "w1", "u1")
+    claim = header.claim
+    assert claim is not None
     # the relay can neither commit w1's update under another claim nor pass it on with other frames
     with pytest.raises(Forbidden, match="not its key's"):
         upstream.draw(replace(header, claim=replace(claim, optimizer_end="ef" * 32)), digest)
@@ -201,3 +214,23 @@ def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and
     assert root.block(0).info.version == 1 and root.block(0).info.included == ("u1",)
     assert relay.counters[("passed_on", "accepted")] == 1 and not relay.block(0).round.accepted
     assert root.audits is not None and root.audits.due()[0][0].header.update_id == "u1"  # its replay is due
+
+
+def test_a_relay_can_neither_push_a_committed_child_update_itself_nor_frame_its_worker(committing_tree):
+    root, relay, upstream, client = committing_tree
+    w1 = client("w1")
+    join(w1, "w1")
+    header, frames, digest = signed_update(w1, root, "w1", "u1")
+    assert w1.push(header, frames).outcome is Outcome.ACCEPTED  # at the relay: committed at the root, not drawn
+    assert root.counters[("draws", "committed")] == 1
+    # pushed directly in w1's name, it would reach the root as a second update of a chain that moved on
+    refused = upstream.push(header, frames)
+    assert refused.outcome is Outcome.REJECTED and "did not draw for an audit" in refused.reason
+    assert root.block(0).counters[("rejected", "not_drawn")] == 1
+    # an old claim of w1's, replayed by the relay at a commit, is refused; w1 is not revoked for it
+    old, _, old_digest = signed_update(w1, root, "w1", "u0", optimizer_end="ab" * 32)
+    with pytest.raises(MalformedInput, match="another optimizer state"):
+        upstream.draw(replace(old, base_version=0), old_digest)
+    assert not root.identities.is_revoked("w1")
+    (combined_header, combined_frames) = combined(relay)  # the relay's round, with w1's token, goes in
+    assert combined_header.manifest[0].token and upstream.push(combined_header, combined_frames).outcome is Outcome.ACCEPTED
