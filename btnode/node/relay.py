@@ -233,8 +233,9 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
                                     name="forwarder"))
     for t in threads:
         t.start()
-    log.info("relay %s for blocks %s listening on port %d under %s (round %g s, the parent's %g s)", name, owned, port,
-             parent.address, own, parent_deadline)
+    log.info("relay %s for blocks %s listening on port %d under %s (round %g s, the parent's %g s%s%s)", name, owned,
+             port, parent.address, own, parent_deadline, "; the parent audits relays" if relay.parent_audits else "",
+             "; the parent replays updates: each child update is committed there first" if relay.parent_replays else "")
     tickers, alive = serving(relay.blocks, stop, port=port, port_file=port_file, health=health,
                              status=f"relaying blocks {owned} on port {port}")  # a close never gaps the watchdog
     try:
