@@ -135,6 +135,7 @@ class Judgement:
     reason: str
     round_version: int
     audit: bool = False  # the update was drawn for a replay audit: send its start state (AggregatorLink.submit_state)
+    closes_in_s: float = 0.0  # to a relay's combined push in an open round: seconds to its deadline (0: not said)
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,12 @@ class BlockAggregator:
                 return self._answer(header, self.round.judgement(outcome, reason))
             return None
 
+    def closes_in(self, version: int) -> float:
+        """Seconds until the deadline of the open round, if it is `version`'s (0 otherwise): told to a
+        relay whose combined push it took, so that the relay knows how long it may still amend it."""
+        with self.lock:
+            return max(0.0, self.round.deadline() - self.clock()) if self.round.version == version else 0.0
+
     def answered(self, update_id: str) -> Judgement | None:
         """The answer already given to this update id (a re-push gets it again), if any."""
         with self.lock:

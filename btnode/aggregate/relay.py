@@ -87,6 +87,7 @@ class RelayBlock(BlockAggregator):
         self.receipts: dict[str, Receipt] = {}  # update id → what it came with, for its manifest entry
         self.kept: OrderedDict[int, Spill] = OrderedDict()  # earlier rounds' spills, for evidence (`_keep_spill`)
         self.forwarded: frozenset[str] = frozenset()  # child update ids in the last combined update of this round
+        self.amend_until: float | None = None  # when an amendment can no longer reach the parent's round (`parent_closes`)
         self.lost = 0  # accepted child updates never forwarded (the parent moved on first)
         self.on_membership = lambda worker_id, here: None  # set by RelaySwarm: a child went away / came back
         self._away: set[str] = set()  # children whose version stream ended, told to the parent as gone
@@ -151,15 +152,25 @@ class RelayBlock(BlockAggregator):
                                self.receipts.get(update.update_id))
 
     def _too_late(self, header: PushHeader) -> Judgement | None:
-        """LATE for a new child update once this round went up and its own deadline passed (the parent's
-        closes `--relay-margin` later): an amendment now would reach the parent after its close, and the
-        child would have heard ACCEPTED for an update that is lost (145 of them in a kill run at
-        N = 1,024). Told LATE, the child knows, as a direct worker would."""
-        if (self.forwarded and header.update_id not in self._answers and self.clock() >= self.round.deadline()
+        """LATE for a new child update once this round went up and an amendment could no longer reach
+        the parent's round before its deadline: the parent said when that is in its answer to the push
+        (`parent_closes`); before it did, once this relay's own deadline passed. Taken, the child would
+        hear ACCEPTED for an update that is lost (145 of them in a kill run at N = 1,024, when the rule
+        was "never past the parent's deadline" unknown); told LATE, it knows, as a direct worker would."""
+        until = self.amend_until if self.amend_until is not None else self.round.deadline()
+        if (self.forwarded and header.update_id not in self._answers and self.clock() >= until
                 and header.worker_id not in self.round.accepted):
             return self._answer(header, self.round.judgement(
-                Outcome.LATE, f"this relay forwarded round {self.round.version} and its deadline passed"))
+                Outcome.LATE, f"this relay forwarded round {self.round.version} and an amendment could no longer "
+                              f"reach the parent's round in time"))
         return None
+
+    def parent_closes(self, version: int, at: float) -> None:
+        """The parent took this relay's combined push of round `version` into its round, whose amendments
+        must go up by `at` (this relay's clock; the parent's deadline less the time an upload takes)."""
+        with self.lock:
+            if version == self.round.version:
+                self.amend_until = at
 
     def precheck(self, header: PushHeader) -> Judgement | None:
         with self.lock:
@@ -242,6 +253,7 @@ class RelayBlock(BlockAggregator):
             self.digests.clear()
             self.receipts.clear()
             self.forwarded = frozenset()
+            self.amend_until = None
             self.lock.notify_all()
 
 

@@ -284,6 +284,8 @@ class SwarmAggregator(RelayChecks):
             self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
         if header.manifest and judged.outcome is not Outcome.PROBATION:  # a held one is recorded at its verdict
             self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED, replaced=amends)
+        if header.manifest and judged.outcome in (Outcome.ACCEPTED, Outcome.PROBATION):
+            judged = replace(judged, closes_in_s=block.closes_in(header.base_version))
         return judged
 
     def revoke(self, name: str) -> float:

@@ -39,6 +39,7 @@ from btnode.settings import flag, same_flag
 from btnode.store.files import state_sha256
 
 log = logging.getLogger(__name__)
+AMEND_SAFETY_S = 2.0  # an amendment goes up at least this long before the parent's deadline (or 2 × the last upload)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
     header = _header(c, relay.name)
     relay.last_forward[c.block] = (header, c)
     while True:
+        t0 = time.monotonic()
         try:
             j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
             break
@@ -134,10 +136,13 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
     log.log(level, "block %d round %d: combined update of %d children (weight %g) %s at the parent%s", c.block,
             c.base_version, len(c.manifest), c.weight, j.outcome.value, f": {j.reason}" if j.reason else "")
     relay.forwarded[j.outcome.value] = relay.forwarded.get(j.outcome.value, 0) + 1
+    block = relay.blocks[c.block]
+    assert isinstance(block, RelayBlock)
+    if j.closes_in_s > 0:  # amendments go up while they can reach the parent's round: its deadline less an upload
+        took = time.monotonic() - t0
+        block.parent_closes(c.base_version, block.clock() + j.closes_in_s - max(AMEND_SAFETY_S, 2 * took))
     counted = counted_in(j.reason) if j.outcome is Outcome.REJECTED else frozenset()
     if counted:  # children of a failed relay, counted through it: out, and the rest amended (queued again)
-        block = relay.blocks[c.block]
-        assert isinstance(block, RelayBlock)
         block.uncount(counted)
     if j.audit:
         _evidence(parent, relay, header, c)

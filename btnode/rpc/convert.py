@@ -152,14 +152,16 @@ def evidence_child_from_pb(m: pb.EvidenceChild) -> EvidenceChild:
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
-    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version, audit=j.audit)
+    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version, audit=j.audit,
+                        closes_in_s=j.closes_in_s)
 
 
 def judgement_from_pb(m: pb.PushReply) -> Judgement:
     if m.outcome not in _OUTCOMES_BACK:
         raise MalformedInput("outcome", f"unknown push outcome {m.outcome}")
+    closes_in = m.closes_in_s if math.isfinite(m.closes_in_s) and m.closes_in_s > 0 else 0.0
     return Judgement(outcome=_OUTCOMES_BACK[m.outcome], reason=m.reason, round_version=m.round_version,
-                     audit=m.audit)
+                     audit=m.audit, closes_in_s=closes_in)
 
 
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:

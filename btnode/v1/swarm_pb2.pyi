@@ -255,16 +255,18 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "reason", "round_version", "audit")
+    __slots__ = ("outcome", "reason", "round_version", "audit", "closes_in_s")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSES_IN_S_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     reason: str
     round_version: int
     audit: bool
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ..., audit: _Optional[bool] = ...) -> None: ...
+    closes_in_s: float
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ..., audit: _Optional[bool] = ..., closes_in_s: _Optional[float] = ...) -> None: ...
 
 class SubmitStateReply(_message.Message):
     __slots__ = ()

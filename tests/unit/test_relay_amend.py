@@ -216,5 +216,21 @@ def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_
     block.register("c2")
     now[0] += 6  # past it: the parent closes soon, an amendment would come late
     j = block.submit(*child("c2", 3))
-    assert j.outcome is Outcome.LATE and "deadline passed" in j.reason and len(out) == 2
+    assert j.outcome is Outcome.LATE and "could no longer reach the parent" in j.reason and len(out) == 2
     assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED  # a re-push still gets its answer
+
+
+def test_a_relay_amends_while_the_parent_said_its_round_is_open_and_no_longer(tmp_path):
+    now = [1000.0]
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0])
+    out: list[Combined] = []
+    block.on_combined = out.append
+    block.register("d1")
+    block.submit(*child("d1", 1))  # forwarded; the parent's answer: its round closes 20 s from now
+    block.parent_closes(0, now[0] + 20 - 2)  # (less an upload: node/relay.py)
+    block.parent_closes(7, now[0] + 99)  # an answer about another round changes nothing
+    for w, seconds, outcome in (("c1", 11, Outcome.ACCEPTED), ("c2", 6, Outcome.ACCEPTED), ("c3", 1, Outcome.LATE)):
+        block.register(w)
+        now[0] += seconds  # c1 past this relay's own 10 s deadline, still within the parent's round
+        assert block.submit(*child(w, len(out) + 1)).outcome is outcome, w
+    assert len(out) == 3  # two amendments; c3 came 18 s in, when one could no longer reach the parent
