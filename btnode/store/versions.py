@@ -14,7 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from btnode.codec.codecs import Codec
 from btnode.errors import CheckpointError, UnknownBlock
 from btnode.store import files
+from btnode.store.theta import FileTheta
 
 log = logging.getLogger(__name__)
 _STEM = re.compile(r"^v(\d{12})\.json$")
@@ -54,7 +55,7 @@ class VersionStore:
         found = (_STEM.match(p.name) for p in self.folder.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
 
-    def write(self, version: int, params: dict[str, torch.Tensor], *, meta: dict[str, Any],
+    def write(self, version: int, params: Mapping[str, torch.Tensor] | files.Streamed, *, meta: dict[str, Any],
               delta_raw: dict[str, bytes] | None = None, delta_codec: Codec | None = None,
               outer: dict[str, torch.Tensor] | None = None) -> None:
         """Durably write version `version`; returns only after the commit record is fsynced."""
@@ -78,6 +79,10 @@ class VersionStore:
             except CheckpointError as exc:
                 log.warning("%s: skipping version %d: %s", self.name, v, exc)
         return None
+
+    def theta(self, version: int) -> FileTheta:
+        """θ of a version kept here, read from its file a tensor at a time (store/theta.py)."""
+        return FileTheta(self.folder / files.file_name(stem(version), "model"))
 
     def load(self, version: int) -> StoredVersion:
         ck = files.load(self.folder, stem(version), optional_roles=("outer",))
