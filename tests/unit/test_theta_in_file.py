@@ -8,8 +8,9 @@ import torch
 from btnode.aggregate.averaging import OuterConfig
 from btnode.aggregate.block import AggregatorConfig, BlockAggregator
 from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.relay import RelayBlock
 from btnode.aggregate.rounds import RoundConfig
-from btnode.codec.codecs import Codec
+from btnode.codec.codecs import Codec, decode
 from btnode.errors import MalformedInput
 from btnode.protocol import Outcome, PushHeader
 from btnode.store import files
@@ -118,3 +119,19 @@ def test_a_streamed_group_that_does_not_fit_its_layout_writes_nothing(tmp_path):
 def _in_memory_bytes(tmp_path):
     files.save(tmp_path / "ref", "v1", tensors=dict(INIT), meta={})
     return (tmp_path / "ref" / "v1.safetensors").read_bytes()
+
+
+def test_a_relay_adopts_versions_into_its_file_and_builds_the_next_on_it(tmp_path):
+    """As node/relay.py's _fetch: the parent's delta added to the relay's θ (read from its file), adopted,
+    and then θ is the adopted version's file."""
+    root, relay = make(tmp_path / "root", True), RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0),
+                                                            AggregatorConfig(claims=CLAIMS, theta_in_file_bytes=0))
+    for v in (0, 1):
+        rounds(root, v, 1)
+        info = root.info
+        codec, raw, _ = root.store.delta(info.version)
+        have = relay.current()[1]
+        new = {n: have[n] + decode(codec, raw[n], INIT[n].shape) for n in have}
+        relay.adopt(info, new, raw=raw, codec=codec)
+        got = relay.current()
+        assert isinstance(got[1], FileTheta) and got[0] == info and state_sha256(got[1]) == info.sha256
