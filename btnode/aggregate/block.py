@@ -609,6 +609,13 @@ class BlockAggregator:
         codec, raw, meta = self.store.delta(version)
         return _info_from_meta(meta), codec, raw
 
+    def theta_frames(self) -> DeltaFrames:
+        """The current version's θ as fp32 frames compressed in a file (aggregate/deltas.py), made a tensor
+        at a time: what a Pull sends, built once per version rather than once per Pull (issue #25)."""
+        info, theta = self.current()
+        return DeltaFrames(info, Codec.FP32, ((n, encode(Codec.FP32, theta[n])) for n in self.spec), self.spec,
+                           self.store.folder)
+
     def delta_frames(self, version: int) -> DeltaFrames:
         """The delta that produced `version` as compressed frames in a file (aggregate/deltas.py)."""
         codec, meta, pieces = self.store.delta_pieces(version)

@@ -147,6 +147,34 @@ def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
         assert state_sha256(rebuilt) == got.info.sha256 == block.info.sha256
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["theta-held", "theta-in-file"], indirect=True)
+def test_concurrent_pulls_of_a_version_build_its_frames_once_and_a_new_version_anew(live):
+    """Pull sends the current θ from a file of compressed fp32 frames, made once per version (issue #25)."""
+    join(live, "r1")
+    block = live.agg.block(0)
+    builds, build = [], block.theta_frames
+    block.theta_frames = lambda: builds.append(block.info.version) or build()  # a counting wrapper around the real one
+
+    def pulls():
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(live.client.pull(0, "r1", spec(live))))
+                   for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(results) == 6
+        return results
+
+    first = pulls()
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    second = pulls()
+    assert builds == [0, 1]
+    for got, version in [(g, 0) for g in first] + [(g, 1) for g in second]:
+        assert got.info.version == version and state_sha256(got.tensors) == got.info.sha256
+    assert second[0].info.sha256 == block.info.sha256 != first[0].info.sha256
+
+
 def raw_push(live, messages):
     stub = pb_grpc.SwarmStub(live.client.channel)
     with pytest.raises(grpc.RpcError) as err:
