@@ -43,7 +43,7 @@ from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.settings import flag
 from btnode.store.files import Streamed, state_sha256
-from btnode.store.theta import IN_FILE_BYTES, Applied
+from btnode.store.theta import IN_FILE_BYTES, Applied, FileTheta
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,10 @@ class BlockAggregator:
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
         self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
         self._norms: deque[float] = deque(maxlen=50)
-        stored = store.latest()
-        params: Tensors
+        # θ held in memory, or (a unit over theta_in_file_bytes) read from its version file as needed: issue #25
+        self._theta_in_file = 4 * sum(t.numel() for t in initial.values()) > cfg.theta_in_file_bytes
+        stored = store.latest(in_file=self._theta_in_file)
+        params: Mapping[str, torch.Tensor]
         if stored is None:
             params = {n: t.detach().clone().float() for n, t in initial.items()}
             self.info = VersionInfo(block=block, version=0, base_version=0, sha256=state_sha256(params))
@@ -155,10 +157,8 @@ class BlockAggregator:
             if state_sha256(params) != self.info.sha256:
                 raise MalformedInput("checksum", f"{self.name} version {self.info.version} on disk fails its hash")
             log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
-        self.spec = {n: tuple(t.shape) for n, t in params.items()}
-        # θ held in memory, or (a unit over IN_FILE_BYTES) read from its version file as needed: issue #25
-        self._theta_in_file = 4 * sum(t.numel() for t in params.values()) > cfg.theta_in_file_bytes
-        self.params: Mapping[str, torch.Tensor] = store.theta(self.info.version) if self._theta_in_file else params
+        self.spec = params.shapes if isinstance(params, FileTheta) else {n: tuple(t.shape) for n, t in params.items()}
+        self.params = store.theta(self.info.version) if self._theta_in_file and stored is None else params
         del params, stored
         # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/claims.py)
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)

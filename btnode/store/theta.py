@@ -71,8 +71,10 @@ class FileTheta(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._at)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._at[name][1]
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape, in the file's order, read from its header (no tensor is read)."""
+        return {n: shape for n, (_, shape) in self._at.items()}
 
 
 class Applied(Mapping[str, torch.Tensor]):

@@ -35,7 +35,7 @@ def stem(version: int) -> str:
 @dataclass
 class StoredVersion:
     version: int
-    params: dict[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor]  # a dict, or a FileTheta (`in_file`)
     meta: dict[str, Any]
     outer: dict[str, torch.Tensor]
 
@@ -71,11 +71,12 @@ class VersionStore:
             if old <= version - self.keep:
                 files.remove(self.folder, stem(old))
 
-    def latest(self) -> StoredVersion | None:
-        """The newest version whose files all verify; torn or corrupted newer ones are skipped."""
+    def latest(self, *, in_file: bool = False) -> StoredVersion | None:
+        """The newest version whose files all verify; torn or corrupted newer ones are skipped. `in_file`:
+        its θ as a FileTheta, the model file checked a tensor at a time, never read whole (store/theta.py)."""
         for v in reversed(self.versions()):
             try:
-                return self.load(v)
+                return self.load(v, in_file=in_file)
             except CheckpointError as exc:
                 log.warning("%s: skipping version %d: %s", self.name, v, exc)
         return None
@@ -84,9 +85,14 @@ class VersionStore:
         """θ of a version kept here, read from its file a tensor at a time (store/theta.py)."""
         return FileTheta(self.folder / files.file_name(stem(version), "model"))
 
-    def load(self, version: int) -> StoredVersion:
-        ck = files.load(self.folder, stem(version), optional_roles=("outer",))
-        return StoredVersion(version=version, params=ck.tensors, meta=ck.meta, outer=ck.extra.get("outer", {}))
+    def load(self, version: int, *, in_file: bool = False) -> StoredVersion:
+        ck = files.load(self.folder, stem(version), optional_roles=("outer",), with_model=not in_file)
+        params: Mapping[str, torch.Tensor] = ck.tensors
+        if in_file:
+            for _ in files.iter_group(self.folder, stem(version), "model"):  # its hash, a tensor at a time
+                pass
+            params = self.theta(version)
+        return StoredVersion(version=version, params=params, meta=ck.meta, outer=ck.extra.get("outer", {}))
 
     def delta(self, version: int) -> tuple[Codec, dict[str, bytes], dict[str, Any]]:
         """The published delta that produced `version`: (codec, raw bytes per tensor, metadata). Reads

@@ -135,3 +135,15 @@ def test_a_relay_adopts_versions_into_its_file_and_builds_the_next_on_it(tmp_pat
         relay.adopt(info, new, raw=raw, codec=codec)
         got = relay.current()
         assert isinstance(got[1], FileTheta) and got[0] == info and state_sha256(got[1]) == info.sha256
+
+
+def test_a_restart_checks_the_model_file_a_tensor_at_a_time_and_skips_a_corrupted_one(tmp_path):
+    filed = make(tmp_path, True)
+    rounds(filed, 0, 2)
+    newest = tmp_path / "block-0" / files.file_name(stem(2), "model")
+    blob = bytearray(newest.read_bytes())
+    blob[-5] ^= 0xFF  # a flipped bit in θ's last tensor: same size, another hash
+    newest.write_bytes(bytes(blob))
+    again = make(tmp_path, True)
+    assert again.info.version == 1 and isinstance(again.params, FileTheta)
+    assert state_sha256(again.params) == again.info.sha256 and again.spec == filed.spec
