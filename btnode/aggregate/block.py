@@ -77,7 +77,8 @@ class AggregatorConfig:
     sparse_mean: str = flag("--sparse-mean", "How sparse updates are averaged per coordinate: senders (over the updates "
                                              "that sent it) or all (docs/tuning.md).", default="senders")
     decode_slots: int = flag("--decode-slots", "Pushes decoded and judged at once; the others wait, holding only "
-                                               "their compressed bytes (bounds the memory of pushes in flight).",
+                                               "their compressed bytes (bounds the memory of pushes in flight). "
+                                               "Of a unit over 64 MiB, one at a time.",
                              default=2)
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
