@@ -50,7 +50,7 @@ LEGACY_TRAINING_FILE = "training.json"  # the same map, rewritten whole on each 
 LAZY_DECODE_BYTES = 64 << 20
 # Such a push holds its raw bytes and a tensor's temporaries while it is judged, about half its unit in
 # fp32: one at a time (whatever --decode-slots), a large unit's aggregator stays under 3 × the unit
-# (issue #25; bench/fixed_memory.py: 2.86 × with one, 3.30 × with two, accepts 13 % slower on 2 cores).
+# (issue #25; bench/fixed_memory.py: 2.85 × with one, 3.30 × with two; accepts ~10 % further apart on 2 cores).
 LAZY_DECODE_SLOTS = 1
 Tensors = Mapping[str, torch.Tensor]
 
