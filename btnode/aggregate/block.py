@@ -42,7 +42,8 @@ from btnode.codec.sparse import SparseTensor, keep_of
 from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo, format_steps
 from btnode.settings import flag
-from btnode.store.files import state_sha256
+from btnode.store.files import Streamed, state_sha256
+from btnode.store.theta import IN_FILE_BYTES, Applied, FileTheta
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class AggregatorConfig:
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
     screen_cosine: float = 0.7  # screened mode: drop a cosine with the median update under this × the round's median cosine
     history: int = 20  # round summaries kept for status
+    theta_in_file_bytes: int = IN_FILE_BYTES  # a unit larger in fp32 keeps θ in its version file, not in memory
     sparse_mean: str = flag("--sparse-mean", "How sparse updates are averaged per coordinate: senders (over the updates "
                                              "that sent it) or all (docs/tuning.md).", default="senders")
     decode_slots: int = flag("--decode-slots", "Pushes decoded and judged at once; the others wait, holding only "
-                                               "their compressed bytes (bounds the memory of pushes in flight).",
+                                               "their compressed bytes (bounds the memory of pushes in flight). "
+                                               "Of a unit over 64 MiB, one at a time.",
                              default=2)
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
@@ -138,21 +141,26 @@ class BlockAggregator:
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
         self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
         self._norms: deque[float] = deque(maxlen=50)
-        stored = store.latest()
+        # θ held in memory, or (a unit over theta_in_file_bytes) read from its version file as needed: issue #25
+        self._theta_in_file = 4 * sum(t.numel() for t in initial.values()) > cfg.theta_in_file_bytes
+        stored = store.latest(in_file=self._theta_in_file)
+        params: Mapping[str, torch.Tensor]
         if stored is None:
-            self.params = {n: t.detach().clone().float() for n, t in initial.items()}
-            self.info = VersionInfo(block=block, version=0, base_version=0, sha256=state_sha256(self.params))
-            store.write(0, self.params, meta=self._meta(self.info))
+            params = {n: t.detach().clone().float() for n, t in initial.items()}
+            self.info = VersionInfo(block=block, version=0, base_version=0, sha256=state_sha256(params))
+            store.write(0, params, meta=self._meta(self.info))
         else:
-            self.params = stored.params
+            params = stored.params
             self.info = _info_from_meta(stored.meta)
             state = stored.outer
             self.outer.load_state_dict({n: t for n, t in state.items() if not n.startswith(EF_PREFIX)})
             self.residual = {n[len(EF_PREFIX):]: t for n, t in state.items() if n.startswith(EF_PREFIX)}
-            if state_sha256(self.params) != self.info.sha256:
+            if state_sha256(params) != self.info.sha256:
                 raise MalformedInput("checksum", f"{self.name} version {self.info.version} on disk fails its hash")
             log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
-        self.spec = {n: tuple(t.shape) for n, t in self.params.items()}
+        self.spec = params.shapes if isinstance(params, FileTheta) else {n: tuple(t.shape) for n, t in params.items()}
+        self.params = store.theta(self.info.version) if self._theta_in_file and stored is None else params
+        del params, stored
         # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/claims.py)
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
         self._sketch_key = sketch_key
@@ -533,7 +541,7 @@ class BlockAggregator:
         # it), and a unit may be large; each temporary is one tensor, dropped as soon as it is used.
         codec = self.cfg.publish_codec
         keep = keep_of(self.cfg.publish_density)
-        raw, params, residual = {}, {}, dict(self.residual)
+        raw, made, residual = {}, {}, dict(self.residual)
         for n in self.spec:
             step = self.outer.step({n: mean_of(n)})[n]
             if codec is not Codec.FP32:  # error feedback on the published step
@@ -543,8 +551,12 @@ class BlockAggregator:
             if codec is not Codec.FP32:
                 residual[n] = step - decoded
             del step
-            params[n] = self.params[n] + decoded
+            if not self._theta_in_file:
+                made[n] = self.params[n] + decoded
             del decoded
+        # θ in its file: θ^{v+1} is made a tensor at a time from θ^v's file and the delta, the same
+        # float operations as above, twice (hashed in sorted order, then written in the file's order)
+        params = Applied(self.params, raw, codec, self.spec) if self._theta_in_file else made
         counts = self.round.counts
         info = VersionInfo(block=self.block, version=self.info.version + 1, base_version=self.info.version,
                            sha256=state_sha256(params), delta_codec=codec, accepted=len(ups),
@@ -553,9 +565,11 @@ class BlockAggregator:
                            mean_loss=sum(u.loss for u in ups) / len(ups), closed_by=reason,
                            included=tuple(i for u in ups for i in u.included))
         outer_state = {**self.outer.buffers, **{EF_PREFIX + n: r for n, r in residual.items()}}  # read, not copied
-        self.store.write(info.version, params, meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec,
-                         outer=outer_state)
+        self.store.write(info.version, Streamed(self.spec, params.items) if self._theta_in_file else params,
+                         meta=self._meta(info, rule), delta_raw=raw, delta_codec=codec, outer=outer_state)
         del raw
+        if self._theta_in_file:
+            params = self.store.theta(info.version)
         self._norms.extend(u.norm for u in ups)
         self.params, self.info, self.residual = params, info, residual
         now = self.clock()
@@ -573,7 +587,9 @@ class BlockAggregator:
         return {"info": {**info.__dict__, "delta_codec": info.delta_codec.name}, "rule": rule}
 
     # -- reading ----------------------------------------------------------------------------
-    def current(self) -> tuple[VersionInfo, Tensors]:
+    def current(self) -> tuple[VersionInfo, Mapping[str, torch.Tensor]]:
+        """The current version and its θ: a dict, or (θ in its file) a mapping that reads a tensor when
+        asked; either way, never changed afterwards (a close makes a new one)."""
         with self.lock:
             return self.info, self.params
 
@@ -593,6 +609,13 @@ class BlockAggregator:
     def delta(self, version: int) -> tuple[VersionInfo, Codec, dict[str, bytes]]:
         codec, raw, meta = self.store.delta(version)
         return _info_from_meta(meta), codec, raw
+
+    def theta_frames(self) -> DeltaFrames:
+        """The current version's θ as fp32 frames compressed in a file (aggregate/deltas.py), made a tensor
+        at a time: what a Pull sends, built once per version rather than once per Pull (issue #25)."""
+        info, theta = self.current()
+        return DeltaFrames(info, Codec.FP32, ((n, encode(Codec.FP32, theta[n])) for n in self.spec), self.spec,
+                           self.store.folder)
 
     def delta_frames(self, version: int) -> DeltaFrames:
         """The delta that produced `version` as compressed frames in a file (aggregate/deltas.py)."""

@@ -190,21 +190,21 @@ class ClaimConfig:
         else:
             weight, steps = self.weight(header), len(header.steps)
         slack = self._slack(theta, codec, drift)
-        # from θ's shapes (the same as the delta's): reading a lazily decoded delta's values would decode it
-        largest = 0 if codec.sparse else max((theta[n].numel() for n in delta), default=0)
         limit_buf = over_buf = None
         for n, d in delta.items():
+            theta_n = theta[n]  # once: θ may be read from its file a tensor at a time (store/theta.py)
             if codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual
-                self._check_sparse(header, n, d, theta[n], slack, drift)
+                self._check_sparse(header, n, d, theta_n, slack, drift)
                 continue
-            if d.numel() == 0 or _absmax(d) <= self._least(steps, theta[n], slack, drift):
+            if d.numel() == 0 or _absmax(d) <= self._least(steps, theta_n, slack, drift):
                 continue
-            if limit_buf is None or over_buf is None:
-                limit_buf, over_buf = torch.empty(min(largest, CHECK_AT_ONCE)), torch.empty(min(largest, CHECK_AT_ONCE))
-            flat_d, flat_t = d.reshape(-1), theta[n].reshape(-1)
+            at_once = min(theta_n.numel(), CHECK_AT_ONCE)
+            if limit_buf is None or over_buf is None or limit_buf.numel() < at_once:  # grown to the largest tensor
+                limit_buf, over_buf = torch.empty(at_once), torch.empty(at_once)
+            flat_d, flat_t = d.reshape(-1), theta_n.reshape(-1)
             for lo in range(0, d.numel(), CHECK_AT_ONCE):  # a slice at a time: the same float operations per value
                 t = flat_t[lo:lo + CHECK_AT_ONCE]
-                t = t.view(1, -1) if theta[n].ndim >= 2 else t  # _bound_into tells matrices by ndim
+                t = t.view(1, -1) if theta_n.ndim >= 2 else t  # _bound_into tells matrices by ndim
                 k = t.numel()
                 limit = self._bound_into(limit_buf[:k].view(t.shape), steps, t, slack, drift)
                 over = torch.abs(flat_d[lo:lo + k].view(t.shape), out=over_buf[:k].view(t.shape)).sub_(limit)

@@ -1,6 +1,7 @@
 """A published delta as compressed frames kept in a file, not in memory (issue #25): after a publish
 every worker fetches the same delta, so it is read, hash-checked and compressed once, and each fetch
-sends it chunk by chunk from the file (its pages are the kernel's cache, not the process's RSS)."""
+sends it chunk by chunk from the file (its pages are the kernel's cache, not the process's RSS). A Pull's
+fp32 frames of the current θ are kept the same way (BlockAggregator.theta_frames)."""
 
 from __future__ import annotations
 

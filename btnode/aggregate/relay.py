@@ -245,7 +245,7 @@ class RelayBlock(BlockAggregator):
                 self.lost += len(missed)
                 log.warning("%s: version %d arrived before round %d was forwarded; %d child updates missed it",
                             self.name, info.version, self.round.version, len(missed))
-            self.params, self.info = params, info
+            self.params, self.info = self.store.theta(info.version) if self._theta_in_file else params, info
             now = self.clock()
             self.recent.append(RoundSummary(info=info, closed_at=now))
             self._keep_spill()

@@ -48,6 +48,10 @@ LEGACY_TRAINING_FILE = "training.json"  # the same map, rewritten whole on each 
 # A push of a unit larger than this in fp32 is judged from its raw codec bytes, decoded a tensor at a time
 # (each read decodes again: CPU for memory); a smaller one is decoded whole once, as the cheaper way.
 LAZY_DECODE_BYTES = 64 << 20
+# Such a push holds its raw bytes and a tensor's temporaries while it is judged, about half its unit in
+# fp32: one at a time (whatever --decode-slots), a large unit's aggregator stays under 3 × the unit
+# (issue #25; bench/fixed_memory.py: 2.85 × with one, 3.30 × with two; accepts ~10 % further apart on 2 cores).
+LAZY_DECODE_SLOTS = 1
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -107,6 +111,7 @@ class SwarmAggregator(RelayChecks):
         self._training_lock = threading.Lock()
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
         self._decoding = threading.BoundedSemaphore(acfg.decode_slots)  # pushes decoded and judged at once
+        self._decoding_lazy = threading.BoundedSemaphore(LAZY_DECODE_SLOTS)  # of those, a large unit's
         self.clock = clock
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
@@ -470,7 +475,9 @@ class SwarmAggregator(RelayChecks):
         few are ever decoded (4 bytes a parameter, plus their raw bytes) at the same time. With a
         `defer_dir`, the compressed frames wait in a file there, not in memory (issue #25). A push of a
         unit over LAZY_DECODE_BYTES in fp32 is checked frame by frame and kept as its raw codec bytes
-        (codec/frames.LazyDelta): judging and summing it decodes one tensor at a time, a decode per read."""
+        (codec/frames.LazyDelta): judging and summing it decodes one tensor at a time, a decode per read;
+        LAZY_DECODE_SLOTS of those at once (taken before a decode slot, so a large push waiting for its
+        turn holds no slot a small one could use)."""
         lazy = gate is not None and 4 * sum(math.prod(s) for s in spec.values()) > LAZY_DECODE_BYTES
         asm = FrameAssembler.for_spec(spec, [codec], keep_sparse=True, defer=gate is not None,  # sparse stays sparse
                                       defer_dir=defer_dir, lazy=lazy)
@@ -478,6 +485,8 @@ class SwarmAggregator(RelayChecks):
             for chunk in chunks:
                 asm.add(chunk)
             if gate is not None:
+                if lazy:
+                    gate.enter_context(self._decoding_lazy)
                 gate.enter_context(self._decoding)
             return asm.finish(), asm.raw
         finally:

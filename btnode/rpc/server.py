@@ -22,8 +22,7 @@ from btnode.aggregate.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.evidence import noting_digest
 from btnode.aggregate.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData, Frame, lazy_frames
+from btnode.codec.frames import ChunkData, Frame
 from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
 from btnode.protocol import EvidenceChild, PushHeader, VersionInfo, join_statement, push_statement, receipt_statement
 from btnode.rpc import convert
@@ -155,6 +154,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         # fetches the same one, so it is read, hash-checked and compressed once, not once per worker
         self._deltas: dict[int, DeltaFrames] = {}
         self._deltas_lock = threading.Lock()
+        self._thetas: dict[int, DeltaFrames] = {}  # block → its current θ's frames, what Pull sends
+        self._thetas_lock = threading.Lock()
 
     def _who(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> Identity | None:
         if not self.identities:
@@ -216,8 +217,19 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @streaming
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
         self._who(context, "Pull", request.worker_id)
-        info, params = self.agg.block(request.block).current()
-        yield from self._send(info, lazy_frames(params, Codec.FP32), "pull")
+        info, frames = self._theta_frames(request.block)
+        yield from self._send(info, frames, "pull")
+
+    def _theta_frames(self, b: int) -> tuple[VersionInfo, list[StoredFrame]]:
+        """The current version's θ as compressed frames in a file, built once per version under a lock (the
+        first Pulls after a publish wait for it, then every Pull sends chunks read from that file, as
+        FetchDelta does); a stream still sending an older version keeps its file until it ends."""
+        block = self.agg.block(b)
+        with self._thetas_lock:
+            cached = self._thetas.get(b)
+            if cached is None or cached.info != block.current()[0]:
+                cached = self._thetas[b] = block.theta_frames()
+            return cached.info, cached.frames
 
     @_guard
     @streaming

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,48 @@ _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", tor
 Group = Mapping[str, "torch.Tensor | bytes"]  # bytes: a flat uint8 tensor, written without a copy
 
 
-def _pieces(group: Group) -> Iterator[memoryview]:
+@dataclass(frozen=True)
+class Streamed:
+    """A group of float32 tensors made as it is written, one at a time (issue #25: a large unit's new θ
+    is never whole in memory): `shapes` lays out the file up front; `make()` yields (name, tensor) in
+    that order, each dropped once written."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    make: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def _streamed_pieces(group: Streamed) -> Iterator[memoryview]:
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in group.shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    yield _header_piece(header)
+    names = iter(group.shapes)
+    for name, t in group.make():
+        expected = next(names, None)
+        if name != expected or tuple(t.shape) != tuple(group.shapes[name]) or t.dtype != torch.float32:
+            raise ValueError(f"streamed tensor {name!r} {t.dtype} {tuple(t.shape)} does not fit the layout "
+                             f"(expected {expected!r})")
+        t = t.contiguous()
+        yield memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    if (left := next(names, None)) is not None:
+        raise ValueError(f"the streamed group ended before {left!r}")
+
+
+def _header_piece(header: dict[str, Any]) -> memoryview:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return memoryview(struct.pack("<Q", len(text)) + text)
+
+
+def _pieces(group: Group | Streamed) -> Iterator[memoryview]:
     """A safetensors file (8-byte header length, JSON header, data) in pieces: each tensor's bytes
     are a view of the tensor itself, so a large checkpoint is never one blob in memory."""
+    if isinstance(group, Streamed):
+        yield from _streamed_pieces(group)
+        return
     header: dict[str, Any] = {}
     views = []
     offset = 0
@@ -49,13 +89,11 @@ def _pieces(group: Group) -> Iterator[memoryview]:
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(view)]}
         offset += len(view)
         views.append(view)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    yield memoryview(struct.pack("<Q", len(text)) + text)
+    yield _header_piece(header)
     yield from views
 
 
-def _write_group(path: Path, group: Group) -> dict[str, Any]:
+def _write_group(path: Path, group: Group | Streamed) -> dict[str, Any]:
     """Write one tensor group durably; its record (name, size, sha256), computed as it is written."""
     digest, size = hashlib.sha256(), 0
 
@@ -82,13 +120,13 @@ def file_name(stem: str, role: str) -> str:
     return f"{stem}.safetensors" if role == "model" else f"{stem}.{role}.safetensors"
 
 
-def save(folder: Path, stem: str, *, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+def save(folder: Path, stem: str, *, tensors: Mapping[str, torch.Tensor] | Streamed, meta: dict[str, Any],
          optim: dict[str, torch.Tensor] | None = None,
          extra: dict[str, Group] | None = None) -> None:
     """Write each tensor group to its own file (streamed: no copy of a group is made), then the JSON
     that commits them all."""
     folder.mkdir(parents=True, exist_ok=True)
-    groups: dict[str, Group | None] = {"model": tensors, "optim": optim, **(extra or {})}
+    groups: dict[str, Group | Streamed | None] = {"model": tensors, "optim": optim, **(extra or {})}
     files = {}
     for role, group in groups.items():
         if group is None:
@@ -194,7 +232,7 @@ def load(folder: Path, stem: str, *, with_optim: bool = False, roles: tuple[str,
     return Checkpoint(meta=meta, tensors=tensors, optim=optim, extra=extra)
 
 
-def state_sha256(tensors: dict[str, torch.Tensor]) -> str:
+def state_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     """Canonical hash of a block's state: names in sorted order, each as name, shape and
     little-endian float32 bytes. Workers and the aggregator compare this after every version."""
     h = hashlib.sha256()

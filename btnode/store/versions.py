@@ -14,7 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from btnode.codec.codecs import Codec
 from btnode.errors import CheckpointError, UnknownBlock
 from btnode.store import files
+from btnode.store.theta import FileTheta
 
 log = logging.getLogger(__name__)
 _STEM = re.compile(r"^v(\d{12})\.json$")
@@ -34,7 +35,7 @@ def stem(version: int) -> str:
 @dataclass
 class StoredVersion:
     version: int
-    params: dict[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor]  # a dict, or a FileTheta (`in_file`)
     meta: dict[str, Any]
     outer: dict[str, torch.Tensor]
 
@@ -54,7 +55,7 @@ class VersionStore:
         found = (_STEM.match(p.name) for p in self.folder.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
 
-    def write(self, version: int, params: dict[str, torch.Tensor], *, meta: dict[str, Any],
+    def write(self, version: int, params: Mapping[str, torch.Tensor] | files.Streamed, *, meta: dict[str, Any],
               delta_raw: dict[str, bytes] | None = None, delta_codec: Codec | None = None,
               outer: dict[str, torch.Tensor] | None = None) -> None:
         """Durably write version `version`; returns only after the commit record is fsynced."""
@@ -70,18 +71,28 @@ class VersionStore:
             if old <= version - self.keep:
                 files.remove(self.folder, stem(old))
 
-    def latest(self) -> StoredVersion | None:
-        """The newest version whose files all verify; torn or corrupted newer ones are skipped."""
+    def latest(self, *, in_file: bool = False) -> StoredVersion | None:
+        """The newest version whose files all verify; torn or corrupted newer ones are skipped. `in_file`:
+        its θ as a FileTheta, the model file checked a tensor at a time, never read whole (store/theta.py)."""
         for v in reversed(self.versions()):
             try:
-                return self.load(v)
+                return self.load(v, in_file=in_file)
             except CheckpointError as exc:
                 log.warning("%s: skipping version %d: %s", self.name, v, exc)
         return None
 
-    def load(self, version: int) -> StoredVersion:
-        ck = files.load(self.folder, stem(version), optional_roles=("outer",))
-        return StoredVersion(version=version, params=ck.tensors, meta=ck.meta, outer=ck.extra.get("outer", {}))
+    def theta(self, version: int) -> FileTheta:
+        """θ of a version kept here, read from its file a tensor at a time (store/theta.py)."""
+        return FileTheta(self.folder / files.file_name(stem(version), "model"))
+
+    def load(self, version: int, *, in_file: bool = False) -> StoredVersion:
+        ck = files.load(self.folder, stem(version), optional_roles=("outer",), with_model=not in_file)
+        params: Mapping[str, torch.Tensor] = ck.tensors
+        if in_file:
+            for _ in files.iter_group(self.folder, stem(version), "model"):  # its hash, a tensor at a time
+                pass
+            params = self.theta(version)
+        return StoredVersion(version=version, params=params, meta=ck.meta, outer=ck.extra.get("outer", {}))
 
     def delta(self, version: int) -> tuple[Codec, dict[str, bytes], dict[str, Any]]:
         """The published delta that produced `version`: (codec, raw bytes per tensor, metadata). Reads

@@ -27,11 +27,14 @@ class Live:
 
 
 @pytest.fixture
-def live(tmp_path):
+def live(tmp_path, request):
+    """Indirectly parametrized with True: every block keeps θ in its version file (store/theta.py), as a
+    unit over 64 MiB does."""
     # batch 32 (tests' headers claim 32 samples a step); an inner lr of 0.01 bounds a step at 0.0117, over
     # the hand-made deltas (1e-3 · randn)
+    in_file = {"theta_in_file_bytes": 0} if getattr(request, "param", False) else {}
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=30.0), outer=OuterConfig(lr=0.7),
-                            claims=ClaimConfig(batch=32, lr=0.01, steps_per_round=4, enforce=True))
+                            claims=ClaimConfig(batch=32, lr=0.01, steps_per_round=4, enforce=True), **in_file)
     agg = SwarmAggregator(CFG, acfg, tmp_path)
     server, port, stop = serve(agg, "127.0.0.1:0")
     done = threading.Event()

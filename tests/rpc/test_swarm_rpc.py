@@ -95,10 +95,12 @@ def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     assert j.outcome is Outcome.REJECTED and "a trained steps 0-2 with data key '0/1', but its key here is '0/0'" in j.reason
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["theta-held", "theta-in-file"], indirect=True)
 @pytest.mark.parametrize("lazy", [False, True], ids=["decoded-whole", "decoded-per-tensor"])
 def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypatch, lazy):
     """Also with the pushes judged from their raw bytes a tensor at a time (LAZY_DECODE_BYTES, which a
-    unit this small is under: lowered to 0 here), as a large unit's are."""
+    unit this small is under: lowered to 0 here), and with θ read from its version file (pulled from
+    it, made from it at the close), as a large unit's are."""
     if lazy:
         monkeypatch.setattr("btnode.aggregate.service.LAZY_DECODE_BYTES", 0)
     join(live, "r1", "r2")
@@ -118,6 +120,8 @@ def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypat
     delta = live.client.fetch_delta(0, 1, spec(live))
     rebuilt = {n: base.tensors[n] + delta.tensors[n] for n in base.tensors}
     assert state_sha256(rebuilt) == new.info.sha256 == delta.info.sha256
+    stored = live.agg.block(0).store.load(1).params  # what the pull sent is the version file's θ, bit for bit
+    assert set(stored) == set(new.tensors) and all(torch.equal(stored[n], new.tensors[n]) for n in stored)
 
 
 def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
@@ -141,6 +145,34 @@ def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
     for got in results:
         rebuilt = {n: base.tensors[n] + got.tensors[n] for n in base.tensors}
         assert state_sha256(rebuilt) == got.info.sha256 == block.info.sha256
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["theta-held", "theta-in-file"], indirect=True)
+def test_concurrent_pulls_of_a_version_build_its_frames_once_and_a_new_version_anew(live):
+    """Pull sends the current θ from a file of compressed fp32 frames, made once per version (issue #25)."""
+    join(live, "r1")
+    block = live.agg.block(0)
+    builds, build = [], block.theta_frames
+    block.theta_frames = lambda: builds.append(block.info.version) or build()  # a counting wrapper around the real one
+
+    def pulls():
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(live.client.pull(0, "r1", spec(live))))
+                   for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(results) == 6
+        return results
+
+    first = pulls()
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    second = pulls()
+    assert builds == [0, 1]
+    for got, version in [(g, 0) for g in first] + [(g, 1) for g in second]:
+        assert got.info.version == version and state_sha256(got.tensors) == got.info.sha256
+    assert second[0].info.sha256 == block.info.sha256 != first[0].info.sha256
 
 
 def raw_push(live, messages):

@@ -257,3 +257,39 @@ def test_an_upload_is_decoded_only_once_a_decode_slot_is_free(tmp_path):
     agg._decoding.release()
     t.join(timeout=10)
     assert out and out[0].outcome is Outcome.ACCEPTED and "a" in block.round.accepted
+
+
+def test_a_large_units_push_waits_for_the_one_lazy_slot_holding_no_decode_slot(tmp_path, monkeypatch):
+    """A push judged a tensor at a time (a unit over LAZY_DECODE_BYTES: lowered to 0 here) is decoded one at
+    a time whatever --decode-slots (2 here), and while it waits its turn it holds none of the decode slots."""
+    import threading
+
+    from btnode.aggregate.service import SwarmAggregator
+    from btnode.codec.frames import encode_frames, iter_chunks
+    from btnode.model.config import ModelConfig
+    from btnode.train.config import TrainConfig
+    from btnode.train.terms import TrainingTerms
+
+    monkeypatch.setattr("btnode.aggregate.service.LAZY_DECODE_BYTES", 0)
+    cfg = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
+    tc = TrainConfig(steps=100, batch=4, warmup=2)
+    agg = SwarmAggregator(cfg, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=ClaimConfig.of(tc, 4),
+                                                decode_slots=2), tmp_path)
+    terms = TrainingTerms(train=tc, steps_per_round=4).to_json()
+    agg.join("a", 0, cfg.fingerprint(), "", training_json=terms)
+    block = agg.block(0)
+    head = PushHeader(worker_id="a", block=0, base_version=0, samples=4.0, loss=1.0, codec=Codec.INT8,
+                      update_id="a-0", steps=(0,), data_key=agg.keys.of(0)["a"])
+    frames = encode_frames({n: torch.zeros(s) for n, s in block.spec.items()}, Codec.INT8)
+    assert agg._decoding_lazy.acquire(timeout=1)  # another large push is being judged
+    out = []
+    t = threading.Thread(target=lambda: out.append(agg.push(head, iter_chunks(frames))))
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive() and block.info.version == 0  # uploaded, waiting for its turn
+    assert agg._decoding.acquire(blocking=False) and agg._decoding.acquire(blocking=False)  # both slots free
+    agg._decoding.release()
+    agg._decoding.release()
+    agg._decoding_lazy.release()
+    t.join(timeout=10)
+    assert out and out[0].outcome is Outcome.ACCEPTED and block.info.version == 1  # its only replica reported
