@@ -95,12 +95,16 @@ class SimWorker:
 
     def __init__(self, name: str, peers: list[str], cfg: ModelConfig, terms: TrainingTerms,
                  update: list[pb.PushMessage], log: Log, *, rounds: int, wait_s: float, recipe: str, data_id: str = "",
-                 go: asyncio.Event, logged: set[int]):
+                 go: asyncio.Event, logged: set[int], options: list[tuple[str, object]] = CHANNEL_OPTIONS):
+        """`options`: its channels' arguments. Channels with equal arguments to one address share one TCP
+        connection (gRPC's global subchannel pool): the workers of one process here share one unless
+        `options` differ (bench/conn_memory.py gives each its own with grpc.use_local_subchannel_pool)."""
         self.name, self.peers, self.cfg, self.terms = name, peers, cfg, terms
         self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
         self.data_id = data_id  # stated at Join and in each claim (a root with --audit requires its own)
         self.at, self.generation = 0, 0  # which peer, and how many moves so far
-        self.channel = grpc.aio.insecure_channel(peers[0], options=CHANNEL_OPTIONS)
+        self.options = options
+        self.channel = grpc.aio.insecure_channel(peers[0], options=options)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self.info: VersionInfo | None = None
         self.newest: VersionInfo | None = None
@@ -120,7 +124,7 @@ class SimWorker:
             for _ in range(len(self.peers) - 1):  # a spare that is gone too: on to the next, as FailoverLink does
                 self._old.append(self.channel)  # closed at the end: closing it now would cancel calls awaiting it
                 self.at = (self.at + 1) % len(self.peers)
-                self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=CHANNEL_OPTIONS)
+                self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=self.options)
                 self.stub = pb_grpc.SwarmStub(self.channel)
                 self.generation += 1
                 self.log("moved", worker=self.name, to=self.peers[self.at])
