@@ -1,17 +1,19 @@
-"""The root's memory per connected worker (issue #25), without pushes: one real aggregator process
-(bench/scale.py's root command), and from this process N connections to it on grpc.aio, one channel
-(one TCP connection) each, opened in steps up to each size in --sizes; at each size, once every
-connection holds what --hold says and a settling pause has passed, the root's /proc is sampled:
-VmRSS, RssAnon, RssFile, threads, open fds, and its anonymous memory by mapping (smaps): thread
-stacks (the mappings of one thread stack's size), glibc's heaps ([heap] and its 64 MiB arenas) and
-the rest. Per-connection MB is the least-squares slope of each over N.
+"""The root's memory per connected worker (issue #25): one real aggregator process (bench/scale.py's
+root command, started as every node is, so with glibc's thread cache off unless --env sets
+GLIBC_TUNABLES), and from this process N connections to it on grpc.aio, one channel (one TCP
+connection) each, opened in steps up to each size in --sizes; at each size, once every connection
+holds what --hold says and a settling pause has passed, the root's /proc is sampled: VmRSS, RssAnon,
+RssFile, threads, open fds, and its anonymous memory by mapping (smaps): thread stacks (mappings of
+one thread stack's size: `ulimit -s`, or BTNODE_PROBE_STACK_KB), glibc's heaps ([heap] and its 64 MiB
+arenas) and the rest. Per-connection MB is the least-squares slope of each over N.
 
---hold: `connect` (the connection only, made ready), `watch` (+ a Watch version stream, as a
-worker holds; its first message received), `join` (Join first, then Watch, as bench/swarmlet.py's
-workers do, without their full Pull), `pull` (Join, Pull the block in full, then Watch).
-`round` runs one round as the load test's workers do (bench/swarmlet.py's SimWorker: Join, Pull,
-Watch; then all push at once, wait for the version and FetchDelta it), on a fresh root per size, with
-the root's VmRSS polled every 50 ms: the peak of each phase (joined, pushes, fetches).
+--hold, without pushes: `connect` (the connection only, made ready), `watch` (+ a Watch version
+stream, as a worker holds; its first message received), `join` (Join first, then Watch, as
+bench/swarmlet.py's workers do, without their full Pull), `pull` (Join, Pull the block in full, then
+Watch). With them: `round` runs one round as the load test's workers do (bench/swarmlet.py's
+SimWorker: Join, Pull, Watch; then all push at once, wait for the version and FetchDelta it), on a
+fresh root per size; per size the root's VmHWM at the end, and its VmRSS polled every 50 ms (by a
+thread of this busy process, so it can miss a short peak that VmHWM keeps) for each phase's peak.
 --shared-connections: the connections of this process share one TCP connection, as the load test's
 workers of one swarmlet process do (channels with equal arguments share gRPC's global subchannel).
 --root-arg passes extra flags to the root, --env extra environment: one lever per run, named by --lever.
