@@ -201,9 +201,11 @@ def relay_command(cfg: ModelConfig, out: Path, j: int, parent: str, children: in
             *shape_flags(cfg)]
 
 
-def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str) -> tuple[list[NodeProcess], list[str]]:
-    """√N relays under `parent`, started together; returns them (once all listen) and the first one's command."""
-    r = relays_for(n)
+def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str,
+                 count: int = 0) -> tuple[list[NodeProcess], list[str]]:
+    """√N relays (or `count`) under `parent`, started together; returns them (once all listen) and the
+    first one's command."""
+    r = count or relays_for(n)
     cmds = [relay_command(cfg, out, j, parent, math.ceil(n / r)) for j in range(r)]
     procs = [spawn_node([*c[len(CLI):], "--port-file", str(out / f"relay-{j:02d}.port")], log=out / f"relay-{j:02d}.log",
                         env=one_thread_env()) for j, c in enumerate(cmds)]
@@ -244,8 +246,9 @@ def wait_ready(out: Path, sims: list[subprocess.Popen], timeout_s: float = 900) 
 
 
 def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
-            kill: bool = False, seed: int = 0, root_args: tuple[str, ...] = ()) -> dict:
-    """One row: start the root (and relays), N simulated workers, `rounds` rounds; measure."""
+            kill: bool = False, seed: int = 0, root_args: tuple[str, ...] = (), relays_fixed: int = 0) -> dict:
+    """One row: start the root (and relays: `relays_fixed` of them, or √N), N simulated workers,
+    `rounds` rounds; measure."""
     if out.exists():
         shutil.rmtree(out)  # a row starts from an empty state folder, and reads only its own events
     out.mkdir(parents=True)
@@ -260,7 +263,7 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
     relay_cmd: list[str] = []
     try:
         if topology == "tree":
-            relays, relay_cmd = start_relays(cfg, out, n, root.address())
+            relays, relay_cmd = start_relays(cfg, out, n, root.address(), relays_fixed)
             procs += [r.proc for r in relays]
         sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline,
                                processes=4 if kill else 1,
@@ -630,6 +633,9 @@ def main() -> None:
     ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
     ap.add_argument("--root-args", default="", help="more flags for the root, space-separated (a lever to try: "
                                                     "'--max-transfers 16'); they show in each row's command")
+    ap.add_argument("--relays", type=int, default=0,
+                    help="the tree's relays at every N (default √N, at most 16): the root's fan-in held fixed, so that "
+                         "what grows at the root with N is what it keeps per worker, not per relay")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
     ap.add_argument("--unit-row", action="store_true",
                     help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
@@ -643,12 +649,14 @@ def main() -> None:
         return
     cfg = shape_of(args.quick)
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(",") if s)
-    code = args.code or code_commit()
+    if args.relays and (args.topology != "tree" or args.relays < 1):
+        ap.error("--relays K (K >= 1) is for --topology tree")
+    code = args.code or (code_commit() + (f"-r{args.relays}" if args.relays else ""))
     new = []
     for n in () if args.kill_only else sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
-                      deadline=args.deadline, root_args=tuple(args.root_args.split()))
-        row.update(code=code, kill=False, bench_command=invoked())
+                      deadline=args.deadline, root_args=tuple(args.root_args.split()), relays_fixed=args.relays)
+        row.update(code=code, kill=False, bench_command=invoked(), **({"relays_fixed": args.relays} if args.relays else {}))
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
     if args.kill or args.kill_only:
@@ -691,7 +699,8 @@ def current(res: dict) -> list[dict]:
     not a `lever-` row run beside them with other root flags, and not a kill run alone: a kill row is shown, but
     fits and projections read the undisturbed rows)."""
     last = {r["topology"]: r.get("code") for r in res["rows"]
-            if not str(r.get("code", "")).startswith(("before", "lever")) and not r.get("kill")}
+            if not str(r.get("code", "")).startswith(("before", "lever")) and not r.get("kill")
+            and not r.get("relays_fixed")}
     return [r for r in res["rows"] if last.get(r["topology"]) == r.get("code") and not r.get("kill")]
 
 

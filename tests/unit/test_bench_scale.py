@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.scale import QUICK_SHAPE, Tally, finish, render, run_row
+from bench.scale import QUICK_SHAPE, Tally, current, finish, render, run_row
 
 
 def test_an_accepted_update_missing_from_its_version_is_lost():
@@ -49,3 +49,11 @@ def test_where_versions_name_their_updates_lost_is_counted_by_id():
     t = Tally.of([{**e, "src": 1, "peer": "r1", "worker": f"w{e['update_id']}"} for e in told] + named)
     assert t.lost_by_cause({1}, {"r1"}) == {"worker and relay killed": 1} and t.lost_by_cause({1}, set()) == {"other": 1}
     assert t.screened({(0, "wb"), (1, "wa")}) == 1 and t.lost() == 0  # the screen dropped b's at close: not lost
+
+
+def test_the_fits_read_the_last_default_rows_not_levers_fixed_relays_or_kills():
+    def row(code: str, topology: str = "tree", **extra: object) -> dict:
+        return {"code": code, "topology": topology, "n_workers": 16, "kill": False, **extra}
+
+    rows = [row("a"), row("a", "flat"), row("b"), row("b", kill=True), row("lever-x"), row("c-r16", relays_fixed=16)]
+    assert [(r["code"], r["topology"]) for r in current({"rows": rows})] == [("a", "flat"), ("b", "tree")]
