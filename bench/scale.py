@@ -164,7 +164,7 @@ def per_peer_flags(n: int) -> list[str]:
 
     have = {d.flag.name for d in declared(PeerLimits)}
     wanted = {"--max-streams-per-peer": max(8, n), "--max-watches-per-peer": max(64, n),
-              "--max-joins-per-minute": max(30, 2 * n)}
+              "--max-joins-per-minute": max(30, 2 * n), "--max-relay-joins-per-minute": max(600, 2 * n)}
     return [x for name, value in wanted.items() if name in have for x in (name, str(value))]
 
 

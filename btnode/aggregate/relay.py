@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 DENSE_CODECS = tuple(c for c in Codec if not c.sparse)  # what a relay combines (module doc of claims.py)
 KEPT_ROUNDS = 2  # earlier rounds whose spill a relay keeps for its parent's relay audit (aggregate/evidence.py)
+UPSTREAM_JOINS = 8  # children's joins a relay passes on to its parent at once (RelaySwarm.join)
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,9 @@ class RelaySwarm(SwarmAggregator):
         self.keys = ParentKeys()  # type: ignore[assignment]
         self.outbox: queue.Queue[Combined] = queue.Queue()
         self._joins: dict[tuple[int, str], tuple] = {}  # a child's join (and its proof), to send again
+        # children's joins passed on at once: a parent's calls (Join, Leave, Status) share one small budget
+        # over all its peers (rpc/limits.py), which a relay passing on a swarm's joins at once would fill
+        self._joining = threading.BoundedSemaphore(UPSTREAM_JOINS)
         self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
         threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
         self.forwarded: dict[str, int] = {}  # the parent's outcome → combined pushes (node/relay.py)
@@ -400,8 +404,9 @@ class RelaySwarm(SwarmAggregator):
                                    f"join the parent directly")
         if relay:
             return super().join(worker_id, block, fingerprint, config_json, data_id, who, relay=True)
-        parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
-                                    proof=proof)  # under mutual TLS the worker's signed join, passed on
+        with self._joining:
+            parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
+                                        proof=proof)  # under mutual TLS the worker's signed join, passed on
         self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json, proof)
         self.keys.record(block, worker_id, parent.data_key)
         mine = super().join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json)

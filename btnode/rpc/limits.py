@@ -66,6 +66,9 @@ class PeerLimits:
                                                       "(a relay or a load-test host needs one per worker it runs).",
                             default=256, min=1)
     joins_per_minute: int = flag("--max-joins-per-minute", "Join attempts one IP may make per minute.", default=30)
+    relay_joins_per_minute: int = flag("--max-relay-joins-per-minute",
+                                       "Join attempts per minute from an IP a relay joined from: its children's "
+                                       "joins, which it passes on one by one.", default=600, min=1)
 
     @property
     def threads(self) -> int:
@@ -112,6 +115,7 @@ class PeerLimiter(grpc.ServerInterceptor):
         self._open: dict[tuple[str, str], int] = defaultdict(int)  # (peer, kind) → open calls
         self._total: Counter[str] = Counter()  # kind → open calls over all peers
         self._joins: dict[str, deque[float]] = defaultdict(deque)
+        self._relay_hosts: set[str] = set()  # hosts a relay joined from: their joins are its children's
         self._quiet: dict[str, tuple[float, int]] = {}  # reason → (last logged at, refused since)
         self._waiting: deque[_Waiter] = deque()  # transfers waiting for a slot, first come first served
         self.waited = 0  # transfers that waited for a slot and got one
@@ -123,18 +127,29 @@ class PeerLimiter(grpc.ServerInterceptor):
         return {"watch": (lim.max_watches, lim.max_workers), "transfer": (lim.max_streams, lim.max_transfers),
                 "call": (lim.max_calls, lim.max_calls)}[kind]
 
+    def trust_relay(self, peer: str) -> None:
+        """A relay joined from `peer` (an rpc peer string or a host): the joins from its host are its
+        children's, passed on one by one, and count against --max-relay-joins-per-minute. Without mutual
+        TLS any peer may say it is a relay; its joins are still each checked, and that budget bounds it."""
+        with self._lock:
+            self._relay_hosts.add(peer_host(peer))
+
     def _admit(self, peer: str, full_method: str) -> str | _Waiter | None:
         """None if admitted (and counted); a _Waiter if it is queued for a transfer slot (counted against
-        its peer's streams already); else the refusal reason."""
+        its peer's streams already); else the refusal reason. A join refused because too many calls are
+        open does not count against the join rate: it would spend the minute's budget on attempts that
+        never ran (a relay passing on 64 children's joins at once lost its joins for a minute)."""
         kind = kind_of(full_method)
         with self._lock:
+            joins: deque[float] | None = None
             if full_method == SERVICE + "Join":
-                q, now = self._joins[peer], self.clock()
-                while q and q[0] < now - 60:
-                    q.popleft()
-                if len(q) >= self.limits.joins_per_minute:
+                joins, now = self._joins[peer], self.clock()
+                while joins and joins[0] < now - 60:
+                    joins.popleft()
+                rate = (self.limits.relay_joins_per_minute if peer in self._relay_hosts
+                        else self.limits.joins_per_minute)
+                if len(joins) >= rate:
                     return "join_rate"
-                q.append(now)
             per_peer, overall = self._budget(kind)
             if self._open[(peer, kind)] >= per_peer:
                 return f"{kind}_streams" if kind != "call" else "calls"
@@ -147,6 +162,8 @@ class PeerLimiter(grpc.ServerInterceptor):
                 self.most_waiting = max(self.most_waiting, len(self._waiting))
                 self.on_queued()
                 return waiter
+            if joins is not None:
+                joins.append(now)
             self._open[(peer, kind)] += 1
             self._total[kind] += 1
             return None

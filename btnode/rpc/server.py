@@ -145,9 +145,13 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     """`identities`: bind every call to its client certificate (under mutual TLS): the identity
     must be admitted for the call (aggregate/identities.py) and any worker id it claims must be its name."""
 
-    def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False, ca: bytes = b""):
+    def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False, ca: bytes = b"",
+                 relay_joined: Callable[[str], None] = lambda peer: None):
+        """`relay_joined(peer)` once a relay has joined from that peer (the limiter gives its host the
+        relay join budget: rpc/limits.PeerLimiter.trust_relay)."""
         self.agg = agg
         self.stop = stop
+        self.relay_joined = relay_joined
         self.identities = identities
         self.ca = ca  # the swarm CA (PEM): the proofs relays pass on are checked against it
         # the newest delta fetched of each block, as frames ready to send: after a publish every worker
@@ -174,6 +178,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
                              request.data_id, who=who, training_json=request.training_json,
                              relay=request.relay, proof=proof if proof[0] else None)
+        if request.relay:
+            self.relay_joined(context.peer())
         return convert.join_to_pb(info)
 
     def _proven(self, relay: Identity, worker_id: str, proof: tuple[bytes, bytes], statement: bytes) -> Identity:
@@ -472,7 +478,8 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
                          interceptors=[*interceptors(sec, refused), limiter,
                                        DecodeGuard()])
     pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth,
-                                                      ca=sec.ca.read_bytes() if sec.client_auth and sec.ca else b""), server)
+                                                      ca=sec.ca.read_bytes() if sec.client_auth and sec.ca else b"",
+                                                      relay_joined=limiter.trust_relay), server)
     (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
     port = bind(server, address, sec)
     server.start()

@@ -23,7 +23,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc import convert
 from btnode.rpc.client import Retry, SwarmClient
-from btnode.rpc.limits import PeerLimiter, PeerLimits, peer_host
+from btnode.rpc.limits import SERVICE, PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
@@ -146,6 +146,34 @@ def test_joins_per_minute_are_limited_per_peer(limited):
     c.close()
     assert err.value.reason == "join_rate"
     assert agg.counters[("limited", "join_rate")] == 1
+
+
+def test_a_relays_host_joins_on_the_relay_budget(limited):
+    """Every child of a relay joins through it, from its one IP: once a relay has joined from a host,
+    joins from there count against --max-relay-joins-per-minute, not the per-IP budget (3 here)."""
+    address, agg, limiter = limited
+    c = SwarmClient(address, timeout_s=10, retry=Retry(budget_s=0))
+    c.join("relay-a", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True)  # one join of the 3
+    join(c, CFG, *(f"child{i}" for i in range(5)))  # passed on by the relay: all taken
+    c.close()
+    assert agg.counters[("limited", "join_rate")] == 0
+    other = PeerLimiter(PeerLimits(joins_per_minute=3, relay_joins_per_minute=4))
+    other.trust_relay("ipv4:10.0.0.7:5000")
+    admitted = [other._admit(h, SERVICE + "Join") for h in ["10.0.0.7"] * 5 + ["10.0.0.8"] * 4]
+    assert admitted == [None] * 4 + ["join_rate"] + [None] * 3 + ["join_rate"]
+
+
+def test_a_join_refused_for_open_calls_does_not_spend_the_join_rate():
+    """Joins refused because too many calls were open never ran: they leave the minute's budget alone
+    (a relay passing on its children's joins at once lost every join for a minute)."""
+    limiter = PeerLimiter(PeerLimits(joins_per_minute=2, max_calls=1))
+    join_call = SERVICE + "Join"
+    assert limiter._admit("h", join_call) is None
+    assert [limiter._admit("h", join_call) for _ in range(5)] == ["calls"] * 5
+    limiter._release("h", join_call)
+    assert limiter._admit("h", join_call) is None  # the second join of the minute
+    limiter._release("h", join_call)
+    assert limiter._admit("h", join_call) == "join_rate"
 
 
 def test_a_refused_pull_is_retried_with_backoff_until_a_transfer_slot_frees(tmp_path):
