@@ -178,7 +178,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
                              request.data_id, who=who, training_json=request.training_json,
                              relay=request.relay, proof=proof if proof[0] else None)
-        if request.relay:
+        if request.relay and (who is None or who.role is Role.RELAY):  # under mutual TLS, a relay's certificate
             self.relay_joined(context.peer())
         return convert.join_to_pb(info)
 
