@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from btnode.errors import BtnodeError, PeerUnavailable
+from btnode.node.memory import server_env
 
 CLI = [sys.executable, "-m", "btnode_cli.main"]  # the CLI of this interpreter, whatever is on PATH
 # How a command line becomes a process: subprocess.Popen here, or a network namespace's popen (netlab).
@@ -52,10 +53,11 @@ def wait_port(port_file: Path, proc: subprocess.Popen, *, timeout_s: float = 120
 
 def spawn_node(args: Sequence[str], *, log: Path, env: dict[str, str] | None = None,
                popen: Popen = subprocess.Popen) -> subprocess.Popen:
-    """`btnode ARGS` as a child process, stdout and stderr appended to `log`; does not wait."""
+    """`btnode ARGS` as a child process, stdout and stderr appended to `log`; does not wait. An aggregator or
+    a relay starts with glibc's thread cache off (node/memory.py `server_env`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child holds its own descriptor
-        return popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        return popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=server_env(args, env))
 
 
 def start_node(args: Sequence[str], *, port_file: Path, log: Path, env: dict[str, str] | None = None,

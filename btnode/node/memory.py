@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,12 @@ log = logging.getLogger(__name__)
 UNLIMITED = 1 << 62
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt's parameters (malloc.h)
 ARENAS = 2  # glibc heaps shared by a node's threads (its default: 8 per core)
+# glibc's per-thread cache of freed small blocks (up to 7 of each size to 1 KiB), off in serving nodes: with a
+# server thread per version stream and per waiting transfer, what those caches held was 40 MB of the root's
+# peak at 1,024 simulated workers (bench/conn_memory.py, BENCHMARKS.md "Issue #25: the root's memory per
+# connection"). glibc reads it at process start only (no mallopt), so it goes in the environment.
+TCACHE_TUNABLE = "glibc.malloc.tcache_count"
+SERVER_ROLES = ("aggregator", "relay")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -148,6 +155,21 @@ def check_worker(cfg: ModelConfig, *, block: int, batch: int, codec: Codec, sett
            else "lower --batch, use a smaller --d-model or more --blocks, or raise the limit")
     raise InsufficientMemory(f"{what} needs ~{gb(need)} at batch {batch} ({unit.parameters / 1e6:,.1f} M parameters; "
                              f"btnode plan), this host allows {gb(limit.bytes)} ({limit.source}); {fix}")
+
+
+def server_env(args: list[str] | tuple[str, ...], env: dict[str, str] | None) -> dict[str, str] | None:
+    """The environment to start `btnode ARGS` in: for an aggregator or a relay (`--role aggregator`,
+    `--role relay`), `env` (or this process's) with glibc's thread cache off (TCACHE_TUNABLE=0) unless
+    GLIBC_TUNABLES already sets it; for any other command, `env` as it was."""
+    role = next((b for a, b in zip(args, args[1:]) if a == "--role"), "") or next(
+        (a.split("=", 1)[1] for a in args if a.startswith("--role=")), "")
+    if role not in SERVER_ROLES:
+        return env
+    out = dict(os.environ if env is None else env)
+    tunables = out.get("GLIBC_TUNABLES", "")
+    if TCACHE_TUNABLE + "=" not in tunables:
+        out["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, f"{TCACHE_TUNABLE}=0") if t)
+    return out
 
 
 def return_freed_memory() -> bool:
