@@ -37,6 +37,8 @@ def test_start_node_returns_the_port_a_real_aggregator_listens_on(tmp_path: Path
         client = SwarmClient(node.address(), timeout_s=30)
         assert client.status().fingerprint  # a btnode aggregator answers on that port
         client.close()
+        environ = Path(f"/proc/{node.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in environ  # glibc's thread cache off (node/memory.py)
     finally:
         code = node.stop()
     assert code == 0, (tmp_path / "agg.log").read_text()[-2000:]  # SIGTERM is a graceful drain

@@ -1,12 +1,13 @@
 """node.memory: sizes as systemd writes them, and the cgroup limit found from /proc/self (a fake one
-here: cgroup v1 with a parent's tighter limit, v2's "max", v1's no-limit sentinel)."""
+here: cgroup v1 with a parent's tighter limit, v2's "max", v1's no-limit sentinel), and the environment a
+serving node starts in."""
 
 from __future__ import annotations
 
 import pytest
 
 from btnode.errors import ConfigError
-from btnode.node.memory import UNLIMITED, cgroup_limit, parse_size
+from btnode.node.memory import TCACHE_TUNABLE, UNLIMITED, cgroup_limit, parse_size, server_env
 
 
 def test_sizes_are_powers_of_1024_as_in_memorymax():
@@ -55,3 +56,14 @@ def test_v2_reads_memory_max_and_ignores_max(tmp_path):
 def test_no_memory_controller_means_no_cgroup_limit(tmp_path):
     proc = fake_proc(tmp_path, "1:cpu:/\n", [f"/ {tmp_path} rw - cgroup cgroup rw,cpu"])
     assert cgroup_limit(proc) is None
+
+
+def test_serving_nodes_start_with_glibcs_thread_cache_off_and_others_as_they_were():
+    agg = server_env(["join", "--role", "aggregator", "--listen", "127.0.0.1:0"], {"PATH": "/bin"})
+    assert agg == {"PATH": "/bin", "GLIBC_TUNABLES": f"{TCACHE_TUNABLE}=0"}
+    assert server_env(["join", "--role=relay"], {})["GLIBC_TUNABLES"] == f"{TCACHE_TUNABLE}=0"
+    other = server_env(["join", "--role", "relay"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert other["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TCACHE_TUNABLE}=0"  # its other tunables kept
+    mine = {"GLIBC_TUNABLES": f"{TCACHE_TUNABLE}=7"}
+    assert server_env(["join", "--role", "aggregator"], mine) == mine  # a setting of its own is left alone
+    assert server_env(["join", "--role", "worker"], None) is None and server_env(["plan"], {"A": "1"}) == {"A": "1"}
