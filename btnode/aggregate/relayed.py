@@ -6,6 +6,7 @@ and the evidence of combined pushes drawn for a relay audit (aggregate/evidence.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 
@@ -31,6 +32,7 @@ class RelayChecks:
     audits: Audits | None
     commits: Commits | None
     relay_audits: RelayAudits | None
+    _recombining: threading.BoundedSemaphore  # relay audits' evidence summed one at a time
     blocks: dict[int, BlockAggregator]
     identities: Identities
     relays: Relays
@@ -135,7 +137,8 @@ class RelayChecks:
                 yield part
 
         try:
-            check_evidence(job, unit, metered(), self.block(header.block).spec)
+            with self._recombining:  # one at a time; the others' streams wait unread (flow control)
+                check_evidence(job, unit, metered(), self.block(header.block).spec)
         except PeerInputError as exc:
             if exc.reason in INCOMPLETE:  # the stream broke: the relay may send it again
                 raise

@@ -125,6 +125,9 @@ class SwarmAggregator(RelayChecks):
             self.commits = Commits(secret)
         # relays' combined pushes drawn for a bit-for-bit check against their children's frames
         self.relay_audits = RelayAudits(acfg.relay_audit, secret, clock) if acfg.relay_audit.rate > 0 else None
+        # their evidence is summed again one relay at a time: each recombination holds an exact int64 sum
+        # (2 × the unit) and a child's update, and six drawn at once cost a root 86 MB at N = 1,024
+        self._recombining = threading.BoundedSemaphore(1)
 
     def admit(self, who: Identity, method: str, claimed: str = "") -> None:
         """Let a call of `who` through (aggregate/identities.py), or count its refusal
