@@ -31,7 +31,7 @@ class CountingParent:
             self.now += 1
             self.most = max(self.most, self.now)
         try:
-            time.sleep(0.02)  # a join's round trip: long enough for the others to pile up
+            time.sleep(0.2)  # a join's round trip: long enough for the others to pile up
             return self.root.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
         finally:
             with self.lock:
