@@ -203,13 +203,19 @@ def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_tak
     assert relay_block(tmp_path)[0].round.accepted == {}
 
 
-def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_than_amend(tmp_path):
+def forwarded(tmp_path) -> tuple[RelayBlock, list[float], list[Combined]]:
+    """A relay block on a clock the test moves, that has forwarded its round with one child (d1)."""
     now = [1000.0]
     block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0])
     out: list[Combined] = []
     block.on_combined = out.append
     block.register("d1")
     block.submit(*child("d1", 1))
+    return block, now, out
+
+
+def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_than_amend(tmp_path):
+    block, now, out = forwarded(tmp_path)
     block.register("c1")
     now[0] += 5  # within its 10 s deadline: an amendment still reaches the parent in time
     assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED and len(out) == 2
@@ -221,12 +227,7 @@ def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_
 
 
 def test_a_relay_amends_while_the_parent_said_its_round_is_open_and_no_longer(tmp_path):
-    now = [1000.0]
-    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0])
-    out: list[Combined] = []
-    block.on_combined = out.append
-    block.register("d1")
-    block.submit(*child("d1", 1))  # forwarded; the parent's answer: its round closes 20 s from now
+    block, now, out = forwarded(tmp_path)  # the parent's answer: its round closes 20 s from now
     block.parent_closes(0, now[0] + 20 - 2)  # (less an upload: node/relay.py)
     block.parent_closes(7, now[0] + 99)  # an answer about another round changes nothing
     for w, seconds, outcome in (("c1", 11, Outcome.ACCEPTED), ("c2", 6, Outcome.ACCEPTED), ("c3", 1, Outcome.LATE)):
