@@ -569,12 +569,16 @@ def plot(res: dict, path: Path) -> None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     now = current(res)
-    for topo in ("flat", "tree"):
-        rows = sorted((r for r in res["rows"] if r["topology"] == topo and not r.get("kill")
-                       and r in now), key=lambda r: r["n_workers"])
+    fixed = [r for r in res["rows"] if r.get("relays_fixed") and not str(r.get("code", "")).startswith("lever")]
+    series = [(topo, [r for r in now if r["topology"] == topo]) for topo in ("flat", "tree")]
+    if fixed:  # the last code's tree with the same relays at every N (--relays)
+        k = fixed[-1]["relays_fixed"]
+        series.append((f"tree, {k} relays at every N", [r for r in fixed if r["code"] == fixed[-1]["code"]]))
+    for label, rows in series:
+        rows = sorted(rows, key=lambda r: r["n_workers"])
         if rows:
-            a.plot([r["n_workers"] for r in rows], [r["root_peak_rss_mb"] for r in rows], "o-", label=topo)
-            b.plot([r["n_workers"] for r in rows], [r["close_s"] or math.nan for r in rows], "o-", label=topo)
+            a.plot([r["n_workers"] for r in rows], [r["root_peak_rss_mb"] for r in rows], "o-", label=label)
+            b.plot([r["n_workers"] for r in rows], [r["close_s"] or math.nan for r in rows], "o-", label=label)
     for ax, title in ((a, "root peak RSS (MB)"), (b, "round close (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("simulated workers N")
