@@ -110,7 +110,12 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
             assert all(torch.equal(mine.params[n], theirs.params[n]) for n in theirs.params)
     # the root sees relays, not workers, push; and knows each relay's children
     assert {r["name"]: sorted(r["children"]) for r in st["relays"]} == {"r1": ["w0", "w1"], "r2": ["w2", "w3"]}
-    assert all(r["refused"] == 0 and r["pushes"] >= 3 for r in st["relays"])
+    # one combined push per round at least: as many as the child with the most accepted updates (3 when
+    # none was LATE; 2 when both of a relay's children trained on a version the root replaced before the
+    # relay had a child: a flat 3 failed one CI run, which half of the check was not recorded)
+    for r in st["relays"]:
+        most = max(stats[w]["outcomes"].get("accepted", 0) for w in r["children"])
+        assert r["refused"] == 0 and r["pushes"] >= most, (st["relays"], stats)
     c.close()
     # the root's version egress: one full pull and one delta per version for each of the two relays (a flat
     # root would serve the four workers: twice that), whatever the rounds' interleaving
