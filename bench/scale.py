@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
@@ -151,8 +151,12 @@ def json_log_times(log: Path) -> RootLog:
     return out
 
 
-def shape_of(args_quick: bool) -> ModelConfig:
-    return QUICK_SHAPE if args_quick else SHAPE
+def shape_of(args_quick: bool, d_model: int = 0) -> ModelConfig:
+    """The block the rows push: the tiny one (`--quick`), the default, or the default at another width
+    (`--d-model`: the same heads, layers and context, so only the unit's size changes)."""
+    if args_quick:
+        return QUICK_SHAPE
+    return replace(SHAPE, d_model=d_model) if d_model else SHAPE
 
 
 def per_peer_flags(n: int) -> list[str]:
@@ -640,6 +644,9 @@ def main() -> None:
     ap.add_argument("--relays", type=int, default=0,
                     help="the tree's relays at every N (default √N, at most 16): the root's fan-in held fixed, so that "
                          "what grows at the root with N is what it keeps per worker, not per relay")
+    ap.add_argument("--d-model", type=int, default=0,
+                    help="another block width (default 128, 3.0 MB): the rows go to another --out, as the results "
+                         "file holds one block size")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
     ap.add_argument("--unit-row", action="store_true",
                     help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
@@ -651,7 +658,9 @@ def main() -> None:
         publish("scale", res, render, out=args.results)
         plot(res, ROOT / "bench" / "results" / "scale.png")
         return
-    cfg = shape_of(args.quick)
+    cfg = shape_of(args.quick, args.d_model)
+    if args.d_model and is_published("scale", args.results):
+        ap.error("--d-model D writes rows of another block size: give --out another path")
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(",") if s)
     if args.relays and (args.topology != "tree" or args.relays < 1):
         ap.error("--relays K (K >= 1) is for --topology tree")
