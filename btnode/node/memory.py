@@ -28,6 +28,13 @@ ARENAS = 2  # glibc heaps shared by a node's threads (its default: 8 per core)
 # peak at 1,024 simulated workers (bench/conn_memory.py, BENCHMARKS.md "Issue #25: the root's memory per
 # connection"). glibc reads it at process start only (no mallopt), so it goes in the environment.
 TCACHE_TUNABLE = "glibc.malloc.tcache_count"
+# glibc's mmap threshold: blocks from this size up are mmapped when allocated and unmapped when freed. An
+# aggregator keeps 128 KiB, so that a close's temporaries leave its RSS (`return_freed_memory`). A relay
+# takes 4 MiB: every 1 MiB chunk it receives or serves, and each tensor of a small block, was otherwise
+# fresh pages (a page fault per 4 KiB, zeroed by the kernel), and the kernel's share was 58 % of a relay's
+# CPU (perf, one relay of 64 children at d = 256). With 4 MiB: relay CPU 21.8-22.0 → 14.6-15.3 s for the
+# same 128 pushes and 192 served transfers, peak RSS 508-511 → 541-553 MB (BENCHMARKS.md, "a relay's CPU").
+AGGREGATOR_MMAP_THRESHOLD, RELAY_MMAP_THRESHOLD = 128 << 10, 4 << 20
 SERVER_ROLES = ("aggregator", "relay")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -172,7 +179,7 @@ def server_env(args: list[str] | tuple[str, ...], env: dict[str, str] | None) ->
     return out
 
 
-def return_freed_memory() -> bool:
+def return_freed_memory(mmap_threshold: int = AGGREGATOR_MMAP_THRESHOLD) -> bool:
     """Make glibc hand large freed blocks back to the kernel, and keep fewer heaps (issue #25). By
     default glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
     which tensors of that size come from the heap and their pages stay with the process when freed:
@@ -181,10 +188,11 @@ def return_freed_memory() -> bool:
     threads their own heaps (arenas, up to 8 per core), each keeping what was freed in it: with a
     server thread per connected worker, ARENAS of them took the root's peak RSS at 256 simulated
     workers from 499 to 457 MB (bench/scale.py, MALLOC_ARENA_MAX=2; BENCHMARKS.md's scale notes).
-    Call it before the server's threads start. True if set (glibc only)."""
+    Call it before the server's threads start. True if set (glibc only). A relay passes
+    RELAY_MMAP_THRESHOLD (above)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
                 and bool(libc.mallopt(M_ARENA_MAX, ARENAS)))
     except (OSError, AttributeError):
         return False
