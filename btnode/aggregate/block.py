@@ -30,7 +30,7 @@ import torch
 
 from btnode.aggregate.accumulate import SPARSE_MEANS, Accumulator, Sketcher, dense, norm, scaled, weight_unit
 from btnode.aggregate.audit import AuditConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.claims import ClaimConfig, Range, theta_ranges
 from btnode.aggregate.deltas import DeltaFrames
 from btnode.aggregate.evidence import RelayAuditConfig
 from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine
@@ -165,7 +165,16 @@ class BlockAggregator:
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
         self._sketch_key = sketch_key
         self._holds_updates = cfg.outer.robust in ("trimmed", "median")  # they need every value at close
+        self._ranges: tuple[tuple[int, str], dict[str, Range]] | None = None
         self._open(self.clock())
+
+    def _theta_ranges(self) -> dict[str, Range]:
+        """θ's per-tensor ranges for the claims check, taken once per version (aggregate/claims.py
+        theta_ranges), not on every push. Keyed by the version's hash: a relay adopts its parent's."""
+        key = (self.info.version, self.info.sha256)
+        if self._ranges is None or self._ranges[0] != key:
+            self._ranges = (key, theta_ranges(self.params))
+        return self._ranges[1]
 
     def _open(self, now: float) -> None:
         """A new round on the current version: its clock, its running sum, its spill and its sketch key."""
@@ -273,7 +282,8 @@ class BlockAggregator:
                 outcome, factor, reason = self.round.judge(header.worker_id, header.base_version,
                                                            replacing=old is not None)
                 if outcome is Outcome.ACCEPTED:
-                    samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness)
+                    samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness,
+                                                    ranges=self._theta_ranges())
                     size = norm(delta)
                     self._check_norm(size)
                     scale = self._clip_factor(size)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.claims import ClaimConfig, theta_ranges
 from btnode.aggregate.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
@@ -64,6 +64,28 @@ def test_honest_workers_that_fold_wait_steps_are_always_within_the_claims(tmp_pa
     assert agg.block(0).counters[("rejected", "claim")] == agg.block(0).counters[("rejected", "bound")] == 0
     assert len(ratios) == 12 and max(ratios) < 1
     print(f"{codec.name}: max |Δ|/bound over {len(ratios)} honest updates = {max(ratios):.3f}")
+
+
+def test_a_block_takes_thetas_ranges_once_a_version(tmp_path, monkeypatch):
+    """The claims check takes θ's per-tensor ranges from its block, once per version (issue #25: each push
+    read θ twice for them): 3 workers × 4 rounds take them 4 times, each of the θ then current."""
+    taken = []
+
+    def counted(theta):
+        taken.append(theta_ranges(theta))
+        return taken[-1]
+
+    monkeypatch.setattr("btnode.aggregate.block.theta_ranges", counted)
+    agg, workers, _ = swarm(tmp_path, Codec.INT8)
+    threads = [threading.Thread(target=w.run) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(w.stats.outcomes == {"accepted": 4} for w in workers), [w.stats.outcomes for w in workers]
+    assert len(taken) == 4 and all(a != b for a, b in zip(taken, taken[1:]))  # θ moved every version
+    block = agg.block(0)
+    assert block._theta_ranges() == theta_ranges(block.params) and len(taken) == 5  # the new version's, taken anew
 
 
 def one_worker(tmp_path, codec=Codec.INT8):
