@@ -198,3 +198,17 @@ def test_many_joins_at_once_each_get_in_and_their_terms_are_kept(tmp_path):
     assert errors == []
     again = SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path)
     assert all(again.training(f"w{i}-{k}") is not None for i in range(n) for k in range(each))
+
+
+def test_workers_with_the_same_terms_share_one_copy_of_them(tmp_path):
+    """The root keeps one TrainingTerms and one JSON text per distinct terms, not per worker (issue #25:
+    ~0.9 KB a worker, bench/join_memory.py), before and after a restart; other terms stay their own."""
+    agg = SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path)
+    same, longer = TrainingTerms(TC, H), TrainingTerms(dataclasses.replace(TC, steps=TC.steps * 2), H)
+    for w, terms in (("a", same), ("b", same), ("c", longer)):
+        agg.join(w, 0, CFG.fingerprint(), "{}", training_json=terms.to_json())
+    for a in (agg, SwarmAggregator(CFG, AggregatorConfig(claims=CLAIMS), tmp_path)):
+        assert a.training("a") == same and a.training("c") == longer
+        assert a.training("a") is a.training("b") and a.training("c") is not a.training("a")
+        texts = a._terms_journal.values
+        assert texts["a"] is texts["b"] and texts["c"] == longer.to_json()
