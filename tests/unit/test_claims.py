@@ -51,15 +51,20 @@ def swarm(tmp_path, codec, n=3):
     return agg, workers, ratios
 
 
-@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP32])
-def test_honest_workers_that_fold_wait_steps_are_always_within_the_claims(tmp_path, codec):
-    agg, workers, ratios = swarm(tmp_path, codec)
+def run_all(workers) -> None:
+    """Each worker's 4 rounds on a thread of its own; every update accepted."""
     threads = [threading.Thread(target=w.run) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     assert all(w.stats.outcomes == {"accepted": 4} for w in workers), [w.stats.outcomes for w in workers]
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP32])
+def test_honest_workers_that_fold_wait_steps_are_always_within_the_claims(tmp_path, codec):
+    agg, workers, ratios = swarm(tmp_path, codec)
+    run_all(workers)
     assert sum(w.stats.folds for w in workers) > 0  # wait steps were folded into later updates
     assert agg.block(0).counters[("rejected", "claim")] == agg.block(0).counters[("rejected", "bound")] == 0
     assert len(ratios) == 12 and max(ratios) < 1
@@ -77,12 +82,7 @@ def test_a_block_takes_thetas_ranges_once_a_version(tmp_path, monkeypatch):
 
     monkeypatch.setattr("btnode.aggregate.block.theta_ranges", counted)
     agg, workers, _ = swarm(tmp_path, Codec.INT8)
-    threads = [threading.Thread(target=w.run) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert all(w.stats.outcomes == {"accepted": 4} for w in workers), [w.stats.outcomes for w in workers]
+    run_all(workers)
     assert len(taken) == 4 and all(a != b for a, b in zip(taken, taken[1:]))  # θ moved every version
     block = agg.block(0)
     assert block._theta_ranges() == theta_ranges(block.params) and len(taken) == 5  # the new version's, taken anew
