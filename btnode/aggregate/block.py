@@ -80,6 +80,10 @@ class AggregatorConfig:
                                                "their compressed bytes (bounds the memory of pushes in flight). "
                                                "Of a unit over 64 MiB, one at a time.",
                              default=2)
+    mmap_threshold_kib: int = flag("--mmap-threshold-kib", "glibc's mmap threshold: freed blocks from this size up "
+                                                           "go back to the kernel at once. 0: the role's default "
+                                                           "(aggregator 128, relay 4096; docs/operations.md).",
+                                   default=0)  # memory against page faults (node/memory.py)
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
 
@@ -88,6 +92,8 @@ class AggregatorConfig:
             raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
         if self.decode_slots < 1:
             raise ConfigError(f"--decode-slots must be at least 1, got {self.decode_slots}")
+        if self.mmap_threshold_kib < 0:
+            raise ConfigError(f"--mmap-threshold-kib must be 0 (the role's default) or more, got {self.mmap_threshold_kib}")
         if self.sparse_mean not in SPARSE_MEANS:
             raise ConfigError(f"--sparse-mean must be one of {SPARSE_MEANS}, got {self.sparse_mean!r}")
 

@@ -22,7 +22,7 @@ from btnode.aggregate.service import SwarmAggregator
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig
-from btnode.node.memory import return_freed_memory
+from btnode.node.memory import mmap_threshold, return_freed_memory
 from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
@@ -141,7 +141,7 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
     `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain.
     With audits on (`acfg.audit`), an auditor thread replays on `corpus`, the workers' training data."""
     stop = stop or threading.Event()
-    return_freed_memory()  # a close's temporaries go back to the kernel, not stay as RSS
+    return_freed_memory(mmap_threshold("aggregator", acfg.mmap_threshold_kib))  # a close's temporaries leave RSS (node/memory.py)
     agg = SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, data_id=data_id, corpus=corpus)
     if metrics_listen:
         serve_metrics(metrics_listen, AggregatorCollector(agg))

@@ -179,6 +179,12 @@ def server_env(args: list[str] | tuple[str, ...], env: dict[str, str] | None) ->
     return out
 
 
+def mmap_threshold(role: str, kib: int = 0) -> int:
+    """The mmap threshold in bytes a serving node sets: `--mmap-threshold-kib` when given (not 0),
+    otherwise its role's (RELAY_MMAP_THRESHOLD for a relay, AGGREGATOR_MMAP_THRESHOLD else)."""
+    return kib << 10 if kib else RELAY_MMAP_THRESHOLD if role == "relay" else AGGREGATOR_MMAP_THRESHOLD
+
+
 def return_freed_memory(mmap_threshold: int = AGGREGATOR_MMAP_THRESHOLD) -> bool:
     """Make glibc hand large freed blocks back to the kernel, and keep fewer heaps (issue #25). By
     default glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
@@ -188,8 +194,7 @@ def return_freed_memory(mmap_threshold: int = AGGREGATOR_MMAP_THRESHOLD) -> bool
     threads their own heaps (arenas, up to 8 per core), each keeping what was freed in it: with a
     server thread per connected worker, ARENAS of them took the root's peak RSS at 256 simulated
     workers from 499 to 457 MB (bench/scale.py, MALLOC_ARENA_MAX=2; BENCHMARKS.md's scale notes).
-    Call it before the server's threads start. True if set (glibc only). A relay passes
-    RELAY_MMAP_THRESHOLD (above)."""
+    Call it before the server's threads start, with `mmap_threshold(role, kib)`. True if set (glibc only)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return (bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))

@@ -23,7 +23,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import lazy_frames
 from btnode.errors import BtnodeError, ConfigError, Forbidden, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.node.memory import RELAY_MMAP_THRESHOLD, return_freed_memory
+from btnode.node.memory import mmap_threshold, return_freed_memory
 from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
 from btnode.node.systemd import notify
@@ -199,7 +199,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     """Serve children until `stop`. Its round deadline is the parent's less `margin` (default a
     quarter), so that the combined push arrives while the parent's round is open."""
     stop = stop or threading.Event()
-    return_freed_memory(RELAY_MMAP_THRESHOLD)  # 2 glibc arenas; freed tensors over 4 MiB back to the kernel (node/memory.py)
+    return_freed_memory(mmap_threshold("relay", acfg.mmap_threshold_kib))  # 2 arenas; over 4 MiB freed to the kernel (node/memory.py)
     parent = FailoverLink(peers)
     owned = sorted(range(cfg.total_blocks) if blocks is None else blocks)
     joined = None
