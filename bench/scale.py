@@ -696,7 +696,8 @@ def main() -> None:
     }
     if args.unit_row:
         big = UNIT_SHAPE
-        row = run_row(big, UNIT_N, "flat", args.work / f"{code}-unit", rounds=args.rounds, deadline=args.deadline)
+        row = run_row(big, UNIT_N, "flat", args.work / f"{code}-unit", rounds=args.rounds, deadline=args.deadline,
+                      root_args=tuple(args.root_args.split()))
         row.update(code=code, kill=False, bench_command=invoked(), block_params=block_params(big),
                    shape=shown(shape_flags(big)), idle_rss_mb=res["idle_rss_mb"])  # measured in the same run
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
