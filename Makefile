@@ -46,7 +46,7 @@ tools:
 	fi
 
 test: venv tools
-	$(VENV)/bin/ruff check btnode cli tests bench
+	$(VENV)/bin/ruff check btnode cli tests bench lab
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 

@@ -3,7 +3,7 @@ against `btnode api` in front of a chain over the emulated WAN, for the block ch
 readout (spec-fill at the largest trained K: "blockwise K=64 spec-fill", the serving section's
 best blockwise mode at AR quality) and for the AR chain (one traversal per byte).
 
-Layout: four hosts in a row, 20 ms one way per hop at 100 Mbit/s (btnode.netlab); the clients on
+Layout: four hosts in a row, 20 ms one way per hop at 100 Mbit/s (lab.netlab); the clients on
 h0, `btnode api` and the entry stage on h1, the next stages on h2 and h3 (the AR chain's three
 stages hold two layers each). Every client streams requests one after another for --seconds
 (the last one finishes), each from its own seed. Per client: bytes/s = bytes received ÷ its wall
@@ -185,7 +185,7 @@ def main() -> None:
         host, _, port = args.target.rpartition(":")
         print(json.dumps(load(host, int(port), int(args.clients), args.seconds, json.loads(args.body))))
         return
-    from btnode.netlab.topology import Chain
+    from lab.netlab.topology import Chain
     from btnode.store.models import load_blocks
 
     reason = Chain.why_unavailable()

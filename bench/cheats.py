@@ -1,6 +1,6 @@
 """Cheats benchmark (issue #23): a simulated swarm (btnode/sim: the daemon's own aggregator and
 workers, int8 updates through the real frame checks, claims checked) of one block × 3 replicas,
-in which one replica cheats (btnode/testing/cheats.py), one cheat at a time. For each cheat: the
+in which one replica cheats (lab/cheats.py), one cheat at a time. For each cheat: the
 first round its update was refused or dropped, and by what, and the held-out CE after R rounds
 against the all-honest swarm with the same seeds and the same aggregation rule.
 
@@ -46,7 +46,7 @@ from btnode.protocol import Judgement, Outcome, PushHeader
 from btnode.sim.link import LocalLink
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
-from btnode.testing.cheats import CHEATS, cheat_factory
+from lab.cheats import CHEATS, cheat_factory
 from btnode.train.config import TrainConfig
 
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
@@ -263,7 +263,7 @@ def render(out: dict) -> str:
         "## Cheats: one cheating replica in three (`bench/cheats.py`)", "",
         f"Command: `.venv/bin/python -m bench.cheats` (2 cores). One block × 3 replicas, d=32, L=1, N=32, "
         f"R = {out['rounds']} rounds of H = {out['h']} (batch {out['batch']}, int8 updates, claims checked), "
-        f"aggregation `{out['rule']}`; replica {CHEATER} cheats (btnode/testing/cheats.py). ΔCE: SCE-1 at K = 1 on "
+        f"aggregation `{out['rule']}`; replica {CHEATER} cheats (lab/cheats.py). ΔCE: SCE-1 at K = 1 on "
         f"{out['windows']} held-out windows against the all-honest swarm of the same seed and mode (nats/byte), mean "
         f"over seeds {', '.join(map(str, range(out['seeds'])))}. Caught: the first round an update of the cheater was "
         "refused, failed its audit (`audit_…`) or was dropped, and by what. A cheat dropped in every round leaves two "

@@ -64,7 +64,7 @@ def flags_of(setting: dict) -> tuple[list[str], list[str]]:
 
 def run_wan(args: argparse.Namespace, out: dict, model_of) -> dict:  # type: ignore[no-untyped-def]
     """The WAN rows (and the link), added to the frontier's result `out`."""
-    from btnode.netlab.topology import Star
+    from lab.netlab.topology import Star
 
     reason = Star.why_unavailable()
     if reason:

@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--ada-rank", type=int, default=16, help="σ-conditioning rank of the blocktrain_lowrank run")
     ap.add_argument("--schedule-steps", type=int, help="inner cosine length (default: none, constant LR)")
     args = ap.parse_args()
-    from btnode.netlab.topology import Star
+    from lab.netlab.topology import Star
 
     reason = Star.why_unavailable()
     if reason:

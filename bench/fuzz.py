@@ -1,5 +1,5 @@
 """Fuzzing benchmark (issue #7): at least 10,000 cases of frame decoding and of every RPC handler
-of a live aggregator and stage, with random and mutated messages (btnode/testing/fuzz.py). A case
+of a live aggregator and stage, with random and mutated messages (lab/fuzz.py). A case
 that ends in anything but a result or a refusal with a status code counts as a crash, with its
 seed. Writes bench/results/fuzz.json and a BENCHMARKS.md row.
 
@@ -30,7 +30,7 @@ def main() -> None:
         args.results = result_path("fuzz", quick=True)
     logging.disable(logging.WARNING)  # every refused case logs a warning; the counts are the result
     from btnode.rpc.client import SwarmClient
-    from btnode.testing.fuzz import fuzz_frames, fuzz_rpc, start_target
+    from lab.fuzz import fuzz_frames, fuzz_rpc, start_target
 
     outcomes: dict[str, Counter] = {"frames": Counter(), "rpc": Counter()}
     crashes: list[dict] = []

@@ -241,7 +241,7 @@ def run_link(args: argparse.Namespace, link: str, all_modes: list[dict], tail: b
     if link == "loopback":
         procs = start_chains(args, tail, lambda pos: subprocess.Popen, lambda pos: "127.0.0.1", workdir)
         return finish(procs, cmd + ["--entry-block", f"127.0.0.1:{BLOCK_PORT}", "--entry-ar", f"127.0.0.1:{AR_PORT}"])
-    from btnode.netlab.topology import Chain
+    from lab.netlab.topology import Chain
 
     reason = Chain.why_unavailable()
     if reason:

@@ -5,7 +5,7 @@ with and without training while waiting (no idle waiting), side by side in one r
 Topology: a star of network namespaces. The aggregator runs in the hub h0; h1, h2 and h3 each
 run two workers (replicas of one block are on different hosts) and reach the hub over their own
 link of `--delay-ms` one way (40 ms round trip by default) at `--rate-mbit` (tbf), through the
-userspace delay line of btnode.netlab. Needs root.
+userspace delay line of lab.netlab. Needs root.
 
     .venv/bin/python -m bench.wan_train           # ~10 min on 2 cores
     .venv/bin/python -m bench.wan_train --quick   # a smoke run
@@ -138,7 +138,7 @@ def main() -> None:
     ap.quick(rounds=2, h=2, batch=4, windows=8, ce_every=1, shape=QUICK_SHAPE)
     ap.add_argument("--only", nargs="*", help="run only these runs, keeping the others from bench/results/wan_train.json")
     args = ap.parse_args()
-    from btnode.netlab.topology import Star
+    from lab.netlab.topology import Star
 
     reason = Star.why_unavailable()
     if reason:

@@ -48,7 +48,7 @@ from btnode.train.config import TrainConfig
 
 DISTRIBUTIONS = ("fixed", "exp", "lognormal")
 # Builds a replica's worker from BlockWorker's constructor arguments (BlockWorker itself, or a
-# subclass: the cheats of btnode/testing/cheats.py)
+# subclass: the cheats of lab/cheats.py)
 WorkerFactory = Callable[..., BlockWorker]
 
 

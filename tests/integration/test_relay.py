@@ -27,6 +27,7 @@ from btnode.errors import Unauthenticated
 from btnode.rpc.convert import info_from_pb
 from btnode.rpc.security import Security
 from btnode.store.models import init_block
+from lab import lab_env
 from btnode.store.versions import VersionStore
 
 from procs import CLI, TINY_SHAPE, free_port, honest_terms, scrape, start, wait_port
@@ -356,13 +357,13 @@ def test_the_swarm_token_is_checked_at_the_relay_and_presented_upstream(tmp_path
 
 
 def forging_relay(processes, tmp: Path, name: str, cheat: str, parent: str) -> str:
-    """A relay process running a test cheat (btnode/testing/relay_cheats.py); its address."""
+    """A relay process running a test cheat (lab/relay_cheats.py); its address."""
     port = tmp / f"{name}.port"
     with open(tmp / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "btnode.testing.relay_cheats", cheat, "join", "--role", "relay",
+        proc = subprocess.Popen([sys.executable, "-m", "lab.relay_cheats", cheat, "join", "--role", "relay",
                                  "--peer", parent, "--relay-id", name, "--blocks-owned", "0", "--listen", "127.0.0.1:0",
                                  "--port-file", str(port), "--state-dir", str(tmp / name), *TINY_SHAPE, *CLAIMS],
-                                stdout=log, stderr=subprocess.STDOUT, env=launch.one_thread_env())
+                                stdout=log, stderr=subprocess.STDOUT, env=lab_env(launch.one_thread_env()))
     processes.append(proc)
     return f"127.0.0.1:{wait_port(port, proc)}"
 

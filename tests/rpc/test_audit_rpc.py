@@ -26,7 +26,7 @@ from btnode.rpc.client import SwarmClient
 from btnode.rpc.server import serve
 from btnode.rpc.status import REASON_KEY
 from btnode.swarm.worker import BlockWorker, WorkerConfig
-from btnode.testing.fuzz import AUDITED, AUDITEE, CFG, await_state, start_state
+from lab.fuzz import AUDITED, AUDITEE, CFG, await_state, start_state
 from btnode.train.config import TrainConfig
 from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc

@@ -1,6 +1,6 @@
 """Fuzzing in CI (a few hundred cases; bench/fuzz.py runs tens of thousands): frame decoding and
 every RPC handler of a live aggregator and stage, with random and mutated messages. Hypothesis
-draws the case seeds; each seed rebuilds its input (btnode/testing/fuzz.py), so a failure names
+draws the case seeds; each seed rebuilds its input (lab/fuzz.py), so a failure names
 the one number that reproduces it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from btnode.codec.codecs import Codec
 from btnode.rpc.client import SwarmClient
-from btnode.testing.fuzz import fuzz_frames, fuzz_rpc, start_target
+from lab.fuzz import fuzz_frames, fuzz_rpc, start_target
 
 SEEDS = st.integers(min_value=0, max_value=2**63)
 

@@ -23,8 +23,8 @@ from btnode.node.relay import run_relay
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.server import serve
 from btnode.swarm.worker import BlockWorker, WorkerConfig
-from btnode.testing.cheats import NegatedWorker
-from btnode.testing.fuzz import CFG
+from lab.cheats import NegatedWorker
+from lab.fuzz import CFG
 from btnode.train.config import TrainConfig
 
 from test_audit_rpc import until

@@ -1,4 +1,4 @@
-"""A cheating replica in a simulated swarm (btnode/testing/cheats.py, the simulator's `workers`
+"""A cheating replica in a simulated swarm (lab/cheats.py, the simulator's `workers`
 hook): the default aggregation drops its update, and the honest replicas' updates still count."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from btnode.data.corpus import bundled
 from btnode.model.config import ModelConfig
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
-from btnode.testing.cheats import NegatedWorker, ZeroWorker
+from lab.cheats import NegatedWorker, ZeroWorker
 from btnode.train.config import TrainConfig
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))

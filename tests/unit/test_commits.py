@@ -20,7 +20,7 @@ from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks
 from btnode.errors import MalformedInput
 from btnode.protocol import EMPTY_STATE, ManifestEntry, Outcome, PushHeader, WorkClaim
-from btnode.testing.fuzz import CFG
+from lab.fuzz import CFG
 
 from procs import honest_terms
 

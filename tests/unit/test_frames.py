@@ -16,7 +16,7 @@ from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.codec.frames import (CHUNK_BYTES, ChunkData, FrameAssembler, LazyDelta, absmax, encode_frames, frame_from_raw, iter_chunks,
                                  spec_of)
 from btnode.errors import MalformedInput, PeerInputError, TooLarge
-from btnode.testing.fuzz import mutate_raw
+from lab.fuzz import mutate_raw
 
 TENSORS = {"big": torch.randn(700, 800), "small": torch.randn(3, 5), "vec": torch.randn(257)}
 SPEC = spec_of(TENSORS)

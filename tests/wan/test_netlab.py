@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from btnode.netlab.topology import Chain
+from lab.netlab.topology import Chain
 
 REASON = Chain.why_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"WAN emulation unavailable here: {REASON}")

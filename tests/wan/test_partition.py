@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from btnode.netlab.topology import Star
+from lab.netlab.topology import Star
 
 from procs import TINY_SHAPE, claim_flags, stop_all
 

@@ -2,7 +2,7 @@
 children honestly, then pushes a forged combined update under the honest manifest and weight. The
 relay audit (aggregate/evidence.py) must catch each, however small the change.
 
-Run one as a real process: `python -m btnode.testing.relay_cheats CHEAT join --role relay ...`
+Run one as a real process: `python -m lab.relay_cheats CHEAT join --role relay ...`
 (the arguments after CHEAT are `btnode`'s own)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def cheating_relay(forge: Callable[[Tensors], Tensors]) -> type[RelaySwarm]:
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in CHEATS:
-        sys.exit(f"usage: python -m btnode.testing.relay_cheats {{{','.join(CHEATS)}}} join --role relay ...")
+        sys.exit(f"usage: python -m lab.relay_cheats {{{','.join(CHEATS)}}} join --role relay ...")
     relay_node.RelaySwarm = cheating_relay(CHEATS[sys.argv.pop(1)])  # type: ignore[misc]  # what run_relay builds
     runpy.run_module("btnode_cli.main", run_name="__main__")
 

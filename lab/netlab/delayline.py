@@ -2,7 +2,7 @@
 fixed delay, in arrival order. Run inside a router namespace whose policy routing sends the
 traffic between two hosts through the TUN device; re-injected packets then take the main table.
 
-    python -m btnode.netlab.delayline --tun dl0 --delay-ms 20
+    python -m lab.netlab.delayline --tun dl0 --delay-ms 20
 Prints "ready" once the device exists; exits on SIGTERM.
 """
 

@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from lab import lab_env
+
 TABLE = 100  # routing table that sends forwarded traffic into the delay line
 
 
@@ -134,9 +136,9 @@ class Lab:
             _ip("route", "add", f"{h_left}/32", "via", r_right, ns=right)
             for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
                 _run("sysctl", "-qw", key, ns=r)
-            proc = subprocess.Popen(["ip", "netns", "exec", r, sys.executable, "-m", "btnode.netlab.delayline",
+            proc = subprocess.Popen(["ip", "netns", "exec", r, sys.executable, "-m", "lab.netlab.delayline",
                                      "--tun", "dl0", "--delay-ms", str(self.delay_ms)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=lab_env())
             self.delay_procs.append(proc)
             if proc.stdout is None or proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"delay line in {r} failed: {proc.stderr.read() if proc.stderr else ''}")

@@ -1,1 +1,0 @@
-"""Test tooling that ships with the package: fuzzers shared by tests/ and bench/."""
