@@ -34,6 +34,9 @@ Family = CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily | InfoMet
 
 
 def build_info(role: str) -> Family:
+    """`btnode_build_info{version,role,python,torch} 1`, first in every role's scrape: which build a node
+    runs is the first question about a swarm of mixed hosts, and a label is where a dashboard can
+    group by it (`count by (version) (btnode_build_info)`)."""
     info = InfoMetricFamily("btnode_build", "Version of btnode and of what it runs on.")
     info.add_metric([], {"version": __version__, "role": role, "python": platform.python_version(),
                          "torch": torch.__version__})
