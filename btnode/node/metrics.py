@@ -62,11 +62,12 @@ def duration_family(name: str, doc: str, durations: dict[str, tuple[int, float]]
 
 
 class AggregatorCollector(Collector):
-    def __init__(self, agg: SwarmAggregator):
+    def __init__(self, agg: SwarmAggregator, role: str = "aggregator"):
         self.agg = agg
+        self.role = role  # "relay" for a relay's (node/relay.py): the same families, its own children's rounds
 
     def collect(self) -> Iterator[Family]:
-        yield build_info("aggregator")
+        yield build_info(self.role)
         version = GaugeMetricFamily("btnode_block_version", "Newest published version per block.", labels=["block"])
         replicas = GaugeMetricFamily("btnode_block_replicas", "Registered replicas per block.", labels=["block"])
         loss = GaugeMetricFamily("btnode_block_train_loss", "Mean training CE (nats/byte) reported by the updates "

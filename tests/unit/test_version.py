@@ -49,7 +49,8 @@ def scrape(collector: Collector) -> dict[str, dict[str, str]]:
 
 def test_every_role_s_metrics_carry_the_build_info_gauge_with_the_version(tmp_path: Path):
     agg = SwarmAggregator(CFG, AggregatorConfig(), tmp_path)
-    collectors = {"aggregator": AggregatorCollector(agg), "worker": WorkerCollector(0, lambda: None),
+    collectors = {"aggregator": AggregatorCollector(agg), "relay": AggregatorCollector(agg, role="relay"),
+                  "worker": WorkerCollector(0, lambda: None),
                   "stage": StageCollector("block", Meter()), "api": ApiCollector(Meter(), lambda: 0)}
     for role, collector in collectors.items():
         info = scrape(collector)
