@@ -34,6 +34,9 @@ Family = CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily | InfoMet
 
 
 def build_info(role: str) -> Family:
+    """`btnode_build_info{version,role,python,torch} 1`, first in every role's scrape: which build a node
+    runs is the first question about a swarm of mixed hosts, and a label is where a dashboard can
+    group by it (`count by (version) (btnode_build_info)`)."""
     info = InfoMetricFamily("btnode_build", "Version of btnode and of what it runs on.")
     info.add_metric([], {"version": __version__, "role": role, "python": platform.python_version(),
                          "torch": torch.__version__})
@@ -59,11 +62,12 @@ def duration_family(name: str, doc: str, durations: dict[str, tuple[int, float]]
 
 
 class AggregatorCollector(Collector):
-    def __init__(self, agg: SwarmAggregator):
+    def __init__(self, agg: SwarmAggregator, role: str = "aggregator"):
         self.agg = agg
+        self.role = role  # "relay" for a relay's (node/relay.py): the same families, its own children's rounds
 
     def collect(self) -> Iterator[Family]:
-        yield build_info("aggregator")
+        yield build_info(self.role)
         version = GaugeMetricFamily("btnode_block_version", "Newest published version per block.", labels=["block"])
         replicas = GaugeMetricFamily("btnode_block_replicas", "Registered replicas per block.", labels=["block"])
         loss = GaugeMetricFamily("btnode_block_train_loss", "Mean training CE (nats/byte) reported by the updates "

@@ -24,6 +24,7 @@ from btnode.codec.frames import lazy_frames
 from btnode.errors import BtnodeError, ConfigError, Forbidden, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.node.memory import mmap_threshold, return_freed_memory
+from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
 from btnode.node.systemd import notify
@@ -195,7 +196,7 @@ def _forwarder(parent: FailoverLink, relay: RelaySwarm, deadline_s: float, stop:
 def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], listen: str, state_dir: Path, name: str,
               margin: float | None = None, blocks: list[int] | None = None, seed: int = 0,
               port_file: Path | None = None, limits: PeerLimits | None = None,
-              stop: threading.Event | None = None) -> None:
+              stop: threading.Event | None = None, metrics_listen: str | None = None) -> None:
     """Serve children until `stop`. Its round deadline is the parent's less `margin` (default a
     quarter), so that the combined push arrives while the parent's round is open."""
     stop = stop or threading.Event()
@@ -219,6 +220,8 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     acfg = replace(acfg, round=replace(acfg.round, deadline_s=own, max_staleness=joined[0].max_staleness),
                    update_codecs=tuple(c for c in acfg.update_codecs if c in joined[0].codecs))
     relay = RelaySwarm(cfg, acfg, state_dir, upstream=parent, name=name, blocks=owned, seed=seed)
+    if metrics_listen:
+        serve_metrics(metrics_listen, AggregatorCollector(relay, role="relay"))
     relay.parent_audits = any(j.relay_audits for j in joined)  # then it keeps its rounds' evidence and takes no child relay
     relay.parent_replays = any(j.audits for j in joined)  # then it commits each child update there first (Draw)
     sec = security.current()
@@ -274,4 +277,4 @@ def join_relay(model: ModelConfig, aggregate: AggregatorConfig, limits: PeerLimi
     run_relay(model, aggregate, peers=parse_peers(node.peer), listen=serve_cfg.listen, state_dir=node.state_dir,
               name=node.relay_id or f"{socket.gethostname()}-{os.getpid()}-relay", margin=node.margin,
               blocks=list(node.blocks) if node.blocks else None, port_file=serve_cfg.port_file, limits=limits,
-              stop=stop)
+              stop=stop, metrics_listen=serve_cfg.metrics_listen)

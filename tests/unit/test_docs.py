@@ -1,6 +1,7 @@
 """The docs cannot drift from the code and the measurements: every `btnode …` and `make …` line in the
 README is checked against the real CLI's `--help` and the Makefile, the README's headline table and
-BENCHMARKS.md's summary table are held to bench/results/*.json, and every relative link resolves."""
+BENCHMARKS.md's summary table are held to bench/results/*.json, every relative link resolves, and
+each doc stays within its word budget."""
 
 from __future__ import annotations
 
@@ -304,3 +305,45 @@ def test_every_relative_link_points_to_a_file_that_exists(doc):
         elif fragment and path.suffix == ".md" and fragment not in anchors(path):
             broken.append(target)
     assert not broken, f"{doc.relative_to(ROOT)}: broken links {broken}"
+
+
+# ---------------------------------------------------------------- word budgets
+
+# Words (as `wc -w` counts them) each manual in docs/ may hold, set near its size when it was last
+# made a manual. A doc that outgrows its budget is usually growing a diary: dated runs belong in
+# BENCHMARKS.md and what was tried in docs/research.md. Raise a budget only for new manual text.
+BUDGETS = {
+    "architecture.md": 1_350,
+    "data.md": 1_150,
+    "design.md": 3_700,
+    "judge.md": 750,
+    "model.md": 1_700,
+    "operations.md": 2_550,
+    "relays.md": 2_400,
+    "research.md": 4_500,
+    "scale.md": 2_250,
+    "security.md": 3_950,
+    "serving.md": 2_900,
+    "swarm.md": 3_600,
+    "tuning.md": 1_600,
+    "wire.md": 600,
+}
+README_BUDGET = 1_200  # the front door: what btnode is, two commands, a tour
+
+
+def words(path: Path) -> int:
+    return len(path.read_text().split())
+
+
+def test_every_doc_has_a_word_budget():
+    unbudgeted = sorted(p.name for p in DOCS if p.name not in BUDGETS)
+    assert not unbudgeted, f"docs without a word budget (add them to BUDGETS): {unbudgeted}"
+
+
+@pytest.mark.parametrize("doc", [p for p in DOCS if p.name in BUDGETS], ids=lambda p: p.name)
+def test_each_doc_is_within_its_word_budget(doc):
+    assert words(doc) <= BUDGETS[doc.name], f"docs/{doc.name}: {words(doc):,} words, budget {BUDGETS[doc.name]:,}"
+
+
+def test_the_readme_is_within_its_word_budget():
+    assert words(README) <= README_BUDGET, f"README.md: {words(README):,} words, budget {README_BUDGET:,}"
