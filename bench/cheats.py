@@ -105,7 +105,7 @@ class Tap:
 def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings, *, until_caught: bool = False) -> dict:
     """One simulated swarm; returns its CE and, with a cheat, when and how the cheater was caught.
     `until_caught`: stop once the cheater is revoked (the draws only need that round)."""
-    torch.set_num_threads(1)  # a tiny model: more threads only contend (measured 25× slower with 2 on 2 cores)
+    torch.set_num_threads(1)  # a tiny model: more threads only contend (measured far slower with 2 on 2 cores)
     tc, corpus = args.tc, _corpus()
     sim: Simulation | None = None
     tap: Tap | None = None

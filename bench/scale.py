@@ -42,8 +42,8 @@ from btnode.data.identity import BUNDLED
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, NodeProcess, one_thread_env, spawn_node, start_node, stop_processes, wait_port
 
-# The project's default shape: block 0 has 0.79 M parameters, 3.0 MB in fp32. An 11 MB block (d = 256) took
-# 234 s for 2 rounds at N = 256 on this 2-core host, too slow for N = 1,024; memory per update still shows.
+# The project's default shape, block 0 small: a wider block (--d-model 256) is too slow on a small host at the
+# largest N (bench/results/scale/tree-r16-d256.json); memory per update still shows at this one.
 SHAPE = ModelConfig()
 QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 SIZES = (16, 64, 256, 1024)
