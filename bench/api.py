@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser
 from bench.report import invoked, module_command, publish, shown, table
+from bench.runs import Metric
 from btnode.node.launch import CLI, start_node, stop_processes
 
 API_PORT, BLOCK_PORT, AR_PORT = 8000, 7100, 7200
@@ -149,6 +150,14 @@ def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.P
     return procs, {"block": f"{entry}:{API_PORT}", "ar": f"{entry}:{API_PORT + 1}"}
 
 
+def metrics(res: dict) -> dict[str, Metric]:
+    """Bytes/s per client for each chain at the fewest and most clients, and the errors across all rows."""
+    ns = sorted({r["clients"] for r in res["rows"]})
+    out: dict[str, Metric] = {f"{r['model']}, {r['clients']} clients: bytes/s per client": r["bytes_per_s"]
+                              for r in res["rows"] if r["clients"] in (ns[0], ns[-1])}
+    return {**out, "errors": sum(r["errors"] for r in res["rows"])}
+
+
 def render(res: dict) -> str:
     rows = [(r["model"], r["clients"], f"{r['load_1m']:.1f}", f"{r['bytes_per_s']:.1f}", f"{r['bytes_per_s_min']:.1f}",
              f"{r['bytes_per_s_total']:.1f}", f"{r['ttfb_s']:.3f}" if r["ttfb_s"] is not None else "–",
@@ -224,7 +233,7 @@ def main() -> None:
            "models": f"blocks {shown([str(blocks)])}, AR {shown([str(ar)])}"
                      + ("" if args.blocks else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
            "rows": rows}
-    publish("api", res, render, out=args.results)
+    publish("api", res, metrics(res), render, out=args.results)
     print(json.dumps(rows, indent=1))
 
 

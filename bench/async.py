@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
-from bench.report import RESULTS, publish, shown, table
+from bench.report import previous, publish, shown, table
+from bench.runs import Metric
 from btnode.node.launch import CLI
 
 LEVELS = (("lockstep", 1.0), ("p90", 0.9), ("p42", 0.42))
@@ -47,14 +48,14 @@ def main() -> None:
     ap.seeds(2, help="participation streams per level below 100 %%")
     ap.shape(SHAPE)
     ap.quick(rounds=3, h=2, batch=4, windows=8, seeds=1, shape=QUICK_SHAPE)
-    ap.add_argument("--reuse", action="store_true", help="only rewrite the report from bench/results/async.json")
+    ap.add_argument("--reuse", action="store_true", help="only rewrite the report from the last recorded run")
     ap.add_argument("--levels", nargs="*", help="run only these levels (lockstep, p90, p42), keeping the others "
-                                                "from bench/results/async.json")
+                                                "from the last recorded run")
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {}
     ce_init = None
     if args.reuse or args.levels:
-        old = json.loads((RESULTS / "async.json").read_text())
+        old = previous(args.results)
         runs, ce_init = old["runs"], old["ce_init"]
         runs = {k: v for k, v in runs.items() if not args.levels or k not in args.levels}
         for rs in runs.values():
@@ -77,8 +78,14 @@ def main() -> None:
                runs=runs)
     out["p90_minus_lockstep"] = out["ce_p90"] - out["ce_lockstep"]
     out["p42_minus_lockstep"] = out["ce_p42"] - out["ce_lockstep"]
-    publish("async", out, render, out=args.results)
+    publish("async", out, metrics(out), render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Held-out CE (nats/byte) in lockstep and at each participation, beside the initial model's."""
+    return {"CE, lockstep": res["ce_lockstep"], "CE, 90 % participation": res["ce_p90"],
+            "CE, 42 % participation": res["ce_p42"], "CE, initial model": res["ce_init"]}
 
 
 def render(out: dict) -> str:

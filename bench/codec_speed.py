@@ -32,6 +32,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser
 from bench.report import ROOT, invoked, module_command, publish, table
+from bench.runs import Metric
 from bench.transport import child, timed
 from btnode.model.config import ModelConfig
 from btnode.node.launch import stop_processes
@@ -255,7 +256,13 @@ def main() -> None:
     res = {"shape": cfg.to_dict(), "block": BLOCK, "params": params, "h": args.h, "lr": TrainConfig().lr,
            "error_feedback_bytes_per_worker": 4 * params, "codecs": codecs, "push": pushes, "reps": args.reps,
            "densities": args.densities, "command": invoked(), "date": time.strftime("%Y-%m-%d")}
-    publish("codec-speed", res, render, out=args.results)
+    publish("codec-speed", res, metrics(res), render, out=args.results)
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Encode + decode MB/s per core for each codec, and an int8 push against plain gRPC."""
+    out: dict[str, Metric] = {f"{c['codec']}: encode + decode MB/s": c["codec_mbps"] for c in res["codecs"]}
+    return {**out, "int8 push / plain gRPC": res["push"]["int8"]["trees"]["this tree"]["vs_plain"]}
 
 
 def render(r: dict) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from bench.flags import BenchParser
 from bench.report import invoked, publish, table
+from bench.runs import Metric
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
@@ -119,7 +120,12 @@ def main() -> None:
         res["per_k"][str(k)] = measure(blocks, ar, windows, k, args.seeds, n_steps)
         for r, v in res["per_k"][str(k)].items():
             print(f"[commit] K={k} {r}: 1 seed {v['one_seed']:.4f}, {args.seeds}-seed {v['mixture']:.4f}", flush=True)
-    publish("commit", res, render, out=args.results)
+    publish("commit", res, metrics(res), render, out=args.results)
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """CE (nats/byte, mixture over seeds) of each way of committing, at each K."""
+    return {f"K = {k}, {way}: CE": v["mixture"] for k, ways in res["per_k"].items() for way, v in ways.items()}
 
 
 def render(res: dict) -> str:

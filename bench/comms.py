@@ -48,7 +48,8 @@ import zstandard
 
 from bench.comms_wan import load, render_wan, run_wan
 from bench.flags import QUICK_SHAPE, BenchParser
-from bench.report import RESULTS, invoked, is_published, publish, pyplot, table
+from bench.report import RESULTS, invoked, is_published, previous, publish, pyplot, table
+from bench.runs import Metric
 from btnode.aggregate.averaging import OuterConfig
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.rounds import RoundConfig
@@ -319,11 +320,11 @@ def frontier(args: argparse.Namespace) -> None:
            "not_all_accepted": bad, "shape": args.shape.to_dict(), "replicas": args.replicas, "rounds": args.rounds,
            "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
            "command": command, "date": datetime.date.today().isoformat()}
-    if args.results.exists():  # the WAN part keeps its rows
-        before = json.loads(args.results.read_text())
+    before = previous(args.results)  # the WAN part keeps its rows
+    if before:
         out.update(wan=before.get("wan"), wan_rows=before.get("wan_rows", []))
-    out["png"] = is_published("comms", args.results) and plot(out, RESULTS / "comms.png") is not None
-    publish("comms", out, render, out=args.results)
+    out["png"] = is_published(args.results) and plot(out, RESULTS / "comms.png") is not None
+    publish("comms", out, metrics(out), render, out=args.results)
     print(json.dumps({"best": best, "not_all_accepted": bad}, indent=1))
 
 
@@ -371,6 +372,15 @@ def _rows_table(rows: list[dict], best: dict) -> list[str]:
                    f"{r['header_up']:,.0f} + {r['header_down']:,.0f}", f"{r['bits_per_param']:.3f}", versus(r)[0],
                    f"{r['ce']:.4f}", versus(r)[1], f"{r['outcomes'].get('accepted', 0)}/{r['pushes']}")
                   for r in rows], "llrrrrrrrr")
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Best byte saving against int8 within the CE aim, and on the thin WAN link CE at equal wall-clock."""
+    out: dict[str, Metric] = {f"{m}: best saving vs int8 (×)": v for m, v in res["best_ratio_vs_int8_at_002"].items()}
+    out.update({f"{m}, plain outer step: best saving vs int8 (×)": b["ratio"]
+                for m, b in (res.get("best_plain_outer") or {}).items() if b})
+    out.update({f"WAN {r['model']}, {r['codec']}: CE ({r['chosen']})": r["ce"] for r in res.get("wan_rows") or []})
+    return out
 
 
 def render(out: dict) -> str:
@@ -451,7 +461,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.wan:
         out = run_wan(args, load(args.results), model_of)
-        publish("comms", out, render, out=args.results)
+        publish("comms", out, metrics(out), render, out=args.results)
         print(json.dumps(out["wan_rows"], indent=1))
     else:
         frontier(args)

@@ -11,12 +11,11 @@ both are measured and reported per run.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from bench import diloco
-from bench.report import invoked
+from bench.report import invoked, previous
 from bench.wan_train import host_of
 from btnode.codec.codecs import Codec
 from btnode.model.config import ModelConfig
@@ -128,4 +127,4 @@ def render_wan(out: dict) -> list[str]:
 def load(path: Path) -> dict:
     if not path.exists():
         raise SystemExit(f"--wan needs the frontier's result first ({path}): run bench/comms.py without --wan")
-    return json.loads(path.read_text())
+    return previous(path)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -36,7 +35,8 @@ import grpc
 import torch
 
 from bench.flags import BenchParser
-from bench.report import ROOT, invoked, shown
+from bench.report import ROOT, publish, result_path, shown
+from bench.runs import RESULTS, Metric, slug
 from bench.scale import BATCH, H, LR, SHAPE, free_port, root_command
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, one_thread_env, start_node
@@ -48,7 +48,6 @@ from btnode.v1 import swarm_pb2 as pb
 from btnode.v1 import swarm_pb2_grpc as pb_grpc
 
 HOLDS = ("connect", "watch", "join", "pull", "round")
-RESULTS = ROOT / "bench" / "results" / "conn_memory.json"
 OPEN_AT_ONCE = 32  # connections being set up at once (joins are rate-limited per IP; the root has 2 cores)
 BLOCK = 0
 KB = 1024
@@ -269,14 +268,6 @@ async def one_round(address: str, pid: int, cfg: ModelConfig, n: int, settle_s: 
     return out
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "btnode", "cli"], capture_output=True, text=True,
-                         cwd=ROOT)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "btnode", "cli"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip()
-    return out.stdout.strip() + ("+dirty" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = BenchParser(__doc__)
     ap.add_argument("--sizes", default="16,256,1024", help="connections held at each sample, ascending")
@@ -286,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root-arg", action="append", default=[], help="an extra flag for the root (repeat)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE in the root's environment (repeat)")
     ap.add_argument("--shared-connections", action="store_true", help="one TCP connection for all (as a swarmlet's)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON file (a list of runs) this run is appended to")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder; the run is appended to DIR/conn-memory/<lever>.json")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-conn")
     args = ap.parse_args(argv)
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -325,17 +316,22 @@ def main(argv: list[str] | None = None) -> None:
         fit = [p for p in points if p["n"] > 0]
         per = {k: slope(fit, k) for k in keys} if len(fit) > 1 else {}
         extra = {}
-    row = {"lever": args.lever, "hold": args.hold, "shared_connections": args.shared_connections, "code": commit(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores shared", "command": invoked(),
+    row = {"lever": args.lever, "hold": args.hold, "shared_connections": args.shared_connections,
            "root_command": shown(cmd), "root_env": args.env, "per_connection": per, "points": points, **extra}
     for k, v in per.items():
         if v is not None:
             print(f"[conn_memory] per connection: {k} {v * (1 if k in ('threads', 'fds') else KB):.2f}"
                   f"{'' if k in ('threads', 'fds') else ' KB'}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = json.loads(args.out.read_text()) if args.out.exists() else []
-    args.out.write_text(json.dumps([*rows, row], indent=1) + "\n")
+    publish("conn-memory", row, metrics(row), out=result_path("conn-memory", slug(args.lever), results=args.out))
+
+
+def metrics(row: dict) -> dict[str, Metric]:
+    """What one more connection costs the root (KB, threads, descriptors), and its peak RSS at the most."""
+    per = row["per_connection"]
+    out: dict[str, Metric] = {f"{k.removesuffix('_mb')} per connection{'' if k in ('threads', 'fds') else ' (KB)'}":
+                              None if v is None else v * (1 if k in ("threads", "fds") else 1024) for k, v in per.items()}
+    top = max(row["points"], key=lambda p: p["n"])
+    return {**out, f"RSS at {top['n']:,} connections (MB)": top["rss_mb"]}
 
 
 if __name__ == "__main__":

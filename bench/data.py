@@ -27,6 +27,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 from bench.flags import BenchParser
 from bench.report import invoked, measure, publish, shown, table
+from bench.runs import Metric
 
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"  # the workers measured here are measured for memory, one thread each
@@ -91,7 +92,7 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    publish("data", result, render, out=args.results)
+    publish("data", result, metrics(result), render, out=args.results)
 
 
 def run(args, work: Path) -> dict:
@@ -150,6 +151,14 @@ def run(args, work: Path) -> dict:
         "steps": args.steps,
         "when": time.strftime("%Y-%m-%d"),
     }
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Preparing a multi-GB dataset (speed, memory) and a worker's memory and first step on each source."""
+    return {"prepare MB/s": res["prepare_mb_per_s"], "prepare peak RSS (MB)": res["prepare_peak_rss_mb"],
+            "worker RSS, bundled (MB)": res["worker_rss_mb_bundled"],
+            "worker RSS, large dataset (MB)": res["worker_rss_mb_large"],
+            "worker RSS, over HTTP (MB)": res["worker_rss_mb_http"], "first step over HTTP (s)": res["http_first_step_s"]}
 
 
 def render(r: dict) -> str:

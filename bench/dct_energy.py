@@ -12,12 +12,12 @@ bytes (BENCHMARKS.md, comms notes), so it was taken out again; this probe stays 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 
-from bench.report import RESULTS
+from bench.report import publish
+from bench.runs import Metric
 from bench.transport import trained_delta
 
 SHARES = (0.1, 0.03, 0.01, 0.003)
@@ -35,6 +35,11 @@ def kept_energy(x: torch.Tensor, share: float) -> float:
     return float(v.topk(max(1, int(share * v.numel()))).values.sum() / v.sum())
 
 
+def metrics(res: dict) -> dict[str, Metric]:
+    """Share of an update's energy in its largest values, raw and after a 64-point DCT."""
+    return {f"top {r['share']:.1%}, {kind}: energy share": r[kind] for r in res["rows"] for kind in ("raw", "dct64")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=25)
@@ -45,9 +50,8 @@ def main() -> None:
     x = flat[:flat.numel() // 64 * 64].view(-1, 64)
     coeffs = x @ dct_basis().T
     rows = [{"share": s, "raw": kept_energy(x, s), "dct64": kept_energy(coeffs, s)} for s in SHARES]
-    out = {"steps": args.steps, "values": x.numel(), "rows": rows,
-           "command": f"python -m bench.dct_energy --steps {args.steps}"}
-    (RESULTS / "dct_energy.json").write_text(json.dumps(out, indent=1) + "\n")
+    out = {"steps": args.steps, "values": x.numel(), "rows": rows}
+    publish("dct-energy", out, metrics(out))
     for r in rows:
         print(f"top {r['share']:.1%}: raw keeps {r['raw']:.3f} of the energy, DCT-64 {r['dct64']:.3f}")
 

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
-from bench.report import RESULTS, invoked, is_published, publish, pyplot, table
+from bench.report import RESULTS, is_published, previous, publish, pyplot, result_path, table
+from bench.runs import Metric, slug
 from bench.wan_train import host_of, spawn_worker, start_aggregator
 from btnode.model.config import ModelConfig
 from btnode.node.launch import stop_processes
@@ -156,14 +157,13 @@ def plot(runs: dict, path: Path) -> Path | None:
 
 
 def record_lever(args: argparse.Namespace, run: dict) -> None:
-    """Add one tried lever's run to diloco.json (levers) and its row to the BENCHMARKS notes."""
-    path = RESULTS / "diloco.json"
-    out = json.loads(path.read_text())
-    out.setdefault("levers", {})[args.lever] = {"run": args.only, "command": invoked(),
-                                                "main_row_ce": out["runs"][args.only]["ce_final"],
-                                                "schedule_steps": args.schedule_steps, "seconds": args.seconds,
-                                                "date": datetime.date.today().isoformat(), **run}
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    """Record one tried lever's run as its own setting of diloco (lever-NAME), beside the main row it was
+    measured against."""
+    out = previous(result_path("diloco"))
+    lever = {"run": args.only, "main_row_ce": out["runs"][args.only]["ce_final"],
+             "schedule_steps": args.schedule_steps, "seconds": args.seconds, **run}
+    publish("diloco", lever, {"CE": run["ce_final"], "main row CE": lever["main_row_ce"]},
+            out=result_path("diloco", "lever-" + slug(args.lever), results=args.results_dir))
     print(f"[diloco] lever {args.lever}: {args.only} CE {run['ce_final']:.4f} "
           f"(main row {out['runs'][args.only]['ce_final']:.4f})", flush=True)
 
@@ -218,11 +218,20 @@ def main() -> None:
            "deadline_s": args.deadline,
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "windows": args.windows, "quick": args.quick, "date": datetime.date.today().isoformat(), "runs": runs}
-    if args.results.exists():  # tried levers keep their numbers (each records the main row it was measured beside)
-        out["levers"] = json.loads(args.results.read_text()).get("levers", {})
-    png = plot(runs, RESULTS / "diloco.png") if is_published("diloco", args.results) else None
-    publish("diloco", out, lambda res: render(res, png), out=args.results)
+    # tried levers keep their numbers (each records the main row it was measured beside)
+    out["levers"] = previous(args.results).get("levers", {})
+    png = plot(runs, RESULTS / "diloco.png") if is_published(args.results) else None
+    publish("diloco", out, metrics(out), lambda res: render(res, png), out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Held-out CE of each run at the same wall-clock, and the bytes each moves per worker-round."""
+    return {"BlockTrain CE": res["blocktrain_ce"], "BlockTrain low-rank CE": res.get("blocktrain_lowrank_ce"),
+            "DiLoCo CE": res["diloco_ce"], "small DiLoCo CE": res["diloco_small_ce"],
+            "BlockTrain MB per worker-round": res["blocktrain_bytes_per_worker_round"] / 1e6,
+            "DiLoCo MB per worker-round": res["diloco_bytes_per_worker_round"] / 1e6,
+            "DiLoCo / BlockTrain bytes (×)": res["bytes_ratio_diloco_over_blocktrain"]}
 
 
 def render(out: dict, png: Path | None) -> str:

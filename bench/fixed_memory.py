@@ -13,14 +13,14 @@ the peak of each phase), the record BENCHMARKS.md's scale notes quote.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 from bench import scale
 from bench.flags import BenchParser
-from bench.report import ROOT
+from bench.report import ROOT, publish, result_path
+from bench.runs import Metric, slug
 
 MB = 2**20
 
@@ -79,6 +79,12 @@ def phases(log: Path, samples: list[tuple[float, float]]) -> list[tuple[str, flo
     return out
 
 
+def metrics(record: dict) -> dict[str, Metric]:
+    """The root's fixed memory over the unit P (the figure the levers moved), its VmHWM, and the round."""
+    return {"fixed / unit": record["fixed_over_unit"], "VmHWM (MB)": record["vmhwm_mb"], "close (s)": record["close_s"],
+            "lost": record["lost"]}
+
+
 def main() -> None:
     ap = BenchParser(__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
@@ -100,15 +106,12 @@ def main() -> None:
         print(f"[fixed-memory] {args.label} run {k}: idle {idle:.0f} MB, P {unit:.0f} MiB")
         for msg, peak in phases(out / "root.log", sampler.samples):
             print(f"  {peak:7.0f} MB {(peak - idle) / unit:5.2f} P  after: {msg}")
-        record = {"label": args.label, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                                capture_output=True, text=True).stdout.strip(),
-                  "root_args": args.root_args, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "idle_mb": idle, "unit_mb": unit, "vmhwm_mb": row["root_peak_rss_mb"],
+        record = {"label": args.label, "root_args": args.root_args, "idle_mb": idle, "unit_mb": unit, "vmhwm_mb": row["root_peak_rss_mb"],
                   "fixed_over_unit": (row["root_peak_rss_mb"] - idle) / unit, "lost": row["lost"],
                   "close_s": row["close_s"], "phases": [{"after": m, "peak_mb": p} for m, p in phases(out / "root.log",
                                                                                                   sampler.samples)]}
-        with open(ROOT / "bench" / "results" / "fixed-memory.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        publish("fixed-memory", record, metrics(record),
+                out=result_path("fixed-memory", slug(args.root_args) if args.root_args else "default"))
         print(f"[fixed-memory] {args.label} VmHWM {row['root_peak_rss_mb']:.0f} MB → fixed "
               f"{(row['root_peak_rss_mb'] - idle) / unit:.2f} P; lost {row['lost']}, close {row['close_s']}", flush=True)
 

@@ -48,7 +48,7 @@ def shape_flags(cfg: ModelConfig) -> list[str]:
 class BenchParser(argparse.ArgumentParser):
     """A benchmark's argument parser: its docstring as the help, plus the shared flags it opts into.
     After parsing, `args.shape` is the ModelConfig (when `shape` was called) and `args.results` the
-    result path (when `result` was called); under --quick the values given to `quick` replace the
+    record's path (when `result` was called); under --quick the values given to `quick` replace the
     parsed ones."""
 
     def __init__(self, doc: str | None, **kwargs: Any):
@@ -60,12 +60,15 @@ class BenchParser(argparse.ArgumentParser):
         self._quick: dict[str, Any] | None = None
         self._shape: tuple[ModelConfig, Sequence[str]] | None = None
 
-    def result(self, section: str, flag: str = "--out") -> None:
-        """The result JSON's path; only its default (bench/results/SECTION.json) updates BENCHMARKS.md."""
-        self._section = section
-        self.add_argument(flag, dest="results", type=Path, metavar="PATH",
-                          help=f"where the result JSON goes (default bench/results/{result_path(section).name}; any "
-                               "other path leaves BENCHMARKS.md alone)")
+    def result(self, bench: str, flag: str = "--out") -> None:
+        """Where the run is recorded: `flag` DIR (a results folder, default bench/results) and --setting
+        NAME give DIR/<bench>/<NAME>.json; only the default folder's records make BENCHMARKS.md."""
+        self._section = bench
+        self.add_argument(flag, dest="results_dir", type=Path, metavar="DIR",
+                          help="the results folder the run is appended to (default bench/results; any other "
+                               "folder leaves BENCHMARKS.md alone)")
+        self.add_argument("--setting", default="default", metavar="NAME",
+                          help=f"which of {bench}'s settings this run is (runs compare within one; default: default)")
 
     def quick(self, help: str = "a smoke run", **values: Any) -> None:
         """--quick: a smoke run that sets each of `values` (dest → value; `shape` → a ModelConfig)."""
@@ -112,6 +115,6 @@ class BenchParser(argparse.ArgumentParser):
             ns.shape = dataclasses.replace(default, **given)
         for dest, value in (self._quick or {}).items() if quick else ():
             setattr(ns, dest, value)
-        if self._section is not None and ns.results is None:
-            ns.results = result_path(self._section, quick=quick)
+        if self._section is not None:
+            ns.results = result_path(self._section, ns.setting, quick=quick, results=ns.results_dir)
         return ns

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser
 from bench.report import Progress, publish, result_path, table
+from bench.runs import Metric
 
 
 def main() -> None:
@@ -26,8 +27,8 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=1_000_000, help="seeds first-seed … first-seed+cases-1")
     ap.result("fuzz")
     args = ap.parse_args()
-    if args.cases < 10_000 and args.results == result_path("fuzz"):  # a smoke run never replaces the published one
-        args.results = result_path("fuzz", quick=True)
+    if args.cases < 10_000:  # a smoke run is never part of the record
+        args.results = result_path("fuzz", quick=True, results=args.results_dir)
     logging.disable(logging.WARNING)  # every refused case logs a warning; the counts are the result
     from btnode.rpc.client import SwarmClient
     from lab.fuzz import fuzz_frames, fuzz_rpc, start_target
@@ -59,10 +60,16 @@ def main() -> None:
     out = {"cases": args.cases, "crashes": len(crashes), "crash_cases": crashes[:50], "node_alive_after": alive,
            "model_changed_without_accepted_update": changed, "seconds": seconds,
            "outcomes": {k: dict(v) for k, v in outcomes.items()}, "first_seed": args.first_seed}
-    publish("fuzz", out, render, out=args.results)
+    publish("fuzz", out, metrics(out), render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "crash_cases"}, indent=1))
     if crashes:
         raise SystemExit(f"{len(crashes)} crashes; first: {crashes[0]}")
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Cases run and crashes, and whether the node lived and its model stayed put."""
+    return {"cases": res["cases"], "crashes": res["crashes"], "node alive after": res["node_alive_after"],
+            "model changed without an accepted update": res["model_changed_without_accepted_update"]}
 
 
 def render(out: dict) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
 from bench.report import ROOT, measure, publish, shown, table
+from bench.runs import Metric
 from btnode.model.config import ModelConfig
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
@@ -154,10 +155,16 @@ def main() -> None:
         "commands": {"train": chosen["command"], "eval": shown(ev_cmd), "reference": shown(ref_cmd)},
         "machine": f"{platform.machine()}, {platform.python_version()}", "date": time.strftime("%Y-%m-%d"),
     }
-    publish("judge", res, render, out=args.results)
+    publish("judge", res, metrics(res), render, out=args.results)
     print(f"[judge] held-out CE {ev['ce']:.4f} nats/byte (unigram {ev['unigram']:.4f}); reference row: judge CE "
           f"{r['judge_ce']:.4f}, distinct4 {r['distinct4']:.4f}, repeat16 {r['repeat_frac']:.4f}, "
           f"words {r['word_rate']:.4f}; wrote {args.results}", flush=True)
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """The judge's own held-out CE and what it gives real continuations (the floor a generator is judged by)."""
+    return {"judge held-out CE": res["heldout_ce"], "judge CE of real text": res["reference"]["judge_ce"],
+            "training steps": res["steps"]}
 
 
 def render(res: dict) -> str:

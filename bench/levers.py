@@ -25,7 +25,8 @@ import time
 import torch
 
 from bench.flags import BenchParser
-from bench.report import RESULTS
+from bench.report import publish, result_path
+from bench.runs import Metric, slug
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler, eval_windows
 from btnode.evaluation.metrics import _noise, ar_ce
@@ -39,7 +40,6 @@ from btnode.train.config import TrainConfig
 from btnode.train.trainers import ARTrainer, BlockTrainer
 
 
-LEVERS = RESULTS / "levers.jsonl"  # one line per tried lever, appended
 
 
 def nll(q: torch.Tensor, tgt: torch.Tensor) -> float:
@@ -103,6 +103,11 @@ def readouts(blocks: list, windows: torch.Tensor, seeds: int, n_steps: int, self
     return {k: v / count for k, v in sums.items()}
 
 
+def metrics(row: dict) -> dict[str, Metric]:
+    """Held-out CE of the last block and of the pool at each K, and of each AR model trained beside."""
+    return {k: v for k, v in row.items() if k.startswith(("last@", "pool_prob@", "ar")) and isinstance(v, float)}
+
+
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.add_argument("--name", required=True)
@@ -146,9 +151,7 @@ def main() -> None:
            "train_s": round(train_s, 1),
            "date": time.strftime("%Y-%m-%d %H:%M"), **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps(row), flush=True)
-    LEVERS.parent.mkdir(parents=True, exist_ok=True)
-    with open(LEVERS, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    publish("levers", row, metrics(row), out=result_path("levers", slug(args.name)))
 
 
 if __name__ == "__main__":

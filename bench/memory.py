@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
-from bench.report import ROOT, measure, module_command, publish, shown, table
+from bench.report import ROOT, measure, module_command, previous, publish, shown, table
+from bench.runs import Metric
 from btnode.model.config import ModelConfig
 from btnode.node.launch import start_node
 
@@ -313,6 +314,18 @@ def capped(d: int, heads: int, batch: int, out: Path) -> dict:
     return res
 
 
+def metrics(res: dict) -> dict[str, Metric]:
+    """A block worker's peak RSS against a full replica's at the largest width, and `btnode plan`'s error."""
+    big = res["sizes"][-1]
+    out: dict[str, Metric] = {"block / full-model peak RSS": res["largest_block_over_full_rss"],
+                              "plan error, largest": res["plan_error_largest"],
+                              f"block worker peak RSS, d = {big['d_model']} (MB)": big["block_rss_mb"],
+                              f"full replica peak RSS, d = {big['d_model']} (MB)": big["full_rss_mb"]}
+    if "traffic_bytes_ratio_ar_over_block" in res:
+        out["AR / block bytes per worker-round (×)"] = res["traffic_bytes_ratio_ar_over_block"]
+    return out
+
+
 def render(res: dict) -> str:
     def measured(r: dict, part: str) -> tuple[str, str, str]:  # peak RSS, plan's estimate, plan's error
         return f"{r[f'{part}_rss_mb']:,.0f}", f"{r[f'plan_{part}_mb']:,.0f}", f"{r[f'error_{part}']:.1%}"
@@ -449,8 +462,8 @@ def render_capped(r: dict, refused: bool | None) -> list[str]:
 
 def merge(args: argparse.Namespace, **part) -> None:
     """One part run alone (--capped, --traffic): merge its keys into the existing results and report."""
-    publish("memory", {**json.loads(args.results.read_text()), **part}, None if args.no_report else render,
-            out=args.results)
+    res = {**previous(args.results), **part}
+    publish("memory", res, metrics(res), None if args.no_report else render, out=args.results)
 
 
 def main() -> None:
@@ -486,7 +499,7 @@ def main() -> None:
         if args.quick:
             return
         if args.traffic_codecs != "int8":
-            others = json.loads(args.results.read_text()).get("traffic_codecs", {})
+            others = previous(args.results).get("traffic_codecs", {})
             merge(args, traffic_codecs={**others, args.traffic_codecs: tr})
             return
         merge(args, traffic=tr, traffic_bytes_ratio_ar_over_block=tr["ratio_ar_over_block"],
@@ -527,7 +540,7 @@ def main() -> None:
         res["capped"] = {**capped(d, h, b, args.out / "capped"), "date": time.strftime("%Y-%m-%d")}
         res["capped_full_replica_refused"] = res["capped"]["full_replica"]["refused"]
         res["wall_s"] = time.perf_counter() - t0
-    publish("memory", res, None if args.no_report else render, out=args.results)
+    publish("memory", res, metrics(res), None if args.no_report else render, out=args.results)
 
 
 if __name__ == "__main__":

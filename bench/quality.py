@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.flags import SHAPE, BenchParser, shape_flags  # no torch: this process must stay small
 from bench.report import RESULTS, ROOT, is_published, measure, module_command, publish, pyplot, result_path, shown, table
+from bench.runs import Metric
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
 BATCH, LR = 32, 2e-3
@@ -38,9 +39,9 @@ BATCH, LR = 32, 2e-3
 # N = 256 so that a segment of K = 256 fits, trained on every K it serves.
 PROFILES = {
     "default": dict(context=128, segments=(1, 16), budget=900.0, windows=512, out="bench-quality",
-                    result="quality.json", section="quality", full=True),
+                    setting="default", full=True),
     "serving": dict(context=256, segments=(1, 16, 64, 256), budget=600.0, windows=128, out="bench-quality-serving",
-                    result="quality_serving.json", section="quality-serving", full=False),
+                    setting="serving", full=False),
 }
 PROFILE = "default"
 CFG = SHAPE
@@ -252,8 +253,8 @@ def run_default(args: argparse.Namespace) -> None:
     print(json.dumps(res, indent=1))
     if args.no_report:
         return
-    plot = plot_curves(res, RESULTS / "quality_curves.png") if is_published("quality", args.results) else None
-    publish("quality", res, lambda r: render_default(r, runs, plot), out=args.results)
+    plot = plot_curves(res, RESULTS / "quality_curves.png") if is_published(args.results) else None
+    publish("quality", res, metrics(res), lambda r: render_default(r, runs, plot), out=args.results)
 
 
 def train_defaults() -> dict:
@@ -297,8 +298,8 @@ def main() -> None:
     ap.windows(None, help="held-out windows for evaluation (default: the profile's)")
     ap.seeds(8)
     ap.add_argument("--out", type=Path, help="run folder (default: runs/<profile's folder>)")
-    ap.add_argument("--results", type=Path, help="where the result JSON goes (default bench/results/quality.json or "
-                                                 "quality_serving.json; any other path leaves BENCHMARKS.md alone)")
+    ap.add_argument("--results", type=Path, help="the record the run is appended to (default bench/results/quality/"
+                                                 "<profile>.json; any other path leaves BENCHMARKS.md alone)")
     ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
     ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
@@ -307,7 +308,7 @@ def main() -> None:
     args.budget = args.budget or prof["budget"]
     args.windows = args.windows or prof["windows"]
     args.out = args.out or ROOT / "runs" / prof["out"]
-    args.results = args.results or result_path(prof["section"])
+    args.results = args.results or result_path("quality", prof["setting"])
     if args.calibrate:
         print(calibrate(args.calibrate))
         return
@@ -359,7 +360,17 @@ def report_serving_profile(args: argparse.Namespace, prof: dict, runs: dict) -> 
            "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(res, indent=1))
     if not args.no_report:
-        publish(prof["section"], res, render_serving, out=args.results)
+        publish("quality", res, metrics(res), render_serving, out=args.results)
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """The chain's held-out CE (SCE-8, K = 1) against the AR model's, as deployed and at equal total compute;
+    for the serving profile, its chain at K = 1 against AR."""
+    if "sce" in res:
+        return {"chain CE, K = 1 (SCE-8)": res["sce"]["1"]["sce8"], "AR CE": res["ar_total_ce"]}
+    return {"chain CE, as deployed": res["sce8_k1_deployed"], "AR CE, as deployed": res["ar_total_ce_deployed"],
+            "chain CE, equal total compute": res["sce8_k1"], "AR CE, equal total compute": res["ar_total_ce"],
+            "swarm chain CE": res.get("sce8_k1_swarm")}
 
 
 def render_serving(res: dict) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from bench.flags import BenchParser
 from bench.report import publish, table
+from bench.runs import Metric
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.data.corpus import bundled
@@ -51,9 +52,14 @@ def main() -> None:
     out = {"model": args.shape.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
            "threads": args.threads, "train_s_per_update": per_update, "replay_s": replays,
            "ratio_median": statistics.median(ratios), "ratios": ratios, "quick": args.quick}
-    publish("replay-cost", out, render, out=args.results)
+    publish("replay-cost", out, metrics(out), render, out=args.results)
     print(f"training {per_update:.3f} s per update; replays {[round(r, 3) for r in replays]} s; "
           f"ratio median {out['ratio_median']:.3f}")
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """A replay's time over the training it checks (median), and the training time per update."""
+    return {"replay / training time (median)": res["ratio_median"], "training s per update": res["train_s_per_update"]}
 
 
 def render(out: dict) -> str:

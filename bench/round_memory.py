@@ -24,6 +24,7 @@ from pathlib import Path
 from bench.codec_speed import tree_env
 from bench.flags import BenchParser
 from bench.report import ROOT, invoked, module_command, publish, table
+from bench.runs import Metric
 
 SHAPE = {"d_model": 512, "n_layers": 2, "n_heads": 8}  # one block: 11.0 M parameters, 44 MB in fp32
 QUICK = {"d_model": 128, "n_layers": 2, "n_heads": 4}
@@ -147,7 +148,7 @@ def main() -> None:
     res = {"shape": shape, "params": rows[0]["params"], "unit_mb": unit_mb, "rows": rows, "before": before,
            "command": invoked(),
            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores"}
-    publish("round-memory", res, render, out=args.results)
+    publish("round-memory", res, metrics(res), render, out=args.results)
 
 
 def _before(log: Path) -> list[dict]:
@@ -159,6 +160,15 @@ def _before(log: Path) -> list[dict]:
                          r"peak (\d+) MB, close ([\d.]+) s", log.read_text()):
         out.append({"code": m[1], "rule": m[2], "n": int(m[3]), "base_mb": float(m[4]), "peak_mb": float(m[5]),
                     "close_s": float(m[6])})
+    return out
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Peak RSS and close time of one round for each rule at each N, largest N first."""
+    out: dict[str, Metric] = {}
+    for r in sorted(res["rows"], key=lambda r: -r["n"]):
+        out[f"{r['rule']} N = {r['n']}: peak (MB)"] = r["peak_mb"]
+        out[f"{r['rule']} N = {r['n']}: close (s)"] = r["close_s"]
     return out
 
 

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
-from bench.report import ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
+from bench.report import ROOT, invoked, is_published, module_command, previous, publish, pyplot, result_path, shown, table
+from bench.runs import Metric, load
 from btnode.data.identity import BUNDLED
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, NodeProcess, one_thread_env, spawn_node, start_node, stop_processes, wait_port
 
-# The project's default shape: block 0 has 0.79 M parameters, 3.0 MB in fp32. An 11 MB block (d = 256) took
-# 234 s for 2 rounds at N = 256 on this 2-core host, too slow for N = 1,024; memory per update still shows.
+# The project's default shape, block 0 small: a wider block (--d-model 256) is too slow on a small host at the
+# largest N (bench/results/scale/tree-r16-d256.json); memory per update still shows at this one.
 SHAPE = ModelConfig()
 QUICK_SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 SIZES = (16, 64, 256, 1024)
@@ -443,10 +444,9 @@ def projection(res: dict) -> dict | None:
     params, big = res["block_params"], flat[-1]
     per_push = big["root_ingress_mb"] * MB / big["n_workers"] / params  # wire bytes per parameter, int8 push
     per_delta = big["root_egress_mb"] * MB / big["n_workers"] / params  # ... fp32 published delta
-    results = ROOT / "bench" / "results"
-    push = json.loads((results / "codec_speed.json").read_text())["push"]
+    push = previous(result_path("codec-speed"))["push"]
     ingest = {c: push[c]["trees"]["this tree"]["push_mbps"] for c in ("int8", "fp32")}  # fp32 MB/s of a push
-    mem = json.loads((results / "memory.json").read_text()).get("traffic_codecs", {}).get(SPARSE)
+    mem = previous(result_path("memory")).get("traffic_codecs", {}).get(SPARSE)
     codecs = {"int8 / fp32 (defaults)": (per_push, per_delta), "int8 / int8": (per_push, per_push)}
     if mem:
         b = mem["runs"]["block"]
@@ -652,15 +652,16 @@ def main() -> None:
                     help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
     ap.add_argument("--report", action="store_true", help="only re-render BENCHMARKS.md and the plot from the results")
     args = ap.parse_args()
+    if args.setting == "default":  # each topology, fixed fan-in and block size is its own setting
+        args.setting = args.topology + (f"-r{args.relays}" if args.relays else "") + (f"-d{args.d_model}" if args.d_model else "")
+        args.results = result_path("scale", args.setting, quick=args.quick, results=args.results_dir)
     if args.report:
-        res = json.loads(args.results.read_text())
+        res = {**previous(args.results), "rows": recorded_rows(args.results)}
         finish(res)
-        publish("scale", res, render, out=args.results)
+        print(render(res))
         plot(res, ROOT / "bench" / "results" / "scale.png")
         return
     cfg = shape_of(args.quick, args.d_model)
-    if args.d_model and is_published("scale", args.results):
-        ap.error("--d-model D writes rows of another block size: give --out another path")
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(",") if s)
     if args.relays and (args.topology != "tree" or args.relays < 1):
         ap.error("--relays K (K >= 1) is for --topology tree")
@@ -679,8 +680,8 @@ def main() -> None:
         row.update(code=code, kill=True, bench_command=invoked())
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
-    prior = json.loads(args.results.read_text()) if args.results.exists() else {}
-    old = prior.get("rows", [])
+    prior = previous(args.results)
+    old = recorded_rows(args.results)
     if args.replace:
         old = [r for r in old if not (r.get("code") == code and r["topology"] == args.topology)]
     params = block_params(cfg)
@@ -692,7 +693,7 @@ def main() -> None:
                   f"simulated workers push int8 (claims checked: --batch {BATCH} --lr {LR} --steps-per-round {H}), "
                   f"{WORKERS_PER_PROCESS} per process on grpc.aio, one channel each; {args.rounds} rounds per row."),
         "block_params": params, "block_fp32_mb": 4 * params / MB, "idle_rss_mb": idle_rss(),
-        "rows": old + new,
+        "rows": new,
     }
     if args.unit_row:
         big = UNIT_SHAPE
@@ -702,10 +703,31 @@ def main() -> None:
                    shape=shown(shape_flags(big)), idle_rss_mb=res["idle_rss_mb"])  # measured in the same run
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         res["unit_row"] = row
-    finish(res)
-    publish("scale", res, render, out=args.results)
-    if is_published("scale", args.results):
-        plot(res, ROOT / "bench" / "results" / "scale.png")
+    shown_res = {**res, "rows": old + new}  # the table and its fits read this setting's earlier rows too
+    finish(shown_res)
+    res.update({k: v for k, v in shown_res.items() if k != "rows"})
+    publish("scale", res, metrics(res), out=args.results)
+    print(render(shown_res), flush=True)
+    if is_published(args.results):
+        plot(shown_res, ROOT / "bench" / "results" / "scale.png")
+
+
+def recorded_rows(path: Path) -> list[dict]:
+    """Every row of every run recorded at `path`, oldest first: the rows a run is shown and fitted beside."""
+    return [row for run in (load(path) if path.exists() else []) for row in run.detail.get("rows", [])]
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Per row of this run, largest N first: the root's peak RSS, the round's close time and updates lost;
+    with a unit row, the root's fixed RSS over the unit."""
+    out: dict[str, Metric] = {}
+    for r in sorted(res["rows"], key=lambda r: (-r["n_workers"], bool(r.get("kill")))):
+        at = f"{r['topology']} N = {r['n_workers']:,}{' (kills)' if r.get('kill') else ''}"
+        out.update({f"{at}: root peak RSS (MB)": r["root_peak_rss_mb"], f"{at}: close (s)": r["close_s"],
+                    f"{at}: lost": r["lost"]})
+    if res.get("unit_row"):
+        out["unit row: fixed RSS / unit"] = res.get("fixed_rss_over_unit")
+    return out
 
 
 def current(res: dict) -> list[dict]:

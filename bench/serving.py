@@ -37,6 +37,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser
 from bench.report import RESULTS, ROOT, invoked, is_published, module_command, publish, pyplot, shown, table
+from bench.runs import Metric
 from btnode.node.launch import Popen, start_node, stop_processes
 
 N_BYTES = 256
@@ -338,6 +339,18 @@ def quality_cells(g: dict) -> tuple[str, ...]:
     return f"{g['judge_ce']:.3f}", f"{g['distinct4']:.3f}", f"{g['repeat_frac']:.3f}", f"{g['word_rate']:.3f}"
 
 
+def metrics(res: dict) -> dict[str, Metric]:
+    """At AR quality: `spec`'s speed over the AR chain and AR speculative; judge CE; WAN bytes/s of AR."""
+    s = res["summary"]
+    spec = res.get("quality_t1", {}).get("blockwise K=16 spec", {})
+    return {"spec / AR bytes/s at AR quality": s.get("spec_speedup_at_ar_quality"),
+            "spec / AR speculative at AR quality": s.get("spec_over_ar_spec_at_ar_quality"),
+            "best blockwise / AR at AR quality": s.get("blockwise_speedup_at_ar_quality"),
+            "sweep / AR at AR quality": s.get("sweep_speedup_at_ar_quality"),
+            "judge CE, spec K = 16": spec.get("judge_ce"), "judge CE, AR": s["judge_ce_ar"],
+            "AR bytes/s over the WAN": s["wan_bytes_per_s_ar"]}
+
+
 def render(res: dict) -> str:
     s = res["summary"]
     lines = [
@@ -462,9 +475,9 @@ def main() -> None:
 
 
 def finish(args: argparse.Namespace, res: dict) -> None:
-    if is_published("serving", args.results):
+    if is_published(args.results):
         plot(res["frontier"], res["real"], RESULTS / "serving_frontier.png")
-    publish("serving", res, render, out=args.results)
+    publish("serving", res, metrics(res), render, out=args.results)
     print(json.dumps(res["summary"], indent=1))
 
 

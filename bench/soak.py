@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from bench.flags import QUICK_SHAPE, BenchParser, shape_flags
-from bench.report import Progress, publish, result_path, table
+from bench.report import Progress, previous, publish, result_path, table
+from bench.runs import Metric
 from btnode.node.launch import one_thread_env, spawn_node, start_node, stop_processes
 
 WORKERS = [(b, r) for b in range(3) for r in range(2)]
@@ -65,14 +66,14 @@ def main() -> None:
                     help="where the result JSON goes (default bench/results/soak.json, soak_audit.json with --audit; any "
                          "other path leaves BENCHMARKS.md alone)")
     args = ap.parse_args()
-    name = "soak-audit" if args.audit else "soak-relays" if args.relays else "soak"
+    setting = "audit" if args.audit else "relays" if args.relays else "default"
     if args.report_only:
-        out = json.loads(result_path(name).read_text())
+        out = previous(result_path("soak", setting))
         out["rss_growth_mb"] = rss_growth(out["rss"], [e["t"] for e in out["events"] if e["event"] == "kill -9 aggregator"])
-        publish(name, out, render)
+        publish("soak", out, metrics(out), render, out=result_path("soak", setting))
         return
     if args.results is None:
-        args.results = result_path(name, quick=args.minutes < (30 if args.audit else 10))  # a smoke run never
+        args.results = result_path("soak", setting, quick=args.minutes < (30 if args.audit else 10))  # a smoke run never
         # replaces the published one
     rng = random.Random(args.seed)
     port = free_port()
@@ -179,7 +180,7 @@ def main() -> None:
            "worker_kills": sum("worker" in e["event"] and "kill" in e["event"] for e in events),
            "relays": args.relays, "relay_kills": sum(e["event"].startswith("kill -9 relay") for e in events),
            "aggregator_kills": sum(e["event"] == "kill -9 aggregator" for e in events)}
-    publish(name, out, render, out=args.results)
+    publish("soak", out, metrics(out), render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k not in ("events", "rss")}, indent=1))
 
 
@@ -192,6 +193,17 @@ def audits(state: Path, log: Path) -> dict:
     return {"audits_passed": len(re.findall(r"audit of \S+ update on version \d+ passed", text)),
             "audits_failed": len(re.findall(r"revoked after a failed audit", text)),
             "flagged": revoked, "false_positives": len(revoked)}
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """How long, how many kills, versions failing their hash, updates accepted, memory growth."""
+    out: dict[str, Metric] = {"minutes": res["minutes"], "corrupt versions": res["corrupt_versions"],
+                              "accepted share": res["accept_fraction"], "worker kills": res["worker_kills"]}
+    out.update({"relay kills": res["relay_kills"]} if "relay_kills" in res else {})
+    out.update({"aggregator kills": res["aggregator_kills"], "RSS growth (MB)": res["rss_growth_mb"],
+                "aggregator peak RSS (MB)": res["aggregator_rss_max_mb"]})
+    out.update({"audits failed": res["audits_failed"], "false positives": res["false_positives"]} if "audits_failed" in res else {})
+    return out
 
 
 def render(out: dict) -> str:

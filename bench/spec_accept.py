@@ -27,6 +27,7 @@ import torch
 
 from bench.flags import BenchParser
 from bench.report import invoked, publish, table
+from bench.runs import Metric
 
 from btnode.data import corpus
 from btnode.data.windows import eval_windows
@@ -84,8 +85,14 @@ def main() -> None:
     a = res["acceptance_block0"]["1.0"]
     res["bytes_per_traversal_if_independent"] = {str(k): (1 - a ** k) / (1 - a) for k in KS}
     res["seconds"] = time.perf_counter() - t0
-    publish("spec-accept", res, render, out=args.results)
+    publish("spec-accept", res, metrics(res), render, out=args.results)
     print(json.dumps(res, indent=1))
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Share of block 0's draft kept at temperature 1, and the pool's CE against the best block's."""
+    return {"draft bytes kept, T = 1": res["acceptance_block0"]["1.0"], "CE, pool": res["ce_pool"],
+            "CE, best block": min(res["ce_block"]), "greedy agreement with block 0": res["greedy_agreement_block0"]}
 
 
 def render(r: dict) -> str:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from bench.flags import BenchParser
+from bench.report import publish
+from bench.runs import Metric
 
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler
@@ -163,9 +165,14 @@ def main() -> None:
                    "sample": conts[0].decode("utf-8", "replace")}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
-    (args.out / "tail.json").write_text(json.dumps({"main": str(args.main), "steps": args.steps,
-                                                    "sigma_gen": args.sigma_gen, "tail_blocks": args.tail_blocks,
-                                                    "rows": rows}, indent=1))
+    res = {"main": str(args.main), "steps": args.steps, "sigma_gen": args.sigma_gen, "tail_blocks": args.tail_blocks,
+           "rows": rows}
+    publish("tail", res, metrics(res))
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """The judge's CE of real text and of each tail setting's continuations."""
+    return {f"{r['setting']}: judge CE": r["judge_ce"] for r in res["rows"]}
 
 
 if __name__ == "__main__":

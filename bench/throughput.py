@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from bench.flags import BenchParser
 from bench.report import invoked, publish, table
+from bench.runs import Metric
 from btnode.model.config import ModelConfig
 from btnode.model.layout import Layout
 from btnode.model.targets import target_table
@@ -253,6 +254,13 @@ def device_name(device: torch.device) -> str:
 
 
 # -- the table --------------------------------------------------------------------------------
+def metrics(res: dict) -> dict[str, Metric]:
+    """MFU of each model at the smallest and largest width, fp32 and bf16."""
+    widths = sorted({r["d_model"] for r in res["rows"]})
+    return {f"{r['model']} d = {r['d_model']} {r['precision']}: MFU": r["mfu"] for r in res["rows"]
+            if r["d_model"] in (widths[0], widths[-1])}
+
+
 def render(r: dict) -> str:
     peaks = [(p, n, f"{r['peak_before'][p][n]:,.0f}", f"{r['peak_after'][p][n]:,.0f}")
              for p in r["peak_before"] for n in r["peak_before"][p]]
@@ -327,7 +335,7 @@ def main() -> None:
     }
     res["wall_s"] = time.perf_counter() - t0
     print(f"[throughput] peak {peak}; block/AR MFU {res['block_over_ar_mfu']}; {res['wall_s']:.0f} s", flush=True)
-    publish("throughput", res, render, out=args.results)
+    publish("throughput", res, metrics(res), render, out=args.results)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.flags import SHAPE, BenchParser, shape_flags
 from bench.report import ROOT, module_command, publish, table
+from bench.runs import Metric
 from btnode.node.launch import CLI, start_node, stop_processes, wait_port
 
 CHUNK = 1 << 20
@@ -277,7 +278,14 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps(res, indent=1))
-    publish("transport", res, render, out=args.results)
+    publish("transport", res, metrics(res), render, out=args.results)
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """A block's push against raw gRPC, int8's byte saving, and CE after int8 against fp32 updates."""
+    return {"fp32 push MB/s": res["fp32_push_mbps"], "raw gRPC MB/s": res["grpc_raw_mbps"],
+            "int8 bytes saving (×)": res["int8_bytes_ratio"], "CE after int8 updates": res["ce_int8_updates"],
+            "CE after fp32 updates": res["ce_fp32_updates"], "ring all-reduce / swarm traffic (×)": res["allreduce_traffic_ratio"]}
 
 
 def render(r: dict) -> str:

@@ -31,7 +31,8 @@ from functools import partial
 from pathlib import Path
 
 from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags
-from bench.report import publish, result_path, table
+from bench.report import previous, publish, result_path, table
+from bench.runs import Metric
 from btnode.node.launch import NodeProcess, one_thread_env, spawn_node, start_node
 
 PORT = 7070
@@ -152,8 +153,8 @@ def main() -> None:
                 # shows as lost compute instead of handing the CPU to another worker
                 ("idle_2w", args.deadline, False, [(0, 0), (1, 0)]), ("overlap_2w", args.deadline, True, [(0, 0), (1, 0)])]
         if args.only:
-            previous = json.loads(result_path("wan-train").read_text())["runs"]
-            runs.update({k: v for k, v in previous.items() if k not in args.only})
+            previous_runs = previous(result_path("wan-train"))["runs"]
+            runs.update({k: v for k, v in previous_runs.items() if k not in args.only})
         for name, tau, overlap, who in plan:
             if not args.only or name in args.only:
                 runs[name] = run_once(lab, name, tau, overlap, args, Path(tmp), who)
@@ -167,8 +168,15 @@ def main() -> None:
            "wan_accept_by_tau": {str(r["tau_s"]): r["accept_fraction"] for r in (runs["overlap"], runs["short_tau"])},
            "link": {"delay_ms_one_way": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit},
            "rounds": args.rounds, "h": args.h, "batch": args.batch, "quick": args.quick, "runs": runs}
-    publish("wan-train", out, render, out=args.results)
+    publish("wan-train", out, metrics(out), render, out=args.results)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
+
+
+def metrics(res: dict) -> dict[str, Metric]:
+    """Compute utilisation waiting idle and training while waiting, updates accepted, final CE, WAN bytes."""
+    return {"utilisation, idle while waiting": res["wan_utilisation_idle"],
+            "utilisation, training while waiting": res["wan_utilisation"], "accepted share": res["wan_accept_fraction"],
+            "final CE": res["wan_ce_final"], "WAN MB": res["wan_bytes_total"] / 1e6}
 
 
 def render(out: dict) -> str:

@@ -24,16 +24,16 @@ UNLIMITED = 1 << 62
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt's parameters (malloc.h)
 ARENAS = 2  # glibc heaps shared by a node's threads (its default: 8 per core)
 # glibc's per-thread cache of freed small blocks (up to 7 of each size to 1 KiB), off in serving nodes: with a
-# server thread per version stream and per waiting transfer, what those caches held was 40 MB of the root's
-# peak at 1,024 simulated workers (bench/conn_memory.py, BENCHMARKS.md "Issue #25: the root's memory per
-# connection"). glibc reads it at process start only (no mallopt), so it goes in the environment.
+# server thread per version stream and per waiting transfer, those caches held a large share of the root's
+# peak with a thousand simulated workers (bench/conn_memory.py, setting tcache-off). glibc reads it at
+# process start only (no mallopt), so it goes in the environment.
 TCACHE_TUNABLE = "glibc.malloc.tcache_count"
 # glibc's mmap threshold: blocks from this size up are mmapped when allocated and unmapped when freed. An
 # aggregator keeps 128 KiB, so that a close's temporaries leave its RSS (`return_freed_memory`). A relay
 # takes 4 MiB: every 1 MiB chunk it receives or serves, and each tensor of a small block, was otherwise
-# fresh pages (a page fault per 4 KiB, zeroed by the kernel), and the kernel's share was 58 % of a relay's
-# CPU (perf, one relay of 64 children at d = 256). With 4 MiB: relay CPU 21.8-22.0 → 14.6-15.3 s for the
-# same 128 pushes and 192 served transfers, peak RSS 508-511 → 541-553 MB (BENCHMARKS.md, "a relay's CPU").
+# fresh pages (a page fault per 4 KiB, zeroed by the kernel), and the kernel took most of a relay's CPU
+# (perf, one relay of 64 children at d = 256). 4 MiB cut a relay's CPU by about a third for a few percent
+# more peak RSS (bench/scale.py at --d-model 256; docs/research.md, "a relay's CPU").
 AGGREGATOR_MMAP_THRESHOLD, RELAY_MMAP_THRESHOLD = 128 << 10, 4 << 20
 SERVER_ROLES = ("aggregator", "relay")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -192,8 +192,8 @@ def return_freed_memory(mmap_threshold: int = AGGREGATOR_MMAP_THRESHOLD) -> bool
     an aggregator's RSS then stays at the peak of its largest close for good. A fixed 128 KiB
     threshold keeps every tensor above it mmapped, so freeing it returns its pages. And glibc gives
     threads their own heaps (arenas, up to 8 per core), each keeping what was freed in it: with a
-    server thread per connected worker, ARENAS of them took the root's peak RSS at 256 simulated
-    workers from 499 to 457 MB (bench/scale.py, MALLOC_ARENA_MAX=2; BENCHMARKS.md's scale notes).
+    server thread per connected worker, fewer of them lowered the root's peak RSS (bench/scale.py with
+    MALLOC_ARENA_MAX=2; docs/research.md).
     Call it before the server's threads start, with `mmap_threshold(role, kib)`. True if set (glibc only)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

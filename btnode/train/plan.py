@@ -3,7 +3,7 @@ against one training the whole model end to end (the B·L-layer AR model: what a
 instead, and what every DiLoCo worker holds a replica of), and what a round costs on the wire.
 
 A process's peak resident memory is predicted from its parts, each checked against measured peak
-RSS at widths up to a 310 M-parameter model (bench/memory.py, BENCHMARKS.md "Memory at scale"):
+RSS at the widths bench/memory.py runs (BENCHMARKS.md, "Memory at scale"):
 - runtime: Python, torch and btnode with a training step's code loaded, measured as this process's
   resident set after a tiny warm-up step (so it is this host's and this torch's);
 - training state, counted from the real module's parameters (fp32, 4 bytes each): parameters,
