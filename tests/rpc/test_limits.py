@@ -23,7 +23,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc import convert
 from btnode.rpc.client import Retry, SwarmClient
-from btnode.rpc.limits import SERVICE, PeerLimiter, PeerLimits, peer_host
+from btnode.rpc.limits import JOIN, PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
@@ -161,7 +161,7 @@ def test_a_relays_host_joins_on_the_relay_budget(limited):
     assert agg.counters[("limited", "join_rate")] == 0
     other = PeerLimiter(PeerLimits(joins_per_minute=3, relay_joins_per_minute=4))
     other.trust_relay("ipv4:10.0.0.7:5000")
-    admitted = [other._admit(h, SERVICE + "Join") for h in ["10.0.0.7"] * 5 + ["10.0.0.8"] * 4]
+    admitted = [other._admit(h, JOIN) for h in ["10.0.0.7"] * 5 + ["10.0.0.8"] * 4]
     assert admitted == [None] * 4 + ["join_rate"] + [None] * 3 + ["join_rate"]
 
 
@@ -169,7 +169,7 @@ def test_a_join_refused_for_open_calls_does_not_spend_the_join_rate():
     """Joins refused because too many calls were open never ran: they leave the minute's budget alone
     (a relay passing on its children's joins at once lost every join for a minute)."""
     limiter = PeerLimiter(PeerLimits(joins_per_minute=2, max_calls=1))
-    join_call = SERVICE + "Join"
+    join_call = JOIN
     assert limiter._admit("h", join_call) is None
     assert [limiter._admit("h", join_call) for _ in range(5)] == ["calls"] * 5
     limiter._release("h", join_call)
