@@ -69,7 +69,7 @@ demo: venv
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
 
 proto: venv
-	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v1/*.proto
+	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v2/*.proto
 
 bench-quality: venv
 	$(PY) -m bench.quality

@@ -40,12 +40,13 @@ from bench.runs import RESULTS, Metric, slug
 from bench.scale import BATCH, H, LR, SHAPE, free_port, root_command
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, one_thread_env, start_node
+from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
 from btnode.train.terms import TrainingTerms
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 HOLDS = ("connect", "watch", "join", "pull", "round")
 OPEN_AT_ONCE = 32  # connections being set up at once (joins are rate-limited per IP; the root has 2 cores)
@@ -122,7 +123,7 @@ class Conn:
         # a local subchannel pool each: channels with equal arguments may otherwise share one TCP connection
         own = [] if shared else [("grpc.use_local_subchannel_pool", 1)]
         self.channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *own])
-        self.stub = pb_grpc.SwarmStub(self.channel)
+        self.stub = pb_grpc.WorkerStub(self.channel)
         self.name, self.cfg, self.hold = name, cfg, hold
         self.ready = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -131,8 +132,8 @@ class Conn:
         await self.channel.channel_ready()
         if self.hold in ("join", "pull"):
             await self.stub.Join(pb.JoinRequest(worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
-                                                config_json=json.dumps(self.cfg.to_dict()),
-                                                training_json=TrainingTerms(TrainConfig(batch=BATCH, lr=LR), H).to_json()))
+                                                config=convert.model_to_pb(self.cfg),
+                                                training=convert.training_to_pb(TrainingTerms(TrainConfig(batch=BATCH, lr=LR), H))))
         if self.hold == "pull":
             async for _ in self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name)):
                 pass

@@ -40,8 +40,8 @@ from btnode.store.models import init_unit
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
 from btnode.train.terms import TrainingTerms
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 VARIANTS = 4  # distinct updates per process
 SPARES = 2  # upstreams after its first that a worker moves to in turn (a kill run kills a quarter of the relays:
@@ -69,7 +69,7 @@ class Log:
         self.f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
 
 
-def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str, tuple[int, ...]], list[list[pb.PushMessage]]]:
+def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str, tuple[int, ...]], list[list[pb.PushRequest]]]:
     """The block's spec and VARIANTS pre-encoded int8 updates as chunk messages. Each coordinate moves at
     most 0.3 · H · lr, under the claims bound's Adam part alone (≥ 1.0 · H · lr for any θ)."""
     params = init_unit(cfg, BLOCK, 0).state_dict()
@@ -84,7 +84,7 @@ def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str
         raw = encode_raw(delta, Codec.INT8)
         zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         frames = [frame_from_raw(n, spec[n], Codec.INT8, raw[n], zc) for n in spec]
-        out.append([pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames)])
+        out.append([pb.PushRequest(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames)])
     return spec, out
 
 
@@ -94,7 +94,7 @@ class SimWorker:
     pushes its round's update again (the same update id), as a real worker's failover link does."""
 
     def __init__(self, name: str, peers: list[str], cfg: ModelConfig, terms: TrainingTerms,
-                 update: list[pb.PushMessage], log: Log, *, rounds: int, wait_s: float, recipe: str, data_id: str = "",
+                 update: list[pb.PushRequest], log: Log, *, rounds: int, wait_s: float, recipe: str, data_id: str = "",
                  go: asyncio.Event, logged: set[int], options: list[tuple[str, object]] = CHANNEL_OPTIONS):
         """`options`: its channels' arguments. Channels with equal arguments to one address share one TCP
         connection (gRPC's global subchannel pool): the workers of one process here share one unless
@@ -105,7 +105,7 @@ class SimWorker:
         self.at, self.generation = 0, 0  # which peer, and how many moves so far
         self.options = options
         self.channel = grpc.aio.insecure_channel(peers[0], options=options)
-        self.stub = pb_grpc.SwarmStub(self.channel)
+        self.stub = pb_grpc.WorkerStub(self.channel)
         self.info: VersionInfo | None = None
         self.newest: VersionInfo | None = None
         self.arrived = asyncio.Event()
@@ -125,7 +125,7 @@ class SimWorker:
                 self._old.append(self.channel)  # closed at the end: closing it now would cancel calls awaiting it
                 self.at = (self.at + 1) % len(self.peers)
                 self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=self.options)
-                self.stub = pb_grpc.SwarmStub(self.channel)
+                self.stub = pb_grpc.WorkerStub(self.channel)
                 self.generation += 1
                 self.log("moved", worker=self.name, to=self.peers[self.at])
                 try:
@@ -179,7 +179,7 @@ class SimWorker:
             call = self.stub.Watch(pb.WatchRequest(block=BLOCK, worker_id=self.name))
             try:
                 async for msg in call:
-                    self._announced(convert.info_from_pb(msg))
+                    self._announced(convert.info_from_pb(msg.version))
                 code = "ended"
             except grpc.aio.AioRpcError as err:
                 code = err.code().name
@@ -205,9 +205,9 @@ class SimWorker:
                  closed_by=info.closed_by, **({"included": list(included)} if first and included is not None else {}))
         self.arrived.set()
 
-    def _messages(self, header: PushHeader) -> AsyncIterator[pb.PushMessage]:
-        async def gen() -> AsyncIterator[pb.PushMessage]:
-            yield pb.PushMessage(header=convert.push_header_to_pb(header))
+    def _messages(self, header: PushHeader) -> AsyncIterator[pb.PushRequest]:
+        async def gen() -> AsyncIterator[pb.PushRequest]:
+            yield pb.PushRequest(header=convert.push_header_to_pb(header))
             for m in self.update:
                 yield m
         return gen()
@@ -238,7 +238,7 @@ class SimWorker:
     async def _join(self) -> None:
         reply = await self.stub.Join(pb.JoinRequest(
             worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
-            config_json=json.dumps(self.cfg.to_dict()), training_json=self.terms.to_json(), data_id=self.data_id))
+            config=convert.model_to_pb(self.cfg), training=convert.training_to_pb(self.terms), data_id=self.data_id))
         self.key = convert.join_from_pb(reply).data_key
 
     async def run(self) -> None:

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Protocol
 
 import torch
@@ -30,6 +30,17 @@ class Outcome(Enum):
     PROBATION = "probation"  # valid, held out of the round: its sender is new and is audited first
 
 
+class ClosedBy(StrEnum):
+    """What closed the round that made a version. A str enum, so that the reason reads, logs, labels
+    metrics and is stored as the plain string it always was ("deadline" == ClosedBy.DEADLINE)."""
+
+    NONE = ""  # no round made it: the seed version
+    DEADLINE = "deadline"  # the round's deadline, with enough updates in
+    ALL_REPORTED = "all_reported"  # every registered replica reported
+    DRAIN = "drain"  # the node stopped cleanly and published its open round
+    AMENDED = "amended"  # a relay's round closed early to amend a combined push
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     block: int
@@ -42,8 +53,11 @@ class VersionInfo:
     stale: int = 0
     rejected: int = 0
     mean_loss: float = float("nan")
-    closed_by: str = ""
+    closed_by: ClosedBy = ClosedBy.NONE  # a close reason's string is taken too (ValueError for an unknown one)
     included: tuple[str, ...] = ()  # update ids that went in (direct pushes' own, relays' manifest entries)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "closed_by", ClosedBy(self.closed_by))
 
 
 @dataclass(frozen=True)

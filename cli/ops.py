@@ -26,7 +26,8 @@ def mib(n: float) -> str:
 
 def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Recent rounds to show per block.")] = 5,
            json_out: Json = False) -> None:
-    """Blocks, versions, replicas and the outcomes of the last rounds, from a live aggregator."""
+    """The aggregator's build, then blocks, versions, replicas and the outcomes of the last rounds, from a live
+    aggregator."""
     from btnode.rpc.client import SwarmClient
 
     client = SwarmClient(peer, timeout_s=15)
@@ -44,7 +45,7 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
         return ar or f"block {block}"
 
     shape = ar or f"B={cfg['n_blocks']} L={cfg['n_layers']}"
-    typer.echo(f"swarm at {peer}: fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} {shape} "
+    typer.echo(f"swarm at {peer} (btnode {st['node_version']}): fingerprint {st['fingerprint'][:16]}…, d={cfg['d_model']} {shape} "
                f"N={cfg['context']} K={cfg['segments']}; data {st['data_id'] or 'not stated yet'}")
     for b in st["blocks"]:
         typer.echo(f"{unit(b['block'])}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "

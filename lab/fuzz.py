@@ -49,17 +49,16 @@ from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
 from btnode.train.trainers import optimizer_spec
-from btnode.v1 import serve_pb2, swarm_pb2
+from btnode.v2 import serve_pb2, swarm_pb2
 
 CFG = ModelConfig(d_model=16, n_heads=2, n_layers=1, n_blocks=2, context=16, segments=(1, 4))
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED}
-SWARM = "/btnode.v1.Swarm/"
 AUDITED, AUDITEE = "audited", "s"  # the update whose start state the audit aggregator waits for, and its sender
 EVIDENCED, CHILD = "evidenced", "child-u"  # the relay push whose evidence the aggregator waits for, and its child
 COMMITTER = "d"  # a worker joined at the audit aggregator, whose updates relays commit there (Draw) ...
 BREAKER = "e"  # ... and one whose claims break its chain (refused; through a relay that revokes nobody)
-STAGE = "/btnode.v1.Stage/"
+STAGE = f"/{serve_pb2.DESCRIPTOR.services_by_name['Serving'].full_name}/"
 KEEPS = (1, 41, 410, 4096)  # a sparse codec's values per chunk: 1 … CHUNK
 PUSH_CODECS = (Codec.INT8, Codec.SPARSE8, Codec.SPARSE2)  # the codecs of fuzzed pushes' frames
 
@@ -343,12 +342,12 @@ def _evidence_messages(rng: random.Random, unit: float) -> list[bytes]:
     chunks = list(iter_chunks(encode_frames(evidence_child(), Codec.FP32), rng.choice([256, 4096, 1 << 20])))
     if rng.random() < 0.5:
         chunks = mutate_chunks(rng, chunks, list(_spec()))
-    msgs = [swarm_pb2.EvidenceMessage(header=header).SerializeToString()]
+    msgs = [swarm_pb2.SubmitEvidenceRequest(header=header).SerializeToString()]
     if rng.random() < 0.9:
-        msgs.append(swarm_pb2.EvidenceMessage(child=child).SerializeToString())
-    msgs += [swarm_pb2.EvidenceMessage(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
+        msgs.append(swarm_pb2.SubmitEvidenceRequest(child=child).SerializeToString())
+    msgs += [swarm_pb2.SubmitEvidenceRequest(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
     if rng.random() < 0.15:
-        msgs.append(swarm_pb2.EvidenceMessage(child=child).SerializeToString())  # a second child: not listed
+        msgs.append(swarm_pb2.SubmitEvidenceRequest(child=child).SerializeToString())  # a second child: not listed
     if rng.random() < 0.2:
         msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
     if rng.random() < 0.1:
@@ -358,8 +357,8 @@ def _evidence_messages(rng: random.Random, unit: float) -> list[bytes]:
 
 def _stream(rng: random.Random, header: swarm_pb2.PushHeader, chunks: list[ChunkData]) -> list[bytes]:
     """A header then chunks, serialised, now and then with junk inserted or the header left out."""
-    msgs = [swarm_pb2.PushMessage(header=header).SerializeToString()]
-    msgs += [swarm_pb2.PushMessage(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
+    msgs = [swarm_pb2.PushRequest(header=header).SerializeToString()]
+    msgs += [swarm_pb2.PushRequest(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
     if rng.random() < 0.2:
         msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
     if rng.random() < 0.1:
@@ -404,6 +403,12 @@ STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
 
+def _swarm_method(name: str) -> str:
+    """The path of the aggregator's call `name`, in whichever of its services (Worker, Relay, Operator) holds it."""
+    return next(f"/{s.full_name}/{name}" for s in swarm_pb2.DESCRIPTOR.services_by_name.values()
+                if name in s.methods_by_name)
+
+
 def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
     """One RPC case against the live target (`only`: of that swarm call); returns the status code name,
     raises on a crash."""
@@ -413,7 +418,7 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
     name = only or rng.choice(sorted(calls))
     message, kind = calls[name]
     channel = target.stage_channel if stage else target.audit_channel if kind in ("state", "draw") else target.channel
-    method = (STAGE if stage else SWARM) + name
+    method = STAGE + name if stage else _swarm_method(name)
     ident = lambda b: b  # noqa: E731  (raw bytes on the wire)
     try:
         if kind == "unary":

@@ -27,7 +27,7 @@ assert sys.byteorder == "little", "the raw layouts are little-endian; big-endian
 
 
 class Codec(IntEnum):
-    """Values equal the wire enum btnode.v1.Codec."""
+    """Values equal the wire enum btnode.v2.Codec's numbers (rpc/convert.py checks it at import)."""
 
     FP32 = 1
     BF16 = 2

@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from btnode.errors import ConfigError, ConfigMismatchError
@@ -23,7 +24,16 @@ FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code ch
 _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
 _OPTIONAL_FIELDS = {"ada_rank": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
 _KIND_FIELDS = ("kind", "ar_layers")
-KINDS = ("block", "ar")
+
+
+class UnitKind(StrEnum):
+    """What a swarm trains and a stage serves: ModelConfig.kind's values (a str, as flags and TOML give it)."""
+
+    BLOCK = "block"  # BlockTrain: B diffusion blocks (and T tail blocks), each its own unit
+    AR = "ar"  # DiLoCo: one autoregressive model, the swarm's one unit
+
+
+KINDS = tuple(k.value for k in UnitKind)
 
 
 def _swarm_wide(names: str, help: str, **kw: Any) -> Any:

@@ -1,5 +1,5 @@
 """How a sweep's last evaluation becomes bytes: the `Readout` choices and the one default that the
-library (sampler, evaluation, serving) and the CLI share. Values are the wire and CLI strings."""
+library (sampler, evaluation, serving), the CLI and the wire (READOUT_UNSPECIFIED) share."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from btnode.errors import InputError
 
 
 class Readout(str, Enum):
-    """A str enum: each value is the string SegmentRequest.readout, GenerateRequest.readout and
-    `--readout` carry, so `Readout("pool")` parses and `Readout.POOL == "pool"`."""
+    """A str enum: each value is the string `--readout` takes, so `Readout("pool")` parses and
+    `Readout.POOL == "pool"`; the wire carries btnode.v2.Readout, matched by name (rpc/convert.py)."""
 
     POOL = "pool"  # the last evaluation pooled with every block's context readout (mean log-prob)
     LAST = "last"  # the last evaluation alone (the design's readout; the only one through the tail)

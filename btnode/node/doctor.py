@@ -21,7 +21,7 @@ from btnode.rpc.client import SwarmClient
 from btnode.rpc.health import NO_HEALTH, check_health
 from btnode.train.plan import unit_bytes
 
-SWARM_SERVICE = "btnode.v1.Swarm"  # the aggregator's gRPC service, as Health names it
+SWARM_SERVICE = "btnode.v2.Worker"  # the aggregator's service for workers, as Health names it (rpc/server.SERVICES)
 MAX_SKEW_S = 2.0  # round deadlines are seconds to minutes; skew beyond this confuses logs and τ reasoning
 
 
@@ -70,7 +70,7 @@ def check_peer(cfg: ModelConfig, peer: str | None) -> list[Finding]:
 
 
 def check_health_of(peer: str | None) -> Finding:
-    """The peer's gRPC Health for the node as a whole and for btnode.v1.Swarm (what a probe sees)."""
+    """The peer's gRPC Health for the node as a whole and for btnode.v2.Worker (what a probe sees)."""
     if not peer:
         return Finding("health", "SKIP", "needs --peer")
     try:
@@ -88,7 +88,7 @@ def check_health_of(peer: str | None) -> Finding:
         return Finding("health", "FAIL", f"{detail}: the aggregator is starting or draining (stopping)",
                        "wait until it has started, or start it again if it was stopped "
                        "(systemctl status btnode-aggregator; journalctl -u btnode-aggregator)")
-    return Finding("health", "FAIL", f"{detail}: {peer} is not an aggregator (a stage answers btnode.v1.Stage)",
+    return Finding("health", "FAIL", f"{detail}: {peer} is not an aggregator (a stage answers btnode.v2.Serving)",
                    "point --peer at the aggregator's --listen address, not a stage's")
 
 

@@ -4,7 +4,6 @@ live aggregator) or a slice of the AR baseline, link it to the candidates for th
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, Diffusion
     """The newest version of `block` pulled from a live aggregator, hash-checked."""
     client = SwarmClient(peer, timeout_s=60)
     try:
-        cfg = ModelConfig.from_dict(json.loads(client.status().config_json))
+        cfg = client.model_config()
         if cfg.kind != "block":
             raise ConfigError(f"the aggregator at {peer} trains an AR model (DiLoCo), not blocks; serve it with "
                               "--model ar --checkpoint <its state folder>")

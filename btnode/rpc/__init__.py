@@ -1,1 +1,1 @@
-"""The only package that imports grpc or the generated protobuf code (btnode.v1)."""
+"""The only package that imports grpc or the generated protobuf code (btnode.v2)."""

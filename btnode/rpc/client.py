@@ -6,20 +6,20 @@ exponential backoff for up to `Retry.budget_s`, and each retry counted; an unrea
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
+from btnode.model.config import ModelConfig
 from btnode.aggregate.evidence import frames_digest
 from btnode.protocol import (Drawn, EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
                              join_statement, receipt_statement)
@@ -28,8 +28,9 @@ from btnode.rpc.certs import sign
 from btnode.rpc.security import Security, channel, current
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.status import error_from_rpc
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.train.terms import TrainingTerms
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,7 +60,9 @@ class SwarmClient:
         self._rng = random.Random()
         self.channel = channel(address, CHANNEL_OPTIONS, security)
         self.security = security or current()  # its certificate and key sign joins and pushes under mutual TLS
-        self.stub = pb_grpc.SwarmStub(self.channel)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.relay_stub = pb_grpc.RelayStub(self.channel)
+        self.operator_stub = pb_grpc.OperatorStub(self.channel)
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
 
     def _retrying(self, what: str, attempt: Callable[[], T], *, replayable: bool = True) -> T:
@@ -96,14 +99,19 @@ class SwarmClient:
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
              training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
         """`proof`: a worker's certificate and signature over the join, passed on by a relay; without
-        it a worker with a certificate signs its own join (protocol.join_statement)."""
+        it a worker with a certificate signs its own join (protocol.join_statement) over the JSON text
+        the aggregator rebuilds from the typed settings (the same as `training_json` for any text
+        TrainingTerms.to_json wrote). Settings that are not TrainingTerms raise MalformedInput here."""
+        training = convert.training_to_pb(TrainingTerms.from_json(training_json)) if training_json else None
         mine = self._credentials() if proof is None and not relay else None
         if mine is not None:
-            proof = mine[0], sign(mine[1], join_statement(worker_id, block, fingerprint, data_id, training_json))
+            text = convert.training_json_from_pb(training) if training is not None else ""
+            proof = mine[0], sign(mine[1], join_statement(worker_id, block, fingerprint, data_id, text))
         cert, signature = proof or (b"", b"")
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
-                                                                  fingerprint=fingerprint, config_json=config_json,
-                                                                  data_id=data_id, training_json=training_json,
+                                                                  fingerprint=fingerprint,
+                                                                  config=convert.model_text_to_pb(config_json),
+                                                                  data_id=data_id, training=training,
                                                                   relay=relay, cert=cert, signature=signature))
         return convert.join_from_pb(reply)
 
@@ -176,7 +184,7 @@ class SwarmClient:
     def draw(self, header: PushHeader, digest: str) -> Drawn:
         """A relay's commit of a child's update (`header`, its frames' `digest`) to a root that replays
         audits (aggregate/commits.py). A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
-        reply = self._call("draw", self.stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
+        reply = self._call("draw", self.relay_stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
                                                                   digest=bytes.fromhex(digest)))
         return Drawn(drawn=reply.drawn, token=bytes(reply.token))
 
@@ -185,7 +193,8 @@ class SwarmClient:
         header, then its fp32 frames (or their chunks as received, which a relay passes on). A refusal
         raises its PeerInputError (no_audit, state, ...)."""
         self._call("state upload",
-                   lambda timeout: self.stub.SubmitState(_messages(header, frames), timeout=timeout),
+                   lambda timeout: self.stub.SubmitState(_messages(header, frames, pb.SubmitStateRequest),
+                                                         timeout=timeout),
                    replayable=not isinstance(frames, Iterator))
 
     def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | Frame]) -> None:
@@ -193,16 +202,16 @@ class SwarmClient:
         EvidenceChild, then its frames, read lazily (re-read on a retry unless `parts` is an iterator).
         A refusal raises its PeerInputError (no_audit, evidence, ...)."""
 
-        def messages() -> Iterator[pb.EvidenceMessage]:
-            yield pb.EvidenceMessage(header=pb.EvidenceHeader(push=convert.push_header_to_pb(header), unit=unit))
+        def messages() -> Iterator[pb.SubmitEvidenceRequest]:
+            yield pb.SubmitEvidenceRequest(header=pb.EvidenceHeader(push=convert.push_header_to_pb(header), unit=unit))
             for p in parts:
                 if isinstance(p, EvidenceChild):
-                    yield pb.EvidenceMessage(child=convert.evidence_child_to_pb(p))
+                    yield pb.SubmitEvidenceRequest(child=convert.evidence_child_to_pb(p))
                 else:
                     for chunk in iter_chunks([p]):
-                        yield pb.EvidenceMessage(chunk=convert.chunk_to_pb(chunk))
+                        yield pb.SubmitEvidenceRequest(chunk=convert.chunk_to_pb(chunk))
 
-        self._call("evidence upload", lambda timeout: self.stub.SubmitEvidence(messages(), timeout=timeout),
+        self._call("evidence upload", lambda timeout: self.relay_stub.SubmitEvidence(messages(), timeout=timeout),
                    replayable=not isinstance(parts, Iterator))
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
@@ -211,7 +220,7 @@ class SwarmClient:
         self._watches.append((worker_id, call))
         try:
             for msg in call:
-                yield convert.info_from_pb(msg)
+                yield convert.info_from_pb(msg.version)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"watch at {self.address}") from None
         finally:
@@ -221,13 +230,18 @@ class SwarmClient:
     def revoke(self, name: str) -> float:
         """Revoke the identity `name` (this client must hold an operator's certificate); returns
         the aggregator's time of the revocation."""
-        return self._call("revoke", self.stub.Revoke, pb.RevokeRequest(name=name)).revoked_at_unix
+        return self._call("revoke", self.operator_stub.Revoke, pb.RevokeRequest(name=name)).revoked_at_unix
 
     def status(self) -> pb.StatusReply:
-        return self._call("status", self.stub.Status, pb.StatusRequest())
+        return self._call("status", self.operator_stub.Status, pb.StatusRequest())
+
+    def model_config(self) -> ModelConfig:
+        """The swarm's model settings, from its Status."""
+        return convert.model_from_pb(self.status().config)
 
     def status_dict(self) -> dict:
-        """Status as plain data (for `btnode status` and `btnode doctor`)."""
+        """Status as plain data (for `btnode status` and `btnode doctor`); `node_version`: the build the
+        aggregator runs."""
         t0 = time.time()
         st = self.status()
         rtt = time.time() - t0
@@ -239,7 +253,8 @@ class SwarmClient:
                     "included": list(i.included)}
 
         return {
-            "fingerprint": st.fingerprint, "config": json.loads(st.config_json), "server_time_unix": st.server_time_unix,
+            "fingerprint": st.fingerprint, "node_version": st.node_version,
+            "config": convert.model_from_pb(st.config).to_dict(), "server_time_unix": st.server_time_unix,
             "sent_at_unix": t0, "rtt_s": rtt, "data_id": st.data_id,
             "blocks": [{"block": b.block, **{k: v for k, v in info(b.current).items()
                                              if k in ("version", "sha256")},
@@ -252,7 +267,7 @@ class SwarmClient:
                                    for r in b.relays]}
                        for b in st.blocks],
             "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
-            "identities": [{"name": r.name, "role": r.role, "fingerprint": r.fingerprint, "joined": list(r.joined),
+            "identities": [{"name": r.name, "role": _role_name(r.role), "fingerprint": r.fingerprint, "joined": list(r.joined),
                             "accepted": r.accepted, "refused": dict(sorted(r.refused.items())), "audited": r.audited,
                             "failed": r.failed, "revoked_at_unix": r.revoked_at_unix or None}
                            for r in st.identities],
@@ -268,9 +283,18 @@ class SwarmClient:
         self.channel.close()
 
 
-def _messages(header: PushHeader, frames: Iterable[Frame | ChunkData]) -> Iterator[pb.PushMessage]:
-    """A Push or SubmitState stream: the header, then the frames' chunks (chunks given pass as they are)."""
-    yield pb.PushMessage(header=convert.push_header_to_pb(header))
+def _role_name(number: int) -> str:
+    """An identity's role as `btnode status` prints it ("" while none is recorded, or for a role this build does
+    not know)."""
+    role = convert.ROLES.member(number)
+    return role.value if role is not None else ""
+
+
+def _messages(header: PushHeader, frames: Iterable[Frame | ChunkData],
+              message: type[pb.PushRequest] | type[pb.SubmitStateRequest] = pb.PushRequest) -> Iterator[Any]:
+    """A Push or SubmitState stream (`message`): the header, then the frames' chunks (chunks given pass as they
+    are)."""
+    yield message(header=convert.push_header_to_pb(header))
     for item in frames:
         for chunk in [item] if isinstance(item, ChunkData) else iter_chunks([item]):
-            yield pb.PushMessage(chunk=convert.chunk_to_pb(chunk))
+            yield message(chunk=convert.chunk_to_pb(chunk))

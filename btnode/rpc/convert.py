@@ -1,47 +1,172 @@
 """Protobuf ⇄ domain objects. Every field coming from a peer is checked here before it becomes a
-domain value; a bad enum, a negative dimension or a missing header is MalformedInput."""
+domain value; a bad enum, a negative dimension or a missing header is MalformedInput. Each wire enum
+is matched to its domain enum by name here (`WireEnum`), and the import fails if the two drift apart;
+settings travel as typed messages that mirror their frozen dataclasses field for field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
+from enum import Enum
+from typing import Any, Generic, TypeVar
 
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+from btnode import __version__
+from btnode.aggregate.identities import Role
 from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.protocol import MAX_NAME, EvidenceChild, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader, VersionInfo, WorkClaim
-from btnode.v1 import swarm_pb2 as pb
+from btnode.model.config import ModelConfig, UnitKind
+from btnode.model.readout import Readout, default_readout
+from btnode.protocol import (MAX_NAME, ClosedBy, EvidenceChild, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader,
+                             VersionInfo, WorkClaim)
+from btnode.train.config import Precision, TrainConfig
+from btnode.train.terms import H, TrainingTerms
+from btnode.v2 import serve_pb2 as serve_pb
+from btnode.v2 import settings_pb2 as settings_pb
+from btnode.v2 import swarm_pb2 as pb
 
-# The codec registry is keyed by the wire enum: refuse to start if the two ever drift apart.
-_WIRE_CODECS = {v for v in pb.Codec.values() if v != pb.CODEC_UNSPECIFIED}
-if _WIRE_CODECS != {c.value for c in Codec} or any(pb.Codec.Name(c.value) != c.name for c in Codec):
-    raise ImportError(f"btnode.v1.Codec {sorted(_WIRE_CODECS)} and btnode.codec.Codec {list(Codec)} disagree")
+E = TypeVar("E", bound=Enum)
 
-_OUTCOMES = {Outcome.ACCEPTED: pb.ACCEPTED, Outcome.LATE: pb.LATE, Outcome.STALE: pb.STALE,
-             Outcome.REJECTED: pb.REJECTED, Outcome.PROBATION: pb.PROBATION}
-_OUTCOMES_BACK = {v: k for k, v in _OUTCOMES.items()}
+
+class WireEnum(Generic[E]):
+    """A wire enum and the domain enum it carries, matched by name: the wire's `PREFIX_NAME` for each
+    member NAME (PREFIX: the wire enum's name in upper snake case, so values never collide in the
+    package's one scope). Both ways: a member without a wire value, or a wire value (other than
+    UNSPECIFIED) without a member, fails the import. `unspecified`: the member UNSPECIFIED stands
+    for, if any (otherwise a reader gets None and decides by the rule docs/wire.md states)."""
+
+    def __init__(self, wire: EnumTypeWrapper, domain: type[E], *, unspecified: E | None = None):
+        self.name = wire.DESCRIPTOR.full_name
+        self.prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", wire.DESCRIPTOR.name).upper() + "_"
+        self.unspecified = unspecified
+        members = [m for m in domain if m is not unspecified]
+        names = {self.prefix + m.name for m in members} | {self.prefix + "UNSPECIFIED"}
+        if names != set(wire.keys()):
+            raise ImportError(f"{self.name} {sorted(wire.keys())} and {domain.__module__}.{domain.__qualname__} "
+                              f"{[m.name for m in domain]} disagree")
+        self._to = {m: wire.Value(self.prefix + m.name) for m in members}
+        if unspecified is not None:
+            self._to[unspecified] = 0
+        self._from = {n: m for m, n in self._to.items()}
+
+    def to_pb(self, member: E) -> int:
+        return self._to[member]
+
+    def member(self, number: int) -> E | None:
+        """The member a peer sent; None for UNSPECIFIED without a member, or a value this build does not know."""
+        return self._from.get(number)
+
+    def from_pb(self, number: int, what: str) -> E | None:
+        """The member a peer sent; None for UNSPECIFIED without a member; MalformedInput(`what`) for a
+        value this build does not know."""
+        if number in self._from or number == 0:
+            return self._from.get(number)
+        raise MalformedInput(what, f"unknown {self.name} value {number}")
+
+
+CODECS = WireEnum(pb.Codec, Codec)
+OUTCOMES = WireEnum(pb.PushOutcome, Outcome)
+CLOSED_BY = WireEnum(pb.ClosedBy, ClosedBy, unspecified=ClosedBy.NONE)
+ROLES = WireEnum(pb.IdentityRole, Role)
+UNIT_KINDS = WireEnum(settings_pb.UnitKind, UnitKind)
+PRECISIONS = WireEnum(settings_pb.Precision, Precision)
+READOUTS = WireEnum(serve_pb.Readout, Readout)
+WIRE_ENUMS = (CODECS, OUTCOMES, CLOSED_BY, ROLES, UNIT_KINDS, PRECISIONS, READOUTS)
+# The codec registry is keyed by the wire number too: refuse to start if the numbers ever differ.
+if any(CODECS.to_pb(c) != c.value for c in Codec):
+    raise ImportError(f"btnode.v2.Codec's numbers and btnode.codec.Codec {[(c.name, c.value) for c in Codec]} disagree")
+
+# Settings messages mirror their dataclasses field for field (TrainingSettings adds H).
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+_TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+for _message, _fields in ((settings_pb.ModelSettings, _MODEL_FIELDS), (settings_pb.TrainingSettings, _TRAIN_FIELDS + (H,))):
+    if set(_message.DESCRIPTOR.fields_by_name) != set(_fields):
+        raise ImportError(f"{_message.DESCRIPTOR.full_name} and its dataclass disagree: "
+                          f"{sorted(set(_message.DESCRIPTOR.fields_by_name) ^ set(_fields))}")
+
 MAX_DIMS = 8
 MAX_RECIPE = 1024  # characters of a claim's recipe (Recipe.to_json(): a few short fields)
 _CLAIM_HASHES = ("base_sha256", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
 
 
-def codec_from_pb(value: int) -> Codec:
+def readout_from_pb(number: int, n_tail: int) -> Readout:
+    """A segment's or request's readout; UNSPECIFIED is the one default the library and the CLI share
+    (readout.default_readout), never a default of the wire's own."""
+    return READOUTS.from_pb(number, "readout") or default_readout(n_tail)
+
+
+def model_to_pb(cfg: ModelConfig) -> settings_pb.ModelSettings:
+    fields = {n: getattr(cfg, n) for n in _MODEL_FIELDS}
+    return settings_pb.ModelSettings(**{**fields, "segments": list(cfg.segments),
+                                        "kind": UNIT_KINDS.to_pb(UnitKind(cfg.kind))})
+
+
+def model_dict_from_pb(m: settings_pb.ModelSettings) -> dict[str, Any]:
+    """ModelConfig's fields as a peer sent them, for ModelConfig.from_dict to judge (ConfigError); a kind
+    this build does not know becomes a string that ModelConfig refuses."""
+    kind = UNIT_KINDS.member(m.kind)
+    return {**{n: getattr(m, n) for n in _MODEL_FIELDS}, "segments": list(m.segments),
+            "kind": kind.value if kind is not None else f"kind#{m.kind}"}
+
+
+def model_from_pb(m: settings_pb.ModelSettings) -> ModelConfig:
+    return ModelConfig.from_dict(model_dict_from_pb(m))
+
+
+def model_text_to_pb(config_json: str) -> settings_pb.ModelSettings | None:
+    """A worker's swarm-wide settings (ModelConfig.to_dict's JSON) as the wire carries them; None when the
+    text is not such settings (the aggregator then says that it could not read them)."""
     try:
-        return Codec(value)
-    except ValueError:
-        raise MalformedInput("codec", f"unknown codec value {value}") from None
+        return model_to_pb(ModelConfig.from_dict(json.loads(config_json)))
+    except (ValueError, TypeError, AttributeError):  # ConfigError is a ValueError too
+        return None
+
+
+def model_text_from_pb(m: settings_pb.ModelSettings | None) -> str:
+    """The settings a joining worker stated, as the JSON text the aggregator reads ("" for none)."""
+    return json.dumps(model_dict_from_pb(m)) if m is not None else ""
+
+
+def training_to_pb(terms: TrainingTerms) -> settings_pb.TrainingSettings:
+    fields = {n: getattr(terms.train, n) for n in _TRAIN_FIELDS}
+    if fields["k1_share"] is None:
+        del fields["k1_share"]  # absent: every K equally often
+    return settings_pb.TrainingSettings(**{**fields, "precision": PRECISIONS.to_pb(terms.train.precision),
+                                           H: terms.steps_per_round})
+
+
+def training_json_from_pb(m: settings_pb.TrainingSettings) -> str:
+    """The JSON text TrainingTerms.to_json makes of these settings, for the aggregator to judge
+    (TrainingTerms.from_json) and for the join signature, which covers that text: built field by
+    field, not through TrainConfig, so that settings it refuses reach the judge (and its count)."""
+    fields: dict[str, Any] = {n: getattr(m, n) for n in _TRAIN_FIELDS}
+    fields["k1_share"] = m.k1_share if m.HasField("k1_share") else None
+    precision = PRECISIONS.member(m.precision)
+    fields["precision"] = precision.value if precision is not None else f"precision#{m.precision}"
+    return json.dumps({**fields, H: m.steps_per_round}, sort_keys=True)
+
+
+def codec_from_pb(value: int) -> Codec:
+    codec = CODECS.from_pb(value, "codec")
+    if codec is None:
+        raise MalformedInput("codec", f"unknown codec value {value}")
+    return codec
 
 
 def header_to_pb(h: FrameHeader) -> pb.FrameHeader:
-    return pb.FrameHeader(name=h.name, dtype=pb.FLOAT32, shape=list(h.shape), codec=int(h.codec),
+    return pb.FrameHeader(name=h.name, dtype=pb.DTYPE_FLOAT32, shape=list(h.shape), codec=CODECS.to_pb(h.codec),
                           raw_bytes=h.raw_bytes, payload_bytes=h.payload_bytes, sha256=h.sha256)
 
 
 def header_from_pb(m: pb.FrameHeader) -> FrameHeader:
     if len(m.name) > MAX_NAME or len(m.shape) > MAX_DIMS or any(d < 0 for d in m.shape):
         raise MalformedInput("header", f"malformed frame header for {m.name[:64]!r}")
-    dtype = DTYPE if m.dtype == pb.FLOAT32 else f"dtype#{m.dtype}"
+    dtype = DTYPE if m.dtype == pb.DTYPE_FLOAT32 else f"dtype#{m.dtype}"
     return FrameHeader(name=m.name, shape=tuple(int(d) for d in m.shape), codec=codec_from_pb(m.codec),
                        raw_bytes=int(m.raw_bytes), payload_bytes=int(m.payload_bytes), sha256=bytes(m.sha256),
                        dtype=dtype)
@@ -59,8 +184,9 @@ def chunk_from_pb(m: pb.Chunk) -> ChunkData:
 
 def info_to_pb(i: VersionInfo) -> pb.VersionInfo:
     return pb.VersionInfo(block=i.block, version=i.version, base_version=i.base_version, sha256=bytes.fromhex(i.sha256),
-                          delta_codec=int(i.delta_codec), accepted=i.accepted, late=i.late, stale=i.stale,
-                          rejected=i.rejected, mean_loss=i.mean_loss, closed_by=i.closed_by, included=i.included)
+                          delta_codec=CODECS.to_pb(i.delta_codec), accepted=i.accepted, late=i.late, stale=i.stale,
+                          rejected=i.rejected, mean_loss=i.mean_loss, closed_by=CLOSED_BY.to_pb(i.closed_by),
+                          included=i.included)
 
 
 def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
@@ -68,7 +194,9 @@ def info_from_pb(m: pb.VersionInfo) -> VersionInfo:
         raise MalformedInput("checksum", "version announcement without a valid sha256")
     return VersionInfo(block=m.block, version=m.version, base_version=m.base_version, sha256=m.sha256.hex(),
                        delta_codec=codec_from_pb(m.delta_codec), accepted=m.accepted, late=m.late, stale=m.stale,
-                       rejected=m.rejected, mean_loss=m.mean_loss, closed_by=m.closed_by, included=tuple(m.included))
+                       rejected=m.rejected, mean_loss=m.mean_loss,
+                       closed_by=CLOSED_BY.from_pb(m.closed_by, "closed_by") or ClosedBy.NONE,
+                       included=tuple(m.included))
 
 
 def claim_to_pb(c: WorkClaim) -> pb.WorkClaim:
@@ -90,7 +218,7 @@ MAX_TOKEN = 64  # a root's commit token: an HMAC-SHA256 (32 bytes)
 
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(worker_id=h.worker_id, block=h.block, base_version=h.base_version, samples=h.samples,
-                         loss=h.loss, codec=int(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps,
+                         loss=h.loss, codec=CODECS.to_pb(h.codec), update_id=h.update_id, data_key=h.data_key, steps=h.steps,
                          claim=claim_to_pb(h.claim) if h.claim is not None else None,
                          manifest=[pb.ManifestEntry(worker_id=e.worker_id, update_id=e.update_id,
                                                     base_version=e.base_version, weight=e.weight,
@@ -152,20 +280,21 @@ def evidence_child_from_pb(m: pb.EvidenceChild) -> EvidenceChild:
 
 
 def judgement_to_pb(j: Judgement) -> pb.PushReply:
-    return pb.PushReply(outcome=_OUTCOMES[j.outcome], reason=j.reason, round_version=j.round_version, audit=j.audit,
+    return pb.PushReply(outcome=OUTCOMES.to_pb(j.outcome), reason=j.reason, round_version=j.round_version, audit=j.audit,
                         closes_in_s=j.closes_in_s)
 
 
 def judgement_from_pb(m: pb.PushReply) -> Judgement:
-    if m.outcome not in _OUTCOMES_BACK:
+    outcome = OUTCOMES.from_pb(m.outcome, "outcome")
+    if outcome is None:
         raise MalformedInput("outcome", f"unknown push outcome {m.outcome}")
     closes_in = m.closes_in_s if math.isfinite(m.closes_in_s) and m.closes_in_s > 0 else 0.0
-    return Judgement(outcome=_OUTCOMES_BACK[m.outcome], reason=m.reason, round_version=m.round_version,
+    return Judgement(outcome=outcome, reason=m.reason, round_version=m.round_version,
                      audit=m.audit, closes_in_s=closes_in)
 
 
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
-    return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[int(c) for c in j.codecs],
+    return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[CODECS.to_pb(c) for c in j.codecs],
                         max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits,
                         relay_audits=j.relay_audits)
 
@@ -178,9 +307,9 @@ def join_from_pb(m: pb.JoinReply) -> JoinInfo:
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
     """The Status reply: per-block counts become "updates" counters labelled by block, outcome
-    and reason; swarm-wide events follow, labelled by reason."""
-    reply = pb.StatusReply(fingerprint=s.fingerprint, config_json=json.dumps(s.config.to_dict()),
-                           server_time_unix=server_time_unix, data_id=s.data_id or "")
+    and reason; swarm-wide events follow, labelled by reason. `node_version`: this build's."""
+    reply = pb.StatusReply(fingerprint=s.fingerprint, config=model_to_pb(s.config), server_time_unix=server_time_unix,
+                           data_id=s.data_id or "", node_version=__version__)
     for b in s.blocks:
         bs = reply.blocks.add(block=b.block, current=info_to_pb(b.current), replicas=b.replicas,
                               round_age_s=b.round_age_s, accepted_in_round=b.accepted_in_round, data_keys=b.data_keys)
@@ -195,7 +324,7 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
     for (name, reason), n in s.events.items():
         reply.counters.add(name=name, labels={"reason": reason}, value=n)
     for r in s.identities:
-        reply.identities.add(name=r.name, role=r.role, fingerprint=r.fingerprint, joined=sorted(r.joined),
+        reply.identities.add(name=r.name, role=ROLES.to_pb(Role(r.role)) if r.role else 0, fingerprint=r.fingerprint, joined=sorted(r.joined),
                              accepted=r.accepted, refused=dict(r.refused), audited=r.audited, failed=r.failed,
                              revoked_at_unix=r.revoked_at or 0.0)
     return reply

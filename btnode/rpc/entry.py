@@ -6,7 +6,6 @@ Closing the stream early cancels the gRPC call, and the entry then stops the req
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -14,14 +13,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from btnode.errors import PeerUnavailable, StageTimeout
-from btnode.model.config import ModelConfig
-from btnode.rpc import security
+from btnode.model.config import ModelConfig, UnitKind
+from btnode.rpc import convert, security
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.stages import request_to_pb
 from btnode.rpc.status import error_from_rpc
 from btnode.serve.request import GenerationRequest
-from btnode.v1 import serve_pb2 as pb
-from btnode.v1 import serve_pb2_grpc as pb_grpc
+from btnode.v2 import serve_pb2 as pb
+from btnode.v2 import serve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 class ChainInfo:
     """The chain behind an entry, from its Info: its model and, for a block chain, B."""
 
-    kind: str  # "block" or "ar"
+    kind: UnitKind
     cfg: ModelConfig
     fingerprint: str
     entry: str  # the entry that answered
@@ -38,7 +37,7 @@ class ChainInfo:
     @property
     def n_blocks(self) -> int | None:
         """B scoring blocks for GenerationRequest.checked; None: the AR chain."""
-        return None if self.kind == "ar" else self.cfg.n_blocks
+        return None if self.kind is UnitKind.AR else self.cfg.n_blocks
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,11 @@ class EntryClient:
         for entry in self.entries:
             channel, metadata = security.aio_channel(entry, CHANNEL_OPTIONS)
             try:
-                m = await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=self.info_timeout_s,
+                m = await pb_grpc.ServingStub(channel).Info(pb.StageInfoRequest(), timeout=self.info_timeout_s,
                                                           metadata=metadata)
-                cfg = ModelConfig.from_dict(json.loads(m.config_json))
-                return ChainInfo(kind=m.kind or cfg.kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry)
+                cfg = convert.model_from_pb(m.config)
+                kind = convert.UNIT_KINDS.from_pb(m.kind, "kind") or UnitKind(cfg.kind)  # UNSPECIFIED: the config's
+                return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry)
             except grpc.aio.AioRpcError as err:
                 exc = error_from_rpc(err, f"entry {entry}")
                 if not isinstance(exc, PeerUnavailable):
@@ -89,7 +89,7 @@ class EntryClient:
         errors = []
         for entry in self.entries:
             channel, metadata = security.aio_channel(entry, CHANNEL_OPTIONS)
-            call = pb_grpc.StageStub(channel).Generate(request_to_pb(request), metadata=metadata)
+            call = pb_grpc.ServingStub(channel).Generate(request_to_pb(request), metadata=metadata)
             started = False
             try:
                 while True:

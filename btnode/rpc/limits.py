@@ -29,10 +29,21 @@ from typing import Any
 import grpc
 
 from btnode.settings import flag
+from btnode.v2 import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
-SERVICE = "/btnode.v1.Swarm/"
-TRANSFERS = ("Push", "SubmitState", "SubmitEvidence", "Pull", "FetchDelta")
+
+
+def method_path(service: str, method: str) -> str:
+    """The path gRPC names a call by ("/btnode.v2.Worker/Push" for "Worker", "Push"); KeyError for a method the
+    schema does not have, so that a renamed one fails the import rather than leave a budget unused."""
+    descriptor = pb.DESCRIPTOR.services_by_name[service]
+    return f"/{descriptor.full_name}/{descriptor.methods_by_name[method].name}"
+
+
+JOIN = method_path("Worker", "Join")  # the call the per-peer join rate limits
+TRANSFERS = frozenset([*(method_path("Worker", m) for m in ("Push", "SubmitState", "Pull", "FetchDelta")),
+                       method_path("Relay", "SubmitEvidence")])
 LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
 LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
                  "call_budget", "transfer_wait")  # a refusal's reason: a client backs off and retries
@@ -79,10 +90,9 @@ class PeerLimits:
 
 def kind_of(full_method: str) -> str:
     """'watch', 'transfer' or 'call': which global budget a call draws on."""
-    service, _, method = full_method.rpartition("/")
-    if method == "Watch":  # ours, and gRPC Health's: both are held open
+    if full_method.rpartition("/")[2] == "Watch":  # ours, and gRPC Health's: both are held open
         return "watch"
-    return "transfer" if service + "/" == SERVICE and method in TRANSFERS else "call"
+    return "transfer" if full_method in TRANSFERS else "call"
 
 
 def peer_host(peer: str) -> str:
@@ -142,7 +152,7 @@ class PeerLimiter(grpc.ServerInterceptor):
         kind = kind_of(full_method)
         with self._lock:
             joins: deque[float] | None = None
-            if full_method == SERVICE + "Join":
+            if full_method == JOIN:
                 joins, now = self._joins[peer], self.clock()
                 while joins and joins[0] < now - 60:
                     joins.popleft()

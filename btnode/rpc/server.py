@@ -1,4 +1,4 @@
-"""The aggregator's gRPC service: a thin layer over SwarmAggregator.
+"""The aggregator's gRPC services (btnode.v2 Worker, Relay and Operator): a thin layer over SwarmAggregator.
 
 Every handler runs inside `_guard`, which plays the interceptor: domain errors become their
 status code (with the reason in trailing metadata), anything unexpected is logged and becomes
@@ -31,8 +31,8 @@ from btnode.rpc.limits import PeerLimiter, PeerLimits
 from btnode.rpc.certs import check_receipt, peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,12 @@ def streaming(method: Callable) -> Callable:
     return method
 
 
-class SwarmServicer(pb_grpc.SwarmServicer):
-    """`identities`: bind every call to its client certificate (under mutual TLS): the identity
+SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Worker", "Relay", "Operator"))
+
+
+class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.OperatorServicer):
+    """One servicer behind the three services the aggregator carries (split by caller: docs/wire.md).
+    `identities`: bind every call to its client certificate (under mutual TLS): the identity
     must be admitted for the call (aggregate/identities.py) and any worker id it claims must be its name."""
 
     def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False, ca: bytes = b"",
@@ -171,12 +175,15 @@ class SwarmServicer(pb_grpc.SwarmServicer):
     @_guard
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         proof = convert.proof_from_pb(request.cert, request.signature, "join")
+        # the settings as the JSON texts the aggregator reads (and the join signature covers)
+        config = convert.model_text_from_pb(request.config if request.HasField("config") else None)
+        training = convert.training_json_from_pb(request.training) if request.HasField("training") else ""
         who = self._who(context, "Join", "" if proof[0] and not request.relay else request.worker_id)
         if who is not None and who.name != request.worker_id:  # a relay passing on a worker's join
             who = self._proven(who, request.worker_id, proof, join_statement(
-                request.worker_id, request.block, request.fingerprint, request.data_id, request.training_json))
-        info = self.agg.join(request.worker_id, request.block, request.fingerprint, request.config_json,
-                             request.data_id, who=who, training_json=request.training_json,
+                request.worker_id, request.block, request.fingerprint, request.data_id, training))
+        info = self.agg.join(request.worker_id, request.block, request.fingerprint, config,
+                             request.data_id, who=who, training_json=training,
                              relay=request.relay, proof=proof if proof[0] else None)
         if request.relay and (who is None or who.role is Role.RELAY):  # under mutual TLS, a relay's certificate
             self.relay_joined(context.peer())
@@ -221,10 +228,10 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     @streaming
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullReply]:
         self._who(context, "Pull", request.worker_id)
         info, frames = self._theta_frames(request.block)
-        yield from self._send(info, frames, "pull")
+        yield from self._send(info, frames, "pull", pb.PullReply)
 
     def _theta_frames(self, b: int) -> tuple[VersionInfo, list[StoredFrame]]:
         """The current version's θ as compressed frames in a file, built once per version under a lock (the
@@ -239,10 +246,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
 
     @_guard
     @streaming
-    def FetchDelta(self, request: pb.FetchDeltaRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStream]:
+    def FetchDelta(self, request: pb.FetchDeltaRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.FetchDeltaReply]:
         self._who(context, "FetchDelta")
         info, frames = self._delta_frames(request.block, request.version)
-        yield from self._send(info, frames, "fetch_delta")
+        yield from self._send(info, frames, "fetch_delta", pb.FetchDeltaReply)
 
     def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[StoredFrame]]:
         """The frames of the delta that produced `version`, compressed in a file (aggregate/deltas.py): the
@@ -258,19 +266,20 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         built = block.delta_frames(version)  # an older version (a worker catching up): not cached
         return built.info, built.frames
 
-    def _send(self, info: VersionInfo, frames: Iterable[Frame | StoredFrame], what: str) -> Iterator[pb.TensorStream]:
-        """A version's info, then its frames in chunks, each counted as it goes out."""
+    def _send(self, info: VersionInfo, frames: Iterable[Frame | StoredFrame], what: str,
+              reply: type[pb.PullReply] | type[pb.FetchDeltaReply]) -> Iterator[Any]:
+        """A version's info, then its frames in chunks (each a `reply`), each counted as it goes out."""
         t0 = time.perf_counter()
         meter = self.agg.meter
-        yield pb.TensorStream(info=convert.info_to_pb(info))
+        yield reply(info=convert.info_to_pb(info))
         for frame in frames:
             meter.count(("sent", "raw"), frame.header.raw_bytes)
             meter.count(("sent", "wire"), frame.header.payload_bytes)
             for chunk in frame.chunks():
-                yield pb.TensorStream(chunk=convert.chunk_to_pb(chunk))
+                yield reply(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 
-    def _pushed(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext, method: str,
+    def _pushed(self, request_iterator: Iterator[pb.PushRequest] | Iterator[pb.SubmitStateRequest], context: grpc.ServicerContext, method: str,
                 refused: str) -> tuple[PushHeader, Iterator[ChunkData], Identity | None]:
         """A Push or SubmitState stream: its header (checked, and admitted for the caller's identity),
         then its chunks, read lazily; a refusal before the chunks is counted as the event `refused`."""
@@ -301,7 +310,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         return header, chunks(), who
 
     @_guard
-    def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+    def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
         relayed = who is not None and _relayed(who, header)
@@ -358,7 +367,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         return pb.DrawReply(drawn=drawn.drawn, token=drawn.token)
 
     @_guard
-    def SubmitState(self, request_iterator: Iterator[pb.PushMessage],
+    def SubmitState(self, request_iterator: Iterator[pb.SubmitStateRequest],
                     context: grpc.ServicerContext) -> pb.SubmitStateReply:
         """The start state of an update drawn for audit: its push header, then fp32 frames."""
         t0 = time.perf_counter()
@@ -374,8 +383,8 @@ class SwarmServicer(pb_grpc.SwarmServicer):
         return pb.SubmitStateReply()
 
     @_guard
-    def SubmitEvidence(self, request_iterator: Iterator[pb.EvidenceMessage],
-                       context: grpc.ServicerContext) -> pb.SubmitStateReply:
+    def SubmitEvidence(self, request_iterator: Iterator[pb.SubmitEvidenceRequest],
+                       context: grpc.ServicerContext) -> pb.SubmitEvidenceReply:
         """A relay's evidence for a combined push drawn for audit (aggregate/evidence.py)."""
         t0 = time.perf_counter()
         who = self._who(context, "SubmitEvidence")
@@ -415,11 +424,11 @@ class SwarmServicer(pb_grpc.SwarmServicer):
                         header.worker_id, exc)
             raise
         self.agg.meter.observe("submit_evidence", time.perf_counter() - t0)
-        return pb.SubmitStateReply()
+        return pb.SubmitEvidenceReply()
 
     @_guard
     @streaming
-    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionInfo]:
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchReply]:
         """Announce the current version, then every new one, until the client goes away."""
         who = self._who(context, "Watch", request.worker_id)
         block = self.agg.block(request.block)
@@ -433,7 +442,7 @@ class SwarmServicer(pb_grpc.SwarmServicer):
             info = block.wait_for(last, timeout=0.5)
             if info is not None:
                 last = info.version
-                yield convert.info_to_pb(info)
+                yield pb.WatchReply(version=convert.info_to_pb(info))
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -477,10 +486,13 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
                          options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
                          interceptors=[*interceptors(sec, refused), limiter,
                                        DecodeGuard()])
-    pb_grpc.add_SwarmServicer_to_server(SwarmServicer(agg, stop, identities=sec.client_auth,
-                                                      ca=sec.ca.read_bytes() if sec.client_auth and sec.ca else b"",
-                                                      relay_joined=limiter.trust_relay), server)
-    (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Swarm"].full_name])
+    servicer = SwarmServicer(agg, stop, identities=sec.client_auth,
+                             ca=sec.ca.read_bytes() if sec.client_auth and sec.ca else b"",
+                             relay_joined=limiter.trust_relay)
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    pb_grpc.add_RelayServicer_to_server(servicer, server)
+    pb_grpc.add_OperatorServicer_to_server(servicer, server)
+    (health or NodeHealth(serving=True)).add_to(server, SERVICES)
     port = bind(server, address, sec)
     server.start()
     lim = limiter.limits

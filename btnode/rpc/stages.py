@@ -4,7 +4,6 @@ previous stage, and `generate_remote` is the client of a chain's entry."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -15,10 +14,11 @@ from concurrent import futures
 import grpc
 import torch
 
+from btnode import __version__
 from btnode.errors import InputError, MalformedInput
-from btnode.model.readout import Readout
+from btnode.model.config import UnitKind
 from btnode.protocol import Meter
-from btnode.rpc import security
+from btnode.rpc import convert, security
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
@@ -28,11 +28,12 @@ from btnode.serve.ar import ARResult, ARState, LocalARStage
 from btnode.serve.readouts import Carry
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
-from btnode.v1 import serve_pb2 as pb
-from btnode.v1 import serve_pb2_grpc as pb_grpc
+from btnode.v2 import serve_pb2 as pb
+from btnode.v2 import serve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 MAX_STATE_ELEMENTS = 1 << 22  # 16 MiB of float32: far above any state a configured model sends
+SERVICE = pb.DESCRIPTOR.services_by_name["Serving"].full_name  # what a stage carries, as Health names it
 
 
 def tensor_to_pb(t: torch.Tensor) -> pb.StateTensor:
@@ -59,7 +60,7 @@ def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
     return SegmentState(request_id=r.request_id, context=bytes(r.context), segment=r.segment, k=r.k,
                         n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
                         z=tensor_from_pb(r.z, "segment state"),
-                        readout=Readout.parse(r.readout) if r.readout else Readout.LAST,  # empty: what older peers send
+                        readout=convert.readout_from_pb(r.readout, r.n_tail),
                         want_logits=r.want_logits, first_chunk=r.first_chunk, final=r.final,
                         use_cache=not r.no_cache, n_tail=r.n_tail, carry=carry)
 
@@ -67,7 +68,7 @@ def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
                             seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
-                            readout=s.readout.value, first_chunk=s.first_chunk, final=s.final,
+                            readout=convert.READOUTS.to_pb(s.readout), first_chunk=s.first_chunk, final=s.final,
                             no_cache=not s.use_cache, n_tail=s.n_tail, draft=s.carry.draft)
     if s.carry.pool is not None:
         req.pool.CopyFrom(tensor_to_pb(s.carry.pool))
@@ -77,16 +78,18 @@ def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
 
 
 def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:
-    """Defaults travel as the wire's zero values: k, n_steps 0 and an empty readout."""
+    """Defaults travel as the wire's zero values: k, n_steps 0 and READOUT_UNSPECIFIED."""
     return pb.GenerateRequest(prompt=r.prompt, n_bytes=r.n_bytes, k=r.k or 0, n_steps=r.n_steps or 0, seed=r.seed,
                               temperature=r.temperature, want_logits=r.want_logits,
-                              readout=r.readout.value if r.readout else "", no_cache=not r.use_cache,
+                              readout=convert.READOUTS.to_pb(r.readout) if r.readout else pb.READOUT_UNSPECIFIED,
+                              no_cache=not r.use_cache,
                               draft=r.draft_len, n_tail=r.n_tail)
 
 
 def request_from_pb(m: pb.GenerateRequest) -> GenerationRequest:
     return GenerationRequest(prompt=bytes(m.prompt), n_bytes=m.n_bytes, seed=m.seed, temperature=m.temperature,
-                             k=m.k or None, n_steps=m.n_steps or None, readout=m.readout or None, n_tail=m.n_tail,
+                             k=m.k or None, n_steps=m.n_steps or None, n_tail=m.n_tail,
+                             readout=convert.READOUTS.from_pb(m.readout, "readout"),  # None: the library's default
                              want_logits=m.want_logits, use_cache=not m.no_cache, draft_len=m.draft)
 
 
@@ -103,7 +106,7 @@ def _result_from_pb(m: pb.SegmentReply | pb.ARReply) -> SegmentResult:
     return SegmentResult(new_bytes=bytes(m.new_bytes), logits=logits, route=list(m.route), accepted=accepted)
 
 
-class StageServicer(pb_grpc.StageServicer):
+class StageServicer(pb_grpc.ServingServicer):
     def __init__(self, stage: LocalBlockStage | LocalARStage, stop: threading.Event, meter: Meter | None = None):
         self.stage = stage
         self.stop = stop
@@ -113,11 +116,12 @@ class StageServicer(pb_grpc.StageServicer):
     @_guard
     def Info(self, request: pb.StageInfoRequest, context: grpc.ServicerContext) -> pb.StageInfo:
         s, cfg = self.stage, self.stage.cfg
+        common = dict(name=s.name, fingerprint=cfg.fingerprint(), config=convert.model_to_pb(cfg),
+                      node_version=__version__)
         if isinstance(s, LocalARStage):
-            return pb.StageInfo(kind="ar", first_layer=s.lo, n_layers=s.hi - s.lo, last=s.last, name=s.name,
-                                fingerprint=cfg.fingerprint(), config_json=json.dumps(cfg.to_dict()))
-        return pb.StageInfo(kind="block", block=s.index, last=s.next is None, name=s.name,
-                            fingerprint=cfg.fingerprint(), config_json=json.dumps(cfg.to_dict()))
+            return pb.StageInfo(kind=convert.UNIT_KINDS.to_pb(UnitKind.AR), first_layer=s.lo, n_layers=s.hi - s.lo,
+                                last=s.last, **common)
+        return pb.StageInfo(kind=convert.UNIT_KINDS.to_pb(UnitKind.BLOCK), block=s.index, last=s.next is None, **common)
 
     @_guard
     def Forward(self, request: pb.SegmentRequest, context: grpc.ServicerContext) -> pb.SegmentReply:
@@ -194,7 +198,7 @@ class RemoteBlockStage:
         self.address = self.name = address
         self.timeout_s = timeout_s
         self.channel = security.channel(address, CHANNEL_OPTIONS)
-        self.stub = pb_grpc.StageStub(self.channel)
+        self.stub = pb_grpc.ServingStub(self.channel)
 
     def forward(self, state: SegmentState) -> SegmentResult:
         try:
@@ -223,7 +227,7 @@ def generate_remote(entry: str, request: GenerationRequest, *, timeout_s: float 
     asks an AR chain's entry for speculative decoding (one reply per traversal, 1…G+1 bytes each)."""
     channel = security.channel(entry, CHANNEL_OPTIONS)
     try:
-        call = pb_grpc.StageStub(channel).Generate(request_to_pb(request), timeout=timeout_s)
+        call = pb_grpc.ServingStub(channel).Generate(request_to_pb(request), timeout=timeout_s)
         try:
             yield from call
         except grpc.RpcError as err:
@@ -235,7 +239,7 @@ def generate_remote(entry: str, request: GenerationRequest, *, timeout_s: float 
 def stage_info(address: str, timeout_s: float = 10.0) -> pb.StageInfo:
     channel = security.channel(address, CHANNEL_OPTIONS)
     try:
-        return pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=timeout_s)
+        return pb_grpc.ServingStub(channel).Info(pb.StageInfoRequest(), timeout=timeout_s)
     except grpc.RpcError as err:
         raise error_from_rpc(err, f"stage {address}") from None
     finally:
@@ -248,8 +252,8 @@ def serve_stage(stage: LocalBlockStage | LocalARStage, address: str, *, max_work
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage"),
                          options=SERVER_OPTIONS, interceptors=[*interceptors(), DecodeGuard()])
-    pb_grpc.add_StageServicer_to_server(StageServicer(stage, stop, meter), server)
-    (health or NodeHealth(serving=True)).add_to(server, [pb.DESCRIPTOR.services_by_name["Stage"].full_name])
+    pb_grpc.add_ServingServicer_to_server(StageServicer(stage, stop, meter), server)
+    (health or NodeHealth(serving=True)).add_to(server, [SERVICE])
     port = bind(server, address)
     server.start()
     return server, port, stop

@@ -16,7 +16,7 @@ from btnode.rpc.client import SwarmClient
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
-from btnode.v1 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2 as pb
 
 address, worker = sys.argv[1], sys.argv[2]
 cfg = ModelConfig.from_dict(json.loads(sys.argv[3]))
@@ -29,8 +29,8 @@ header = PushHeader(worker_id=worker, block=0, base_version=0, samples=32.0, los
 
 
 def messages():
-    yield pb.PushMessage(header=convert.push_header_to_pb(header))
-    yield pb.PushMessage(chunk=convert.chunk_to_pb(next(iter(iter_chunks(encode_frames(delta, Codec.FP32))))))
+    yield pb.PushRequest(header=convert.push_header_to_pb(header))
+    yield pb.PushRequest(chunk=convert.chunk_to_pb(next(iter(iter_chunks(encode_frames(delta, Codec.FP32))))))
     print("pushing", flush=True)
     while True:
         time.sleep(60)

@@ -51,17 +51,17 @@ def test_aggregator_and_stage_report_health_and_drain_on_sigterm(aggregator, tmp
     doctor = subprocess.run([BTNODE, "doctor", "--peer", agg.address, *TINY_SHAPE], capture_output=True, text=True,
                             timeout=120)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    assert f'[  OK] health: grpc.health.v1 at {agg.address}: "" SERVING, btnode.v1.Swarm SERVING' in doctor.stdout
+    assert f'[  OK] health: grpc.health.v1 at {agg.address}: "" SERVING, btnode.v2.Worker SERVING' in doctor.stdout
 
     proc, address = start_stage(tmp_path, "b2", "--block", "2", "--peer", agg.address, "--drain-notice", "4",
                                 *TINY_SHAPE)
     processes.append(proc)
-    drain(proc, address, "btnode.v1.Stage", lambda: stage_info(address))
+    drain(proc, address, "btnode.v2.Serving", lambda: stage_info(address))
 
     def status() -> None:
         client = SwarmClient(agg.address, timeout_s=10)
         assert client.status().blocks
         client.close()
 
-    drain(agg.proc, agg.address, "btnode.v1.Swarm", status)
+    drain(agg.proc, agg.address, "btnode.v2.Worker", status)
     assert "received SIGTERM" in agg.log()

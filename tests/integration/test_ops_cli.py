@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from btnode import __version__ as btnode_version
 from btnode.aggregate.claims import ClaimConfig
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import encode_frames
@@ -82,11 +83,13 @@ def test_status_and_doctor_against_a_live_aggregator(aggregator):
     client.close()
     p = btnode("status", "--peer", agg.address)
     assert p.returncode == 0, p.stderr
+    assert f"swarm at {agg.address} (btnode {btnode_version}): " in p.stdout  # the build the aggregator runs
     assert "block 0: version 1" in p.stdout and "2 replicas [a, b]" in p.stdout
     assert "    data keys: a 0/0, b 0/1" in p.stdout and "; data not stated yet" in p.stdout, p.stdout
     assert "v1: 2 accepted, 0 late, 0 stale, 0 rejected; closed by all_reported; loss 3.2500" in p.stdout
     st = json.loads(btnode("status", "--peer", agg.address, "--json").stdout)
     assert st["blocks"][0]["version"] == 1 and st["fingerprint"] == CFG.fingerprint()
+    assert st["node_version"] == btnode_version
 
     ok = btnode("doctor", "--peer", agg.address, "--listen", "127.0.0.1:0", *TINY_SHAPE)
     assert ok.returncode == 0, ok.stdout + ok.stderr

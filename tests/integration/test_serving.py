@@ -18,8 +18,8 @@ from btnode.serve.ar import local_ar_chain
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import local_chain
 from btnode.store.models import load_ar, load_blocks
-from btnode.v1 import serve_pb2 as pb
-from btnode.v1 import serve_pb2_grpc as pb_grpc
+from btnode.v2 import serve_pb2 as pb
+from btnode.v2 import serve_pb2_grpc as pb_grpc
 from procs import CLI, start_stage
 
 SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32", "--segments", "1,8"]
@@ -156,8 +156,9 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
         list(generate_remote(c["entry"], GenerationRequest(b"hi", n_bytes=8, k=8, n_steps=10**9)))
     # a malformed state tensor sent straight to the middle stage
     channel = grpc.insecure_channel(_address(tmp_path, "b1-main"))
-    stub = pb_grpc.StageStub(channel)
-    good = dict(request_id="r", context=b"hi", segment=0, k=8, n_steps=7, seed=0, temperature=0.0)
+    stub = pb_grpc.ServingStub(channel)
+    good = dict(request_id="r", context=b"hi", segment=0, k=8, n_steps=7, seed=0, temperature=0.0,
+                readout=pb.READOUT_LAST)
     for z in (tensor_to_pb(torch.zeros(8, 5)), pb.StateTensor(shape=[8, 32], data=b"\0" * 12),
               tensor_to_pb(torch.full((8, 32), float("nan")))):
         with pytest.raises(grpc.RpcError) as err:
@@ -166,26 +167,28 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
     zero = tensor_to_pb(torch.zeros(8, 32))
     lp = tensor_to_pb(torch.full((8, 256), -5.5))
     # the pooled readout's accumulator: missing, misshapen, or above certainty (log-prob > 0)
-    for extra in (dict(readout="pool"), dict(readout="pool", pool=tensor_to_pb(torch.zeros(8, 7))),
-                  dict(readout="pool", pool=tensor_to_pb(torch.full((8, 256), 3.0))),
-                  dict(readout="last", pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout="mean"),
+    # (UNSPECIFIED: the library's default, pool, which needs its accumulator; 99: no readout this build knows)
+    for extra in (dict(readout=pb.READOUT_UNSPECIFIED), dict(readout=pb.READOUT_POOL), dict(readout=pb.READOUT_POOL, pool=tensor_to_pb(torch.zeros(8, 7))),
+                  dict(readout=pb.READOUT_POOL, pool=tensor_to_pb(torch.full((8, 256), 3.0))),
+                  dict(readout=pb.READOUT_LAST, pool=tensor_to_pb(torch.zeros(8, 256))), dict(readout=99),
                   # the window's first chunk: longer than the window, or not whole segments after it
                   dict(first_chunk=3), dict(first_chunk=1), dict(n_steps=257), dict(request_id="r" * 129),
                   # readout spec past block 0: the draft, its log-probs and the pool, each missing or hostile
-                  dict(readout="spec", pool=lp, draft_logp=lp), dict(readout="spec", draft=bytes(8), draft_logp=lp),
-                  dict(readout="spec", draft=bytes(7), draft_logp=lp, pool=lp),
-                  dict(readout="spec", draft=bytes(8), draft_logp=tensor_to_pb(torch.full((8, 256), 1.0)), pool=lp),
-                  dict(readout="spec", draft=bytes(8), draft_logp=tensor_to_pb(torch.zeros(9, 256)), pool=lp),
-                  dict(readout="spec", draft=bytes(8), draft_logp=pb.StateTensor(shape=[8, 256], data=b"\0"), pool=lp),
-                  dict(readout="pool", draft=bytes(8), pool=lp), dict(readout="spec", k=17, draft=bytes(17))):
+                  dict(readout=pb.READOUT_SPEC, pool=lp, draft_logp=lp), dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=lp),
+                  dict(readout=pb.READOUT_SPEC, draft=bytes(7), draft_logp=lp, pool=lp),
+                  dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=tensor_to_pb(torch.full((8, 256), 1.0)), pool=lp),
+                  dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=tensor_to_pb(torch.zeros(9, 256)), pool=lp),
+                  dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=pb.StateTensor(shape=[8, 256], data=b"\0"), pool=lp),
+                  dict(readout=pb.READOUT_POOL, draft=bytes(8), pool=lp), dict(readout=pb.READOUT_SPEC, k=17, draft=bytes(17))):
         with pytest.raises(grpc.RpcError) as err:
             stub.Forward(pb.SegmentRequest(z=zero, **{**good, **extra}), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, extra
     assert stub.Forward(pb.SegmentRequest(z=zero, **good), timeout=10).new_bytes
-    assert stub.Forward(pb.SegmentRequest(z=zero, readout="pool", pool=tensor_to_pb(torch.full((8, 256), -5.5)),
-                                          **good), timeout=10).new_bytes
-    kept = stub.Forward(pb.SegmentRequest(z=zero, readout="spec", draft=bytes(8), draft_logp=lp, pool=lp, **good),
-                        timeout=10)
+    for readout in (pb.READOUT_POOL, pb.READOUT_UNSPECIFIED):  # the default pools too
+        assert stub.Forward(pb.SegmentRequest(z=zero, pool=tensor_to_pb(torch.full((8, 256), -5.5)),
+                                              **{**good, "readout": readout}), timeout=10).new_bytes
+    kept = stub.Forward(pb.SegmentRequest(z=zero, draft=bytes(8), draft_logp=lp, pool=lp,
+                                          **{**good, "readout": pb.READOUT_SPEC}), timeout=10)
     assert 1 <= len(kept.new_bytes) <= 8 and 0 <= kept.accepted <= 8
     channel.close()
     with pytest.raises(InputError, match="not the first stage"):

@@ -19,8 +19,8 @@ from btnode.serve.driver import generate_ar
 from btnode.serve.request import GenerationRequest
 from btnode.serve.window import keep_bytes, window_start
 from btnode.store.models import load_ar
-from btnode.v1 import serve_pb2 as pb
-from btnode.v1 import serve_pb2_grpc as pb_grpc
+from btnode.v2 import serve_pb2 as pb
+from btnode.v2 import serve_pb2_grpc as pb_grpc
 from procs import CLI, start, start_stage, stop_all, wait_port
 
 SHAPE = ["--d-model", "32", "--heads", "2", "--layers", "1", "--blocks", "3", "--context", "32", "--segments", "1,8"]
@@ -119,7 +119,7 @@ def test_bad_drafts_are_refused_with_invalid_argument(trained, chain):
     finally:
         server.stop(0)
     channel = grpc.insecure_channel(chain["mid"])
-    stub = pb_grpc.StageStub(channel)
+    stub = pb_grpc.ServingStub(channel)
     base = dict(request_id="hostile", tokens=b"abc", step=0, seed=0, temperature=0.0)
     for kw in (dict(draft=b"xy", hidden=tensor_to_pb(torch.zeros(3, 32))),  # rows ≠ context + draft
                dict(draft=b"xy", start=3, hidden=tensor_to_pb(torch.zeros(2, 32))),  # no known row

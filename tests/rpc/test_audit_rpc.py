@@ -28,8 +28,8 @@ from btnode.rpc.status import REASON_KEY
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from lab.fuzz import AUDITED, AUDITEE, CFG, await_state, start_state
 from btnode.train.config import TrainConfig
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 from procs import TINY_TRAIN, cli_fails, start, stop_all, wait_port
 
 CORPUS = bytes(range(256)) * 16
@@ -95,10 +95,10 @@ def test_drawn_updates_send_their_start_state_over_submit_state_and_pass_their_r
 
 def test_a_state_no_audit_waits_for_is_invalid_argument_with_reason_no_audit(audited):
     agg, address = audited
-    stub = pb_grpc.SwarmStub(grpc.insecure_channel(address))
-    header = pb.PushHeader(worker_id="w", block=0, samples=1.0, codec=pb.FP32, update_id="nobody")
+    stub = pb_grpc.WorkerStub(grpc.insecure_channel(address))
+    header = pb.PushHeader(worker_id="w", block=0, samples=1.0, codec=pb.CODEC_FP32, update_id="nobody")
     with pytest.raises(grpc.RpcError) as err:
-        stub.SubmitState(iter([pb.PushMessage(header=header)]), timeout=10)
+        stub.SubmitState(iter([pb.SubmitStateRequest(header=header)]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(err.value.trailing_metadata())[REASON_KEY] == "no_audit"
     client = SwarmClient(address, timeout_s=10)
@@ -107,7 +107,7 @@ def test_a_state_no_audit_waits_for_is_invalid_argument_with_reason_no_audit(aud
     client.close()
     assert exc.value.reason == "no_audit" and agg.counters[("state_refused", "no_audit")] == 2
     with pytest.raises(grpc.RpcError) as err:  # a stream without its header
-        stub.SubmitState(iter([pb.PushMessage(chunk=pb.Chunk(data=b"x"))]), timeout=10)
+        stub.SubmitState(iter([pb.SubmitStateRequest(chunk=pb.Chunk(data=b"x"))]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(err.value.trailing_metadata())[REASON_KEY] == "no_header"
 

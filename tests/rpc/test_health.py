@@ -34,7 +34,8 @@ from btnode.store.models import init_block
 from conftest import CFG
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-STAGE_SERVICE = "btnode.v1.Stage"
+STAGE_SERVICE = "btnode.v2.Serving"
+AGGREGATOR_SERVICES = {"btnode.v2.Worker", "btnode.v2.Relay", "btnode.v2.Operator"}
 STANDARD = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 
 
@@ -186,11 +187,11 @@ def test_reflection_lists_each_servers_services_and_their_methods(servers):
     address, _ = aggregator()
     with grpc.insecure_channel(address) as ch:
         names, pool = services(ch)
-        assert names == {SWARM_SERVICE, *STANDARD}
-        methods = {m.name for m in pool.FindServiceByName(SWARM_SERVICE).methods}
-        assert methods == {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "SubmitEvidence", "Draw", "Watch", "Status",
-                           "Revoke"}
-        assert pool.FindMessageTypeByName("btnode.v1.PushHeader").fields_by_name["base_version"].number > 0
+        assert SWARM_SERVICE in AGGREGATOR_SERVICES and names == {*AGGREGATOR_SERVICES, *STANDARD}
+        methods = {s: {m.name for m in pool.FindServiceByName(s).methods} for s in AGGREGATOR_SERVICES}
+        assert methods == {"btnode.v2.Worker": {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "Watch"},
+                           "btnode.v2.Relay": {"Draw", "SubmitEvidence"}, "btnode.v2.Operator": {"Status", "Revoke"}}
+        assert pool.FindMessageTypeByName("btnode.v2.PushHeader").fields_by_name["base_version"].number > 0
     with grpc.insecure_channel(stage()) as ch:
         names, pool = services(ch)
         assert names == {STAGE_SERVICE, *STANDARD}

@@ -23,12 +23,12 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc import convert
 from btnode.rpc.client import Retry, SwarmClient
-from btnode.rpc.limits import SERVICE, PeerLimiter, PeerLimits, peer_host
+from btnode.rpc.limits import JOIN, PeerLimiter, PeerLimits, peer_host
 from btnode.rpc.server import CHANNEL_OPTIONS, serve
 from btnode.store.models import init_block
 from btnode.train.config import TrainConfig
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 from conftest import CFG
 from procs import CLI, free_port, honest_terms
@@ -45,15 +45,15 @@ def held_push(address: str, cfg: ModelConfig, worker: str, release: threading.Ev
     chunks = list(iter_chunks(encode_frames({n: 1e-3 * torch.ones(s) for n, s in spec.items()}, Codec.INT8)))
 
     def messages():
-        yield pb.PushMessage(header=convert.push_header_to_pb(header))
+        yield pb.PushRequest(header=convert.push_header_to_pb(header))
         for c in chunks:
-            yield pb.PushMessage(chunk=convert.chunk_to_pb(c))
+            yield pb.PushRequest(chunk=convert.chunk_to_pb(c))
         results.put(("sent", worker))
         release.wait()
 
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
-        reply = pb_grpc.SwarmStub(channel).Push(messages(), timeout=120)
+        reply = pb_grpc.WorkerStub(channel).Push(messages(), timeout=120)
         results.put(("ok", reply.outcome))
     except grpc.RpcError as err:
         results.put(("refused", err.code()))
@@ -124,7 +124,7 @@ def test_requests_that_do_not_parse_hold_no_stream_slot(limited, method):
     peer out of every transfer, its pushes included (found by bench/fuzz.py)."""
     address, agg, limiter = limited
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    call = channel.unary_stream(f"/btnode.v1.Swarm/{method}", request_serializer=lambda b: b,
+    call = channel.unary_stream(f"/btnode.v2.Worker/{method}", request_serializer=lambda b: b,
                                 response_deserializer=lambda b: b)
     for _ in range(3):  # over max_streams = 2
         with pytest.raises(grpc.RpcError) as err:
@@ -161,7 +161,7 @@ def test_a_relays_host_joins_on_the_relay_budget(limited):
     assert agg.counters[("limited", "join_rate")] == 0
     other = PeerLimiter(PeerLimits(joins_per_minute=3, relay_joins_per_minute=4))
     other.trust_relay("ipv4:10.0.0.7:5000")
-    admitted = [other._admit(h, SERVICE + "Join") for h in ["10.0.0.7"] * 5 + ["10.0.0.8"] * 4]
+    admitted = [other._admit(h, JOIN) for h in ["10.0.0.7"] * 5 + ["10.0.0.8"] * 4]
     assert admitted == [None] * 4 + ["join_rate"] + [None] * 3 + ["join_rate"]
 
 
@@ -169,7 +169,7 @@ def test_a_join_refused_for_open_calls_does_not_spend_the_join_rate():
     """Joins refused because too many calls were open never ran: they leave the minute's budget alone
     (a relay passing on its children's joins at once lost every join for a minute)."""
     limiter = PeerLimiter(PeerLimits(joins_per_minute=2, max_calls=1))
-    join_call = SERVICE + "Join"
+    join_call = JOIN
     assert limiter._admit("h", join_call) is None
     assert [limiter._admit("h", join_call) for _ in range(5)] == ["calls"] * 5
     limiter._release("h", join_call)
@@ -296,7 +296,7 @@ def test_a_waiting_transfer_whose_caller_leaves_leaves_the_queue(tmp_path):
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
         assert results.get(timeout=20) == ("sent", "w0")
-        call = pb_grpc.SwarmStub(channel).Pull(pb.PullRequest(block=0, worker_id="w1"), timeout=60)
+        call = pb_grpc.WorkerStub(channel).Pull(pb.PullRequest(block=0, worker_id="w1"), timeout=60)
         deadline = time.monotonic() + 20
         while limiter.waiting() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -483,9 +483,9 @@ def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
     def push(i: int, attempt: int) -> int:
         header = PushHeader(worker_id=f"w{i}", block=0, base_version=0, samples=float(TrainConfig.batch), loss=1.0,
                             codec=Codec.INT8, update_id=f"w{i}-{attempt}", steps=(0,))
-        messages = [pb.PushMessage(header=convert.push_header_to_pb(header)),
-                    *(pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in chunks)]
-        return pb_grpc.SwarmStub(channels[i]).Push(iter(messages), timeout=120).outcome
+        messages = [pb.PushRequest(header=convert.push_header_to_pb(header)),
+                    *(pb.PushRequest(chunk=convert.chunk_to_pb(c)) for c in chunks)]
+        return pb_grpc.WorkerStub(channels[i]).Push(iter(messages), timeout=120).outcome
 
     try:
         c = serving(address, proc)

@@ -20,8 +20,9 @@ from btnode.rpc import convert
 from btnode.store.files import state_sha256
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
-from btnode.v1 import swarm_pb2 as pb
-from btnode.v1 import swarm_pb2_grpc as pb_grpc
+from btnode.v2 import settings_pb2
+from btnode.v2 import swarm_pb2 as pb
+from btnode.v2 import swarm_pb2_grpc as pb_grpc
 from procs import honest_terms
 
 
@@ -50,9 +51,10 @@ def test_join_with_another_configuration_is_refused_naming_the_fields(live):
     other = ModelConfig(**{**live.agg.cfg.to_dict(), "d_model": 64, "segments": (1, 16)})
     with pytest.raises(ConfigMismatchError, match=r"d_model: swarm has 32, worker has 64.*segments"):
         live.client.join("w", 0, other.fingerprint(), json.dumps(other.to_dict()))
-    stub = pb_grpc.SwarmStub(live.client.channel)
+    stub = pb_grpc.WorkerStub(live.client.channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Join(pb.JoinRequest(worker_id="w", block=0, fingerprint="00" * 32, config_json="{not json"))
+        stub.Join(pb.JoinRequest(worker_id="w", block=0, fingerprint="00" * 32,
+                                 config=settings_pb2.ModelSettings(kind=99)))  # settings it cannot read
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert live.agg.counters[("join_refused", "fingerprint")] == 2
 
@@ -64,8 +66,14 @@ def test_join_with_other_training_settings_is_refused_naming_them(live):
     with pytest.raises(ConfigMismatchError, match=r"batch: swarm has 32, worker has 8, steps_per_round: swarm has 4, "
                                                   r"worker has 5"):
         live.client.join("w", 0, fp, cj, training_json=theirs)
-    with pytest.raises(MalformedInput, match="training settings are not JSON"):
+    with pytest.raises(MalformedInput, match="training settings are not JSON"):  # refused before it is sent
         live.client.join("w", 0, fp, cj, training_json="{not json")
+    refused = convert.training_to_pb(TrainingTerms(TrainConfig(), claims.steps_per_round))
+    refused.batch = 0  # typed, but a value TrainConfig refuses: the aggregator judges it
+    with pytest.raises(grpc.RpcError) as err:
+        pb_grpc.WorkerStub(live.client.channel).Join(pb.JoinRequest(worker_id="w", block=0, fingerprint=fp,
+                                                                    training=refused))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "training settings refused" in err.value.details()
     assert live.agg.counters[("join_refused", "training")] == 2
     assert live.agg.training("w") is None and live.agg.keys.of(0) == {}  # nothing of it was recorded
 
@@ -79,10 +87,10 @@ def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     assert live.client.join("a", 0, fp, cj, "sha256:aa", training_json=tj).data_key == "0/0"
     with pytest.raises(ConfigMismatchError, match="trains on data sha256:bb, but this swarm trains on sha256:aa"):
         live.client.join("c", 0, fp, cj, "sha256:bb", training_json=tj)
-    stub = pb_grpc.SwarmStub(live.client.channel)
+    stub = pb_grpc.WorkerStub(live.client.channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Join(pb.JoinRequest(worker_id="c", block=0, fingerprint=fp, config_json=cj, data_id="sha256:bb",
-                                 training_json=tj))
+        stub.Join(pb.JoinRequest(worker_id="c", block=0, fingerprint=fp, config=convert.model_text_to_pb(cj),
+                                 data_id="sha256:bb", training=convert.training_to_pb(TrainingTerms.from_json(tj))))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     st = live.client.status_dict()
     assert st["data_id"] == "sha256:aa" and st["blocks"][0]["data_keys"] == {"a": "0/0", "b": "0/1"}
@@ -176,15 +184,15 @@ def test_concurrent_pulls_of_a_version_build_its_frames_once_and_a_new_version_a
 
 
 def raw_push(live, messages):
-    stub = pb_grpc.SwarmStub(live.client.channel)
+    stub = pb_grpc.WorkerStub(live.client.channel)
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter(messages), timeout=20)
     return err.value
 
 
 def msgs(header, frames, chunk_bytes=1 << 20):
-    out = [pb.PushMessage(header=convert.push_header_to_pb(header))]
-    out += [pb.PushMessage(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames, chunk_bytes)]
+    out = [pb.PushRequest(header=convert.push_header_to_pb(header))]
+    out += [pb.PushRequest(chunk=convert.chunk_to_pb(c)) for c in iter_chunks(frames, chunk_bytes)]
     return out
 
 
@@ -199,7 +207,7 @@ def with_chunk_header(messages, index, **changes):
             h.shape.extend(v)
         else:
             setattr(h, k, v)
-    m[index] = pb.PushMessage(chunk=pb.Chunk(header=h, data=chunk.data))
+    m[index] = pb.PushRequest(chunk=pb.Chunk(header=h, data=chunk.data))
     return m
 
 
@@ -237,7 +245,7 @@ BAD = {
     "no_header": (grpc.StatusCode.INVALID_ARGUMENT, "no_header",
                   lambda live: msgs(hdr("w"), frames_of(live))[1:]),
     "bad_codec": (grpc.StatusCode.INVALID_ARGUMENT, "codec",
-                  lambda live: [pb.PushMessage(header=pb.PushHeader(worker_id="w", block=0, samples=1, codec=9,
+                  lambda live: [pb.PushRequest(header=pb.PushHeader(worker_id="w", block=0, samples=1, codec=9,
                                                                     update_id="u"))] + msgs(hdr("w"), frames_of(live))[1:]),
     "sparse_over_bound": (grpc.StatusCode.INVALID_ARGUMENT, "size",
                           lambda live: with_chunk_header(sparse_push(live, Codec.SPARSE8), 1, raw_bytes=1 << 40)),
@@ -288,8 +296,8 @@ def test_a_stale_base_version_is_failed_precondition(live):
 
 def test_an_oversized_message_is_refused_by_the_transport(live):
     join(live, "w")
-    big = pb.PushMessage(chunk=pb.Chunk(data=b"\0" * (5 << 20)))
-    err = raw_push(live, [pb.PushMessage(header=convert.push_header_to_pb(hdr("w"))), big])
+    big = pb.PushRequest(chunk=pb.Chunk(data=b"\0" * (5 << 20)))
+    err = raw_push(live, [pb.PushRequest(header=convert.push_header_to_pb(hdr("w"))), big])
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

@@ -1,5 +1,6 @@
-"""Readouts as a type: the enum is the wire's strings, one default serves the library and the CLI,
-every readout has its reader, and a generation request is checked and defaulted in one place."""
+"""Readouts as a type: the enum is the CLI's strings and the wire's btnode.v2.Readout, one default serves
+the library, the CLI and the wire, every readout has its reader, and a generation request is checked and
+defaulted in one place."""
 
 import dataclasses
 import inspect
@@ -7,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from btnode.errors import InputError
+from btnode.errors import InputError, MalformedInput
 from btnode.evaluation.metrics import sampler_ce
 from btnode.model.noise import default_steps
 from btnode.model.readout import DEFAULT_READOUT, SWEEP_READOUTS, Readout, default_readout
@@ -16,7 +17,7 @@ from btnode.rpc.stages import _segment_from_pb, _segment_to_pb, request_from_pb,
 from btnode.serve.readouts import READERS, Carry
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import SegmentState
-from btnode.v1 import serve_pb2 as pb
+from btnode.v2 import serve_pb2 as pb
 
 
 def test_readouts_are_the_wire_strings_and_parse_with_a_typed_error():
@@ -57,21 +58,24 @@ def test_a_request_fills_its_defaults_and_is_checked_once(tiny_cfg):
         GenerationRequest(b"hi", 8, readout="avg")
 
 
-def test_the_wire_keeps_its_zero_values_and_an_empty_readout_means_last():
+def test_the_wire_keeps_its_zero_values_and_an_unspecified_readout_is_the_librarys_default():
     r = GenerationRequest(b"p", 5, seed=3, temperature=0.5, readout=Readout.SPEC, n_tail=0, draft_len=0)
     m = request_to_pb(r)
-    assert (m.k, m.n_steps, m.readout, m.no_cache) == (0, 0, "spec", False)
+    assert (m.k, m.n_steps, m.readout, m.no_cache) == (0, 0, pb.READOUT_SPEC, False)
     assert request_from_pb(m) == r
-    assert request_to_pb(GenerationRequest(b"p", 5)).readout == ""  # the entry applies the default
+    assert request_to_pb(GenerationRequest(b"p", 5)).readout == pb.READOUT_UNSPECIFIED  # the entry applies the default
     assert request_from_pb(pb.GenerateRequest(prompt=b"p", n_bytes=5)).readout is None
     z = torch.zeros(8, 4)
-    older = pb.SegmentRequest(request_id="r", context=b"hi", k=8, n_steps=7, z=tensor_to_pb(z))  # no readout set
-    assert _segment_from_pb(older).readout is Readout.LAST
+    for n_tail in (0, 4):  # no readout set: default_readout(n_tail), pool (last through the tail), as the library's
+        unset = pb.SegmentRequest(request_id="r", context=b"hi", k=8, n_steps=7, z=tensor_to_pb(z), n_tail=n_tail)
+        assert _segment_from_pb(unset).readout is default_readout(n_tail)
+    with pytest.raises(MalformedInput, match="unknown btnode.v2.Readout value 99"):
+        _segment_from_pb(pb.SegmentRequest(request_id="r", context=b"hi", k=8, n_steps=7, z=tensor_to_pb(z), readout=99))
     lp = torch.full((8, 256), -1.0)
     s = SegmentState(request_id="r", context=b"hi", segment=1, k=8, n_steps=7, seed=0, temperature=1.0, z=z,
                      readout=Readout.SPEC, carry=Carry(pool=lp, draft=bytes(8), draft_logp=lp))
     wire = _segment_to_pb(s)
-    assert wire.readout == "spec" and wire.draft == bytes(8)
+    assert wire.readout == pb.READOUT_SPEC and wire.draft == bytes(8)
     back = _segment_from_pb(pb.SegmentRequest.FromString(wire.SerializeToString()))
     assert back.readout is Readout.SPEC and back.carry.draft == bytes(8)
     assert torch.equal(back.carry.pool, lp) and torch.equal(back.carry.draft_logp, lp)

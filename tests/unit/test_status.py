@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
+import btnode
 from btnode.aggregate.block import AggregatorConfig
 from btnode.aggregate.claims import ClaimConfig
 from btnode.aggregate.rounds import RoundConfig
@@ -17,7 +17,7 @@ from btnode.codec.codecs import Codec
 from btnode.errors import ConfigMismatchError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
-from btnode.rpc.convert import info_from_pb, status_to_pb
+from btnode.rpc.convert import info_from_pb, model_from_pb, status_to_pb
 from procs import honest_terms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
@@ -94,7 +94,8 @@ def test_swarm_status_lists_blocks_in_order_and_the_events(swarm):
 def test_the_status_reply_carries_the_snapshot(swarm):
     s = swarm.status()
     reply = status_to_pb(s, server_time_unix=12345.5)
-    assert reply.fingerprint == s.fingerprint and json.loads(reply.config_json) == CFG.to_dict()
+    assert reply.fingerprint == s.fingerprint and model_from_pb(reply.config) == CFG
+    assert reply.node_version == btnode.__version__  # the build this node runs
     assert reply.server_time_unix == 12345.5
     assert [b.block for b in reply.blocks] == [0, 1]
     b0 = reply.blocks[0]

@@ -1,10 +1,27 @@
+from btnode.v2 import settings_pb2 as _settings_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Readout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    READOUT_UNSPECIFIED: _ClassVar[Readout]
+    READOUT_POOL: _ClassVar[Readout]
+    READOUT_LAST: _ClassVar[Readout]
+    READOUT_COMMIT: _ClassVar[Readout]
+    READOUT_SPEC: _ClassVar[Readout]
+    READOUT_SPEC_FILL: _ClassVar[Readout]
+READOUT_UNSPECIFIED: Readout
+READOUT_POOL: Readout
+READOUT_LAST: Readout
+READOUT_COMMIT: Readout
+READOUT_SPEC: Readout
+READOUT_SPEC_FILL: Readout
 
 class StateTensor(_message.Message):
     __slots__ = ("shape", "data")
@@ -42,7 +59,7 @@ class SegmentRequest(_message.Message):
     temperature: float
     z: StateTensor
     want_logits: bool
-    readout: str
+    readout: Readout
     pool: StateTensor
     first_chunk: int
     final: bool
@@ -50,7 +67,7 @@ class SegmentRequest(_message.Message):
     n_tail: int
     draft: bytes
     draft_logp: StateTensor
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ..., draft: _Optional[bytes] = ..., draft_logp: _Optional[_Union[StateTensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[bytes] = ..., segment: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., z: _Optional[_Union[StateTensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[_Union[Readout, str]] = ..., pool: _Optional[_Union[StateTensor, _Mapping]] = ..., first_chunk: _Optional[int] = ..., final: _Optional[bool] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ..., draft: _Optional[bytes] = ..., draft_logp: _Optional[_Union[StateTensor, _Mapping]] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
     __slots__ = ("new_bytes", "logits", "route", "accepted")
@@ -114,11 +131,11 @@ class GenerateRequest(_message.Message):
     seed: int
     temperature: float
     want_logits: bool
-    readout: str
+    readout: Readout
     draft: int
     no_cache: bool
     n_tail: int
-    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[str] = ..., draft: _Optional[int] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[bytes] = ..., n_bytes: _Optional[int] = ..., k: _Optional[int] = ..., n_steps: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., want_logits: _Optional[bool] = ..., readout: _Optional[_Union[Readout, str]] = ..., draft: _Optional[int] = ..., no_cache: _Optional[bool] = ..., n_tail: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("new_bytes", "traversals", "logits", "route", "drafted", "accepted")
@@ -141,21 +158,23 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config_json", "name")
+    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config", "name", "node_version")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    NODE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    kind: _settings_pb2.UnitKind
     block: int
     first_layer: int
     n_layers: int
     last: bool
     fingerprint: str
-    config_json: str
+    config: _settings_pb2.ModelSettings
     name: str
-    def __init__(self, kind: _Optional[str] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    node_version: str
+    def __init__(self, kind: _Optional[_Union[_settings_pb2.UnitKind, str]] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., name: _Optional[str] = ..., node_version: _Optional[str] = ...) -> None: ...

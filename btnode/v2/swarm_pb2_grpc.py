@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from btnode.v1 import swarm_pb2 as btnode_dot_v1_dot_swarm__pb2
+from btnode.v2 import swarm_pb2 as btnode_dot_v2_dot_swarm__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,16 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in btnode/v1/swarm_pb2_grpc.py depends on'
+        + ' but the generated code in btnode/v2/swarm_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class SwarmStub:
-    """Missing associated documentation comment in .proto file."""
+class WorkerStub:
+    """What every worker calls, and a relay calls of its parent as a worker does.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,64 +36,45 @@ class SwarmStub:
             channel: A grpc.Channel.
         """
         self.Join = channel.unary_unary(
-                '/btnode.v1.Swarm/Join',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.JoinRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.JoinReply.FromString,
+                '/btnode.v2.Worker/Join',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.JoinRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.JoinReply.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
-                '/btnode.v1.Swarm/Leave',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.LeaveReply.FromString,
+                '/btnode.v2.Worker/Leave',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.LeaveReply.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
-                '/btnode.v1.Swarm/Pull',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.PullRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.TensorStream.FromString,
+                '/btnode.v2.Worker/Pull',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.PullRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.PullReply.FromString,
                 _registered_method=True)
         self.FetchDelta = channel.unary_stream(
-                '/btnode.v1.Swarm/FetchDelta',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.FetchDeltaRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.TensorStream.FromString,
+                '/btnode.v2.Worker/FetchDelta',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.FetchDeltaRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.FetchDeltaReply.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
-                '/btnode.v1.Swarm/Push',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.PushReply.FromString,
+                '/btnode.v2.Worker/Push',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.PushRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.PushReply.FromString,
                 _registered_method=True)
         self.SubmitState = channel.stream_unary(
-                '/btnode.v1.Swarm/SubmitState',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
-                _registered_method=True)
-        self.SubmitEvidence = channel.stream_unary(
-                '/btnode.v1.Swarm/SubmitEvidence',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
-                _registered_method=True)
-        self.Draw = channel.unary_unary(
-                '/btnode.v1.Swarm/Draw',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.DrawRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.DrawReply.FromString,
+                '/btnode.v2.Worker/SubmitState',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitStateRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitStateReply.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/btnode.v1.Swarm/Watch',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.WatchRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.VersionInfo.FromString,
-                _registered_method=True)
-        self.Status = channel.unary_unary(
-                '/btnode.v1.Swarm/Status',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.StatusRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.StatusReply.FromString,
-                _registered_method=True)
-        self.Revoke = channel.unary_unary(
-                '/btnode.v1.Swarm/Revoke',
-                request_serializer=btnode_dot_v1_dot_swarm__pb2.RevokeRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_swarm__pb2.RevokeReply.FromString,
+                '/btnode.v2.Worker/Watch',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.WatchRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.WatchReply.FromString,
                 _registered_method=True)
 
 
-class SwarmServicer:
-    """Missing associated documentation comment in .proto file."""
+class WorkerServicer:
+    """What every worker calls, and a relay calls of its parent as a worker does.
+    """
 
     def Join(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -132,107 +114,61 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SubmitEvidence(self, request_iterator, context):
-        """A relay's evidence for a combined push whose answer asked for it (PushReply.audit): the children's
-        frames, which the parent checks against the manifest and recombines bit for bit.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Draw(self, request, context):
-        """A relay's child update, committed to a root that replays audits before the relay counts it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-    def Revoke(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_SwarmServicer_to_server(servicer, server):
+def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.JoinRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.JoinReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.JoinRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.JoinReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.LeaveRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.LeaveReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.LeaveRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.LeaveReply.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.PullRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.TensorStream.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.PullRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.PullReply.SerializeToString,
             ),
             'FetchDelta': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchDelta,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.FetchDeltaRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.TensorStream.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.FetchDeltaRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.FetchDeltaReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.PushReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.PushRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.PushReply.SerializeToString,
             ),
             'SubmitState': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitState,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.PushMessage.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
-            ),
-            'SubmitEvidence': grpc.stream_unary_rpc_method_handler(
-                    servicer.SubmitEvidence,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.SerializeToString,
-            ),
-            'Draw': grpc.unary_unary_rpc_method_handler(
-                    servicer.Draw,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.DrawRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.DrawReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitStateRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitStateReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.WatchRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.VersionInfo.SerializeToString,
-            ),
-            'Status': grpc.unary_unary_rpc_method_handler(
-                    servicer.Status,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.StatusRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.StatusReply.SerializeToString,
-            ),
-            'Revoke': grpc.unary_unary_rpc_method_handler(
-                    servicer.Revoke,
-                    request_deserializer=btnode_dot_v1_dot_swarm__pb2.RevokeRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_swarm__pb2.RevokeReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.WatchRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.WatchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'btnode.v1.Swarm', rpc_method_handlers)
+            'btnode.v2.Worker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('btnode.v1.Swarm', rpc_method_handlers)
+    server.add_registered_method_handlers('btnode.v2.Worker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Swarm:
-    """Missing associated documentation comment in .proto file."""
+class Worker:
+    """What every worker calls, and a relay calls of its parent as a worker does.
+    """
 
     @staticmethod
     def Join(request,
@@ -248,9 +184,9 @@ class Swarm:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Swarm/Join',
-            btnode_dot_v1_dot_swarm__pb2.JoinRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.JoinReply.FromString,
+            '/btnode.v2.Worker/Join',
+            btnode_dot_v2_dot_swarm__pb2.JoinRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -275,9 +211,9 @@ class Swarm:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Swarm/Leave',
-            btnode_dot_v1_dot_swarm__pb2.LeaveRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.LeaveReply.FromString,
+            '/btnode.v2.Worker/Leave',
+            btnode_dot_v2_dot_swarm__pb2.LeaveRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -302,9 +238,9 @@ class Swarm:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/btnode.v1.Swarm/Pull',
-            btnode_dot_v1_dot_swarm__pb2.PullRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.TensorStream.FromString,
+            '/btnode.v2.Worker/Pull',
+            btnode_dot_v2_dot_swarm__pb2.PullRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -329,9 +265,9 @@ class Swarm:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/btnode.v1.Swarm/FetchDelta',
-            btnode_dot_v1_dot_swarm__pb2.FetchDeltaRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.TensorStream.FromString,
+            '/btnode.v2.Worker/FetchDelta',
+            btnode_dot_v2_dot_swarm__pb2.FetchDeltaRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.FetchDeltaReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -356,9 +292,9 @@ class Swarm:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/btnode.v1.Swarm/Push',
-            btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.PushReply.FromString,
+            '/btnode.v2.Worker/Push',
+            btnode_dot_v2_dot_swarm__pb2.PushRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -383,63 +319,9 @@ class Swarm:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/btnode.v1.Swarm/SubmitState',
-            btnode_dot_v1_dot_swarm__pb2.PushMessage.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubmitEvidence(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/btnode.v1.Swarm/SubmitEvidence',
-            btnode_dot_v1_dot_swarm__pb2.EvidenceMessage.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.SubmitStateReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Draw(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/btnode.v1.Swarm/Draw',
-            btnode_dot_v1_dot_swarm__pb2.DrawRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.DrawReply.FromString,
+            '/btnode.v2.Worker/SubmitState',
+            btnode_dot_v2_dot_swarm__pb2.SubmitStateRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.SubmitStateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -464,9 +346,9 @@ class Swarm:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/btnode.v1.Swarm/Watch',
-            btnode_dot_v1_dot_swarm__pb2.WatchRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.VersionInfo.FromString,
+            '/btnode.v2.Worker/Watch',
+            btnode_dot_v2_dot_swarm__pb2.WatchRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.WatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -476,6 +358,192 @@ class Swarm:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RelayStub:
+    """What only a relay calls of its parent.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Draw = channel.unary_unary(
+                '/btnode.v2.Relay/Draw',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.DrawRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.DrawReply.FromString,
+                _registered_method=True)
+        self.SubmitEvidence = channel.stream_unary(
+                '/btnode.v2.Relay/SubmitEvidence',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceReply.FromString,
+                _registered_method=True)
+
+
+class RelayServicer:
+    """What only a relay calls of its parent.
+    """
+
+    def Draw(self, request, context):
+        """A relay's child update, committed to a root that replays audits before the relay counts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitEvidence(self, request_iterator, context):
+        """A relay's evidence for a combined push whose answer asked for it (PushReply.audit): the children's
+        frames, which the parent checks against the manifest and recombines bit for bit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Draw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Draw,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.DrawRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.DrawReply.SerializeToString,
+            ),
+            'SubmitEvidence': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitEvidence,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'btnode.v2.Relay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('btnode.v2.Relay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Relay:
+    """What only a relay calls of its parent.
+    """
+
+    @staticmethod
+    def Draw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Relay/Draw',
+            btnode_dot_v2_dot_swarm__pb2.DrawRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.DrawReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitEvidence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/btnode.v2.Relay/SubmitEvidence',
+            btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.SubmitEvidenceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class OperatorStub:
+    """What an operator (and `btnode status`, `doctor`, a stage reading the swarm's settings) calls.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Status = channel.unary_unary(
+                '/btnode.v2.Operator/Status',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.StatusRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/btnode.v2.Operator/Revoke',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.RevokeReply.FromString,
+                _registered_method=True)
+
+
+class OperatorServicer:
+    """What an operator (and `btnode status`, `doctor`, a stage reading the swarm's settings) calls.
+    """
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Refuse an identity from now on (an operator's certificate, under mutual TLS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OperatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.StatusRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.StatusReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.RevokeRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.RevokeReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'btnode.v2.Operator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('btnode.v2.Operator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Operator:
+    """What an operator (and `btnode status`, `doctor`, a stage reading the swarm's settings) calls.
+    """
 
     @staticmethod
     def Status(request,
@@ -491,9 +559,9 @@ class Swarm:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Swarm/Status',
-            btnode_dot_v1_dot_swarm__pb2.StatusRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.StatusReply.FromString,
+            '/btnode.v2.Operator/Status',
+            btnode_dot_v2_dot_swarm__pb2.StatusRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -518,9 +586,9 @@ class Swarm:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Swarm/Revoke',
-            btnode_dot_v1_dot_swarm__pb2.RevokeRequest.SerializeToString,
-            btnode_dot_v1_dot_swarm__pb2.RevokeReply.FromString,
+            '/btnode.v2.Operator/Revoke',
+            btnode_dot_v2_dot_swarm__pb2.RevokeRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from btnode.v2 import settings_pb2 as _settings_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -10,39 +11,67 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CODEC_UNSPECIFIED: _ClassVar[Codec]
-    FP32: _ClassVar[Codec]
-    BF16: _ClassVar[Codec]
-    INT8: _ClassVar[Codec]
-    SPARSE8: _ClassVar[Codec]
-    SPARSE2: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_SPARSE8: _ClassVar[Codec]
+    CODEC_SPARSE2: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
-    FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
 
-class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
-    ACCEPTED: _ClassVar[Outcome]
-    LATE: _ClassVar[Outcome]
-    STALE: _ClassVar[Outcome]
-    REJECTED: _ClassVar[Outcome]
-    PROBATION: _ClassVar[Outcome]
+    PUSH_OUTCOME_UNSPECIFIED: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_ACCEPTED: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_LATE: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_STALE: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_REJECTED: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_PROBATION: _ClassVar[PushOutcome]
+
+class ClosedBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLOSED_BY_UNSPECIFIED: _ClassVar[ClosedBy]
+    CLOSED_BY_DEADLINE: _ClassVar[ClosedBy]
+    CLOSED_BY_ALL_REPORTED: _ClassVar[ClosedBy]
+    CLOSED_BY_DRAIN: _ClassVar[ClosedBy]
+    CLOSED_BY_AMENDED: _ClassVar[ClosedBy]
+
+class IdentityRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IDENTITY_ROLE_UNSPECIFIED: _ClassVar[IdentityRole]
+    IDENTITY_ROLE_WORKER: _ClassVar[IdentityRole]
+    IDENTITY_ROLE_RELAY: _ClassVar[IdentityRole]
+    IDENTITY_ROLE_STAGE: _ClassVar[IdentityRole]
+    IDENTITY_ROLE_OPERATOR: _ClassVar[IdentityRole]
+    IDENTITY_ROLE_AGGREGATOR: _ClassVar[IdentityRole]
 CODEC_UNSPECIFIED: Codec
-FP32: Codec
-BF16: Codec
-INT8: Codec
-SPARSE8: Codec
-SPARSE2: Codec
+CODEC_FP32: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_SPARSE8: Codec
+CODEC_SPARSE2: Codec
 DTYPE_UNSPECIFIED: DType
-FLOAT32: DType
-OUTCOME_UNSPECIFIED: Outcome
-ACCEPTED: Outcome
-LATE: Outcome
-STALE: Outcome
-REJECTED: Outcome
-PROBATION: Outcome
+DTYPE_FLOAT32: DType
+PUSH_OUTCOME_UNSPECIFIED: PushOutcome
+PUSH_OUTCOME_ACCEPTED: PushOutcome
+PUSH_OUTCOME_LATE: PushOutcome
+PUSH_OUTCOME_STALE: PushOutcome
+PUSH_OUTCOME_REJECTED: PushOutcome
+PUSH_OUTCOME_PROBATION: PushOutcome
+CLOSED_BY_UNSPECIFIED: ClosedBy
+CLOSED_BY_DEADLINE: ClosedBy
+CLOSED_BY_ALL_REPORTED: ClosedBy
+CLOSED_BY_DRAIN: ClosedBy
+CLOSED_BY_AMENDED: ClosedBy
+IDENTITY_ROLE_UNSPECIFIED: IdentityRole
+IDENTITY_ROLE_WORKER: IdentityRole
+IDENTITY_ROLE_RELAY: IdentityRole
+IDENTITY_ROLE_STAGE: IdentityRole
+IDENTITY_ROLE_OPERATOR: IdentityRole
+IDENTITY_ROLE_AGGREGATOR: IdentityRole
 
 class FrameHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "raw_bytes", "payload_bytes", "sha256")
@@ -94,31 +123,31 @@ class VersionInfo(_message.Message):
     stale: int
     rejected: int
     mean_loss: float
-    closed_by: str
+    closed_by: ClosedBy
     included: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[_Union[ClosedBy, str]] = ..., included: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config_json", "data_id", "training_json", "relay", "cert", "signature")
+    __slots__ = ("worker_id", "block", "fingerprint", "config", "data_id", "training", "relay", "cert", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
-    TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     CERT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
-    config_json: str
+    config: _settings_pb2.ModelSettings
     data_id: str
-    training_json: str
+    training: _settings_pb2.TrainingSettings
     relay: bool
     cert: bytes
     signature: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., data_id: _Optional[str] = ..., training_json: _Optional[str] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., data_id: _Optional[str] = ..., training: _Optional[_Union[_settings_pb2.TrainingSettings, _Mapping]] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits", "relay_audits")
@@ -166,7 +195,15 @@ class FetchDeltaRequest(_message.Message):
     version: int
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
-class TensorStream(_message.Message):
+class PullReply(_message.Message):
+    __slots__ = ("info", "chunk")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    info: VersionInfo
+    chunk: Chunk
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class FetchDeltaReply(_message.Message):
     __slots__ = ("info", "chunk")
     INFO_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -246,7 +283,7 @@ class WorkClaim(_message.Message):
     residual_end: bytes
     def __init__(self, base_sha256: _Optional[bytes] = ..., data_id: _Optional[str] = ..., recipe: _Optional[str] = ..., optimizer_start: _Optional[bytes] = ..., optimizer_end: _Optional[bytes] = ..., residual_start: _Optional[bytes] = ..., residual_end: _Optional[bytes] = ...) -> None: ...
 
-class PushMessage(_message.Message):
+class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -261,12 +298,20 @@ class PushReply(_message.Message):
     ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     CLOSES_IN_S_FIELD_NUMBER: _ClassVar[int]
-    outcome: Outcome
+    outcome: PushOutcome
     reason: str
     round_version: int
     audit: bool
     closes_in_s: float
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ..., audit: _Optional[bool] = ..., closes_in_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., reason: _Optional[str] = ..., round_version: _Optional[int] = ..., audit: _Optional[bool] = ..., closes_in_s: _Optional[float] = ...) -> None: ...
+
+class SubmitStateRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class SubmitStateReply(_message.Message):
     __slots__ = ()
@@ -308,7 +353,7 @@ class EvidenceChild(_message.Message):
     entries: int
     def __init__(self, update_id: _Optional[str] = ..., weight: _Optional[float] = ..., scale: _Optional[float] = ..., entries: _Optional[int] = ...) -> None: ...
 
-class EvidenceMessage(_message.Message):
+class SubmitEvidenceRequest(_message.Message):
     __slots__ = ("header", "child", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHILD_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +363,10 @@ class EvidenceMessage(_message.Message):
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[EvidenceHeader, _Mapping]] = ..., child: _Optional[_Union[EvidenceChild, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
+class SubmitEvidenceReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("block", "worker_id")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +374,12 @@ class WatchRequest(_message.Message):
     block: int
     worker_id: str
     def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class WatchReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: VersionInfo
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -417,7 +472,7 @@ class IdentityRecord(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     name: str
-    role: str
+    role: IdentityRole
     fingerprint: str
     joined: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
@@ -425,25 +480,27 @@ class IdentityRecord(_message.Message):
     audited: int
     failed: int
     revoked_at_unix: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[IdentityRole, str]] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("fingerprint", "config_json", "blocks", "counters", "server_time_unix", "data_id", "identities")
+    __slots__ = ("fingerprint", "config", "blocks", "counters", "server_time_unix", "data_id", "identities", "node_version")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     DATA_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    NODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
-    config_json: str
+    config: _settings_pb2.ModelSettings
     blocks: _containers.RepeatedCompositeFieldContainer[BlockStatus]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     server_time_unix: float
     data_id: str
     identities: _containers.RepeatedCompositeFieldContainer[IdentityRecord]
-    def __init__(self, fingerprint: _Optional[str] = ..., config_json: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ..., data_id: _Optional[str] = ..., identities: _Optional[_Iterable[_Union[IdentityRecord, _Mapping]]] = ...) -> None: ...
+    node_version: str
+    def __init__(self, fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockStatus, _Mapping]]] = ..., counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., server_time_unix: _Optional[float] = ..., data_id: _Optional[str] = ..., identities: _Optional[_Iterable[_Union[IdentityRecord, _Mapping]]] = ..., node_version: _Optional[str] = ...) -> None: ...
 
 class RevokeRequest(_message.Message):
     __slots__ = ("name",)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from btnode.v1 import serve_pb2 as btnode_dot_v1_dot_serve__pb2
+from btnode.v2 import serve_pb2 as btnode_dot_v2_dot_serve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,17 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in btnode/v1/serve_pb2_grpc.py depends on'
+        + ' but the generated code in btnode/v2/serve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class StageStub:
-    """Missing associated documentation comment in .proto file."""
+class ServingStub:
+    """What a chain's client calls of its entry (Generate, Info) and a stage calls of the next (Forward,
+    ForwardAR).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,29 +37,31 @@ class StageStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/btnode.v1.Stage/Generate',
-                request_serializer=btnode_dot_v1_dot_serve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_serve__pb2.GenerateReply.FromString,
+                '/btnode.v2.Serving/Generate',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.GenerateReply.FromString,
                 _registered_method=True)
         self.Forward = channel.unary_unary(
-                '/btnode.v1.Stage/Forward',
-                request_serializer=btnode_dot_v1_dot_serve__pb2.SegmentRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_serve__pb2.SegmentReply.FromString,
+                '/btnode.v2.Serving/Forward',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.SegmentRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentReply.FromString,
                 _registered_method=True)
         self.ForwardAR = channel.unary_unary(
-                '/btnode.v1.Stage/ForwardAR',
-                request_serializer=btnode_dot_v1_dot_serve__pb2.ARRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_serve__pb2.ARReply.FromString,
+                '/btnode.v2.Serving/ForwardAR',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.ARRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.ARReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
-                '/btnode.v1.Stage/Info',
-                request_serializer=btnode_dot_v1_dot_serve__pb2.StageInfoRequest.SerializeToString,
-                response_deserializer=btnode_dot_v1_dot_serve__pb2.StageInfo.FromString,
+                '/btnode.v2.Serving/Info',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.StageInfoRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.StageInfo.FromString,
                 _registered_method=True)
 
 
-class StageServicer:
-    """Missing associated documentation comment in .proto file."""
+class ServingServicer:
+    """What a chain's client calls of its entry (Generate, Info) and a stage calls of the next (Forward,
+    ForwardAR).
+    """
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -84,38 +88,40 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_StageServicer_to_server(servicer, server):
+def add_ServingServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=btnode_dot_v1_dot_serve__pb2.GenerateRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_serve__pb2.GenerateReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.GenerateRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.GenerateReply.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=btnode_dot_v1_dot_serve__pb2.SegmentRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_serve__pb2.SegmentReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.SegmentReply.SerializeToString,
             ),
             'ForwardAR': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardAR,
-                    request_deserializer=btnode_dot_v1_dot_serve__pb2.ARRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_serve__pb2.ARReply.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.ARRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.ARReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=btnode_dot_v1_dot_serve__pb2.StageInfoRequest.FromString,
-                    response_serializer=btnode_dot_v1_dot_serve__pb2.StageInfo.SerializeToString,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.StageInfoRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.StageInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'btnode.v1.Stage', rpc_method_handlers)
+            'btnode.v2.Serving', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('btnode.v1.Stage', rpc_method_handlers)
+    server.add_registered_method_handlers('btnode.v2.Serving', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Stage:
-    """Missing associated documentation comment in .proto file."""
+class Serving:
+    """What a chain's client calls of its entry (Generate, Info) and a stage calls of the next (Forward,
+    ForwardAR).
+    """
 
     @staticmethod
     def Generate(request,
@@ -131,9 +137,9 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/btnode.v1.Stage/Generate',
-            btnode_dot_v1_dot_serve__pb2.GenerateRequest.SerializeToString,
-            btnode_dot_v1_dot_serve__pb2.GenerateReply.FromString,
+            '/btnode.v2.Serving/Generate',
+            btnode_dot_v2_dot_serve__pb2.GenerateRequest.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -158,9 +164,9 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Stage/Forward',
-            btnode_dot_v1_dot_serve__pb2.SegmentRequest.SerializeToString,
-            btnode_dot_v1_dot_serve__pb2.SegmentReply.FromString,
+            '/btnode.v2.Serving/Forward',
+            btnode_dot_v2_dot_serve__pb2.SegmentRequest.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.SegmentReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -185,9 +191,9 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Stage/ForwardAR',
-            btnode_dot_v1_dot_serve__pb2.ARRequest.SerializeToString,
-            btnode_dot_v1_dot_serve__pb2.ARReply.FromString,
+            '/btnode.v2.Serving/ForwardAR',
+            btnode_dot_v2_dot_serve__pb2.ARRequest.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.ARReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -212,9 +218,9 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/btnode.v1.Stage/Info',
-            btnode_dot_v1_dot_serve__pb2.StageInfoRequest.SerializeToString,
-            btnode_dot_v1_dot_serve__pb2.StageInfo.FromString,
+            '/btnode.v2.Serving/Info',
+            btnode_dot_v2_dot_serve__pb2.StageInfoRequest.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.StageInfo.FromString,
             options,
             channel_credentials,
             insecure,
