@@ -22,7 +22,6 @@ workers of one swarmlet process do (channels with equal arguments share gRPC's g
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
