@@ -20,7 +20,7 @@ import grpc
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
-from btnode.aggregate.evidence import frames_digest
+from btnode.aggregate.trust.evidence import frames_digest
 from btnode.protocol import (Drawn, EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
                              join_statement, receipt_statement)
 from btnode.rpc import convert

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig

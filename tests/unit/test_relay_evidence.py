@@ -1,4 +1,4 @@
-"""Relay audits (aggregate/evidence.py): a relay's kept round recombines, from the evidence it
+"""Relay audits (aggregate/trust/evidence.py): a relay's kept round recombines, from the evidence it
 serves, to its combined push bit for bit; any change to the pushed values, a child's frames, a
 weight or the list of children fails the check."""
 
@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.evidence import RelayAuditConfig, RelayAudits, RelayAuditJob, check_evidence, frames_digest
-from btnode.aggregate.relay import RelayBlock
-from btnode.aggregate.roundlog import Receipt
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.evidence import RelayAuditConfig, RelayAudits, RelayAuditJob, check_evidence, frames_digest
+from btnode.aggregate.relay.forward import RelayBlock
+from btnode.aggregate.relay.roundlog import Receipt
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.frames import Frame, iter_chunks

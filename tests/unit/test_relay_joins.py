@@ -8,8 +8,9 @@ import json
 import threading
 import time
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.relay import UPSTREAM_JOINS, RelaySwarm
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.relay.admission import UPSTREAM_JOINS
+from btnode.aggregate.service import relay_swarm as RelaySwarm
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 
