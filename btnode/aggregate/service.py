@@ -397,8 +397,8 @@ def _closes_in(block: BlockAggregator, version: int) -> float:
 def relay_swarm(cfg: ModelConfig, acfg: AggregatorConfig, state_dir: Path, *, upstream: Upstream, name: str,
                 blocks: Iterable[int] | None = None, seed: int = 0, parent_audits: bool = False,
                 parent_replays: bool = False, check_receipt: Callable[[PushHeader, str], object] | None = None,
-                ) -> SwarmAggregator:
+                clock: Callable[[], float] = time.time) -> SwarmAggregator:
     """A relay named `name` under the parent `upstream`: an aggregator built with an UpstreamAdmission
     (relay/admission.py says what each setting means); its closed rounds wait in `.upstream.outbox`."""
-    return SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, upstream=UpstreamAdmission(
+    return SwarmAggregator(cfg, acfg, state_dir, blocks=blocks, seed=seed, clock=clock, upstream=UpstreamAdmission(
         upstream, name, parent_audits=parent_audits, parent_replays=parent_replays, check_receipt=check_receipt))
