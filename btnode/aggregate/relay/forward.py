@@ -205,11 +205,7 @@ class RelayBlock(BlockAggregator):
         self.round.opened_at = found.opened_at
         self.forwarder.receipts.update(found.receipts)  # under mutual TLS: the children's signed receipts
         for u, digest in found.updates:
-            values = self._values(u)
-            if not self._holds_updates:
-                self._sum.add(values, u.weight)
-            if self._sketcher is not None:
-                u.sketch = self._sketcher.of(values)
+            self.tally.restore(u)
             self.round.add(u)
             self.counters[(Outcome.ACCEPTED.value, "recovered")] += 1
             self._remember(u.update_id, self.round.judgement(Outcome.ACCEPTED))
@@ -262,7 +258,7 @@ class RelayBlock(BlockAggregator):
             self.params, self.info = self.store.theta(info.version) if self.theta_in_file else params, info
             now = self.clock()
             self.recent.append(RoundSummary(info=info, closed_at=now))
-            spill, self._spill = self._spill, None  # taken from the round, so that _open does not close it
+            spill = self.tally.take_spill()  # taken from the round, so that _open does not close it
             self.forwarder.next_round(self, spill)
             self._open(now)
             self.lock.notify_all()

@@ -1,12 +1,6 @@
 """`BlockAggregator` owns one block: its current version, the open round, the outer optimizer and
 the version store. Pushes, the deadline ticker and watchers meet here under one lock.
-
-Memory does not grow with the number of updates (issue #25): an accepted update is summed on
-arrival into the round's exact running sum (aggregate/sums/accumulate.py; the same sum in any arrival
-order) and then dropped; the round keeps of it its norm, its weight, a 4,096-value sketch for the
-screen, and where its raw codec bytes lie in the round's spill file (aggregate/sums/spill.py), from which
-it is re-decoded and subtracted if an audit or the screen takes it out. Only the trimmed and median
-rules, which need every value of every update, hold the updates (4 bytes a parameter each).
+Memory does not grow with the number of updates: the round keeps them as its `Tally` (round/tally.py).
 
 What a closed round becomes is its `RoundSink` (round/sink.py): a published version at the root
 (round/publish.py), one combined update forwarded upstream at a relay (relay/forward.py).
@@ -14,10 +8,8 @@ What a closed round becomes is its `RoundSink` (round/sink.py): a published vers
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import statistics
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -28,20 +20,19 @@ import torch
 from btnode.aggregate.round.config import AggregatorConfig, BlockStatus, RoundSummary, info_from_meta, version_meta
 from btnode.aggregate.round.deltas import DeltaFrames
 from btnode.aggregate.round.replicas import Replicas
-from btnode.aggregate.round.publish import EF_PREFIX, Publisher
+from btnode.aggregate.round.publish import Publisher, resume
 from btnode.aggregate.round.rounds import Round, Update
-from btnode.aggregate.round.screen import screen, spilled_rule
+from btnode.aggregate.round.screen import screen
 from btnode.aggregate.round.sink import RoundSink
-from btnode.aggregate.sums.accumulate import Accumulator, Sketcher, dense, norm, scaled, weight_unit
+from btnode.aggregate.round.tally import Tally
+from btnode.aggregate.sums.accumulate import Accumulator, norm, scaled, weight_unit
+from btnode.aggregate.sums.norms import NormHistory
 from btnode.aggregate.sums.spill import Spill
-from btnode.aggregate.sums.averaging import OuterOptimizer, combine
+from btnode.aggregate.sums.averaging import OuterOptimizer
 from btnode.aggregate.trust.claims import Range, theta_ranges
-from btnode.codec.codecs import Codec, decode, encode
-from btnode.codec.sparse import SparseTensor
-from btnode.errors import MalformedInput, PeerInputError
+from btnode.codec.codecs import Codec, encode
+from btnode.errors import PeerInputError
 from btnode.protocol import INCOMPLETE, Judgement, Outcome, PushHeader, VersionInfo, format_steps
-from btnode.store.files import state_sha256
-from btnode.store.theta import FileTheta
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -71,31 +62,15 @@ class BlockAggregator:
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
         self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
-        self._norms: deque[float] = deque(maxlen=50)
+        self.norms = NormHistory(cfg.max_norm_ratio, cfg.clip)  # of recent accepted updates (sums/norms.py)
+        self._norms = self.norms.recent
         # θ held in memory, or (a unit over theta_in_file_bytes) read from its version file as needed: issue #25
         self.theta_in_file = 4 * sum(t.numel() for t in initial.values()) > cfg.theta_in_file_bytes
-        stored = store.latest(in_file=self.theta_in_file)
-        params: Mapping[str, torch.Tensor]
-        if stored is None:
-            params = {n: t.detach().clone().float() for n, t in initial.items()}
-            self.info = VersionInfo(block=block, version=0, base_version=0, sha256=state_sha256(params))
-            store.write(0, params, meta=self.meta(self.info))
-        else:
-            params = stored.params
-            self.info = info_from_meta(stored.meta)
-            state = stored.outer
-            self.outer.load_state_dict({n: t for n, t in state.items() if not n.startswith(EF_PREFIX)})
-            self.residual = {n[len(EF_PREFIX):]: t for n, t in state.items() if n.startswith(EF_PREFIX)}
-            if state_sha256(params) != self.info.sha256:
-                raise MalformedInput("checksum", f"{self.name} version {self.info.version} on disk fails its hash")
-            log.info("%s resumed at version %d (%s)", self.name, self.info.version, self.info.sha256[:12])
-        self.spec = params.shapes if isinstance(params, FileTheta) else {n: tuple(t.shape) for n, t in params.items()}
-        self.params = store.theta(self.info.version) if self.theta_in_file and stored is None else params
-        del params, stored
+        self.info, self.params, self.residual, self.spec = resume(store, initial, self.outer, in_file=self.theta_in_file,
+                                                                  name=self.name)
         # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/trust/claims.py)
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
         self._sketch_key = sketch_key
-        self._holds_updates = cfg.outer.robust in ("trimmed", "median")  # they need every value at close
         self._ranges: tuple[tuple[int, str], dict[str, Range]] | None = None
         self._open(self.clock())
 
@@ -108,20 +83,26 @@ class BlockAggregator:
         return self._ranges[1]
 
     def _open(self, now: float) -> None:
-        """A new round on the current version: its clock, its running sum, its spill and its sketch key."""
+        """A new round on the current version: its clock, and its tally (running sum, spill, sketch key)."""
         self.round = Round(version=self.info.version, opened_at=now, cfg=self.cfg.round)
-        self._sum = self._accumulator()  # the open round's accepted updates, summed as they arrive
-        old = getattr(self, "_spill", None)
-        if old is not None:
-            old.close()
-        self._spill = self.sink.spill(self, now)
+        old = getattr(self, "tally", None)
+        if old is not None and not old.spill_taken:
+            old.spill.close()
         key = hashlib.sha256(b"btnode-sketch\0" + self._sketch_key + self.info.sha256.encode()).digest()
-        self._sketcher = Sketcher(self.spec, key) if self.cfg.outer.robust != "mean" else None
+        self.tally = Tally(self.spec, self.cfg, self.unit, self.sink.spill(self, now), key)
+
+    @property
+    def _sum(self) -> Accumulator:  # the open round's running sum (tests read it)
+        return self.tally.sum
+
+    @property
+    def _spill(self) -> Spill:  # the open round's spill (tests read it)
+        return self.tally.spill
 
     @property
     def spill_file(self) -> Spill:
         """Where the open round keeps its updates' bytes (its sink's `spill`)."""
-        return self._spill
+        return self.tally.spill
 
     # -- membership -------------------------------------------------------------------------
     def register(self, worker_id: str) -> None:
@@ -202,9 +183,9 @@ class BlockAggregator:
                     samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness,
                                                     ranges=self._theta_ranges())
                     size = norm(delta)
-                    self._check_norm(size)
-                    scale = self._clip_factor(size)
-                    self._sum.check(scaled(delta, scale) if scale != 1 else delta, samples * factor)
+                    self.norms.check(size)
+                    scale = self.norms.clip_factor(size)
+                    self.tally.sum.check(scaled(delta, scale) if scale != 1 else delta, samples * factor)
             except PeerInputError as exc:
                 self.reject(header, exc)
                 raise
@@ -316,64 +297,18 @@ class BlockAggregator:
             self._answers.popitem(last=False)
         return j
 
-    def _check_norm(self, size: float) -> None:
-        if len(self._norms) >= 3:
-            ref = statistics.median(self._norms)
-            if ref > 0 and size > self.cfg.max_norm_ratio * ref:
-                raise MalformedInput("norm", f"update norm {size:.4g} is over {self.cfg.max_norm_ratio:g}× "
-                                             f"the median accepted norm {ref:.4g}")
-
-    def _clip_factor(self, size: float) -> float:
-        """With --clip, the factor that scales an update over the median norm of recent accepted
-        updates down to it (SparseLoCo clips each peer so; the norm check above refuses far larger
-        ones outright); 1 otherwise."""
-        if not self.cfg.clip or len(self._norms) < 3:
-            return 1.0
-        ref = statistics.median(self._norms)
-        return ref / size if size > ref > 0 else 1.0
-
-    def _accumulator(self) -> Accumulator:
-        return Accumulator(self.spec, self.cfg.sparse_mean, unit=self.unit)
-
-    def _values(self, update: Update) -> dict:
-        """An update's values as summed: held in memory, or decoded again from the round's spill
-        (bit for bit what arrived: decoding is deterministic), times its clip factor."""
-        delta = update.delta
-        if delta is None:
-            assert update.spilled is not None
-            raw = self._spill.get(update.spilled)
-            delta = {n: SparseTensor.decode(b, self.spec[n], update.codec.two_bit) if update.codec.sparse
-                     else decode(update.codec, b, self.spec[n]) for n, b in raw.items()}
-        return scaled(delta, update.scale) if update.scale != 1 else delta
-
     def _take(self, update: Update) -> None:
-        """Into the open round: into its running sum and its sketch, its raw bytes into the spill, and
-        out of memory (unless the rule needs every update at close, or it came without raw bytes). A
-        durable sink's round keeps an update handed in without its codec bytes (in process) as fp32 bytes."""
-        if self.sink.durable and update.raw is None and update.delta is not None and not self._holds_updates:
+        """Into the open round: into its tally (Tally.add), its senders waited for again. A durable sink's round keeps an update handed in without its codec bytes (in process) as fp32 bytes."""
+        if self.sink.durable and update.raw is None and update.delta is not None and not self.tally.holds_updates:
             update.raw = {n: t.contiguous().view(-1).numpy().tobytes() for n, t in update.delta.items()}
             update.codec = Codec.FP32
-        values = self._values(update)
-        if not self._holds_updates:
-            self._sum.add(values, update.weight)
-        if self._sketcher is not None:
-            update.sketch = self._sketcher.of(values)
-        if self._holds_updates:  # fp32 on disk: the close reads them a column of coordinates at a time
-            update.spilled = self._spill.put({n: t.contiguous().view(-1).numpy().tobytes()
-                                              for n, t in dense(values).items()})
-            update.codec, update.scale = Codec.FP32, 1.0
-            update.raw = update.delta = None
-        elif update.raw is not None:
-            update.spilled = self._spill.put(update.raw)
-            update.raw = update.delta = None
+        self.tally.add(update)
         self.replicas.recall(update.worker_id, *(e.worker_id for e in update.manifest))
         self.round.add(update)
         self.sink.took(self, update)
 
     def _leave(self, update: Update) -> None:
-        """Out of the round's running sum again, exactly."""
-        if not self._holds_updates:
-            self._sum.sub(self._values(update), update.weight)
+        self.tally.leave(update)
 
     # -- closing ----------------------------------------------------------------------------
     def tick(self) -> VersionInfo | None:
@@ -411,15 +346,8 @@ class BlockAggregator:
         return kept, [(u.worker_id, why) for u, why in dropped]
 
     def combiner(self, ups: list[Update], *, release: bool = True) -> tuple[Callable[[str], torch.Tensor], str]:
-        """(tensor name → that tensor of Δ̄, the rule's name). The round's running sum, with what the
-        screen dropped already taken out; trimmed and median combine the updates they held (sparse
-        ones made dense: N copies, the cost of choosing them), computing the rule once."""
-        if self._holds_updates:
-            return (functools.partial(spilled_rule, self._spill, ups, self.spec, self.cfg.outer),
-                    combine([{"x": torch.zeros(1)}] * len(ups), [1.0] * len(ups), self.cfg.outer)[1])
-        robust = self.cfg.outer.robust if len(ups) >= 3 and self.cfg.outer.robust == "screened" else "mean"
-        rule = f"{robust}/{self.cfg.sparse_mean}" if any(u.codec.sparse for u in ups) else robust
-        return functools.partial(self._sum.mean_of, release=release), rule
+        """The kept updates' mean, tensor by tensor, and the rule's name (Tally.combiner)."""
+        return self.tally.combiner(ups, release=release)
 
     def _close(self, reason: str) -> VersionInfo | None:
         try:
@@ -428,17 +356,14 @@ class BlockAggregator:
         except BaseException:
             # the close read (and freed) part of the running sum: build it again from what the round
             # holds (its spill), exactly as it was, so that a retry publishes the same version
-            self._sum = self._accumulator()
-            if not self._holds_updates:
-                for u in sorted(self.round.accepted.values(), key=lambda u: u.worker_id):
-                    self._sum.add(self._values(u), u.weight)
+            self.tally.rebuild(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
             raise
 
     def published(self, info: VersionInfo, params: Mapping[str, torch.Tensor], residual: Tensors, ups: list[Update],
                   dropped: list[tuple[str, str]]) -> None:
         """Version `info` (θ `params`, the publish codec's error feedback `residual`), made of the kept
         updates `ups` and written durably (round/publish.py), becomes current and a new round opens."""
-        self._norms.extend(u.norm for u in ups)
+        self.norms.recent.extend(u.norm for u in ups)
         self.params, self.info, self.residual = params, info, residual
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))

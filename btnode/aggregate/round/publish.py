@@ -1,24 +1,57 @@
-"""`Publisher`: the root's `RoundSink`. A closed round becomes version v+1, tensor by tensor (so that
+"""`Publisher`: the root's `RoundSink`, and the version a block starts from (`resume`). A closed round becomes version v+1, tensor by tensor (so that
 the close's temporaries are one tensor, not one block): the mean of the kept updates, the outer
 step, encode it with the publish codec, decode it again and add it to θ^v exactly as every worker
 will; then hash the result, write it durably, and only then announce it."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
+from btnode.aggregate.round.config import info_from_meta, version_meta
 from btnode.aggregate.round.rounds import Update
+from btnode.aggregate.sums.averaging import OuterOptimizer
 from btnode.aggregate.sums.spill import Spill
 from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.sparse import keep_of
 from btnode.protocol import Outcome, PushHeader, VersionInfo
 from btnode.store.files import Streamed, state_sha256
-from btnode.store.theta import Applied
+from btnode.errors import MalformedInput
+from btnode.store.theta import Applied, FileTheta
+from btnode.store.versions import VersionStore
 
 if TYPE_CHECKING:
     from btnode.aggregate.round.block import BlockAggregator
 
 EF_PREFIX = "ef."  # publish-codec error feedback, stored with the outer state
+log = logging.getLogger(__name__)
+
+
+def resume(store: VersionStore, initial: Mapping[str, torch.Tensor], outer: OuterOptimizer, *, in_file: bool,
+           name: str) -> tuple[VersionInfo, Mapping[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """The version a block starts from: the newest in its store (hash-checked, with the outer
+    optimizer's state loaded into `outer`), or version 0, `initial`, written first: its info, its θ, the
+    publish codec's error feedback and θ's shapes, in θ's order. `in_file`: θ is read from its version
+    file as needed, not held."""
+    stored = store.latest(in_file=in_file)
+    if stored is None:
+        params = {n: t.detach().clone().float() for n, t in initial.items()}
+        info = VersionInfo(block=store.block, version=0, base_version=0, sha256=state_sha256(params))
+        store.write(0, params, meta=version_meta(info))
+        return info, store.theta(0) if in_file else params, {}, {n: tuple(t.shape) for n, t in params.items()}
+    info = info_from_meta(stored.meta)
+    state = stored.outer
+    outer.load_state_dict({n: t for n, t in state.items() if not n.startswith(EF_PREFIX)})
+    residual = {n[len(EF_PREFIX):]: t for n, t in state.items() if n.startswith(EF_PREFIX)}
+    if state_sha256(stored.params) != info.sha256:
+        raise MalformedInput("checksum", f"{name} version {info.version} on disk fails its hash")
+    log.info("%s resumed at version %d (%s)", name, info.version, info.sha256[:12])
+    params = stored.params
+    spec = params.shapes if isinstance(params, FileTheta) else {n: tuple(t.shape) for n, t in params.items()}
+    return info, params, residual, spec
 
 
 class Publisher:
