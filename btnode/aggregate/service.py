@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -28,6 +26,7 @@ from btnode.aggregate.replays import ReplayDesk
 from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.config import AggregatorConfig, BlockStatus
 from btnode.aggregate.round.intake import Intake
+from btnode.aggregate.statedir import check_run, secret_of
 from btnode.aggregate.trust.audit import Audits, Replayer, Verdict
 from btnode.aggregate.trust.commits import Commits
 from btnode.aggregate.trust.datakeys import DataKeys
@@ -37,30 +36,16 @@ from btnode.aggregate.trust.signatures import Signatures
 from btnode.aggregate.trust.terms import TrainingRecords
 from btnode.codec.frames import ChunkData
 from btnode.data.source import ByteSource
-from btnode.durable import atomic_write
 from btnode.errors import ConfigError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import (INCOMPLETE, Drawn, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader,
                              Upstream, VersionInfo, format_steps)
-from btnode.store.models import RUN_FILE, init_unit, unit_stem
+from btnode.store.models import init_unit, unit_stem
 from btnode.store.versions import VersionStore
 from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
-SECRET_FILE = "audit.secret"
 Tensors = Mapping[str, torch.Tensor]
-
-
-def _secret(state_dir: Path) -> bytes:
-    """The key of the audit draws: 32 random bytes made once per state folder, readable by its owner only."""
-    path = state_dir / SECRET_FILE
-    if not path.exists():
-        atomic_write(path, os.urandom(32))
-        path.chmod(0o600)
-    secret = path.read_bytes()
-    if len(secret) != 32:
-        raise ConfigError(f"{path} is not a 32-byte audit key; delete it to make a new one")
-    return secret
 
 
 @dataclass(frozen=True)
@@ -98,13 +83,13 @@ class SwarmAggregator:
         if not owned or any(not 0 <= b < cfg.total_blocks for b in owned):
             raise ConfigError(f"blocks {owned} out of range for {cfg.total_blocks} blocks")
         state_dir.mkdir(parents=True, exist_ok=True)
-        self._check_state_dir(state_dir)
+        check_run(state_dir, cfg, self.fingerprint)
         # a relay checks pushes against the root's keys, never its own
         self.keys: DataKeys | ParentKeys = DataKeys(state_dir, fixed=data_id) if upstream is None else upstream.keys
         self.identities = Identities(state_dir)
         self.signatures = Signatures(self.identities, self.count)  # of what relays pass on, under mutual TLS
         self.relays = Relays()  # relays that joined, and their combined pushes (aggregate/trust/manifests.py)
-        secret = audit_secret or _secret(state_dir)  # also keys the screen's sketches (aggregate/sums/accumulate.py)
+        secret = audit_secret or secret_of(state_dir)  # also keys the screen's sketches (aggregate/sums/accumulate.py)
         self.blocks: dict[int, BlockAggregator] = {
             b: (BlockAggregator(*unit, **named) if upstream is None else
                 upstream.unit(*unit, child_relay=functools.partial(self.relays.known, b), **named))
@@ -161,16 +146,6 @@ class SwarmAggregator:
                        for b in sorted(self.blocks))
         return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters),
                            data_id=self.keys.data_id, identities=self.identities.records())
-
-    def _check_state_dir(self, state_dir: Path) -> None:
-        """A state folder belongs to one run: refuse to mix versions of different configurations."""
-        marker = state_dir / RUN_FILE
-        if marker.exists():
-            theirs = ModelConfig.from_dict(json.loads(marker.read_text())["model"])
-            self.cfg.require_same(theirs, f"state folder {state_dir}")
-        else:
-            atomic_write(marker, json.dumps({"model": self.cfg.to_dict(), "fingerprint": self.fingerprint},
-                                            indent=1).encode())
 
     def block(self, b: int) -> BlockAggregator:
         agg = self.blocks.get(b)

@@ -20,7 +20,7 @@ import torch
 
 from btnode.aggregate.relay.roundlog import SPILL_NAME, Receipt, Recovered, RoundLog
 from btnode.aggregate.round.block import BlockAggregator
-from btnode.aggregate.round.config import RoundSummary
+from btnode.aggregate.round.config import RoundSummary, version_meta
 from btnode.aggregate.round.rounds import Update
 from btnode.aggregate.sums.spill import Spill
 from btnode.codec.codecs import Codec
@@ -104,7 +104,7 @@ class Forwarder:
 
     def took(self, block: BlockAggregator, update: Update) -> None:
         """Durable (its bytes and its record) before its child hears ACCEPTED."""
-        self.roundlog.accepted(update, self.digests.get(update.update_id, ""), block.spill_file,
+        self.roundlog.accepted(update, self.digests.get(update.update_id, ""), block.tally.spill,
                                self.receipts.get(update.update_id))
 
     def refuses(self, block: BlockAggregator, header: PushHeader) -> str:
@@ -129,7 +129,7 @@ class Forwarder:
         for worker_id, _ in dropped:  # already out of the sum (the screen took them out): out of the round
             del block.round.accepted[worker_id]
             block.round.counts[Outcome.ACCEPTED] -= 1
-        mean_of, _ = block.combiner(ups, release=False)  # the sum stays: an amendment adds to it
+        mean_of, _ = block.tally.combiner(ups, release=False)  # the sum stays: an amendment adds to it
         delta = {n: mean_of(n) for n in block.spec}
         manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, ""),
                                                               self.receipts.get(u.update_id, Receipt())))
@@ -248,7 +248,7 @@ class RelayBlock(BlockAggregator):
         when it was fetched as a delta: children fetch that same delta from here). Stored, then announced."""
         if state_sha256(params) != info.sha256:
             raise MalformedInput("checksum", f"{self.name} v{info.version} from the parent fails its hash")
-        self.store.write(info.version, params, meta=self.meta(info, "relayed"), delta_raw=raw, delta_codec=codec)
+        self.store.write(info.version, params, meta=version_meta(info, "relayed"), delta_raw=raw, delta_codec=codec)
         with self.lock:
             missed = [u for u in self.round.accepted.values() if u.update_id not in self.forwarder.forwarded]
             if missed:
@@ -268,7 +268,7 @@ class RelayBlock(BlockAggregator):
         combined, in manifest order, its EvidenceChild, then its frames rebuilt from the spilled codec
         bytes (the same bytes, so the same sha256 as the child sent). Read lazily, again on each pass."""
         with self.lock:
-            spill = self.spill_file if c.base_version == self.round.version else self.forwarder.kept.get(c.base_version)
+            spill = self.tally.spill if c.base_version == self.round.version else self.forwarder.kept.get(c.base_version)
         if spill is None or not c.ups:
             raise InputError(f"{self.name}: the children's bytes of round {c.base_version} are not kept any more")
 

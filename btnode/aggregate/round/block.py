@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from btnode.aggregate.round.config import AggregatorConfig, BlockStatus, RoundSummary, info_from_meta, version_meta
+from btnode.aggregate.round.config import AggregatorConfig, BlockStatus, RoundSummary, info_from_meta
 from btnode.aggregate.round.deltas import DeltaFrames
 from btnode.aggregate.round.replicas import Replicas
 from btnode.aggregate.round.publish import Publisher, resume
@@ -48,9 +48,7 @@ class BlockAggregator:
         self.sink: RoundSink = sink if sink is not None else Publisher()
         self.block = block
         self.name = name or f"block {block}"  # in logs: "block 2", or "ar" for a DiLoCo run's whole model
-        self.cfg = cfg
-        self.store = store
-        self.clock = clock
+        self.cfg, self.store, self.clock = cfg, store, clock
         self.lock = threading.Condition()
         self.outer = OuterOptimizer(cfg.outer)
         self.residual: Tensors = {}
@@ -70,8 +68,7 @@ class BlockAggregator:
                                                                   name=self.name)
         # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/trust/claims.py)
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
-        self._sketch_key = sketch_key
-        self._ranges: tuple[tuple[int, str], dict[str, Range]] | None = None
+        self._sketch_key, self._ranges = sketch_key, None  # _ranges: (version, hash) → θ's ranges (`_theta_ranges`)
         self._open(self.clock())
 
     def _theta_ranges(self) -> dict[str, Range]:
@@ -97,11 +94,6 @@ class BlockAggregator:
 
     @property
     def _spill(self) -> Spill:  # the open round's spill (tests read it)
-        return self.tally.spill
-
-    @property
-    def spill_file(self) -> Spill:
-        """Where the open round keeps its updates' bytes (its sink's `spill`)."""
         return self.tally.spill
 
     # -- membership -------------------------------------------------------------------------
@@ -201,10 +193,7 @@ class BlockAggregator:
                 return self._remember(header.update_id, self.round.judgement(
                     Outcome.PROBATION, "on probation: applied only once its audit passes"))
             if old is not None:
-                self._withdraw(old)
-                self.counters[("replaced", "")] += 1
-                log.info("%s round %d: %s amended its combined update (%d → %d child updates)", self.name,
-                         self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
+                self._amend(old, update)
             self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
@@ -240,10 +229,7 @@ class BlockAggregator:
                 self.counters[(Outcome.LATE.value, "audited_after_close")] += 1
                 return False
             if replaced:
-                self._withdraw(old)
-                self.counters[("replaced", "")] += 1
-                log.info("%s round %d: %s amended its combined update (%d → %d child updates)", self.name,
-                         self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
+                self._amend(old, update)
             self._take(update)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
@@ -277,10 +263,17 @@ class BlockAggregator:
             old = self._replaces(header)
             return frozenset(old.included) if old is not None else frozenset()
 
+    def _amend(self, old: Update, update: Update) -> None:
+        """A relay's combined update `old` out of the round, for its amendment `update` to take its place."""
+        self._withdraw(old)
+        self.counters[("replaced", "")] += 1
+        log.info("%s round %d: %s amended its combined update (%d → %d child updates)", self.name,
+                 self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
+
     def _withdraw(self, update: Update) -> None:
         """An accepted update out of the open round again: its sum (exactly) and its count."""
         del self.round.accepted[update.worker_id]
-        self._leave(update)
+        self.tally.leave(update)
         self.round.counts[Outcome.ACCEPTED] -= 1
         self.counters[(Outcome.ACCEPTED.value, "")] -= 1
 
@@ -306,9 +299,6 @@ class BlockAggregator:
         self.replicas.recall(update.worker_id, *(e.worker_id for e in update.manifest))
         self.round.add(update)
         self.sink.took(self, update)
-
-    def _leave(self, update: Update) -> None:
-        self.tally.leave(update)
 
     # -- closing ----------------------------------------------------------------------------
     def tick(self) -> VersionInfo | None:
@@ -340,14 +330,10 @@ class BlockAggregator:
         updates kept and (worker id, reason) of those dropped."""
         kept, dropped = screen(ups, self.cfg, f"{self.name} round {self.round.version}")
         for u, why in dropped:
-            self._leave(u)
+            self.tally.leave(u)
             self.counters[(Outcome.REJECTED.value, why)] += 1
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
         return kept, [(u.worker_id, why) for u, why in dropped]
-
-    def combiner(self, ups: list[Update], *, release: bool = True) -> tuple[Callable[[str], torch.Tensor], str]:
-        """The kept updates' mean, tensor by tensor, and the rule's name (Tally.combiner)."""
-        return self.tally.combiner(ups, release=release)
 
     def _close(self, reason: str) -> VersionInfo | None:
         try:
@@ -375,9 +361,6 @@ class BlockAggregator:
                  self.name, info.version, info.closed_by, info.accepted, info.late, info.stale, info.rejected,
                  info.mean_loss)
         self.lock.notify_all()
-
-    def meta(self, info: VersionInfo, rule: str = "") -> dict:
-        return version_meta(info, rule)
 
     # -- reading ----------------------------------------------------------------------------
     def current(self) -> tuple[VersionInfo, Mapping[str, torch.Tensor]]:

@@ -77,7 +77,7 @@ class Publisher:
 
     def close(self, block: BlockAggregator, reason: str, ups: list[Update],
               dropped: list[tuple[str, str]]) -> VersionInfo:
-        mean_of, rule = block.combiner(ups)
+        mean_of, rule = block.tally.combiner(ups)
         # Tensor by tensor: a round's close is the aggregator's memory peak (bench/scale.py measures
         # it), and a unit may be large; each temporary is one tensor, dropped as soon as it is used.
         codec = block.cfg.publish_codec
@@ -108,7 +108,7 @@ class Publisher:
                            included=tuple(i for u in ups for i in u.included))
         outer_state = {**block.outer.buffers, **{EF_PREFIX + n: r for n, r in residual.items()}}  # read, not copied
         block.store.write(info.version, Streamed(block.spec, params.items) if in_file else params,
-                          meta=block.meta(info, rule), delta_raw=raw, delta_codec=codec, outer=outer_state)
+                          meta=version_meta(info, rule), delta_raw=raw, delta_codec=codec, outer=outer_state)
         del raw
         if in_file:
             params = block.store.theta(info.version)
