@@ -1,6 +1,6 @@
-"""Run the relay role (docs/swarm.md, "Relays"): join the parent as a relay, serve children the
-Swarm service over a SwarmAggregator built with an UpstreamAdmission, follow the parent's versions (delta or full pull, hash-checked,
-stored, re-served), and push each closed round's combined update upstream."""
+"""Run the relay role (docs/swarm.md, "Relays"): join the parent as a relay, serve children the Swarm
+service over a SwarmAggregator built with an UpstreamAdmission, follow the parent's versions (delta or
+full pull, hash-checked, stored, re-served), and push each closed round's combined update upstream."""
 
 from __future__ import annotations
 

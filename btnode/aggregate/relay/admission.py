@@ -87,9 +87,8 @@ class UpstreamAdmission:
              child_relay: Callable[[str], bool], **kwargs: Any) -> RelayBlock:
         """Block `block` of the relay's aggregator: its rounds close into the outbox, and its children's
         comings and goings are told to the parent (not those of a child relay, no member there)."""
-        made = RelayBlock(block, initial, store, acfg, on_membership=functools.partial(self._member, block, child_relay),
-                          **kwargs)
-        made.on_combined = self.outbox.put
+        made = RelayBlock(block, initial, store, acfg, on_combined=self.outbox.put,
+                          on_membership=functools.partial(self._member, block, child_relay), **kwargs)
         self.blocks[block] = made
         return made
 

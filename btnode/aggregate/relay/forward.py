@@ -181,8 +181,11 @@ class RelayBlock(BlockAggregator):
     overrides nothing of the block: the sink is where a relay's rounds differ."""
 
     def __init__(self, block: int, initial: Tensors, store: VersionStore, *args: Any,
+                 on_combined: Callable[[Combined], None] = lambda c: None,
                  on_membership: Callable[[str, bool], None] = lambda worker_id, here: None, **kwargs: Any):
-        self.forwarder = Forwarder(store.folder, on_membership=on_membership)
+        """`on_combined`: where each closed round's combined update goes; `on_membership(worker_id,
+        here)`: a child went away (False) or came back (True), to be told to the parent."""
+        self.forwarder = Forwarder(store.folder, on_combined=on_combined, on_membership=on_membership)
         super().__init__(block, initial, store, *args, sink=self.forwarder, **kwargs)
         if self.forwarder.recovered is not None:
             self._take_up(self.forwarder.recovered)

@@ -25,6 +25,8 @@ LAZY_DECODE_SLOTS = 1
 
 
 class Intake:
+    """One per aggregator: its decode slots are shared by every block's pushes and start states."""
+
     def __init__(self, decode_slots: int, meter: Meter):
         self.meter = meter
         self.slots = threading.BoundedSemaphore(decode_slots)  # pushes decoded and judged at once
