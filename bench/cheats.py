@@ -8,7 +8,7 @@ against the all-honest swarm with the same seeds and the same aggregation rule.
     .venv/bin/python -m bench.cheats --rules screened   # the shipped rule only
     .venv/bin/python -m bench.cheats --quick            # a smoke run
 
-Mode `default` is the swarm as shipped. Mode `audit` adds replay audits (aggregate/audit.py): the
+Mode `default` is the swarm as shipped. Mode `audit` adds replay audits (aggregate/trust/audit.py): the
 aggregator replays a secretly drawn share P of updates (`--audit`, 0.25) and every update of a new
 worker id until it has passed `--probation` (2) audits. Its rows say when the cheater's first failed
 audit (or refusal) came; `draws` measures, over `--draw-seeds` (20) seeded swarms without probation,
@@ -34,10 +34,10 @@ import torch
 from bench.flags import BenchParser
 from bench.report import publish, table
 from bench.runs import Metric
-from btnode.aggregate.averaging import ROBUST_MODES, OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import ROBUST_MODES, OuterConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.frames import Frame
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
@@ -47,8 +47,8 @@ from btnode.protocol import Judgement, Outcome, PushHeader
 from btnode.sim.link import LocalLink
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
-from lab.cheats import CHEATS, cheat_factory
 from btnode.train.config import TrainConfig
+from lab.cheats import CHEATS, cheat_factory
 
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
 CHEATER, VICTIM = "b0r2", "b0r0"

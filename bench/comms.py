@@ -50,9 +50,9 @@ from bench.comms_wan import load, render_wan, run_wan
 from bench.flags import QUICK_SHAPE, BenchParser
 from bench.report import RESULTS, invoked, is_published, previous, publish, pyplot, table
 from bench.runs import Metric
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, FrameHeader
 from btnode.data.corpus import bundled

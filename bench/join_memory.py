@@ -17,8 +17,8 @@ from pathlib import Path
 
 from bench.flags import BenchParser
 from bench.scale import BATCH, H, LR, SHAPE
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms

@@ -20,8 +20,8 @@ import torch
 from bench.flags import BenchParser
 from bench.report import publish, table
 from bench.runs import Metric
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.data.corpus import bundled
 from btnode.model.config import ModelConfig
 from btnode.sim.simulator import SimConfig, Simulation

@@ -44,10 +44,11 @@ def child(rule: str, n: int, shape: dict, workdir: Path) -> dict:
 
     import torch
 
-    from btnode.aggregate.averaging import OuterConfig
-    from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-    from btnode.aggregate.claims import ClaimConfig
-    from btnode.aggregate.rounds import RoundConfig
+    from btnode.aggregate.sums.averaging import OuterConfig
+    from btnode.aggregate.round.block import BlockAggregator
+    from btnode.aggregate.round.config import AggregatorConfig
+    from btnode.aggregate.trust.claims import ClaimConfig
+    from btnode.aggregate.round.rounds import RoundConfig
     from btnode.codec.codecs import Codec, decode, encode
     from btnode.model.config import ModelConfig
     from btnode.protocol import PushHeader

@@ -7,7 +7,7 @@ update for the version it holds, wait for the next version on its stream and Fet
 update is real: int8 frames of the block's shape, encoded once per process (a few variants, the
 same common direction plus a little noise each, so that the screen keeps them all), each
 coordinate within the bound the aggregator's claims check derives from --lr and H
-(aggregate/claims.py), with steps and samples that satisfy its weight rule. A refused call
+(aggregate/trust/claims.py), with steps and samples that satisfy its weight rule. A refused call
 (RESOURCE_EXHAUSTED, UNAVAILABLE) is counted and retried with backoff, as issue #25 asks of the
 client. Every event is one JSON line, flushed as it happens, so a process killed mid-run leaves
 what it saw.

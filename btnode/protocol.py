@@ -1,6 +1,6 @@
-"""The swarm's shared vocabulary, free of gRPC: versions, push headers, outcomes, and the
-`AggregatorLink` a worker talks through. rpc/ converts these to and from protobuf messages;
-an in-process link (tests, the simulator) can implement AggregatorLink without any network."""
+"""The swarm's shared vocabulary, free of gRPC: versions, push headers, outcomes, and the one
+`Upstream` a worker or a relay talks to its aggregator through. rpc/ converts these to and from
+protobuf messages; an in-process link (tests, the simulator) can implement Upstream without any network."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from typing import Protocol
 import torch
 
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import Frame
+from btnode.codec.frames import ChunkData, Frame
 from btnode.settings import flag
 
 MAX_NAME = 256  # characters of a worker id, update id, tensor name or data id a peer may send
+ABORTED = "aborted"  # reason for a push whose sender vanished mid-stream: it may still re-push
+# An update that did not arrive whole says nothing about whether its replica is done with the round
+# (a dropped connection can look like either reason), so these do not count as the replica reporting.
+INCOMPLETE = {ABORTED, "truncated"}
 
 
 class Outcome(Enum):
@@ -63,7 +67,7 @@ class VersionInfo:
 @dataclass(frozen=True)
 class RoundSize:
     """H, declared once: a worker trains H steps per update, and the aggregator judges the steps an
-    update claims by it (aggregate/claims.py), so both take the one `--steps-per-round`."""
+    update claims by it (aggregate/trust/claims.py), so both take the one `--steps-per-round`."""
 
     steps_per_round: int = flag("--steps-per-round", "H: local steps per update.", default=50)
 
@@ -148,7 +152,7 @@ class Judgement:
     outcome: Outcome
     reason: str
     round_version: int
-    audit: bool = False  # the update was drawn for a replay audit: send its start state (AggregatorLink.submit_state)
+    audit: bool = False  # the update was drawn for a replay audit: send its start state (Upstream.submit_state)
     closes_in_s: float = 0.0  # to a relay's combined push in an open round: seconds to its deadline (0: not said)
 
 
@@ -158,9 +162,9 @@ class JoinInfo:
     deadline_s: float
     codecs: tuple[Codec, ...]
     max_staleness: int
-    data_key: str = ""  # which windows the worker trains (see btnode/aggregate/datakeys.py); empty: an older aggregator
+    data_key: str = ""  # which windows the worker trains (see btnode/aggregate/trust/datakeys.py); empty: an older aggregator
     audits: bool = False  # updates may be replayed: train nothing while waiting, and keep each round's start state
-    relay_audits: bool = False  # to a relay: its combined pushes may be audited (aggregate/evidence.py)
+    relay_audits: bool = False  # to a relay: its combined pushes may be audited (aggregate/trust/evidence.py)
 
 
 @dataclass
@@ -180,13 +184,17 @@ class Pulled:
     raw: dict[str, bytes] = field(default_factory=dict)  # each frame's codec bytes (a relay re-serves them as they came)
 
 
-class AggregatorLink(Protocol):
-    """What a worker needs from the aggregator that owns its block."""
+class Upstream(Protocol):
+    """What a worker or a relay asks of the aggregator above it (rpc.client.SwarmClient, the failover
+    link over several of them, or sim.link.LocalLink in process). A worker uses the joins, pulls,
+    pushes and version streams; a relay also passes its children's signed joins on (`proof`), commits
+    its children's updates (`draw`) and sends the evidence of its combined pushes."""
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
-             training_json: str = "") -> JoinInfo:
+             training_json: str = "", relay: bool = False, proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
         """`training_json`: the worker's TrainingTerms (btnode.train.terms), which the aggregator judges
-        its claims by; empty: not stated (an older worker)."""
+        its claims by; empty: not stated (an older worker). `relay`: a relay joins to push combined
+        updates; `proof`: a child's certificate and signature over its join, which a relay passes on."""
 
     def leave(self, worker_id: str, block: int) -> None: ...
 
@@ -196,9 +204,12 @@ class AggregatorLink(Protocol):
 
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement: ...
 
-    def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
+    def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
         """Send the inner state an update drawn for audit started from (its optimizer state and residual,
         whose hashes its claim commits to); PeerInputError when the aggregator refuses it."""
+
+    def draw(self, header: PushHeader, digest: str) -> Drawn:
+        """A relay commits a child's update (its header and frames digest) before it counts it."""
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 

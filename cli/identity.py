@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from btnode.aggregate.identities import Role
+from btnode.aggregate.trust.identities import Role
 
 ca = typer.Typer(help="The swarm's certificate authority.", no_args_is_help=True)
 

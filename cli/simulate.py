@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig
 from btnode.node.settings import HostConfig

@@ -29,11 +29,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from btnode.aggregate.accumulate import Accumulator
-from btnode.aggregate.audit import AuditConfig, AuditJob, split_state
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.evidence import frames_digest
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.accumulate import Accumulator
+from btnode.aggregate.trust.audit import AuditConfig, AuditJob, split_state
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.evidence import frames_digest
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, encode
 from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, frame_from_raw, iter_chunks

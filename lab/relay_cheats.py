@@ -1,6 +1,6 @@
-"""Cheating relays, for tests only (docs/swarm.md, "Relays"): a `RelaySwarm` that combines its
+"""Cheating relays, for tests only (docs/swarm.md, "Relays"): a relay that combines its
 children honestly, then pushes a forged combined update under the honest manifest and weight. The
-relay audit (aggregate/evidence.py) must catch each, however small the change.
+relay audit (aggregate/trust/evidence.py) must catch each, however small the change.
 
 Run one as a real process: `python -m lab.relay_cheats CHEAT join --role relay ...`
 (the arguments after CHEAT are `btnode`'s own)."""
@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
+from btnode.aggregate.relay.admission import UpstreamAdmission
+from btnode.aggregate.relay.forward import Combined, RelayBlock
 from btnode.node import relay as relay_node
 
 Tensors = dict[str, torch.Tensor]
@@ -39,26 +40,25 @@ def nudged(delta: Tensors) -> Tensors:
 CHEATS: dict[str, Callable[[Tensors], Tensors]] = {"scale": scaled, "nudge": nudged}
 
 
-def cheating_relay(forge: Callable[[Tensors], Tensors]) -> type[RelaySwarm]:
-    """A RelaySwarm whose blocks hand `forge(Δ)` upstream in place of the combined Δ."""
+def cheating_relay(forge: Callable[[Tensors], Tensors]) -> type[UpstreamAdmission]:
+    """A relay's admission whose blocks hand `forge(Δ)` upstream in place of the combined Δ."""
 
-    class ForgingRelaySwarm(RelaySwarm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            for b in self.blocks.values():
-                assert isinstance(b, RelayBlock)
-                b.on_combined = self._forged
+    class ForgingAdmission(UpstreamAdmission):
+        def unit(self, *args, **kwargs) -> RelayBlock:
+            made = super().unit(*args, **kwargs)
+            made.on_combined = self._forged
+            return made
 
         def _forged(self, c: Combined) -> None:
             self.outbox.put(replace(c, delta=forge(c.delta)))
 
-    return ForgingRelaySwarm
+    return ForgingAdmission
 
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in CHEATS:
         sys.exit(f"usage: python -m lab.relay_cheats {{{','.join(CHEATS)}}} join --role relay ...")
-    relay_node.RelaySwarm = cheating_relay(CHEATS[sys.argv.pop(1)])  # type: ignore[misc]  # what run_relay builds
+    relay_node.UpstreamAdmission = cheating_relay(CHEATS[sys.argv.pop(1)])  # type: ignore[misc]  # what run_relay builds
     runpy.run_module("btnode_cli.main", run_name="__main__")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.node import launch
 from btnode.settings import declared
 from btnode.train.config import TrainConfig

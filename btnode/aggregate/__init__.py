@@ -1,1 +1,2 @@
-"""Aggregation: round state, averaging rules and the per-block aggregator (design §3.3)."""
+"""Aggregation: `SwarmAggregator` (service.py) composed of sums/ (the exact arithmetic), trust/ (what
+it checks), round/ (one block's round and its RoundSink) and relay/ (a relay's admission and sink)."""

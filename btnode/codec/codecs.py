@@ -47,7 +47,7 @@ class Codec(IntEnum):
     def ef_decay(self) -> float:
         """β of error feedback, acc = Δ + β·residual: 1 for the dense codecs (the residual is one rounding
         step), sparse.EF_DECAY for the sparse ones (a coordinate may wait many rounds to be sent, and
-        the decay bounds what it can pile up to: the claims bound, aggregate/claims.py)."""
+        the decay bounds what it can pile up to: the claims bound, aggregate/trust/claims.py)."""
         return sparse.EF_DECAY if self.sparse else 1.0
 
 

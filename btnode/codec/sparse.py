@@ -25,7 +25,7 @@ Raw layout (little-endian; bit streams packed least-significant bit first):
 K = Σ k_c follows from (numel, keep), so every section but the last has a known size, and the
 last must hold exactly K zeros and at most 7 bits of padding, all ones. Anything else is a
 MalformedInput. `decode_sparse` gives the (positions, values) pairs, which is how the aggregator
-sums updates without making them dense (aggregate/accumulate.py).
+sums updates without making them dense (aggregate/sums/accumulate.py).
 """
 
 from __future__ import annotations

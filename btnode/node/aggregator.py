@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from pathlib import Path
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError
@@ -180,7 +180,7 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
 
 
 def expire_relay_audits(agg: SwarmAggregator, stop: threading.Event) -> None:
-    """Fail the relay audits whose evidence is late (aggregate/evidence.py), once a second, until `stop`."""
+    """Fail the relay audits whose evidence is late (aggregate/trust/evidence.py), once a second, until `stop`."""
     while not stop.wait(1.0):
         try:
             agg.expire_relay_audits()

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from btnode import __version__
-from btnode.aggregate.audit import AuditTotals
+from btnode.aggregate.trust.audit import AuditTotals
 from btnode.aggregate.service import SwarmAggregator
 from btnode.errors import ConfigError
 from btnode.protocol import Meter, Outcome
@@ -111,7 +111,7 @@ class AggregatorCollector(Collector):
 
 
 def audit_families(t: AuditTotals) -> Iterator[Family]:
-    """Replay audits (aggregate/audit.py): verdicts, their compute, how long a cheat went unseen."""
+    """Replay audits (aggregate/trust/audit.py): verdicts, their compute, how long a cheat went unseen."""
     audits = CounterMetricFamily("btnode_audits", "Replay audits by result (passed, failed) and reason (why one "
                                  "failed: delta, state, late_state, ...).", labels=["result", "reason"])
     for result in ("passed", "failed"):  # present from the start, at 0

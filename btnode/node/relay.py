@@ -1,6 +1,6 @@
-"""Run the relay role (docs/swarm.md, "Relays"): join the parent as a relay, serve children the
-Swarm service over a RelaySwarm, follow the parent's versions (delta or full pull, hash-checked,
-stored, re-served), and push each closed round's combined update upstream."""
+"""Run the relay role (docs/swarm.md, "Relays"): join the parent as a relay, serve children the Swarm
+service over a SwarmAggregator built with an UpstreamAdmission, follow the parent's versions (delta or
+full pull, hash-checked, stored, re-served), and push each closed round's combined update upstream."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.manifests import counted_in
-from btnode.aggregate.relay import Combined, RelayBlock, RelaySwarm
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.manifests import counted_in
+from btnode.aggregate.relay.admission import UpstreamAdmission
+from btnode.aggregate.relay.forward import Combined, RelayBlock
+from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import lazy_frames
 from btnode.errors import BtnodeError, ConfigError, Forbidden, PeerUnavailable
@@ -76,7 +78,7 @@ def _fetch(parent: FailoverLink, block: RelayBlock, info: VersionInfo) -> None:
     block.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
 
 
-def _follow(parent: FailoverLink, relay: RelaySwarm, block: RelayBlock, stop: threading.Event) -> None:
+def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, stop: threading.Event) -> None:
     """Watch the parent's versions of `block` and adopt each, until `stop`; a broken stream (the
     link has moved to the next parent) or a failed fetch is retried after a second. When the stream
     comes back, join again and re-push the last combined update if the parent is still on its round
@@ -101,7 +103,7 @@ def _follow(parent: FailoverLink, relay: RelaySwarm, block: RelayBlock, stop: th
         stop.wait(1.0)
 
 
-def _reforward(parent: FailoverLink, relay: RelaySwarm, block: int, info: VersionInfo) -> None:
+def _reforward(parent: FailoverLink, relay: UpstreamAdmission, block: int, info: VersionInfo) -> None:
     last = relay.last_forward.get(block)
     if last is None or last[0].base_version != info.version:
         return
@@ -118,7 +120,7 @@ def _header(c: Combined, name: str) -> PushHeader:
                       codec=Codec.FP32, update_id=uuid.uuid4().hex, manifest=c.manifest)
 
 
-def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: float) -> None:
+def _forward(parent: FailoverLink, relay: UpstreamAdmission, c: Combined, give_up: float) -> None:
     """Push one combined update, through outages of the parent until `give_up` (monotonic)."""
     header = _header(c, relay.name)
     relay.last_forward[c.block] = (header, c)
@@ -138,7 +140,6 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
             c.base_version, len(c.manifest), c.weight, j.outcome.value, f": {j.reason}" if j.reason else "")
     relay.forwarded[j.outcome.value] = relay.forwarded.get(j.outcome.value, 0) + 1
     block = relay.blocks[c.block]
-    assert isinstance(block, RelayBlock)
     if j.closes_in_s > 0:  # amendments go up while they can reach the parent's round: its deadline less an upload
         took = time.monotonic() - t0
         block.parent_closes(c.base_version, block.clock() + j.closes_in_s - max(AMEND_SAFETY_S, 2 * took))
@@ -149,7 +150,7 @@ def _forward(parent: FailoverLink, relay: RelaySwarm, c: Combined, give_up: floa
         _evidence(parent, relay, header, c)
 
 
-def _latest(relay: RelaySwarm, first: Combined) -> list[Combined]:
+def _latest(relay: UpstreamAdmission, first: Combined) -> list[Combined]:
     """`first` and whatever else is queued, keeping only the newest combined update of each block and
     round: an amendment takes the place of the one before it, so only the last needs to go up."""
     queued = [first]
@@ -162,11 +163,10 @@ def _latest(relay: RelaySwarm, first: Combined) -> list[Combined]:
     return list(newest.values())
 
 
-def _evidence(parent: FailoverLink, relay: RelaySwarm, header: PushHeader, c: Combined) -> None:
-    """The parent drew this combined push for a relay audit (aggregate/evidence.py): send it the
+def _evidence(parent: FailoverLink, relay: UpstreamAdmission, header: PushHeader, c: Combined) -> None:
+    """The parent drew this combined push for a relay audit (aggregate/trust/evidence.py): send it the
     children's frames the round kept, from which it recombines the push bit for bit."""
-    block = relay.block(c.block)
-    assert isinstance(block, RelayBlock)
+    block = relay.blocks[c.block]
     try:
         parent.submit_evidence(header, block.unit, relay.evidence(c))
     except BtnodeError as exc:
@@ -177,7 +177,7 @@ def _evidence(parent: FailoverLink, relay: RelaySwarm, header: PushHeader, c: Co
              c.base_version, len(c.manifest))
 
 
-def _forwarder(parent: FailoverLink, relay: RelaySwarm, deadline_s: float, stop: threading.Event) -> None:
+def _forwarder(parent: FailoverLink, relay: UpstreamAdmission, deadline_s: float, stop: threading.Event) -> None:
     while not (stop.is_set() and relay.outbox.empty()):
         try:
             c = relay.outbox.get(timeout=0.2)
@@ -219,24 +219,25 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         raise ConfigError(f"--relay-margin {margin} leaves no round: the parent's deadline is {parent_deadline:g} s")
     acfg = replace(acfg, round=replace(acfg.round, deadline_s=own, max_staleness=joined[0].max_staleness),
                    update_codecs=tuple(c for c in acfg.update_codecs if c in joined[0].codecs))
-    relay = RelaySwarm(cfg, acfg, state_dir, upstream=parent, name=name, blocks=owned, seed=seed)
-    if metrics_listen:
-        serve_metrics(metrics_listen, AggregatorCollector(relay, role="relay"))
-    relay.parent_audits = any(j.relay_audits for j in joined)  # then it keeps its rounds' evidence and takes no child relay
-    relay.parent_replays = any(j.audits for j in joined)  # then it commits each child update there first (Draw)
     sec = security.current()
-    if sec.client_auth and sec.ca is not None:  # children's receipts are checked here, as the root will check them
-        relay.check_receipt = functools.partial(check_receipt, sec.ca.read_bytes())
+    relay = UpstreamAdmission(
+        parent, name,
+        parent_audits=any(j.relay_audits for j in joined),  # then it keeps its rounds' evidence and takes no child relay
+        parent_replays=any(j.audits for j in joined),  # then it commits each child update there first (Draw)
+        # under mutual TLS, children's receipts are checked here, as the root will check them
+        check_receipt=functools.partial(check_receipt, sec.ca.read_bytes()) if sec.client_auth and sec.ca else None)
+    agg = SwarmAggregator(cfg, acfg, state_dir, blocks=owned, seed=seed, upstream=relay)
+    if metrics_listen:
+        serve_metrics(metrics_listen, AggregatorCollector(agg, role="relay"))
     for b in relay.blocks.values():  # start from the parent's current version (hash-checked by adopt)
-        assert isinstance(b, RelayBlock)
         pulled, have = parent.pull(b.block, "", b.spec), b.current()[0]
         if (have.version, have.sha256) != (pulled.info.version, pulled.info.sha256):
             b.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
     health = NodeHealth()
-    server, port, server_stop = serve(relay, listen, limits=limits, health=health)
+    server, port, server_stop = serve(agg, listen, limits=limits, health=health)
     threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop), daemon=True, name=f"follow-{b.block}")
-               for b in relay.blocks.values() if isinstance(b, RelayBlock)]
-    threads.append(threading.Thread(target=expire_relay_audits, args=(relay, stop), daemon=True, name="relay-audits"))
+               for b in relay.blocks.values()]
+    threads.append(threading.Thread(target=expire_relay_audits, args=(agg, stop), daemon=True, name="relay-audits"))
     threads.append(threading.Thread(target=_forwarder, args=(parent, relay, parent_deadline, stop), daemon=True,
                                     name="forwarder"))
     for t in threads:
@@ -244,7 +245,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     log.info("relay %s for blocks %s listening on port %d under %s (round %g s, the parent's %g s%s%s)", name, owned,
              port, parent.address, own, parent_deadline, "; the parent audits relays" if relay.parent_audits else "",
              "; the parent replays updates: each child update is committed there first" if relay.parent_replays else "")
-    tickers, alive = serving(relay.blocks, stop, port=port, port_file=port_file, health=health,
+    tickers, alive = serving(agg.blocks, stop, port=port, port_file=port_file, health=health,
                              status=f"relaying blocks {owned} on port {port}")  # a close never gaps the watchdog
     try:
         watch_ticks(tickers, alive, stop)
@@ -254,7 +255,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         server_stop.set()
         server.stop(grace=5.0).wait()
         tickers.join()
-        relay.drain()  # an open round with accepted updates goes upstream before the relay exits
+        agg.drain()  # an open round with accepted updates goes upstream before the relay exits
         threads[-1].join(timeout=parent_deadline)
         while not relay.outbox.empty():  # the forwarder may have stopped before the drain queued its round
             try:

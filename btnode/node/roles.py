@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig, join_aggregator
 from btnode.node.settings import HostConfig, ServeConfig

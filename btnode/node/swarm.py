@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.errors import BtnodeError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from btnode.aggregate.identities import Identity, Role
+from btnode.aggregate.trust.identities import Identity, Role
 from btnode.errors import ConfigError, Forbidden, InputError, Unauthenticated
 from btnode.protocol import MAX_NAME, PushHeader, receipt_statement
 

@@ -1,4 +1,4 @@
-"""`SwarmClient`: the worker's AggregatorLink over gRPC. Status codes come back as domain errors;
+"""`SwarmClient`: the worker's Upstream (btnode.protocol) over gRPC. Status codes come back as domain errors;
 a push that was judged by content (stale, invalid) comes back as a Judgement the worker can act on.
 A call the server refused for now (Overloaded: over one of its limits) is retried with a jittered
 exponential backoff for up to `Retry.budget_s`, and each retry counted; an unreachable server
@@ -16,13 +16,24 @@ from typing import Any, TypeVar
 
 import grpc
 
+from btnode.aggregate.trust.evidence import frames_digest
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
 from btnode.model.config import ModelConfig
-from btnode.aggregate.evidence import frames_digest
-from btnode.protocol import (Drawn, EvidenceChild, JoinInfo, Judgement, Outcome, Pulled, PushHeader, Transfer, VersionInfo,
-                             join_statement, receipt_statement)
+from btnode.protocol import (
+    Drawn,
+    EvidenceChild,
+    JoinInfo,
+    Judgement,
+    Outcome,
+    Pulled,
+    PushHeader,
+    Transfer,
+    VersionInfo,
+    join_statement,
+    receipt_statement,
+)
 from btnode.rpc import convert
 from btnode.rpc.certs import sign
 from btnode.rpc.security import Security, channel, current
@@ -183,13 +194,13 @@ class SwarmClient:
 
     def draw(self, header: PushHeader, digest: str) -> Drawn:
         """A relay's commit of a child's update (`header`, its frames' `digest`) to a root that replays
-        audits (aggregate/commits.py). A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
+        audits (aggregate/trust/commits.py). A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
         reply = self._call("draw", self.relay_stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
                                                                   digest=bytes.fromhex(digest)))
         return Drawn(drawn=reply.drawn, token=bytes(reply.token))
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
-        """Send the start state of an update drawn for audit (AggregatorLink.submit_state): its push
+        """Send the start state of an update drawn for audit (Upstream (btnode.protocol).submit_state): its push
         header, then its fp32 frames (or their chunks as received, which a relay passes on). A refusal
         raises its PeerInputError (no_audit, state, ...)."""
         self._call("state upload",
@@ -198,7 +209,7 @@ class SwarmClient:
                    replayable=not isinstance(frames, Iterator))
 
     def submit_evidence(self, header: PushHeader, unit: float, parts: Iterable[EvidenceChild | Frame]) -> None:
-        """A relay's evidence for its combined push `header` (aggregate/evidence.py): each child's
+        """A relay's evidence for its combined push `header` (aggregate/trust/evidence.py): each child's
         EvidenceChild, then its frames, read lazily (re-read on a retry unless `parts` is an iterator).
         A refusal raises its PeerInputError (no_audit, evidence, ...)."""
 

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from btnode import __version__
-from btnode.aggregate.identities import Role
+from btnode.aggregate.trust.identities import Role
 from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader

@@ -1,4 +1,4 @@
-"""`FailoverLink`: an AggregatorLink over several upstreams (`--peer A,B`: relays, or the root),
+"""`FailoverLink`: an Upstream over several upstreams (`--peer A,B`: relays, or the root),
 used in order. When the one in use is unreachable it moves to the next, joins there again with
 the joins it remembers, and retries the call once; a broken watch stream moves it too, so the
 worker's reconnect re-pushes its last update to the new upstream (swarm/announcements.py)."""

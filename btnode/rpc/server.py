@@ -17,18 +17,16 @@ from typing import Any
 
 import grpc
 
-from btnode.aggregate.block import ABORTED, INCOMPLETE
-from btnode.aggregate.deltas import DeltaFrames, StoredFrame
-from btnode.aggregate.evidence import noting_digest
-from btnode.aggregate.identities import Identity, Role
+from btnode.aggregate.round.deltas import DeltaFrames, StoredFrame
+from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.frames import ChunkData, Frame
-from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
-from btnode.protocol import EvidenceChild, PushHeader, VersionInfo, join_statement, push_statement, receipt_statement
+from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
+from btnode.protocol import ABORTED, EvidenceChild, PushHeader, VersionInfo, join_statement, receipt_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
-from btnode.rpc.certs import check_receipt, peer_identity, verify_signed
+from btnode.rpc.certs import peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import REASON_KEY, code_for, reason_for
 from btnode.v2 import swarm_pb2 as pb
@@ -51,7 +49,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
-EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/evidence.py)
+EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/trust/evidence.py)
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # No BDP probing on what the server receives: with it, gRPC grows each connection's window to the
@@ -147,7 +145,7 @@ SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Wo
 class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.OperatorServicer):
     """One servicer behind the three services the aggregator carries (split by caller: docs/wire.md).
     `identities`: bind every call to its client certificate (under mutual TLS): the identity
-    must be admitted for the call (aggregate/identities.py) and any worker id it claims must be its name."""
+    must be admitted for the call (aggregate/trust/identities.py) and any worker id it claims must be its name."""
 
     def __init__(self, agg: SwarmAggregator, stop: threading.Event, *, identities: bool = False, ca: bytes = b"",
                  relay_joined: Callable[[str], None] = lambda peer: None):
@@ -158,6 +156,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         self.relay_joined = relay_joined
         self.identities = identities
         self.ca = ca  # the swarm CA (PEM): the proofs relays pass on are checked against it
+        self._verify = functools.partial(verify_signed, ca) if ca else None
         # the newest delta fetched of each block, as frames ready to send: after a publish every worker
         # fetches the same one, so it is read, hash-checked and compressed once, not once per worker
         self._deltas: dict[int, DeltaFrames] = {}
@@ -191,38 +190,15 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
 
     def _proven(self, relay: Identity, worker_id: str, proof: tuple[bytes, bytes], statement: bytes) -> Identity:
         """The worker's identity behind a join or push receipt that the relay `relay` passes on, once
-        its certificate and signature prove it (rpc/certs.verify_signed); refused (Forbidden) otherwise."""
-        if relay.role is not Role.RELAY:
-            self.agg.admit(relay, "Join", worker_id)  # refused (and recorded): one speaks only for its own name
-        try:
-            if not proof[0]:
-                raise Forbidden("signature", f"relay {relay.name} passes on {worker_id!r} without its signature "
-                                             f"(under mutual TLS a worker signs what a relay passes on)")
-            child = verify_signed(self.ca, proof[0], proof[1], statement, worker_id)
-            self.agg.identities.admit(child, "Join", worker_id)
-        except PeerInputError as exc:
-            self.agg.count("identity_refused", exc.reason)
-            raise
-        return child
-
-    def _check_manifest(self, relay: Identity, header: PushHeader) -> None:
-        """Under mutual TLS each child update a relay lists must carry its worker's signed receipt,
-        naming this block and the entry's base version, update id, samples, frames digest and claim
-        digest; the relay may only weigh it down (staleness), never up."""
-        for e in header.manifest:
-            self._proven(relay, e.worker_id, (e.cert, e.signature), push_statement(
-                e.worker_id, header.block, e.base_version, e.update_id, e.samples, e.sha256, e.claim_sha256))
-            if e.weight > e.samples * (1 + 1e-12):
-                self.agg.count("identity_refused", "signature")
-                raise Forbidden("signature", f"relay {relay.name} weighs {e.worker_id}'s update {e.weight:g}; its "
-                                             f"signed claim is {e.samples:g}")
+        its certificate and signature prove it against the swarm CA; refused (Forbidden) otherwise."""
+        return self.agg.proven(relay, worker_id, proof, statement, self._verify)
 
     @_guard
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         who = self._who(context, "Leave")
         if who is not None and who.name != request.worker_id and who.role is not Role.RELAY:
             self.agg.admit(who, "Leave", request.worker_id)  # refused: one leaves under its own name only
-        # (a relay tells its parent that a child's version stream ended: aggregate/relay.py)
+        # (a relay tells its parent that a child's version stream ended: aggregate/relay/forward.py)
         self.agg.leave(request.worker_id, request.block)
         return pb.LeaveReply()
 
@@ -253,7 +229,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         yield from self._send(info, frames, "fetch_delta", pb.FetchDeltaReply)
 
     def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[StoredFrame]]:
-        """The frames of the delta that produced `version`, compressed in a file (aggregate/deltas.py): the
+        """The frames of the delta that produced `version`, compressed in a file (aggregate/round/deltas.py): the
         newest one asked for is cached (and built under a lock, so that concurrent first fetches read and
         compress it once); a stream already sending an older one keeps its file until it ends."""
         block = self.agg.block(b)
@@ -290,7 +266,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
                 raise MalformedInput("no_header", f"a {method} stream must start with its header")
             header = convert.push_header_from_pb(first.header)
             if who is not None:  # a relay passes a child's update on for a replay audit under the child's id
-                self.agg.identities.admit(who, method, "" if _relayed(who, header) else header.worker_id)
+                self.agg.identities.admit(who, method, "" if who.passes_on(header) else header.worker_id)
         except PeerInputError as exc:
             self.agg.count(refused, exc.reason)
             log.warning("refused %s: %s", method, exc)
@@ -313,48 +289,15 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
-        relayed = who is not None and _relayed(who, header)
-        if relayed:  # a child's update drawn for audit: only that, under its own signed receipt
-            try:
-                self.agg.check_passed_on(header)
-            except PeerInputError as exc:
-                self.agg.block(header.block).reject(None, exc)
-                raise
-            chunks, who = self._receipted(header, chunks), None
-        if who is not None and header.manifest:
-            try:
-                self._check_manifest(who, header)
-            except PeerInputError as exc:
-                self.agg.block(header.block).reject(header, exc)
-                self.agg.relays.pushed(header, False)
-                raise
-        try:
-            judged = self.agg.push(header, chunks, who=who)
-        except PeerInputError as exc:
-            if relayed and exc.reason not in INCOMPLETE and self.agg.commits is not None:
-                self.agg.commits.judged(header.update_id)  # refused: its chain moved on (or it never was its worker's)
-            raise
-        if relayed and self.agg.commits is not None:
-            self.agg.commits.judged(header.update_id)
+        judged = self.agg.push(header, chunks, who=who, verify=self._verify)
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
         return convert.judgement_to_pb(judged)
 
-    def _receipted(self, header: PushHeader, chunks: Iterator[ChunkData]) -> Iterator[ChunkData]:
-        """The chunks of a child's update a relay passes on, its worker's signed receipt checked
-        against their frames once they are in (before the update is judged): Forbidden otherwise."""
-        def proven(digest: str) -> None:
-            try:
-                check_receipt(self.ca, header, digest)
-            except PeerInputError as exc:
-                self.agg.count("identity_refused", exc.reason)
-                raise
-        return noting_digest(chunks, proven)
-
     @_guard
     def Draw(self, request: pb.DrawRequest, context: grpc.ServicerContext) -> pb.DrawReply:
-        """A relay commits a child's update before it counts it (aggregate/commits.py); under mutual
+        """A relay commits a child's update before it counts it (aggregate/trust/commits.py); under mutual
         TLS the child's signed receipt must cover its header, claim and frames digest."""
         who = self._who(context, "Draw")
         header = convert.push_header_from_pb(request.header)
@@ -385,7 +328,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     @_guard
     def SubmitEvidence(self, request_iterator: Iterator[pb.SubmitEvidenceRequest],
                        context: grpc.ServicerContext) -> pb.SubmitEvidenceReply:
-        """A relay's evidence for a combined push drawn for audit (aggregate/evidence.py)."""
+        """A relay's evidence for a combined push drawn for audit (aggregate/trust/evidence.py)."""
         t0 = time.perf_counter()
         who = self._who(context, "SubmitEvidence")
         try:
@@ -456,11 +399,6 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
                                            "(--tls-client-auth) so that worker ids are certificates, not claims")
         self._who(context, "Revoke")
         return pb.RevokeReply(revoked_at_unix=self.agg.revoke(request.name))
-
-
-def _relayed(who: Identity, header: PushHeader) -> bool:
-    """Whether a relay sends a child's own update (or its start state), drawn for a replay audit."""
-    return who.role is Role.RELAY and not header.manifest and header.worker_id != who.name
 
 
 def serve(agg: SwarmAggregator, address: str, *, security: Security | None = None,

@@ -1,4 +1,4 @@
-"""`LocalLink`: an AggregatorLink that calls a SwarmAggregator in the same process.
+"""`LocalLink`: an Upstream that calls a SwarmAggregator in the same process.
 
 Pushes still go through the wire format (frames compressed by the worker, then chunked and
 validated by the aggregator's own FrameAssembler), so the only thing replaced is the network.

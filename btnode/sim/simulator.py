@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from btnode.aggregate.audit import Verdict
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.audit import Verdict
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import SPARSE_DENSITY, Codec
 from btnode.data.source import ByteSource

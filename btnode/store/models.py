@@ -30,7 +30,7 @@ def block_stem(block: int) -> str:
 
 
 AR_STEM = "ar"
-RUN_FILE = "run.json"  # marks an aggregator state folder (see aggregate/service.py)
+RUN_FILE = "run.json"  # marks an aggregator state folder (see aggregate/statedir.py)
 
 
 def init_block(cfg: ModelConfig, block: int, seed: int) -> DiffusionBlock:

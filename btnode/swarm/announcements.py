@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from btnode.errors import PeerUnavailable
-from btnode.protocol import AggregatorLink, VersionInfo
+from btnode.protocol import Upstream, VersionInfo
 
 log = logging.getLogger(__name__)
 RECONNECTED = object()  # put on the queue when the watch stream comes back
@@ -20,7 +20,7 @@ BACKOFF_S = (0.5, 15.0)  # the first wait before opening a broken stream again, 
 
 
 class Announcements:
-    def __init__(self, link: AggregatorLink, block: int, worker_id: str, *, wait_timeout_s: float,
+    def __init__(self, link: Upstream, block: int, worker_id: str, *, wait_timeout_s: float,
                  on_reconnect: Callable[[], None] = lambda: None):
         """`on_reconnect` is called before each attempt to open the stream again (a worker counts them)."""
         self.link, self.block, self.worker_id, self.wait_timeout_s = link, block, worker_id, wait_timeout_s

@@ -59,7 +59,7 @@ class Fold:
     def refused(self, base: Tensors, most: int) -> Fold:
         """Nothing of the update reaches the next version: fold all of it in (θ − θ^v), its steps too,
         unless the next update would then hold more than `most` steps (the aggregator refuses more:
-        aggregate/claims.py); then nothing is folded, as in `idle`."""
+        aggregate/trust/claims.py); then nothing is folded, as in `idle`."""
         pending = self.in_flight + self.pending
         return Fold(pending=pending, origin=base) if len(pending) <= most else self.idle()
 

@@ -16,10 +16,10 @@ model, so a worker trains a full replica with its inner AdamW and pushes the rep
 the unit's model and trainer differ (store.models.init_unit, train.trainers.unit_trainer).
 
 Which windows it trains is the swarm's choice: Join hands it a data key
-(btnode/aggregate/datakeys.py), and step s trains WindowSampler.batch(seed, key, s, batch); each
+(btnode/aggregate/trust/datakeys.py), and step s trains WindowSampler.batch(seed, key, s, batch); each
 update names its key and steps, so anyone holding the data can re-derive what it was trained on.
 
-It talks to the aggregator only through an AggregatorLink, so the same loop runs over gRPC or
+It talks to the aggregator only through an Upstream, so the same loop runs over gRPC or
 in-process. Every transfer is counted (raw and wire bytes) for the benchmarks.
 """
 
@@ -48,7 +48,7 @@ from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
-from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, AggregatorLink, Judgement, Outcome,
+from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, Upstream, Judgement, Outcome,
                              PushHeader, RoundSize, Transfer, VersionInfo, WorkClaim)
 from btnode.settings import flag, same_flag
 from btnode.store.files import optimizer_tensors, state_sha256
@@ -132,7 +132,7 @@ class Exchanged:
 
 
 class BlockWorker:
-    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: AggregatorLink,
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, link: Upstream,
                  corpus: ByteSource | bytes, *, device: torch.device, data_id: str = ""):
         """`data_id`: what `corpus` is (btnode.data.identity), stated at Join so that the aggregator
         can refuse a worker that trains on other data than the swarm; empty: not stated."""

@@ -1,7 +1,7 @@
 """`Recipe`: the arithmetic a worker trains with. Two runs of the same steps from the same state
 give bit-identical results on CPU when their recipes are equal (same torch, thread count, device
 type and precision): that is what lets an auditor replay an update and compare it byte for byte
-(aggregate/audit.py). With different recipes the results differ by rounding, and a replay can only
+(aggregate/trust/audit.py). With different recipes the results differ by rounding, and a replay can only
 be compared within a tolerance."""
 
 from __future__ import annotations

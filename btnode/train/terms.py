@@ -1,5 +1,5 @@
 """`TrainingTerms`: the training settings a worker states at Join (its whole TrainConfig and H), as
-JSON. The aggregator judges the swarm-wide ones (aggregate/claims.py) and keeps the rest, so that a
+JSON. The aggregator judges the swarm-wide ones (aggregate/trust/claims.py) and keeps the rest, so that a
 replay of an update can rebuild the worker's exact training. Here, below both sides, so that the
 worker (swarm) and the aggregator (aggregate) read and write one format."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.errors import PeerUnavailable

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec, decode, keep_in
 from btnode.codec.frames import encode_frames
 from btnode.codec.sparse import keep_of
@@ -92,7 +92,7 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
     m1 = mean(d1, weights)  # the momentum buffer after one step is the mean itself
     assert v1.info.version == 1 and v1.info.closed_by == "all_reported"
     for n, t in base.items():
-        # the exact fixed-point mean (aggregate/accumulate.py) is within an ulp of this fp32 one: a few
+        # the exact fixed-point mean (aggregate/sums/accumulate.py) is within an ulp of this fp32 one: a few
         # ulps of θ, far under what a lossy momentum buffer (bf16: ~2e-6 here) would be off by
         torch.testing.assert_close(v1.tensors[n], t + 0.7 * (m1[n] + 0.9 * m1[n]), rtol=0, atol=5e-7, msg=n)
     c.close()

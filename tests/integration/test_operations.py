@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig

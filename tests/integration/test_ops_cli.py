@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 
 import torch
+from procs import TINY_SHAPE, honest_terms
 
 from btnode import __version__ as btnode_version
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc.client import SwarmClient
 from btnode.store.models import init_ar, init_block
-
-from procs import TINY_SHAPE, honest_terms
 
 BTNODE = str(Path(sys.executable).with_name("btnode"))
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import FrameAssembler, encode_frames, iter_chunks

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.identities import Role
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.identities import Role
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.model.config import ModelConfig

@@ -168,6 +168,6 @@ def test_a_new_version_is_exactly_base_plus_eta_times_the_weighted_mean(aggregat
         acc = torch.zeros_like(t)
         for w in ("r1", "r2"):
             acc += (weights[w] / 128.0) * d[w][n]
-        # the exact fixed-point sum (aggregate/accumulate.py) is within its grid of this fp32 sum
+        # the exact fixed-point sum (aggregate/sums/accumulate.py) is within its grid of this fp32 sum
         torch.testing.assert_close(new.tensors[n], t + 0.7 * acc, rtol=0, atol=1e-7, msg=n)
     c.close()

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 from btnode.rpc.client import SwarmClient

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks
@@ -397,8 +397,8 @@ def test_a_worker_outlives_a_refused_pull_and_a_refused_version_stream(tmp_path)
     time): its first pull is refused while another peer's push holds the transfer slot, and its
     version stream while another stream holds the only watch slot. Neither ends it: the pull is
     retried, the stream reopened with backoff, and it trains its two rounds (counted in its stats)."""
-    from btnode.aggregate.claims import ClaimConfig
-    from btnode.aggregate.rounds import RoundConfig
+    from btnode.aggregate.trust.claims import ClaimConfig
+    from btnode.aggregate.round.rounds import RoundConfig
     from btnode.swarm.worker import BlockWorker, WorkerConfig
 
     tc, h = TrainConfig(steps=200, warmup=2), ClaimConfig().steps_per_round  # the claims `held_push` makes

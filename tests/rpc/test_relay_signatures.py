@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from btnode.aggregate.audit import AuditConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.evidence import RelayAuditConfig, frames_digest
-from btnode.aggregate.identities import Role
-from btnode.aggregate.relay import RelaySwarm
-from btnode.aggregate.service import SwarmAggregator
+from btnode.aggregate.trust.audit import AuditConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.evidence import RelayAuditConfig, frames_digest
+from btnode.aggregate.trust.identities import Role
+from btnode.aggregate.service import SwarmAggregator, relay_swarm
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.errors import Forbidden, MalformedInput
@@ -61,9 +60,9 @@ def _tree(tmp_path: Path, pki: Path, audit: AuditConfig = AuditConfig()):
     root = SwarmAggregator(CFG, replace(ACFG, audit=audit), tmp_path / "root", corpus=bytes(range(256)) * 4)
     rserver, rport, _ = serve(root, "127.0.0.1:0", security=creds(pki, "root", server=True))
     upstream = SwarmClient(f"127.0.0.1:{rport}", timeout_s=10, security=creds(pki, "r1"))
-    relay = RelaySwarm(CFG, ACFG, tmp_path / "relay", upstream=upstream, name="r1", blocks=[0])
-    relay.check_receipt = functools.partial(check_receipt, (pki / "ca" / "ca.pem").read_bytes())  # as node/relay.py
-    relay.parent_replays = upstream.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True).audits
+    replays = upstream.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), relay=True).audits
+    relay = relay_swarm(CFG, ACFG, tmp_path / "relay", upstream=upstream, name="r1", blocks=[0], parent_replays=replays,
+                        check_receipt=functools.partial(check_receipt, (pki / "ca" / "ca.pem").read_bytes()))  # as node/relay.py
     server, port, _ = serve(relay, "127.0.0.1:0", security=creds(pki, "r1", server=True))
     clients = [upstream]
 
@@ -115,9 +114,10 @@ def push(c: SwarmClient, root: SwarmAggregator, worker: str, update_id: str):
     return c.push(header, encode_frames({n: torch.full(s, 1e-3) for n, s in root.block(0).spec.items()}, Codec.FP32))
 
 
-def combined(relay: RelaySwarm) -> PushHeader:
+def combined(relay: SwarmAggregator) -> PushHeader:
     """The relay's closed round as the header its forwarder would push (node/relay.py), and its frames."""
-    c = relay.outbox.get(timeout=10)
+    assert relay.upstream is not None
+    c = relay.upstream.outbox.get(timeout=10)
     return _header(c, "r1"), encode_frames(c.delta, Codec.FP32)
 
 

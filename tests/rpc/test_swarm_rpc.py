@@ -110,7 +110,7 @@ def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypat
     unit this small is under: lowered to 0 here), and with θ read from its version file (pulled from
     it, made from it at the close), as a large unit's are."""
     if lazy:
-        monkeypatch.setattr("btnode.aggregate.service.LAZY_DECODE_BYTES", 0)
+        monkeypatch.setattr("btnode.aggregate.round.intake.LAZY_DECODE_BYTES", 0)
     join(live, "r1", "r2")
     base = live.client.pull(0, "r1", spec(live))
     assert base.info.version == 0 and state_sha256(base.tensors) == base.info.sha256
@@ -123,7 +123,7 @@ def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypat
         acc = torch.zeros_like(t)
         acc += (32.0 / 128.0) * d1[n]  # r1 before r2: fixed order by worker id
         acc += (96.0 / 128.0) * d2[n]
-        # the exact fixed-point sum (aggregate/accumulate.py) is within its grid of this fp32 sum
+        # the exact fixed-point sum (aggregate/sums/accumulate.py) is within its grid of this fp32 sum
         torch.testing.assert_close(new.tensors[n], t + 0.7 * acc, rtol=0, atol=1e-7, msg=n)
     delta = live.client.fetch_delta(0, 1, spec(live))
     rebuilt = {n: base.tensors[n] + delta.tensors[n] for n in base.tensors}

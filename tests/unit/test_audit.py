@@ -1,4 +1,4 @@
-"""Work claims and replay audits (aggregate/audit.py) in the one-process simulator: the daemon's own
+"""Work claims and replay audits (aggregate/trust/audit.py) in the one-process simulator: the daemon's own
 aggregator and workers, real training, real frames; only the network and the clock are replaced."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from btnode.aggregate.audit import AuditConfig, secret_draw
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.trust.audit import AuditConfig, secret_draw
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.data.corpus import bundled
 from btnode.errors import Forbidden, MalformedInput

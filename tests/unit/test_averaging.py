@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from btnode.aggregate.averaging import OuterConfig, OuterOptimizer, combine, median, trimmed_mean, weighted_mean
+from btnode.aggregate.sums.averaging import OuterConfig, OuterOptimizer, combine, median, trimmed_mean, weighted_mean
 from btnode.errors import ConfigError
 
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec, decode
 from btnode.errors import MalformedInput, StaleUpdate
 from btnode.protocol import Outcome, PushHeader
@@ -56,7 +57,7 @@ def test_new_version_is_base_plus_eta_times_weighted_mean(tmp_path):
         acc = torch.zeros_like(t)
         acc += (1.0 / 4.0) * d1[n]
         acc += (3.0 / 4.0) * d2[n]
-        # the sum is exact fixed point (aggregate/accumulate.py): within 2^-38 of a weight unit per term
+        # the sum is exact fixed point (aggregate/sums/accumulate.py): within 2^-38 of a weight unit per term
         torch.testing.assert_close(params[n], t + 0.7 * acc, rtol=0, atol=1e-6)
     assert info.sha256 == state_sha256(params)
 

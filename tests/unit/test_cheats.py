@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.data.corpus import bundled
 from btnode.model.config import ModelConfig
 from btnode.sim.simulator import SimConfig, Simulation

@@ -1,4 +1,4 @@
-"""What a push may claim (aggregate/claims.py): real workers' updates always fit the derived weight
+"""What a push may claim (aggregate/trust/claims.py): real workers' updates always fit the derived weight
 and the history-free bound; the issue's cheats are refused with `claim` or `bound` from round 0."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig, theta_ranges
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig, theta_ranges
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks
@@ -80,7 +80,7 @@ def test_a_block_takes_thetas_ranges_once_a_version(tmp_path, monkeypatch):
         taken.append(theta_ranges(theta))
         return taken[-1]
 
-    monkeypatch.setattr("btnode.aggregate.block.theta_ranges", counted)
+    monkeypatch.setattr("btnode.aggregate.round.block.theta_ranges", counted)
     agg, workers, _ = swarm(tmp_path, Codec.INT8)
     run_all(workers)
     assert len(taken) == 4 and all(a != b for a, b in zip(taken, taken[1:]))  # θ moved every version
@@ -152,7 +152,7 @@ def test_check_agrees_with_bound_at_and_one_ulp_over_every_coordinate_limit(code
     its answer is bound()'s, coordinate for coordinate; also built CHECK_AT_ONCE values at a time (issue
     #25: two buffers of a slice, not of the largest tensor), here 7, across slice edges."""
     if at_once is not None:
-        monkeypatch.setattr("btnode.aggregate.claims.CHECK_AT_ONCE", at_once)
+        monkeypatch.setattr("btnode.aggregate.trust.claims.CHECK_AT_ONCE", at_once)
     theta = {"w": torch.linspace(-3, 3, 600).reshape(20, 30), "b": torch.randn(7), "v": torch.randn(5, 4) * 1e-3}
     header = dataclasses.replace(PUSH, codec=codec)
     limits = CLAIMS.bound(len(header.steps), theta, codec)

@@ -1,4 +1,4 @@
-"""A root that replays audits and its relays' child updates (aggregate/commits.py): each is committed
+"""A root that replays audits and its relays' child updates (aggregate/trust/commits.py): each is committed
 (Draw) before a relay counts it: its claim's chain is checked then, and one not drawn gets a token
 that binds its worker, update id, base version and frames digest; a combined push whose entries do
 not each carry their own token is refused whole, reason "uncommitted"."""
@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from btnode.aggregate.audit import AuditConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.evidence import RelayAuditConfig
+from btnode.aggregate.trust.audit import AuditConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.evidence import RelayAuditConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks

@@ -10,10 +10,10 @@ import logging
 import pytest
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.datakeys import KEYS_FILE
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.datakeys import KEYS_FILE
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, decode
 from btnode.data.windows import WindowSampler
@@ -107,7 +107,7 @@ def test_a_workers_first_update_is_rederived_from_seed_key_and_steps(tmp_path, c
     assert all(torch.equal(pushed[n], again[n]) for n in pushed)  # bit for bit
     by_id = replay(agg, "w", "w", header.steps)  # the windows the worker id alone would have chosen
     assert not all(torch.equal(pushed[n], by_id[n]) for n in pushed)
-    with caplog.at_level(logging.INFO, logger="btnode.aggregate.block"):
+    with caplog.at_level(logging.INFO, logger="btnode.aggregate.round.block"):
         assert w.push(header, raw).outcome is Outcome.ACCEPTED
     assert "accepted the update of w (data key 0/1, steps 0-3" in caplog.text
 

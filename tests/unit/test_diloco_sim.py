@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import DILOCO_OUTER, OuterConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, decode, keep_in
 from btnode.codec.sparse import keep_of

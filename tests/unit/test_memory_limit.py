@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.errors import ConfigError
 from btnode.node.memory import TCACHE_TUNABLE, UNLIMITED, cgroup_limit, mmap_threshold, parse_size, server_env
 

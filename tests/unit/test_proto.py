@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc  # a test dependency, pinned in pyproject.toml
 
-from btnode.aggregate.identities import Role
+from btnode.aggregate.trust.identities import Role
 from btnode.codec.codecs import Codec
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.model.readout import Readout

@@ -1,4 +1,4 @@
-"""A relay's amended combined update (aggregate/relay.py, block.py `_replaces`): children of a failed
+"""A relay's amended combined update (aggregate/relay/forward.py, block.py `_replaces`): children of a failed
 relay that move to a spare after it forwarded its round go into an amendment, which takes the place of
 the spare's first push at the parent, exactly; children the parent names as counted already (through
 the failed relay) are taken out of the spare's round exactly and the rest pushed again."""
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.manifests import Relays, counted_in
-from btnode.aggregate.relay import Combined, RelayBlock
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.manifests import Relays, counted_in
+from btnode.aggregate.relay.forward import Combined, RelayBlock
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec
 from btnode.errors import MalformedInput
 from btnode.protocol import ManifestEntry, Outcome, PushHeader
@@ -185,7 +186,7 @@ def test_a_relay_restarted_on_its_state_folder_takes_up_its_open_round_durably(t
 
 
 def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_taken_up(tmp_path):
-    from btnode.aggregate.roundlog import LOG_NAME
+    from btnode.aggregate.relay.roundlog import LOG_NAME
 
     block, _ = relay_block(tmp_path)
     for w in ("c1", "c2", "c3"):

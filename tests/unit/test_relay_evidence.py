@@ -1,54 +1,89 @@
-"""Relay audits (aggregate/evidence.py): a relay's kept round recombines, from the evidence it
+"""Relay audits (aggregate/trust/evidence.py): a relay's kept round recombines, from the evidence it
 serves, to its combined push bit for bit; any change to the pushed values, a child's frames, a
 weight or the list of children fails the check."""
 
-import hashlib
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.evidence import RelayAuditConfig, RelayAudits, RelayAuditJob, check_evidence, frames_digest
-from btnode.aggregate.relay import RelayBlock
-from btnode.aggregate.roundlog import Receipt
-from btnode.aggregate.rounds import RoundConfig
-from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.codecs import Codec, decode, encode
-from btnode.codec.frames import Frame, iter_chunks
+from btnode.aggregate.relay.forward import RelayBlock
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
+from btnode.aggregate.service import SwarmAggregator, relay_swarm
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.evidence import RelayAuditConfig, RelayAudits, RelayAuditJob, check_evidence
+from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import Frame, encode_frames, iter_chunks
 from btnode.errors import InputError, MalformedInput
 from btnode.model.config import ModelConfig
-from btnode.protocol import EvidenceChild, ManifestEntry, Outcome, PushHeader, VersionInfo
+from btnode.protocol import (EMPTY_STATE, Drawn, EvidenceChild, JoinInfo, ManifestEntry, Outcome, PushHeader, VersionInfo,
+                             WorkClaim, claim_digest)
 from btnode.store.files import state_sha256
-from btnode.store.versions import VersionStore
 
-INIT = {"w": torch.randn(64, 96, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(5000)}
-SPEC = {n: tuple(t.shape) for n, t in INIT.items()}
+from procs import honest_terms
+
+CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1,))
 CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)
 CHILDREN = {"c0": Codec.INT8, "c1": Codec.FP32, "c2": Codec.BF16}
 
 
-def closed_round(tmp_path, *, clip: bool = False, robust: str = "mean"):
-    """A relay block that took three children's updates (three codecs) and closed: (block, combined)."""
+class Parent:
+    """The relay's parent, in process: it admits every join with one data key and, replaying audits,
+    commits each child update the relay asks it to (a token per worker), drawing none."""
+
+    def join(self, worker_id, block, fingerprint, config_json, data_id="", *, training_json="", relay=False,
+             proof=None) -> JoinInfo:
+        return JoinInfo(current=VersionInfo(block=block, version=0, base_version=0, sha256=""), deadline_s=10.0,
+                        codecs=tuple(Codec), max_staleness=2, data_key="k0", audits=True)
+
+    def leave(self, worker_id, block) -> None:
+        pass
+
+    def draw(self, header: PushHeader, digest: str) -> Drawn:
+        return Drawn(False, f"token-{header.worker_id}".encode())
+
+
+def relay_of(tmp_path, *, clip: bool = False, robust: str = "mean") -> tuple[SwarmAggregator, RelayBlock, list]:
+    """A relay (as node/relay.py builds one, under a parent that replays audits) whose children have
+    joined through it: (relay, its block, the combined updates its rounds closed into)."""
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust=robust),
                             clip=clip)
-    block = RelayBlock(0, INIT, VersionStore(tmp_path, 0, keep=acfg.keep), acfg, clock=lambda: 1000.0,
-                       sketch_key=b"k" * 32)
-    out = []
+    relay = relay_swarm(CFG, acfg, tmp_path, upstream=Parent(), name="r1", blocks=[0], parent_replays=True,
+                        clock=lambda: 1000.0)
+    assert relay.upstream is not None
+    block, out = relay.upstream.blocks[0], []
     block.on_combined = out.append
     for w in CHILDREN:
-        block.register(w)
+        relay.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
+    return relay, block, out
+
+
+def claim_of(worker: str) -> WorkClaim:
+    return WorkClaim(base_sha256="ab" * 32, data_id="", recipe="{}", optimizer_start=EMPTY_STATE,
+                     optimizer_end=f"end-{worker}", residual_start=EMPTY_STATE, residual_end=EMPTY_STATE)
+
+
+def push(relay: SwarmAggregator, i: int, worker: str, codec: Codec, base_version: int = 0):
+    """A child's push, through the relay's own Push path: its frames' digest, receipt and commit token
+    noted on the way, as a child's push over gRPC is."""
+    spec = relay.block(0).spec
+    g = torch.Generator().manual_seed(10 + i)
+    frames = encode_frames({n: 0.01 * torch.randn(s, generator=g) for n, s in spec.items()}, codec)
+    head = PushHeader(worker_id=worker, block=0, base_version=base_version, samples=float(1 + i), loss=1.0,
+                      codec=codec, update_id=f"{worker}-u{base_version}", steps=tuple(range(1 + i)),
+                      claim=claim_of(worker), cert=f"cert-{worker}".encode(), signature=f"sig-{worker}".encode())
+    return relay.push(head, iter_chunks(frames))
+
+
+def closed_round(tmp_path, *, clip: bool = False, robust: str = "mean"):
+    """A relay block that took three children's updates (three codecs) and closed: (block, combined)."""
+    relay, block, out = relay_of(tmp_path, clip=clip, robust=robust)
     block._norms.extend([1.0, 1.0, 1.0])  # with --clip: a median norm every child is over
     for i, (w, codec) in enumerate(CHILDREN.items()):
-        g = torch.Generator().manual_seed(10 + i)
-        raw = {n: encode(codec, 0.01 * torch.randn(s, generator=g)) for n, s in SPEC.items()}
-        delta = {n: decode(codec, raw[n], s) for n, s in SPEC.items()}
-        head = PushHeader(worker_id=w, block=0, base_version=0, samples=float(1 + i), loss=1.0, codec=codec,
-                          update_id=f"{w}-u", steps=tuple(range(1 + i)))
-        block.digests[head.update_id] = frames_digest({n: hashlib.sha256(b).digest() for n, b in raw.items()})
-        assert block.submit(head, delta, raw=raw).outcome is Outcome.ACCEPTED
+        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
     (combined,) = out  # all three reported: the round closed into one combined update
     return block, combined
 
@@ -72,18 +107,19 @@ def test_an_honest_relays_evidence_recombines_to_its_push_bit_for_bit(tmp_path, 
     parts = wire(block.evidence(combined))
     if clip:  # every child was over the median norm: each was scaled down, and the evidence says by how much
         assert all(p.scale < 1 for p in parts if isinstance(p, EvidenceChild))
-    check_evidence(job_of(combined), block.unit, parts, SPEC)
-    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), SPEC)  # re-readable
+    check_evidence(job_of(combined), block.unit, parts, block.spec)
+    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), block.spec)  # re-readable
 
 
 def test_a_pushed_value_one_ulp_off_fails(tmp_path):
     block, combined = closed_round(tmp_path)
-    w = combined.delta["w"].clone()
+    first = max(combined.delta, key=lambda n: combined.delta[n].numel())  # a tensor with an 8th value
+    w = combined.delta[first].clone()
     w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(1.0))
-    for forged in ({**combined.delta, "w": w}, {n: t * 1.01 for n, t in combined.delta.items()}):
+    for forged in ({**combined.delta, first: w}, {n: t * 1.01 for n, t in combined.delta.items()}):
         with pytest.raises(MalformedInput, match="not the mean of its children") as e:
             check_evidence(job_of(replace(combined, delta=forged)), block.unit,
-                           wire(block.evidence(combined)), SPEC)
+                           wire(block.evidence(combined)), block.spec)
         assert e.value.reason == "evidence"
 
 
@@ -95,7 +131,7 @@ def test_evidence_that_is_not_the_childrens_frames_fails(tmp_path):
 
     def fails(bad, match: str) -> None:
         with pytest.raises(MalformedInput, match=match) as e:
-            check_evidence(job, block.unit, wire(bad), SPEC)
+            check_evidence(job, block.unit, wire(bad), block.spec)
         assert e.value.reason in ("evidence", "nested"), e.value
 
     # another child's frames under c0's entry (a relay showing frames that are not what c0 sent)
@@ -106,9 +142,9 @@ def test_evidence_that_is_not_the_childrens_frames_fails(tmp_path):
     fails(heavier, "digest or weight")
     nested = [replace(p, entries=2) if i == children[0] else p for i, p in enumerate(parts)]
     fails(nested, "child relay")
-    check_evidence(job, block.unit, wire(parts), SPEC)  # the untouched list passes
+    check_evidence(job, block.unit, wire(parts), block.spec)  # the untouched list passes
     with pytest.raises(MalformedInput, match="power of two"):
-        check_evidence(job, 3.0, wire(parts), SPEC)
+        check_evidence(job, 3.0, wire(parts), block.spec)
 
 
 def test_evidence_of_a_round_not_kept_is_an_error(tmp_path):
@@ -153,48 +189,27 @@ def test_a_relay_audit_without_evidence_in_time_revokes_the_relay_and_keeps_its_
 
 
 def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
-    block, combined = closed_round(tmp_path)
+    relay, block, out = relay_of(tmp_path)
+    for i, (w, codec) in enumerate(CHILDREN.items()):
+        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
+    (combined,) = out
     _, params = block.current()
     block.adopt(VersionInfo(block=0, version=1, base_version=0, sha256=state_sha256(params)), params, raw=None,
                 codec=None)
-    block.register("c9")  # the next round's spill takes new bytes under the same file name
-    raw = {n: encode(Codec.FP32, torch.full(s, 0.02)) for n, s in SPEC.items()}
-    head = PushHeader(worker_id="c9", block=0, base_version=1, samples=1.0, loss=1.0, codec=Codec.FP32,
-                      update_id="c9-u", steps=(0,))
-    assert block.submit(head, {n: decode(Codec.FP32, b, SPEC[n]) for n, b in raw.items()}, raw=raw).outcome is \
-        Outcome.ACCEPTED
-    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), SPEC)  # round 0's, bit for bit
+    # the next round's spill takes new bytes under the same file name
+    assert push(relay, 3, "c0", Codec.FP32, base_version=1).outcome is Outcome.ACCEPTED
+    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), block.spec)  # round 0's, bit for bit
 
 
 def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(tmp_path):
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust="mean"))
-
-    def relay_block():
-        b = RelayBlock(0, INIT, VersionStore(tmp_path, 0, keep=acfg.keep), acfg, clock=lambda: 1000.0,
-                       sketch_key=b"k" * 32)
-        out = []
-        b.on_combined = out.append
-        for w in CHILDREN:
-            b.register(w)
-        return b, out
-
-    def pushed(block, i, w, codec):
-        raw = {n: encode(codec, 0.01 * torch.randn(s, generator=torch.Generator().manual_seed(i))) for n, s in SPEC.items()}
-        head = PushHeader(worker_id=w, block=0, base_version=0, samples=float(1 + i), loss=1.0, codec=codec,
-                          update_id=f"{w}-u", steps=tuple(range(1 + i)))
-        block.digests[head.update_id] = frames_digest({n: hashlib.sha256(b).digest() for n, b in raw.items()})
-        block.receipts[head.update_id] = Receipt(head.samples, f"cert-{w}".encode(), f"sig-{w}".encode(), f"{i:02d}" * 32,
-                                                 f"token-{w}".encode())  # as RelaySwarm.push
-        return block.submit(head, {n: decode(codec, raw[n], s) for n, s in SPEC.items()}, raw=raw)
-
-    block, _ = relay_block()
+    relay, _, _ = relay_of(tmp_path)
     for i, (w, codec) in enumerate(list(CHILDREN.items())[:2]):
-        assert pushed(block, i, w, codec).outcome is Outcome.ACCEPTED
-    del block  # killed mid-round
-    again, out = relay_block()
-    assert pushed(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
+        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
+    del relay  # killed mid-round
+    again, block, out = relay_of(tmp_path)
+    assert push(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
     (combined,) = out
     assert [(e.worker_id, e.samples, e.cert, e.signature, e.claim_sha256, e.token) for e in combined.manifest] == [
-        (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode(), f"{i:02d}" * 32, f"token-{w}".encode())
+        (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode(), claim_digest(claim_of(w)), f"token-{w}".encode())
         for i, w in enumerate(CHILDREN)]
-    check_evidence(job_of(combined), again.unit, wire(again.evidence(combined)), SPEC)  # bytes taken up too
+    check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), block.spec)  # bytes taken up too

@@ -8,8 +8,9 @@ import json
 import threading
 import time
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.relay import UPSTREAM_JOINS, RelaySwarm
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.relay.admission import UPSTREAM_JOINS
+from btnode.aggregate.service import relay_swarm
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 
@@ -43,7 +44,7 @@ class CountingParent:
 
 def test_a_relay_passes_on_its_childrens_joins_a_few_at_a_time(tmp_path):
     parent = CountingParent(SwarmAggregator(CFG, AggregatorConfig(), tmp_path / "root"))
-    relay = RelaySwarm(CFG, AggregatorConfig(), tmp_path / "relay", upstream=parent, name="r1", blocks=[0])
+    relay = relay_swarm(CFG, AggregatorConfig(), tmp_path / "relay", upstream=parent, name="r1", blocks=[0])
     children = [f"w{i}" for i in range(4 * UPSTREAM_JOINS)]
     threads = [threading.Thread(target=relay.join, args=(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict())),
                                 kwargs={"training_json": honest_terms()}) for w in children]

@@ -1,13 +1,13 @@
-"""A relay's manifest (aggregate/relay.py): one entry per kept child update, flattened through child
+"""A relay's manifest (aggregate/relay/forward.py): one entry per kept child update, flattened through child
 relays with their staleness factor, and a digest that names the child's frames whatever their order."""
 
 from __future__ import annotations
 
 import hashlib
 
-from btnode.aggregate.evidence import frames_digest
-from btnode.aggregate.relay import manifest_of
-from btnode.aggregate.rounds import Update
+from btnode.aggregate.trust.evidence import frames_digest
+from btnode.aggregate.relay.forward import manifest_of
+from btnode.aggregate.round.rounds import Update
 from btnode.protocol import ManifestEntry
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from btnode.aggregate.rounds import Round, RoundConfig, Update
+from btnode.aggregate.round.rounds import Round, RoundConfig, Update
 from btnode.errors import MalformedInput, StaleUpdate
 from btnode.protocol import Outcome
 

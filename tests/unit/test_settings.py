@@ -11,10 +11,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from btnode.aggregate.audit import AuditConfig
-from btnode.aggregate.averaging import DILOCO_OUTER, OuterConfig
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.trust.audit import AuditConfig
+from btnode.aggregate.sums.averaging import DILOCO_OUTER, OuterConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig

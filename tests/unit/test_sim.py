@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec
 from btnode.errors import ConfigError
 from btnode.model.config import ModelConfig

@@ -1,5 +1,5 @@
 """Sparse updates at the aggregator (issue #24): held sparse, summed as they arrive into one running sum
-(aggregate/accumulate.py), averaged over all updates or over each coordinate's senders, screened by
+(aggregate/sums/accumulate.py), averaged over all updates or over each coordinate's senders, screened by
 their cosine with the others, clipped on request, and published through a sparse codec that every
 replica applies bit for bit."""
 
@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from btnode.aggregate.accumulate import Accumulator, dense
-from btnode.aggregate.averaging import OuterConfig, weighted_mean
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.accumulate import Accumulator, dense
+from btnode.aggregate.sums.averaging import OuterConfig, weighted_mean
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.sparse import SparseTensor, keep_of
 from btnode.protocol import Outcome, PushHeader

@@ -7,18 +7,18 @@ import dataclasses
 
 import pytest
 import torch
+from procs import honest_terms
 
 import btnode
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.errors import ConfigMismatchError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import PushHeader
 from btnode.rpc.convert import info_from_pb, model_from_pb, status_to_pb
-from procs import honest_terms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
 CLAIMS = ClaimConfig(batch=1, lr=1.0, steps_per_round=4, enforce=True)  # hand-made updates: 4 steps of one window

@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-from btnode.aggregate.accumulate import MAX_TERM, Accumulator, Sketcher, weight_unit
-from btnode.aggregate.averaging import OuterConfig, weighted_mean
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.accumulate import MAX_TERM, Accumulator, Sketcher, weight_unit
+from btnode.aggregate.sums.averaging import OuterConfig, weighted_mean
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.sparse import SparseTensor, keep_of
 from btnode.errors import MalformedInput
@@ -121,7 +122,7 @@ def test_terms_made_a_slice_at_a_time_sum_to_the_same_bits(monkeypatch, rule):
     and int64 temporaries were 16 bytes a value of the whole tensor): dense and sparse updates, added
     and one taken out again, give the same integers as terms made a whole tensor at a time, and the same
     mean, read a slice at a time too."""
-    import btnode.aggregate.accumulate as accumulate
+    import btnode.aggregate.sums.accumulate as accumulate
 
     spec = {n: tuple(t.shape) for n, t in INIT.items()}
     g = torch.Generator().manual_seed(3)
@@ -197,8 +198,8 @@ def test_a_close_that_fails_midway_rebuilds_its_sum_and_publishes_the_same_versi
 
 @pytest.mark.parametrize("robust", ["median", "trimmed"])
 def test_median_and_trimmed_read_spilled_columns_and_match_the_rule_on_the_held_updates(tmp_path, monkeypatch, robust):
-    import btnode.aggregate.screen as screen_module
-    from btnode.aggregate.averaging import combine
+    import btnode.aggregate.round.screen as screen_module
+    from btnode.aggregate.sums.averaging import combine
 
     monkeypatch.setattr(screen_module, "ROBUST_COLUMN_BYTES", 4 * 1000)  # many columns per tensor
     agg = make(tmp_path, robust=robust)
@@ -270,7 +271,7 @@ def test_a_large_units_push_waits_for_the_one_lazy_slot_holding_no_decode_slot(t
     from btnode.train.config import TrainConfig
     from btnode.train.terms import TrainingTerms
 
-    monkeypatch.setattr("btnode.aggregate.service.LAZY_DECODE_BYTES", 0)
+    monkeypatch.setattr("btnode.aggregate.round.intake.LAZY_DECODE_BYTES", 0)
     cfg = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=2, context=32, segments=(1, 8))
     tc = TrainConfig(steps=100, batch=4, warmup=2)
     agg = SwarmAggregator(cfg, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=ClaimConfig.of(tc, 4),

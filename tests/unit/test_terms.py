@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from btnode.aggregate.block import AggregatorConfig
-from btnode.aggregate.claims import ClaimConfig
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames, iter_chunks

@@ -5,11 +5,12 @@ robust screen and a restart; a version pruned while a reader holds it stays read
 import pytest
 import torch
 
-from btnode.aggregate.averaging import OuterConfig
-from btnode.aggregate.block import AggregatorConfig, BlockAggregator
-from btnode.aggregate.claims import ClaimConfig
-from btnode.aggregate.relay import RelayBlock
-from btnode.aggregate.rounds import RoundConfig
+from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.relay.forward import RelayBlock
+from btnode.aggregate.round.rounds import RoundConfig
 from btnode.codec.codecs import Codec, decode
 from btnode.errors import MalformedInput
 from btnode.protocol import Outcome, PushHeader
@@ -84,7 +85,7 @@ def test_a_restart_reads_theta_from_the_file_and_continues_identically(tmp_path)
 
 
 def test_the_claims_check_reads_theta_from_the_file(tmp_path):
-    """The bound of a coordinate grows with |θ| (aggregate/claims.py): read from the file, it is the same."""
+    """The bound of a coordinate grows with |θ| (aggregate/trust/claims.py): read from the file, it is the same."""
     filed = make(tmp_path, True)
     filed.register("x")
     theta = filed.current()[1]

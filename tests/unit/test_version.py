@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from typer.testing import CliRunner
 
 import btnode
-from btnode.aggregate.block import AggregatorConfig
+from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.model.config import ModelConfig
 from btnode.node.metrics import AggregatorCollector, ApiCollector, StageCollector, WorkerCollector

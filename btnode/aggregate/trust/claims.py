@@ -26,7 +26,7 @@ per group), less for bf16; and decoding may round the largest value up by 2⁻�
 A sparse codec (codec/sparse.py) sends only the top of Δ + β·e and keeps the rest, so a coordinate
 may wait many rounds and then be sent with all it piled up: with decay β the residual is at most
 β/(1−β) rounds' bounds (19 at β = 0.95), and that much more is allowed. It is a wide bound; the
-screen's norm band (aggregate/block.py) is what keeps such an update's size honest.
+screen's norm band (aggregate/round/block.py) is what keeps such an update's size honest.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class ClaimConfig:
     def manifest_weight(self, header: PushHeader) -> float:
         """A relay's combined push: each child's weight at most what a claim allows (max_steps × batch),
         and the header's weight their sum. Which children may be listed is the root's check
-        (aggregate/manifests.py); this one needs only the swarm's settings."""
+        (aggregate/trust/manifests.py); this one needs only the swarm's settings."""
         top = self.max_steps * self.batch
         for e in header.manifest:
             if e.weight > top:
@@ -184,7 +184,7 @@ class ClaimConfig:
         if not self.enforce:
             return header.samples
         codec = header.codec
-        if header.manifest:  # a relay's combined update: a weighted mean of dense children (aggregate/relay.py)
+        if header.manifest:  # a relay's combined update: a weighted mean of dense children (aggregate/relay/forward.py)
             weight, steps, codec = self.manifest_weight(header), self.manifest_steps(header), RELAYED_CODEC
         else:
             weight, steps = self.weight(header), len(header.steps)
@@ -249,7 +249,7 @@ class Range:
 
 
 def theta_ranges(theta: Tensors) -> dict[str, Range]:
-    """Each tensor's Range, one pass over θ. A block keeps them per version (aggregate/block.py): before,
+    """Each tensor's Range, one pass over θ. A block keeps them per version (aggregate/round/block.py): before,
     each push read θ twice for them (the lossy slack's largest entry, each tensor's least bound): with the
     delta's own pass, aminmax was 5.8 % of a relay's CPU samples at d = 256 (perf), and for a unit with θ
     in its file, two reads of that file a push."""

@@ -42,7 +42,7 @@ class Update:
     base_version: int
     samples: float
     loss: float
-    delta: dict[str, torch.Tensor | SparseTensor] | None  # sparse codecs' updates stay sparse (aggregate/accumulate.py);
+    delta: dict[str, torch.Tensor | SparseTensor] | None  # sparse codecs' updates stay sparse (aggregate/sums/accumulate.py);
     #   None once summed into the round (BlockAggregator._take), when its raw bytes went to the round's spill
     weight: float
     norm: float = 0.0  # ‖Δ‖ as it arrived (before any clipping)

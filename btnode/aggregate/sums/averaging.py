@@ -1,5 +1,5 @@
 """How accepted deltas become one step (design §3.3): weighted mean (in mode "screened", the
-default, of the updates BlockAggregator._screen kept), or a robust coordinate-wise trimmed mean /
+default, of the updates the screen kept: round/screen.py), or a robust coordinate-wise trimmed mean /
 median, then the outer step θ^{v+1} = θ^v + η·Δ̄, optionally with Nesterov momentum (DiLoCo:
 η = 0.7, μ = 0.9).
 
@@ -30,7 +30,7 @@ class OuterConfig:
                                                "Plain averaging: --outer-lr 1 --outer-momentum 0.", default=0.0,
                            optional=True)  # μ: Nesterov outer momentum when > 0
     robust: str = flag("--robust", "screened | mean | trimmed | median (docs/security.md).",
-                       default="screened")  # robust modes need ≥ 3 updates, else mean; screened: see BlockAggregator._screen
+                       default="screened")  # robust modes need ≥ 3 updates, else mean; screened: see round/screen.py screen
     trim: float = 0.2  # trimmed mode: fraction of updates dropped at each end, per coordinate
 
     def __post_init__(self) -> None:

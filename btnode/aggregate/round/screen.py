@@ -1,17 +1,25 @@
-"""What a round's close reads of the updates it no longer holds (aggregate/block.py): each update's
+"""The robust screen at a round's close (`screen`), and what it reads of the updates it no longer holds (aggregate/round/block.py): each update's
 cosine with a robust reference, from the 4,096-value sketches the round kept; and the trimmed mean or
 median of their fp32 values, read from the round's spill a column of coordinates at a time."""
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-from btnode.aggregate.averaging import OuterConfig, combine
-from btnode.aggregate.rounds import Update
-from btnode.aggregate.spill import Spill
+from btnode.aggregate.sums.averaging import OuterConfig, combine
+from btnode.aggregate.round.rounds import Update
+from btnode.aggregate.sums.spill import Spill
+
+if TYPE_CHECKING:
+    from btnode.aggregate.round.config import AggregatorConfig
+
+log = logging.getLogger(__name__)
 
 ROBUST_COLUMN_BYTES = 64 << 20  # trimmed and median: what one column of the round's updates may hold
 
@@ -57,3 +65,36 @@ def spilled_rule(spill: Spill, ups: list[Update], spec: Mapping[str, tuple[int, 
                                        dtype=torch.float32)} for u in ups]
         out[lo:hi] = combine(rows, weights, outer)[0]["c"]
     return out.reshape(spec[n])
+
+
+def screen(ups: list[Update], cfg: AggregatorConfig, label: str) -> tuple[list[Update], list[tuple[Update, str]]]:
+    """Robust mode, with at least 3 updates: before combining, drop an update whose norm is
+    outside the band around the round's median norm (screened: `screen_band`, [0.5, 2]×, which
+    also drops zero, tiny and replayed updates; trimmed and median: over max_norm_ratio×), or
+    whose cosine with the weighted sum of the others is negative (sign-flipped updates) or,
+    screened, under `screen_cosine` × the round's median cosine (an update trained on other data
+    drifts away from the others). Cosines are read from the updates' sketches (accumulate.Sketcher:
+    4,096 values each, whatever the block's size), so the screen needs no update in memory.
+    Deterministic: the same updates in worker-id order drop the same ones, in any arrival order.
+    Returns the updates kept and (update, reason) of those dropped; none when it would drop them all."""
+    if cfg.outer.robust == "mean" or len(ups) < 3:
+        return ups, []
+    screened = cfg.outer.robust == "screened"
+    low, high = cfg.screen_band if screened else (0.0, cfg.max_norm_ratio)
+    norms = [u.norm for u in ups]
+    ref = statistics.median(norms)
+    cosines = sketch_cosines(ups)
+    least = max(0.0, cfg.screen_cosine * statistics.median(cosines)) if screened else 0.0
+    kept, dropped = [], []
+    for u, size, cos in zip(ups, norms, cosines):
+        why = ("norm" if ref > 0 and not low * ref <= size <= high * ref else
+               "direction" if cos < least else "")
+        if why:
+            dropped.append((u, f"{why}_at_close"))
+            log.warning("%s: dropping the update of %s at close (%s: norm %.4g vs median %.4g, "
+                        "cosine %.3f with the others, least %.3f)", label, u.worker_id, why, size, ref, cos, least)
+        else:
+            kept.append(u)
+    if not kept:
+        return ups, []
+    return kept, dropped

@@ -1,5 +1,5 @@
 """Where a round keeps the raw codec bytes of its accepted updates (issue #25): an unnamed file in
-the block's folder, so that an update summed on arrival (aggregate/accumulate.py) can still be taken
+the block's folder, so that an update summed on arrival (aggregate/sums/accumulate.py) can still be taken
 out again, exactly, if an audit fails or the screen drops it at close, without the aggregator
 holding N updates in memory. The bytes sit in the page cache, which the kernel may write out; the
 file vanishes with the round (or the process). Nothing here is durable, and need not be: an open
@@ -18,7 +18,7 @@ Where = dict[str, tuple[int, int]]  # tensor name → (offset, length)
 class Spill:
     def __init__(self, folder: Path, *, name: str | None = None, reopen: bool = False):
         """`name`: a named file in `folder` instead (a relay's round, kept across a restart:
-        aggregate/roundlog.py), new and empty unless `reopen`."""
+        aggregate/relay/roundlog.py), new and empty unless `reopen`."""
         folder.mkdir(parents=True, exist_ok=True)
         if name is None:
             self._file = tempfile.TemporaryFile(dir=folder, prefix=".spill-")

@@ -19,7 +19,7 @@ The mean of coordinate c, with w_i the update weights and S_c = Σ_i w_i·u_i,c:
 For dense updates the two are the same. Which one a swarm uses, and whether updates are clipped to
 the median norm first, is measured in bench/comms.py (docs/tuning.md).
 
-`Sketcher`: what the robust screen (aggregate/block.py) keeps of each update instead of the update:
+`Sketcher`: what the robust screen (aggregate/round/block.py) keeps of each update instead of the update:
 a SKETCH_SIZE-value random projection, in which inner products, and so cosines, are kept in
 expectation (a count sketch: coordinate c adds ±u_c to bucket c mod SKETCH_SIZE, the sign drawn per
 row from a per-round key the workers do not know).
@@ -194,7 +194,7 @@ class Accumulator:
 
 
 class Sketcher:
-    """Count sketches of updates under one key (aggregate/block.py keys one per round)."""
+    """Count sketches of updates under one key (aggregate/round/block.py keys one per round)."""
 
     def __init__(self, spec: Mapping[str, tuple[int, ...]], key: bytes, size: int = SKETCH_SIZE):
         self.size = size

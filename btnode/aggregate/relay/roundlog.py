@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from btnode.aggregate.rounds import Update
-from btnode.aggregate.spill import Spill
+from btnode.aggregate.round.rounds import Update
+from btnode.aggregate.sums.spill import Spill
 from btnode.codec.codecs import Codec
 from btnode.durable import atomic_write
 from btnode.protocol import ManifestEntry
@@ -36,7 +36,7 @@ class Receipt:
     cert: bytes = b""  # under mutual TLS: its certificate and signature over its push receipt
     signature: bytes = b""
     claim_sha256: str = ""  # protocol.claim_digest of its work claim, which that signature covers
-    token: bytes = b""  # under a root that replays audits: the root's commit token (aggregate/commits.py)
+    token: bytes = b""  # under a root that replays audits: the root's commit token (aggregate/trust/commits.py)
 
 
 @dataclass

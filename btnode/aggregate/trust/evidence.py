@@ -15,15 +15,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from btnode.aggregate.accumulate import Accumulator, scaled
-from btnode.aggregate.audit import secret_draw
+from btnode.aggregate.sums.accumulate import Accumulator, scaled
+from btnode.aggregate.trust.audit import secret_draw
 from btnode.codec.codecs import Codec, decode, encode
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import EvidenceChild, PushHeader
 from btnode.settings import flag
 
-DENSE = (Codec.FP32, Codec.BF16, Codec.INT8)  # what a relay combines (aggregate/relay.py)
+DENSE = (Codec.FP32, Codec.BF16, Codec.INT8)  # what a relay combines (aggregate/relay/forward.py)
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from btnode.aggregate.block import INCOMPLETE
 from btnode.errors import CheckpointError, Forbidden, InputError, Refused
-from btnode.protocol import MAX_NAME, PushHeader
+from btnode.protocol import INCOMPLETE, MAX_NAME, PushHeader
 from btnode.durable import atomic_write
 
 REVOKED_FILE = "revoked.json"
@@ -47,6 +47,16 @@ class Identity:
     name: str
     role: Role
     fingerprint: str
+
+    def passes_on(self, header: PushHeader) -> bool:
+        """Whether this peer, a relay, sends a child's own update (or its start state) in the child's
+        name: one its parent drew for a replay audit."""
+        return self.role is Role.RELAY and not header.manifest and header.worker_id != self.name
+
+
+# Under mutual TLS: the swarm CA's check of a certificate (PEM) and its signature over a statement, for
+# a name (rpc/certs.verify_signed); the proven identity, or Forbidden. rpc/ hands it in: no crypto here.
+Verify = Callable[[bytes, bytes, bytes, str], Identity]
 
 
 @dataclass
@@ -116,7 +126,7 @@ class Identities:
                                                         f"joining it"))
             key = (who.name, header.block)
             last = self._last_push.get(key)
-            # a relay may amend its combined update (it takes the place of the last: aggregate/block.py)
+            # a relay may amend its combined update (it takes the place of the last: aggregate/round/block.py)
             if last is not None and last[0] == header.base_version and last[1] != header.update_id and not header.manifest:
                 self._refuse(rec, Refused("second_push", f"{who.name!r} already pushed update {last[1][:8]} based "
                                                          f"on version {header.base_version} of block {header.block}"))

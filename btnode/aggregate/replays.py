@@ -1,0 +1,210 @@
+"""`ReplayDesk`: the root's replay audits (docs/security.md, "Work claims and replay audits"): updates
+drawn for one, their start states, the replays and their verdicts, the punishment of a failed one; and
+the commits of child updates relays pass up under them (`draw`, aggregate/trust/commits.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+
+import torch
+
+from btnode.aggregate.round.block import BlockAggregator
+from btnode.aggregate.round.intake import Intake
+from btnode.aggregate.trust.audit import AuditConfig, AuditJob, Audits, Replayer, Verdict
+from btnode.aggregate.trust.commits import Commits
+from btnode.aggregate.trust.identities import Identities
+from btnode.codec.codecs import Codec
+from btnode.codec.frames import ChunkData
+from btnode.errors import Forbidden, MalformedInput, PeerInputError, Refused
+from btnode.protocol import Drawn, Judgement, Outcome, PushHeader
+from btnode.train.terms import TrainingTerms
+
+log = logging.getLogger(__name__)
+Tensors = Mapping[str, torch.Tensor]
+
+
+class ReplayDesk:
+    """The audits of one aggregator (`audits`, `commits`: None without --audit-share), with what they act
+    on: its blocks, the identities a failure revokes, the workers' training terms (`training`), the
+    data keys' swarm data id (`data_id`), the key check of a direct push (`check_key`) and the swarm's
+    event counts (`count`)."""
+
+    def __init__(self, cfg: AuditConfig, audits: Audits | None, commits: Commits | None, replayers: dict[int, Replayer],
+                 *, clock: Callable[[], float], blocks: Mapping[int, BlockAggregator],
+                 block: Callable[[int], BlockAggregator], identities: Identities, intake: Intake,
+                 training: Callable[[str], TrainingTerms | None], data_id: Callable[[], str | None],
+                 check_key: Callable[[PushHeader], None], count: Callable[..., None]):
+        self.cfg, self.audits, self.commits, self.replayers, self.clock = cfg, audits, commits, replayers, clock
+        self.blocks, self._block, self.identities, self.intake = blocks, block, identities, intake
+        self._training, self._data_id, self._check_key, self._count = training, data_id, check_key, count
+
+    # -- replay audits through relays (aggregate/trust/commits.py) ------------------------------------
+    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
+        """A relay commits a child's update before it counts it: `header` is the child's own push
+        header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
+        on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
+        and replayed here as a direct push, its chain advanced then; not drawn, its chain advances now and
+        the answer carries the token its manifest entry must bring. Refusals are a direct push's, except
+        that a broken chain does not revoke the worker: a relay could replay an old claim the worker
+        signed, so the claim's order is not the worker's word here. `relay`: the caller's name under
+        mutual TLS (its uncounted commits are counted by it: `settle_commits`)."""
+        audits, commits, block = self.audits, self.commits, self._block(header.block)
+        if audits is None or commits is None:
+            raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
+        if header.manifest:
+            raise MalformedInput("manifest", "a combined update is not drawn: its relay commits each child update")
+        if self.identities.is_revoked(header.worker_id):
+            raise Forbidden("revoked", f"worker {header.worker_id!r} was revoked")
+        if (token := commits.known(header.update_id)) is not None:
+            return Drawn(False, token)  # committed before (the relay failed over, or the child re-pushed)
+        if block.answered(header.update_id) is not None:
+            return Drawn(True)  # drawn and pushed here before: pushed again, it gets the same answer
+        try:
+            audits.check_chain(header)
+            self.check_claim(block, header)
+            self._check_key(header)
+        except PeerInputError as exc:
+            self._count("draws_refused", exc.reason)
+            raise
+        probation = audits.on_probation(header.worker_id) and self._training(header.worker_id) is not None
+        if probation or (audits.drawn(header.update_id) and self._training(header.worker_id) is not None
+                         and header.base_version == block.current()[0].version):
+            self._count("draws", "drawn")
+            commits.drew(header.update_id)
+            return Drawn(True)
+        audits.advance(header)
+        self._count("draws", "committed")
+        return Drawn(False, commits.commit(header, digest, relay))
+
+    def check_passed_on(self, header: PushHeader) -> None:
+        """Refused (`not_drawn`) unless a child's update that a relay pushes here in the child's name is
+        one this root drew (Draw) and has not judged yet, or a re-push of one it judged: a relay cannot
+        push a committed child update directly (its chain has moved on: the root would take it for a
+        cheat), nor replay an old one."""
+        if self.commits is None or not (self.commits.was_drawn(header.update_id)
+                                        or self._block(header.block).answered(header.update_id) is not None):
+            raise Refused("not_drawn", f"a relay pushes {header.worker_id}'s update {header.update_id[:16]!r} in its "
+                                       f"name, which this aggregator did not draw for an audit")
+
+    def settle_commits(self) -> None:
+        """Count (`relay_uncounted`, by relay; logged) the committed child updates that their round's
+        published version does not include: a relay that dropped one is seen here (aggregate/trust/commits.py)."""
+        if self.commits is None:
+            return
+        for b, block in self.blocks.items():
+            current = block.current()[0].version
+            published = {s.info.base_version: s.info for s in list(block.recent)}
+            for v in self.commits.rounds(b):
+                if v >= current:
+                    continue
+                info = published.get(v)
+                for relay, n in self.commits.settle(b, info, v).items():
+                    self._count("relay_uncounted", relay)
+                    log.warning("%s round %d: %d child updates committed by relay %s are not in version %d (dropped "
+                                "by the relay, refused there after their commit, or late)", block.name, v, n,
+                                relay or "(unnamed: no mutual TLS)", info.version if info else -1)
+
+    def punish(self, worker_id: str, reason: str, detail: str) -> None:
+        """A failed audit, a late or wrong start state, or a broken chain: revoke the worker (its
+        certificate's name, or its worker id without mutual TLS) and drop its pending updates."""
+        self.identities.revoke(worker_id, seen_only=False)
+        self._count("revoked", reason)
+        log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
+        self.drop(worker_id, f"audit_{reason}")
+
+    def abandoned(self, worker_id: str, over: int) -> None:
+        """It rejoined while an audit waited for its start state (aggregate/trust/audit.py Audits.joined):
+        its update still in an open round is dropped (it cannot be audited now), and once it has
+        abandoned more than it is forgiven (`over` > 0) it is revoked and refused (Forbidden)."""
+        for agg in self.blocks.values():
+            agg.drop(worker_id, "audit_abandoned")
+        log.warning("worker %s rejoined without sending the start state of an update drawn for audit (%s): on "
+                    "probation again", worker_id, "forgiven" if over <= 0 else "over its allowance")
+        if over > 0:
+            self.punish(worker_id, "abandoned", "more audits abandoned by rejoining than it is forgiven")
+            raise Forbidden("revoked", f"worker {worker_id!r} was revoked: it left audits without its state once too "
+                                       f"often")
+
+    def drop(self, worker_id: str, reason: str) -> None:
+        for agg in self.blocks.values():
+            agg.drop(worker_id, reason)
+        if self.audits is not None:
+            self.audits.forget(worker_id)
+
+    # -- audits -------------------------------------------------------------------------------
+    def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """The start state of an update drawn for audit (Upstream.submit_state). Refused
+        (MalformedInput) when no audit waits for it, or when it is not the state the claim committed
+        to; the audit then keeps waiting, and fails only if no right state comes in time. A wrong state
+        does not fail it at once: without mutual TLS anyone who saw the update id could send one."""
+        job = self.audits.waiting_for(header.update_id) if self.audits is not None else None
+        if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
+            raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
+                                             f"of {header.worker_id!r}")
+        replayer = self.replayers[job.header.block]
+        state, _ = self.intake.assemble(replayer.start_spec(job.claim), Codec.FP32, chunks)
+        replayer.check_start(job.claim, state)
+        self.audits.received(header.update_id, state)
+
+    def run_audits(self) -> list[Verdict]:
+        """Replay every audit whose start state is in, fail those whose state is late; returns the verdicts."""
+        if self.audits is None:
+            return []
+        self.settle_commits()
+        ready, late = self.audits.due()
+        verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.cfg.state_timeout_s:g} s",
+                            0.0, j.probation, self.clock() - j.arrived) for j in late]
+        for job in ready:
+            if self.identities.is_revoked(job.header.worker_id):
+                continue
+            try:
+                verdicts.append(self.replayers[job.header.block](job, self.clock))
+            except Exception:  # noqa: BLE001 - a fault of the replay, not of the worker: never a verdict
+                log.exception("the replay of %s's update %s failed; the update is not judged", job.header.worker_id,
+                              job.header.update_id[:8])
+                self._count("audit_errors")
+        for v in verdicts:
+            self._verdict(v)
+        return verdicts
+
+    def _verdict(self, v: Verdict) -> None:
+        assert self.audits is not None
+        self.audits.record(v)
+        self.identities.audited(v.header.worker_id, v.passed)
+        if v.passed:
+            log.info("audit of %s's update on version %d passed (%s%s)", v.header.worker_id, v.header.base_version,
+                     v.detail, ", probation" if v.probation else "")
+            if v.probation:
+                self._block(v.header.block).admit_held(v.header.update_id)
+        else:
+            self.punish(v.header.worker_id, v.reason, v.detail)
+
+    def open_audit(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes], base: Tensors,
+                    judged: Judgement, probation: bool) -> Judgement:
+        """Draw the update for audit (always on probation) and, if drawn, keep what the replay needs."""
+        assert self.audits is not None and header.claim is not None
+        if judged.outcome not in (Outcome.ACCEPTED, Outcome.PROBATION) or not (probation or
+                                                                              self.audits.drawn(header.update_id)):
+            return judged
+        terms = self._training(header.worker_id)
+        if terms is None:  # it joined before this aggregator restarted: its settings are unknown until it rejoins
+            return judged
+        job = AuditJob(header=header, claim=header.claim, train=terms.train, raw=raw, base=base, arrived=self.clock(),
+                       probation=probation)
+        return replace(judged, audit=self.audits.open(job))
+
+    def check_claim(self, block: BlockAggregator, header: PushHeader) -> None:
+        """A work claim must name the swarm's data and, for the current version, its hash: a replay
+        could not start from anything else."""
+        claim = header.claim
+        assert claim is not None  # check_chain refused a push without one
+        data_id = self._data_id()
+        if data_id and claim.data_id != data_id:
+            raise MalformedInput("claim", f"{header.worker_id} claims data {claim.data_id[:24]!r}, the swarm trains on "
+                                          f"{data_id[:24]!r}")
+        info = block.current()[0]
+        if header.base_version == info.version and claim.base_sha256 != info.sha256:
+            raise MalformedInput("claim", f"{header.worker_id} claims version {info.version} has hash "
+                                          f"{claim.base_sha256[:12]}…; it is {info.sha256[:12]}…")
