@@ -106,6 +106,7 @@ def _reforward(parent: FailoverLink, relay: RelaySwarm, block: int, info: Versio
         return
     header, c = last
     j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
+    relay.count("repushed", j.outcome.value)  # in Status and /metrics: the parent had lost (or not answered) it
     log.info("block %d round %d: re-pushed the combined update of %d children after reconnecting: %s%s", block,
              c.base_version, len(c.manifest), j.outcome.value, f" ({j.reason})" if j.reason else "")
     if j.audit:  # a restarted parent draws it again (the same update id): it needs the evidence again
