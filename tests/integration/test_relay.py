@@ -269,7 +269,8 @@ def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, pro
     assert accepted and accepted <= included(c) and all(s["not_included"] == [] for s in stats.values())
     if lost_round:  # the relay's combined update came back only because the relay pushed it again
         r = SwarmClient(relay, timeout_s=15)
-        assert counters(r).get(("repushed", "accepted"), 0) >= 1, counters(r)
+        repushed = {why: n for (name, why), n in counters(r).items() if name == "repushed"}
+        assert repushed.get("accepted", 0) + repushed.get("probation", 0) >= 1, repushed  # probation: drawn for audit
         r.close()
     c.close()
 
