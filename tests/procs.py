@@ -92,9 +92,6 @@ class Aggregator:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=30)
 
-    def log(self) -> str:
-        return (self.state_dir / "aggregator.log").read_text(errors="replace")
-
 
 @pytest.fixture
 def aggregator(tmp_path):

@@ -164,7 +164,12 @@ class WorkerCollector(Collector):
         reconnects = CounterMetricFamily("btnode_worker_reconnects", "Version streams opened again after one broke "
                                          "or was refused.", labels=["block"])
         reconnects.add_metric(lb, s.reconnects)
-        yield from (version, steps, wait_steps, train, util, retries, reconnects)
+        repushes = CounterMetricFamily("btnode_worker_repushes", "Updates pushed again after a version stream "
+                                       "reconnected (the aggregator may have restarted), by its answer.",
+                                       labels=["block", "outcome"])
+        for outcome in (o.value for o in Outcome):  # present from the start, at 0
+            repushes.add_metric([*lb, outcome], s.repushes.get(outcome, 0))
+        yield from (version, steps, wait_steps, train, util, retries, reconnects, repushes)
         if s.losses:
             loss = GaugeMetricFamily("btnode_worker_train_loss", "Mean training CE (nats/byte) of the last pushed "
                                      "update.", labels=["block"])

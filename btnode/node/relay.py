@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def _fetch(parent: FailoverLink, block: RelayBlock, info: VersionInfo) -> None:
     block.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
 
 
-def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, stop: threading.Event) -> None:
+def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, stop: threading.Event,
+            count: Callable[[str, str], None]) -> None:
     """Watch the parent's versions of `block` and adopt each, until `stop`; a broken stream (the
     link has moved to the next parent) or a failed fetch is retried after a second. When the stream
     comes back, join again and re-push the last combined update if the parent is still on its round
@@ -91,7 +93,7 @@ def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, s
             for i, info in enumerate(parent.watch(block.block, "")):
                 if i == 0 and streams:
                     parent.rejoin()
-                    _reforward(parent, relay, block.block, info)
+                    _reforward(parent, relay, block.block, info, count)
                 _fetch(parent, block, info)
                 if stop.is_set():
                     return
@@ -103,12 +105,14 @@ def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, s
         stop.wait(1.0)
 
 
-def _reforward(parent: FailoverLink, relay: UpstreamAdmission, block: int, info: VersionInfo) -> None:
+def _reforward(parent: FailoverLink, relay: UpstreamAdmission, block: int, info: VersionInfo,
+               count: Callable[[str, str], None]) -> None:
     last = relay.last_forward.get(block)
     if last is None or last[0].base_version != info.version:
         return
     header, c = last
     j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
+    count("repushed", j.outcome.value)  # in Status and /metrics: the parent had lost (or not answered) it
     log.info("block %d round %d: re-pushed the combined update of %d children after reconnecting: %s%s", block,
              c.base_version, len(c.manifest), j.outcome.value, f" ({j.reason})" if j.reason else "")
     if j.audit:  # a restarted parent draws it again (the same update id): it needs the evidence again
@@ -235,7 +239,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
             b.adopt(pulled.info, pulled.tensors, raw=None, codec=None)
     health = NodeHealth()
     server, port, server_stop = serve(agg, listen, limits=limits, health=health)
-    threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop), daemon=True, name=f"follow-{b.block}")
+    threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop, agg.count), daemon=True, name=f"follow-{b.block}")
                for b in relay.blocks.values()]
     threads.append(threading.Thread(target=expire_relay_audits, args=(agg, stop), daemon=True, name="relay-audits"))
     threads.append(threading.Thread(target=_forwarder, args=(parent, relay, parent_deadline, stop), daemon=True,

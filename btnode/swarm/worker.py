@@ -117,6 +117,7 @@ class WorkerStats:
     sha256: str = ""
     retries: int = 0  # calls tried again: refused for now (over a server's limit) or through an outage
     reconnects: int = 0  # version streams opened again after one broke or was refused
+    repushes: dict[str, int] = field(default_factory=dict)  # updates pushed again after a reconnect, by the answer
     accepted_updates: list[str] = field(default_factory=list)  # ids of its updates answered ACCEPTED
     not_included: list[str] = field(default_factory=list)  # ... that the next version says it left out
 
@@ -227,6 +228,7 @@ class BlockWorker:
             return
         header, raw = self._last_update
         j = self.push(header, raw)
+        self.stats.repushes[j.outcome.value] = self.stats.repushes.get(j.outcome.value, 0) + 1
         log.info("worker %s: re-pushed update %s after reconnecting: %s%s", self.wcfg.worker_id, header.update_id[:8],
                  j.outcome.value, f" ({j.reason})" if j.reason else "")
 

@@ -124,7 +124,7 @@ def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
     agg = start_aggregator(state, port, TINY_SHAPE, "--deadline", "600", *claim_flags(TRAINING))
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([*CLI, "join", "--role", "worker", "--block", "0", "--peer", f"127.0.0.1:{port}",
-                               "--worker-id", "w", *TRAINING, *TINY_SHAPE],
+                               "--worker-id", "w", "--stats-file", str(tmp_path / "w.json"), *TRAINING, *TINY_SHAPE],
                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(log, "wb"),
                               stderr=subprocess.STDOUT)
     c = SwarmClient(f"127.0.0.1:{port}", timeout_s=10)
@@ -149,7 +149,10 @@ def test_kill_9_mid_round_the_accepted_update_is_pushed_again(tmp_path):
         while accepted_in_round() < 1:  # the worker's watch stream reconnects and it re-pushes
             assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
             time.sleep(0.2)
-        assert "re-pushed update" in log.read_text() and ": accepted" in log.read_text()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, log.read_text()
+        stats = json.loads((tmp_path / "w.json").read_text())
+        assert stats["repushes"].get("accepted", 0) >= 1, stats  # its update, pushed again after the restart
     finally:
         c.close()
         worker.send_signal(signal.SIGTERM)

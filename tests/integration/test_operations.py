@@ -129,11 +129,10 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
     stored = VersionStore(tmp_path / "state", 0).latest()
     assert stored is not None and stored.meta["info"]["version"] == 1
     assert stored.meta["info"]["closed_by"] == "drain" and stored.meta["info"]["accepted"] == 1
-    # under systemd (INVOCATION_ID set) the log is JSON lines
+    # under systemd (INVOCATION_ID set) the log is JSON lines: their shape, not their words, is the product here
     lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
     docs = [json.loads(ln) for ln in lines]
-    assert any("drain: block 0 published version 1" in d["msg"] for d in docs)
-    assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
+    assert docs and all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
 
 
 def test_worker_stops_at_a_step_boundary_and_exits_0_on_sigterm(aggregator, tmp_path):
@@ -141,7 +140,7 @@ def test_worker_stops_at_a_step_boundary_and_exits_0_on_sigterm(aggregator, tmp_
     agg = aggregator("--deadline", "600", *claim_flags(training))
     log = tmp_path / "worker.log"
     proc = start(["join", "--role", "worker", "--block", "1", "--peer", agg.address, "--worker-id", "w", *training,
-                  *TINY_SHAPE], log)
+                  "--stats-file", str(tmp_path / "w.json"), *TINY_SHAPE], log)
     client = SwarmClient(agg.address, timeout_s=30)
     try:
         deadline = time.monotonic() + 60
@@ -155,7 +154,8 @@ def test_worker_stops_at_a_step_boundary_and_exits_0_on_sigterm(aggregator, tmp_
         assert time.monotonic() - t0 < 15
         block = next(b for b in client.status().blocks if b.block == 1)
         assert "w" not in block.replicas and block.current.version == 0  # left; nothing partial pushed
-        assert "abandoning the unfinished round" in log.read_text()
+        stats = json.loads((tmp_path / "w.json").read_text())
+        assert stats["steps"] >= 1 and stats["pushes"] == 0, stats  # it trained, and abandoned the round unpushed
     finally:
         client.close()
         if proc.poll() is None:

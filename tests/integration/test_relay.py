@@ -81,6 +81,13 @@ def included(client: SwarmClient) -> set[str]:
     return {i for r in client.status_dict()["blocks"][0]["recent"] for i in r["included"]}
 
 
+def counters(client: SwarmClient) -> dict[tuple[str, str], float]:
+    """A node's counters from its Status reply: (event, reason) → count; a block's updates count as
+    ("updates", outcome) when the reason is empty, else ("updates", reason)."""
+    return {(c["name"], c["labels"].get("reason") or c["labels"].get("outcome", "")): c["value"]
+            for c in client.status_dict()["counters"]}
+
+
 def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_path, processes):
     metrics = free_port()
     root, r1, r2 = (f"127.0.0.1:{free_port()}" for _ in range(3))
@@ -154,7 +161,7 @@ def holding_relay(processes, tmp_path: Path, deadline_s: str, rb_child: bool):
 
 
 def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
-    c, procs, spare = holding_relay(processes, tmp_path, "30", rb_child=False)
+    c, procs, _ = holding_relay(processes, tmp_path, "30", rb_child=False)
     c.leave("idle", 0)  # so that the root's rounds close once rb reports for w0 and w1
     stats = finished(tmp_path, procs)
     accepted = {u for s in stats.values() for u in s["accepted_updates"]}
@@ -163,7 +170,8 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(tmp_path, processes):
     st = c.status_dict()["blocks"][0]
     pushes = {r["name"]: r["pushes"] for r in st["relays"]}
     assert pushes["ra"] == 0 and pushes["rb"] >= 2  # more when w1 re-pushed after rb forwarded w0's: an amendment
-    assert all(f"moving to {spare}" in (tmp_path / f"{w}.log").read_text() for w in procs)
+    # so each worker moved to the spare: both of its accepted updates are in versions, and ra pushed none
+    assert {w: len(s["accepted_updates"]) for w, s in stats.items()} == {"w0": 2, "w1": 2}, stats
     c.close()
 
 
@@ -174,7 +182,10 @@ def test_a_spare_that_forwarded_its_round_amends_it_with_the_children_of_a_kille
     accepted = {u for s in stats.values() for u in s["accepted_updates"]}
     assert len(accepted) == 6 and all(s["not_included"] == [] for s in stats.values())
     assert accepted <= included(c)  # 0 lost: w0's and w1's updates went up in rb's amendment
-    assert "amended its combined update (1 → 3 child updates)" in (tmp_path / "root.log").read_text()
+    # rb's round (w2's update alone) went up before ra died: the root took an amendment in its place
+    assert counters(c).get(("updates", "replaced"), 0) >= 1, counters(c)
+    first = [s["accepted_updates"][0] for s in stats.values()]  # each worker's update of round 0
+    assert any(set(first) <= set(r["included"]) for r in c.status_dict()["blocks"][0]["recent"]), first
     c.close()
 
 
@@ -229,7 +240,7 @@ def test_a_relay_killed_with_its_workers_takes_its_round_up_again_after_a_restar
     while not {"c1-update", "c2-update"} <= included(c):  # forwarded from the log; the root closes at its deadline
         assert time.monotonic() < deadline, (tmp_path / "r1.log").read_text()[-3000:]
         time.sleep(0.2)
-    assert "took up 2 child updates accepted before a restart" in (tmp_path / "r1.log").read_text()
+    # (nobody pushed after the kill: only the restarted relay's round log can have carried c1's and c2's updates)
     c.close()
 
 
@@ -250,13 +261,17 @@ def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, pro
     c.close()
     processes[0].send_signal(signal.SIGKILL)  # the root loses its open round, with the relay's combined update
     processes[0].wait()
+    lost_round = VersionStore(tmp_path / "root", 0).latest().version == 0  # (unless it closed just before the kill)
     node(processes, tmp_path, "root", *root_args, listen=listen)
     stats = finished(tmp_path, procs)
     c = SwarmClient(root, timeout_s=15)
     accepted = {u for s in stats.values() for u in s["accepted_updates"]}
     assert accepted and accepted <= included(c) and all(s["not_included"] == [] for s in stats.values())
-    if "resumed at version 0" in (tmp_path / "root.log").read_text():  # (unless the round closed just before the kill)
-        assert "re-pushed the combined update" in (tmp_path / "r1.log").read_text()
+    if lost_round:  # the relay's combined update came back only because the relay pushed it again
+        r = SwarmClient(relay, timeout_s=15)
+        repushed = {why: n for (name, why), n in counters(r).items() if name == "repushed"}
+        assert repushed.get("accepted", 0) + repushed.get("probation", 0) >= 1, repushed  # probation: drawn for audit
+        r.close()
     c.close()
 
 
@@ -346,13 +361,16 @@ def test_the_swarm_token_is_checked_at_the_relay_and_presented_upstream(tmp_path
     except Unauthenticated:
         pass
     bare.close()
-    w = start(["--token-file", str(token), "join", "--role", "worker", "--peer", relay, "--rounds", "1",
+    # two rounds: a worker whose first push finds its relay's round closed is LATE once (see the first test)
+    w = start(["--token-file", str(token), "join", "--role", "worker", "--peer", relay, "--rounds", "2",
                "--worker-id", "w0", "--stats-file", str(tmp_path / "w0.json"), *TINY_SHAPE, *WORKER],
               tmp_path / "w0.log")
     processes.append(w)
     stats = finished(tmp_path, {"w0": w})
     c = SwarmClient(root, timeout_s=15, security=Security(token="relay-token-1"))
-    assert set(stats["w0"]["accepted_updates"]) <= included(c)  # the relay's joins and pushes carried its token
+    accepted = set(stats["w0"]["accepted_updates"])
+    assert accepted and stats["w0"]["not_included"] == [], stats  # something to check below, whatever the timing
+    assert accepted <= included(c)  # the relay's joins and pushes carried its token
     c.close()
 
 
@@ -379,6 +397,7 @@ def test_a_relay_audit_passes_an_honest_relay_and_revokes_one_that_nudges_one_va
                 "--keep", "100", "--relay-audit-rate", "1", "--relay-audit-timeout", "4",
                 "--metrics-listen", f"127.0.0.1:{metrics}")
     (honest,) = relays(processes, tmp_path, root, {"r1": []})
+    forger_at = len(processes)
     forger = forging_relay(processes, tmp_path, "r2", "nudge", root)  # one coordinate one fp32 step off
     procs = {"w0": worker(processes, tmp_path, "w0", honest, 3), "w1": worker(processes, tmp_path, "w1", honest, 3),
              "w2": worker(processes, tmp_path, "w2", f"{forger},{honest}", 3),  # the honest relay is their spare
@@ -405,9 +424,8 @@ def test_a_relay_audit_passes_an_honest_relay_and_revokes_one_that_nudges_one_va
     records = {r["name"]: r for r in st["relays"]}
     assert records["r1"]["refused"] == 0 and records["r1"]["pushes"] >= 3, records
     assert records["r2"]["pushes"] == 0 and records["r2"]["refused"] >= 1, records
-    forger_log = (tmp_path / "r2.log").read_text()
-    assert "not the mean of its children" in forger_log and "the parent refuses this relay" in forger_log
-    assert "sent the evidence of the combined push" in (tmp_path / "r1.log").read_text()
+    # refused as revoked, the forger stopped by itself (nobody signalled it); r1's passed audits took its evidence
+    assert processes[forger_at].wait(timeout=60) == 0
     c.close()
 
 
@@ -452,8 +470,9 @@ def test_workers_under_mutual_tls_join_and_push_through_a_relay_with_signed_rece
         "w0": ("worker", [0]), "w1": ("worker", [0])}  # admitted by their own signed joins, passed on by r1
     # r1's drawn pushes were held for their audit (PROBATION, counted in its record) and passed; nothing refused
     assert identities["r1"]["role"] == "relay" and set(identities["r1"]["refused"]) <= {"probation"}, identities["r1"]
-    root_log = (tmp_path / "root.log").read_text()
-    assert "signature" not in root_log and "passed (its children's frames recombine" in root_log  # audited too
+    counted = counters(c)
+    assert counted.get(("relay_audits", "passed"), 0) >= 1, counted  # audited too: its children's frames recombine
+    assert not [k for k in counted if k[0] == "identity_refused"], counted  # no signature (nor identity) refused
     c.close()
 
 
@@ -482,8 +501,8 @@ def test_an_auditing_root_replays_the_updates_of_workers_behind_a_relay(tmp_path
     for name, s in stats.items():
         assert s["not_included"] == [] and set(s["outcomes"]) <= {"accepted", "probation", "late"}, (name, s)
     assert {u for s in stats.values() for u in s["accepted_updates"]} <= included(c)
-    root_log = (tmp_path / "root.log").read_text()
-    assert "revoked" not in root_log and "uncommitted" not in root_log
+    assert not [r["name"] for r in status["identities"] if r["revoked_at_unix"]], status["identities"]
+    assert not [k for k in events if k[0] == "revoked" or k[1] == "uncommitted"], events
     assert not [k for k in events if k[0] == "relay_uncounted"], events  # every committed update went in
     if committed:  # (p = 0.5 over 6 draws: 1 run in 32 draws every one of them, and no combined push carries one)
         (record,) = status["blocks"][0]["relays"]

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import encode_frames
 from btnode.errors import ConfigMismatchError
@@ -20,7 +21,7 @@ from btnode.rpc.convert import info_from_pb
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
 
-from procs import CLI, TINY_SHAPE, claim_flags
+from procs import CLI, TINY_SHAPE, claim_flags, honest_terms
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8))
 # the hand-made updates below state their weight and move values by 1e-3·randn: these tests are about
@@ -65,13 +66,34 @@ def wait_version(client, block, version, timeout=60.0):
 @pytest.mark.slow
 def test_swarm_command_three_blocks_two_replicas(tmp_path):
     state = tmp_path / "swarm"
-    p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
-                              "--steps-per-round", "3", "--batch", "4", "--deadline", "30", "--keep", "100",
-                              *TINY_SHAPE],  # claims are checked by default
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = subprocess.Popen(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "3",
+                                "--steps-per-round", "3", "--batch", "4", "--deadline", "30", "--keep", "100",
+                                *TINY_SHAPE],  # claims are checked by default
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # the swarm's aggregator checks claims: a worker stating batch 8 is refused at Join, while the swarm's
+        # own workers (batch 4, lr 0.002, H 3) are admitted and accepted below
+        port = state / "aggregator.port"
+        deadline = time.monotonic() + 120
+        while not (port.exists() and port.read_text().strip()):
+            assert time.monotonic() < deadline and p.poll() is None, "the swarm's aggregator never served"
+            time.sleep(0.1)
+        probe = SwarmClient(f"127.0.0.1:{int(port.read_text())}", timeout_s=30)
+        with pytest.raises(ConfigMismatchError):
+            probe.join("probe", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()),
+                       training_json=honest_terms(ClaimConfig(batch=8, lr=0.002, steps_per_round=3)))
+        refused = [c["value"] for c in probe.status_dict()["counters"]
+                   if (c["name"], c["labels"].get("reason")) == ("join_refused", "training")]
+        assert refused == [1], refused
+        probe.close()
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out + err
     for b in range(3):
-        assert f"block {b} round 1 → v2: train CE" in p.stdout
+        assert f"block {b} round 1 → v2: train CE" in out
         newest = VersionStore(state, b).latest()
         assert newest is not None and newest.version >= 2
         for r in range(2):
@@ -80,7 +102,6 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
             assert stats["outcomes"].get("rejected", 0) == 0  # honest claims fit the swarm's batch, lr and H
             held = VersionStore(state, b).load(stats["version"])  # the version the worker ended on
             assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
-    assert "claims checked against batch 4, lr 0.002, H 3" in (state / "logs" / "aggregator.log").read_text()
     # every worker stated the bundled corpus and got a data key of its own, per block (in order of joining)
     keys = json.loads((state / "data_keys.json").read_text())
     assert keys["data_id"] == "bundled:wikitext-2"

@@ -1,7 +1,7 @@
 """Hundreds of connections to a real aggregator process (issue #25): 160 version streams held from
 one client host (one connection), with room for 150 of them (--max-workers 150), while 8 workers
 join, pull and push. The 10 streams over the budget are refused as ours (Overloaded, counted in
-status and metrics, logged), every push is accepted, the round closes, every held stream hears
+status and metrics), every push is accepted, the round closes, every held stream hears
 the new version, and systemd's keep-alives (a real NOTIFY_SOCKET) never gap. Before #25 the
 server capped all calls at 60 and at 64 streams not one push was taken."""
 
@@ -101,7 +101,7 @@ def push_once(address: str, worker: str, spec: dict, results: dict) -> None:
 
 
 def test_160_held_version_streams_starve_no_push(crowded):
-    proc, address, metrics, alive, log = crowded
+    proc, address, metrics, alive, _ = crowded
     assert alive.ready.wait(30)
     spec = {n: tuple(t.shape) for n, t in init_block(CFG, 0, 0).state_dict().items()}
     watcher = SwarmClient(address, timeout_s=20, retry=Retry(budget_s=0))  # one host, one connection
@@ -137,7 +137,6 @@ def test_160_held_version_streams_starve_no_push(crowded):
         assert f'btnode_swarm_events_total{{event="limited",reason="watch_budget"}} {STREAMS - BUDGET}' in text \
             or f'reason="watch_budget"}} {float(STREAMS - BUDGET)}' in text, \
             [ln for ln in text.splitlines() if "watch_budget" in ln]
-        assert "refused Watch from 127.0.0.1: over the limit (watch_budget" in log.read_text()
         assert len(alive.stamps) >= 5 and alive.max_gap() < 2.0, alive.stamps  # WatchdogSec 1 s: one every 0.5 s
     finally:
         watcher.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import random
 import socket
 import threading
@@ -107,10 +106,9 @@ def _finals(cache: Path, shard: Shard) -> list[Path]:
     return list(cache.rglob(Path(shard.path).name))
 
 
-def test_fetches_every_shard_once_and_reuses_the_cache_with_the_server_down(dataset, server, tmp_path, caplog):
+def test_fetches_every_shard_once_and_reuses_the_cache_with_the_server_down(dataset, server, tmp_path):
     root, source = dataset
     cache = tmp_path / "cache"
-    caplog.set_level(logging.INFO, logger="btnode.data.remote")
     manifest, locate = open_remote(server.url, cache_dir=cache, cache_gb=1, **FAST)
     assert manifest == source and len(source.split("train").shards) >= 5
     streams = {name: b"".join(locate(sh).read_bytes() for sh in split.shards) for name, split in manifest.splits.items()}
@@ -121,13 +119,10 @@ def test_fetches_every_shard_once_and_reuses_the_cache_with_the_server_down(data
         assert server.count(sh.path) == 1
         assert locate(sh).read_bytes() == (root / sh.path).read_bytes()  # a second locate does not fetch
         assert server.count(sh.path) == 1
-    assert sum("MB/s" in r.getMessage() for r in caplog.records) == len(_all_shards(source))
 
     server.stop()
-    caplog.clear()
     again, locate2 = open_remote(server.url, cache_dir=cache, cache_gb=1, **FAST)
-    assert again == source
-    assert any("using the manifest cached" in r.getMessage() for r in caplog.records)
+    assert again == source  # the server is down: the manifest came from the cache
     for sh in _all_shards(source):
         assert locate2(sh).read_bytes() == (root / sh.path).read_bytes()
 
