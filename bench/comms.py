@@ -377,6 +377,9 @@ def _rows_table(rows: list[dict], best: dict) -> list[str]:
 def metrics(res: dict) -> dict[str, Metric]:
     """Best byte saving against int8 within the CE aim, and on the thin WAN link CE at equal wall-clock."""
     out: dict[str, Metric] = {f"{m}: best saving vs int8 (×)": v for m, v in res["best_ratio_vs_int8_at_002"].items()}
+    for m, b in (res.get("best") or {}).items():  # the two rows the saving compares: a change of either's CE shows
+        out[f"{m}: CE, int8 row"] = b.get("int8_ce")
+        out[f"{m}: CE, best-saving row"] = b.get("ce")
     out.update({f"{m}, plain outer step: best saving vs int8 (×)": b["ratio"]
                 for m, b in (res.get("best_plain_outer") or {}).items() if b})
     out.update({f"WAN {r['model']}, {r['codec']}: CE ({r['chosen']})": r["ce"] for r in res.get("wan_rows") or []})

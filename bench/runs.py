@@ -135,12 +135,15 @@ def append(run: Run, path: Path) -> Path:
 
 
 def code() -> str:
-    """The commit this tree is at, short, with "+dirty" when tracked files differ from it."""
+    """The commit this tree is at, short, with "+dirty" when tracked files differ from it. The record
+    itself (bench/results, BENCHMARKS.md) does not count: a bench run after another in the same tree
+    measures the same code."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short=7", "HEAD") or UNKNOWN
-    return head + ("+dirty" if head != UNKNOWN and git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("+dirty" if head != UNKNOWN and git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                                           ":!bench/results", ":!BENCHMARKS.md") else "")
 
 
 def machine() -> str:
