@@ -255,12 +255,12 @@ def test_every_relative_link_points_to_a_file_that_exists(doc):
 # made a manual. A doc that outgrows its budget is usually growing a diary: dated runs belong in
 # BENCHMARKS.md and what was tried in docs/research.md. Raise a budget only for new manual text.
 BUDGETS = {
-    "architecture.md": 1_350,
+    "architecture.md": 1_500,
     "data.md": 1_150,
     "design.md": 3_700,
     "judge.md": 750,
     "model.md": 1_700,
-    "operations.md": 2_550,
+    "operations.md": 2_600,
     "relays.md": 2_400,
     "research.md": 4_500,
     "scale.md": 2_250,
