@@ -105,7 +105,7 @@ def peer_host(peer: str) -> str:
 class _Waiter:
     """A transfer waiting for a slot: woken (`woken`) when a call hands it its slot (`granted`) or
     when its caller goes away. It sleeps until then: a thousand waiters that polled every half
-    second starved the node's other threads (the watchdog's keep-alives 22 s apart at N = 1,024)."""
+    second starved the node's other threads: the watchdog's keep-alives fell far apart (bench/scale.py)."""
 
     __slots__ = ("granted", "woken")
 

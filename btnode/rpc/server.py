@@ -54,8 +54,8 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # No BDP probing on what the server receives: with it, gRPC grows each connection's window to the
     # bandwidth-delay product it measures (on a LAN, past a whole 1 MB upload), and a push waiting for
-    # a transfer slot (rpc/limits.py) had its payload read into the server anyway: +0.95 MB of RSS per
-    # waiting 1 MB push, against +0.03 MB without (64 waiting pushes, measured). Without it a stream's
+    # a transfer slot (rpc/limits.py) had its payload read into the server anyway: most of a push's bytes
+    # of RSS per waiting push, against almost none without (bench/conn_memory.py). Without it a stream's
     # window is 64 KB plus the message being read (a chunk ≤ 1 MiB); what the server sends is paced by
     # its clients' windows, which keep BDP probing.
     ("grpc.http2.bdp_probe", 0),
@@ -410,7 +410,7 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
     The limiter's budgets (rpc/limits.py) refuse a call before gRPC's own cap would: the thread
     pool and `maximum_concurrent_rpcs` are sized past them (`PeerLimits.threads`; a sync server
     holds one thread per call in progress, a held version stream and a transfer waiting for its
-    slot included, about 16 KB of RSS each). A `PeerLimiter` given in place of `limits` is used as it is (a caller that wants to
+    slot included, a few KB of RSS each: bench/conn_memory.py). A `PeerLimiter` given in place of `limits` is used as it is (a caller that wants to
     watch its open streams)."""
     stop = threading.Event()
     sec = security or current()

@@ -59,8 +59,8 @@ HEAP_KEPT = 0.5
 # built from it and the clone _adopt keeps; the fold's θ_now and carry; plus the encoded update kept
 # for a re-push (its codec's bytes, counted apart). Not all at once, and the heap keeps some freed
 # ones: 9 copies' worth is fitted on real workers' peak RSS (`join --role worker`, 3 rounds of H=2 at
-# batch 2, int8 updates): block and 8-layer AR worker at d=512 and a block worker at d=1024, each
-# within 5 % (-4.7 %, +2.1 %, +1.7 %); the largest size in bench/memory.py --capped.
+# batch 2, int8 updates): block and 8-layer AR worker at d=512 and a block worker at d=1024; how close
+# the plan comes is bench/memory.py's `plan error` (BENCHMARKS.md, memory), the largest size in --capped.
 SWARM_COPIES = 9
 
 

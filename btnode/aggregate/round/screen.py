@@ -33,7 +33,7 @@ def sketch_cosines(ups: list[Update]) -> list[float]:
     sketches = torch.stack([u.sketch for u in ups])
     if not any(u.codec.sparse for u in ups):
         n = len(ups)  # the middle value(s) of each coordinate; kthvalue, not a sort: a sort of N sketches
-        #   holds N × 4,096 values and int64 indices again (48 MB at N = 1,024)
+        #   holds N × 4,096 values and int64 indices again (bench/round_memory.py)
         ref = (sketches.kthvalue(n // 2 + 1, dim=0).values if n % 2 else
                (sketches.kthvalue(n // 2, dim=0).values + sketches.kthvalue(n // 2 + 1, dim=0).values) / 2)
         ref_norm = float(ref.norm())

@@ -251,7 +251,7 @@ class Range:
 def theta_ranges(theta: Tensors) -> dict[str, Range]:
     """Each tensor's Range, one pass over θ. A block keeps them per version (aggregate/round/block.py): before,
     each push read θ twice for them (the lossy slack's largest entry, each tensor's least bound): with the
-    delta's own pass, aminmax was 5.8 % of a relay's CPU samples at d = 256 (perf), and for a unit with θ
+    delta's own pass, aminmax was a visible share of a relay's CPU (perf; docs/research.md), and for a unit with θ
     in its file, two reads of that file a push."""
     out = {}
     for n, t in theta.items():
