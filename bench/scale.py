@@ -725,7 +725,7 @@ def metrics(res: dict) -> dict[str, Metric]:
         at = f"{r['topology']} N = {r['n_workers']:,}{' (kills)' if r.get('kill') else ''}"
         out.update({f"{at}: root peak RSS (MB)": r["root_peak_rss_mb"], f"{at}: close (s)": r["close_s"],
                     f"{at}: lost": r["lost"]})
-    if res.get("unit_row"):
+    if res.get("unit_row") and res["unit_row"].get("code") == res.get("code"):  # measured in this run, not carried over
         out["unit row: fixed RSS / unit"] = res.get("fixed_rss_over_unit")
     return out
 
