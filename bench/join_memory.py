@@ -16,6 +16,8 @@ import tracemalloc
 from pathlib import Path
 
 from bench.flags import BenchParser
+from bench.report import publish
+from bench.runs import Metric
 from bench.scale import BATCH, H, LR, SHAPE
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.claims import ClaimConfig
@@ -42,14 +44,21 @@ def retained(n: int, state_dir: Path, top: int) -> dict:
                          "bytes_per_worker": round(d.size_diff / n, 1)} for d in diff[:top]]}
 
 
+def metrics(res: dict) -> dict[str, Metric]:
+    """Python's bytes retained per joined worker (the by-line split stays in the run's detail)."""
+    return {"bytes per worker": res["bytes_per_worker"]}
+
+
 def main() -> None:
     p = BenchParser(__doc__)
+    p.result("join-memory")
     p.add_argument("--n", type=int, default=1000, help="workers joined")
     p.add_argument("--top", type=int, default=8, help="lines shown")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = retained(args.n, Path(d), args.top)
     print(json.dumps(out, indent=1))
+    publish("join-memory", out, metrics(out), out=args.results)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ TITLES = {
     "round-memory": "One round's memory at the aggregator",
     "fixed-memory": "The aggregator's fixed memory in one round",
     "conn-memory": "The root's memory per connection",
+    "join-memory": "What the root keeps per joined worker",
     "scale": "A swarm of a thousand",
     "levers": "Training levers on the tuning slice",
 }

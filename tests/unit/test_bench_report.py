@@ -206,11 +206,11 @@ def test_every_bench_renders_its_recorded_result(module):
 
 
 @pytest.mark.parametrize("module", [*RENDERED, "api", "cheats", "codec_speed", "comms", "data", "dct_energy", "diloco",
-                                    "quality", "replay_cost", "round_memory", "scale", "tail"])
+                                    "join_memory", "quality", "replay_cost", "round_memory", "scale", "tail"])
 def test_every_recorded_run_has_the_metrics_its_bench_computes(module):
     """The migrated records and the benches agree: each bench's `metrics` recomputes its newest run's."""
     bench = {"codec_speed": "codec-speed", "dct_energy": "dct-energy", "replay_cost": "replay-cost",
-             "round_memory": "round-memory", **RENDERED}.get(module, module)
+             "round_memory": "round-memory", "join_memory": "join-memory", **RENDERED}.get(module, module)
     setting = "flat" if bench == "scale" else "default"
     new = load(result_path(bench, setting))[-1]
     assert importlib.import_module(f"bench.{module}").metrics(dict(new.detail)) == new.metrics
