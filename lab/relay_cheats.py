@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from btnode.aggregate.relay.admission import UpstreamAdmission
-from btnode.aggregate.relay.forward import Combined, RelayBlock
+from btnode.aggregate.relay.forward import Combined
 from btnode.node import relay as relay_node
 
 Tensors = dict[str, torch.Tensor]
@@ -44,13 +44,8 @@ def cheating_relay(forge: Callable[[Tensors], Tensors]) -> type[UpstreamAdmissio
     """A relay's admission whose blocks hand `forge(Δ)` upstream in place of the combined Δ."""
 
     class ForgingAdmission(UpstreamAdmission):
-        def unit(self, *args, **kwargs) -> RelayBlock:
-            made = super().unit(*args, **kwargs)
-            made.on_combined = self._forged
-            return made
-
-        def _forged(self, c: Combined) -> None:
-            self.outbox.put(replace(c, delta=forge(c.delta)))
+        def forward(self, c: Combined) -> None:
+            super().forward(replace(c, delta=forge(c.delta)))
 
     return ForgingAdmission
 

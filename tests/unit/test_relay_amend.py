@@ -98,9 +98,9 @@ def test_a_manifest_naming_updates_counted_through_another_relay_is_refused_with
 
 
 def relay_block(tmp_path) -> tuple[RelayBlock, list[Combined]]:
-    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: 1000.0)
     out: list[Combined] = []
-    block.on_combined = out.append
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: 1000.0,
+                       on_combined=out.append)
     return block, out
 
 
@@ -207,9 +207,9 @@ def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_tak
 def forwarded(tmp_path) -> tuple[RelayBlock, list[float], list[Combined]]:
     """A relay block on a clock the test moves, that has forwarded its round with one child (d1)."""
     now = [1000.0]
-    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0])
     out: list[Combined] = []
-    block.on_combined = out.append
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: now[0],
+                       on_combined=out.append)
     block.register("d1")
     block.submit(*child("d1", 1))
     return block, now, out

@@ -46,19 +46,27 @@ class Parent:
         return Drawn(False, f"token-{header.worker_id}".encode())
 
 
-def relay_of(tmp_path, *, clip: bool = False, robust: str = "mean") -> tuple[SwarmAggregator, RelayBlock, list]:
+def relay_of(tmp_path, *, clip: bool = False, robust: str = "mean") -> tuple[SwarmAggregator, RelayBlock]:
     """A relay (as node/relay.py builds one, under a parent that replays audits) whose children have
-    joined through it: (relay, its block, the combined updates its rounds closed into)."""
+    joined through it: (relay, its block)."""
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=10.0), claims=CLAIMS, outer=OuterConfig(robust=robust),
                             clip=clip)
     relay = relay_swarm(CFG, acfg, tmp_path, upstream=Parent(), name="r1", blocks=[0], parent_replays=True,
                         clock=lambda: 1000.0)
     assert relay.upstream is not None
-    block, out = relay.upstream.blocks[0], []
-    block.on_combined = out.append
+    block = relay.upstream.blocks[0]
     for w in CHILDREN:
         relay.join(w, 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
-    return relay, block, out
+    return relay, block
+
+
+def closed_into(relay: SwarmAggregator) -> list:
+    """The combined updates the relay's rounds closed into, taken from its outbox (where node/relay.py
+    pushes upstream from): the production sink, not a stand-in."""
+    q, out = relay.upstream.outbox, []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
 
 
 def claim_of(worker: str) -> WorkClaim:
@@ -80,11 +88,11 @@ def push(relay: SwarmAggregator, i: int, worker: str, codec: Codec, base_version
 
 def closed_round(tmp_path, *, clip: bool = False, robust: str = "mean"):
     """A relay block that took three children's updates (three codecs) and closed: (block, combined)."""
-    relay, block, out = relay_of(tmp_path, clip=clip, robust=robust)
+    relay, block = relay_of(tmp_path, clip=clip, robust=robust)
     block._norms.extend([1.0, 1.0, 1.0])  # with --clip: a median norm every child is over
     for i, (w, codec) in enumerate(CHILDREN.items()):
         assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
-    (combined,) = out  # all three reported: the round closed into one combined update
+    (combined,) = closed_into(relay)  # all three reported: the round closed into one combined update
     return block, combined
 
 
@@ -189,10 +197,10 @@ def test_a_relay_audit_without_evidence_in_time_revokes_the_relay_and_keeps_its_
 
 
 def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
-    relay, block, out = relay_of(tmp_path)
+    relay, block = relay_of(tmp_path)
     for i, (w, codec) in enumerate(CHILDREN.items()):
         assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
-    (combined,) = out
+    (combined,) = closed_into(relay)
     _, params = block.current()
     block.adopt(VersionInfo(block=0, version=1, base_version=0, sha256=state_sha256(params)), params, raw=None,
                 codec=None)
@@ -202,13 +210,13 @@ def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
 
 
 def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(tmp_path):
-    relay, _, _ = relay_of(tmp_path)
+    relay, _ = relay_of(tmp_path)
     for i, (w, codec) in enumerate(list(CHILDREN.items())[:2]):
         assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
     del relay  # killed mid-round
-    again, block, out = relay_of(tmp_path)
+    again, block = relay_of(tmp_path)
     assert push(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
-    (combined,) = out
+    (combined,) = closed_into(again)
     assert [(e.worker_id, e.samples, e.cert, e.signature, e.claim_sha256, e.token) for e in combined.manifest] == [
         (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode(), claim_digest(claim_of(w)), f"token-{w}".encode())
         for i, w in enumerate(CHILDREN)]

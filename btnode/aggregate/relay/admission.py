@@ -83,11 +83,15 @@ class UpstreamAdmission:
                               f"which its parent can recompute to audit it; not {acfg.outer.robust}")
         return replace(acfg, update_codecs=tuple(c for c in acfg.update_codecs if not c.sparse))
 
+    def forward(self, c: Combined) -> None:
+        """A block's closed round, combined: into the outbox that node/relay.py pushes upstream from."""
+        self.outbox.put(c)
+
     def unit(self, block: int, initial: dict[str, torch.Tensor], store: VersionStore, acfg: AggregatorConfig, *,
              child_relay: Callable[[str], bool], **kwargs: Any) -> RelayBlock:
         """Block `block` of the relay's aggregator: its rounds close into the outbox, and its children's
         comings and goings are told to the parent (not those of a child relay, no member there)."""
-        made = RelayBlock(block, initial, store, acfg, on_combined=self.outbox.put,
+        made = RelayBlock(block, initial, store, acfg, on_combined=self.forward,
                           on_membership=functools.partial(self._member, block, child_relay), **kwargs)
         self.blocks[block] = made
         return made

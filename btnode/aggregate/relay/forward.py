@@ -192,14 +192,6 @@ class RelayBlock(BlockAggregator):
             self.forwarder.recovered = None
 
     @property
-    def on_combined(self) -> Callable[[Combined], None]:
-        return self.forwarder.on_combined
-
-    @on_combined.setter
-    def on_combined(self, out: Callable[[Combined], None]) -> None:
-        self.forwarder.on_combined = out
-
-    @property
     def lost(self) -> int:
         return self.forwarder.lost
 
