@@ -30,6 +30,7 @@ from btnode.node.memory import mmap_threshold, return_freed_memory
 from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
+from btnode.rpc.enroll import own_name
 from btnode.node.systemd import notify
 from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Outcome, PushHeader, VersionInfo
@@ -280,6 +281,6 @@ def join_relay(model: ModelConfig, aggregate: AggregatorConfig, limits: PeerLimi
     stop = threading.Event()
     install_stop_signals(stop)
     run_relay(model, aggregate, peers=parse_peers(node.peer), listen=serve_cfg.listen, state_dir=node.state_dir,
-              name=node.relay_id or f"{socket.gethostname()}-{os.getpid()}-relay", margin=node.margin,
+              name=node.relay_id or own_name() or f"{socket.gethostname()}-{os.getpid()}-relay", margin=node.margin,
               blocks=list(node.blocks) if node.blocks else None, port_file=serve_cfg.port_file, limits=limits,
               stop=stop, metrics_listen=serve_cfg.metrics_listen)

@@ -48,7 +48,7 @@ from btnode.aggregate.trust.identities import Role
 from btnode.durable import atomic_write
 from btnode.errors import ConfigError, Forbidden, InputError, MalformedInput, PeerUnavailable
 from btnode.rpc import certs
-from btnode.rpc.security import Security
+from btnode.rpc.security import Security, current
 from btnode.rpc.status import code_for
 from btnode.v2 import enroll_pb2 as pb
 from btnode.v2 import enroll_pb2_grpc as pb_grpc
@@ -129,6 +129,12 @@ def enrolled(folder: Path) -> bool:
 def identity_name(folder: Path) -> str:
     """The name the certificate in `folder` gives its node (a worker's id)."""
     return certs.describe((folder / IDENTITY_CERT).read_bytes()).name
+
+
+def own_name() -> str:
+    """The name this node's certificate gives it ("" without one): a worker's or relay's default id."""
+    cert = current().cert
+    return certs.describe(cert.read_bytes()).name if cert is not None else ""
 
 
 def _save_identity(folder: Path, key_pem: bytes, cert_pem: bytes, ca_pem: bytes) -> None:
@@ -351,18 +357,20 @@ def serve_enrollment(authority: SwarmAuthority, address: str, *, open_swarm: boo
     return server, port
 
 
-def enroll(code: JoinCode, folder: Path, *, timeout_s: float = 30.0) -> str:
+def enroll(code: JoinCode, folder: Path, *, timeout_s: float = 120.0) -> str:
     """Trade `code` for an identity kept in `folder`; returns its name. The CA that answers must be
     the one the code pins."""
     key = ec.generate_private_key(ec.SECP256R1())
     csr = _csr(key)
     channel = grpc.insecure_channel(code.address)
-    try:
+    try:  # wait_for_ready: a node started before its aggregator waits for it, as its other calls do
         reply = pb_grpc.EnrollmentStub(channel).Enroll(
-            pb.EnrollRequest(code_id=code.code_id, csr=csr, proof=proof_of(code.secret, csr)), timeout=timeout_s)
+            pb.EnrollRequest(code_id=code.code_id, csr=csr, proof=proof_of(code.secret, csr)), timeout=timeout_s,
+            wait_for_ready=True)
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise PeerUnavailable(f"cannot reach the enrollment port {code.address}: {exc.details()}") from None
+            raise PeerUnavailable(f"cannot reach the enrollment port {code.address} within {timeout_s:g} s: "
+                                  f"{exc.details()}") from None
         raise Forbidden("enroll", f"the swarm refused join code {code.code_id}: {exc.details()}") from None
     finally:
         channel.close()
