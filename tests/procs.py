@@ -86,9 +86,14 @@ def wait_port(port_file: Path, proc: subprocess.Popen, timeout: float = 60.0) ->
 
 
 class Aggregator:
-    def __init__(self, state_dir: Path, extra: list[str]):
+    """An aggregator process. `identities` False runs it --no-identities: the tests that drive the
+    protocol by hand push under several worker ids from one client, which a swarm with identities
+    (the default: one certificate, one id) refuses; tests/integration/test_identities.py and the
+    `btnode swarm` tests run the default."""
+
+    def __init__(self, state_dir: Path, extra: list[str], identities: bool = False):
         self.state_dir = state_dir
-        self.extra = extra
+        self.extra = extra if identities else ["--no-identities", *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
@@ -111,11 +116,11 @@ class Aggregator:
 
 @pytest.fixture
 def aggregator(tmp_path):
-    """make(*flags, state_dir=None) starts an aggregator process; all are killed at teardown."""
+    """make(*flags, state_dir=None, identities=False) starts an aggregator process; all are killed at teardown."""
     made: list[Aggregator] = []
 
-    def make(*extra: str, state_dir: Path | None = None) -> Aggregator:
-        agg = Aggregator(state_dir or tmp_path / "agg", list(extra)).start()
+    def make(*extra: str, state_dir: Path | None = None, identities: bool = False) -> Aggregator:
+        agg = Aggregator(state_dir or tmp_path / "agg", list(extra), identities).start()
         made.append(agg)
         return agg
 

@@ -246,6 +246,8 @@ class SwarmAggregator:
         accepted in open rounds are dropped from them."""
         at = self.identities.revoke(name)
         log.warning("identity %s revoked by the operator", name)
+        for b in self.blocks.values():
+            b.wake()  # its version streams end now
         self.replays.drop(name, "revoked")
         return at
 

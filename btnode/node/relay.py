@@ -31,6 +31,7 @@ from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
 from btnode.rpc.enroll import own_name
+from btnode.rpc.security import identity_hint
 from btnode.node.systemd import notify
 from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Outcome, PushHeader, VersionInfo
@@ -216,6 +217,8 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         except PeerUnavailable as exc:
             if time.monotonic() > deadline or stop.is_set():
                 raise
+            if hint := identity_hint(peers[0]):
+                raise ConfigError(hint) from None
             log.info("parent not reachable yet (%s); retrying", exc)
             stop.wait(1.0)
     parent_deadline = joined[0].deadline_s

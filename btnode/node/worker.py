@@ -26,6 +26,7 @@ from btnode.node.metrics import WorkerCollector, serve_metrics
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.enroll import own_name
+from btnode.rpc.security import identity_hint
 from btnode.rpc.failover import upstream_link
 from btnode.settings import flag, same_flag
 from btnode.durable import atomic_write
@@ -85,6 +86,8 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
             except PeerUnavailable as exc:
                 if time.monotonic() > deadline or worker.stats.pushes:
                     raise
+                if hint := identity_hint(peer.split(",")[0]):
+                    raise ConfigError(hint) from None
                 log.info("aggregator at %s not reachable yet (%s); retrying", peer, exc)
                 alive.set()  # waiting for the peer is not a hang
                 stop.wait(1.0)

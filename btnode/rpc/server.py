@@ -385,9 +385,12 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
             block.stream_opened(worker)
             context.add_callback(lambda: block.stream_closed(worker))
         last = -1
-        while context.is_active() and not self.stop.is_set() and worker not in revoked and \
-                (who is None or who.name not in revoked):
-            info = block.wait_for(last, timeout=0.5)
+
+        def ended() -> bool:
+            return worker in revoked or (who is not None and who.name in revoked)
+
+        while context.is_active() and not self.stop.is_set() and not ended():
+            info = block.wait_for(last, timeout=0.5, cancelled=ended)
             if info is not None:
                 last = info.version
                 yield pb.WatchReply(version=convert.info_to_pb(info))
