@@ -34,7 +34,7 @@ from btnode.settings import declared, param_of
 
 MODEL_TABLE = "model"
 SECURITY_TABLE = "security"  # read by the root command: token-file, tls-cert, tls-key, tls-ca, tls-client-auth, tls-server-name
-SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name")
+SECURITY_KEYS = ("token-file", "tls-cert", "tls-key", "tls-ca", "tls-client-auth", "tls-server-name", "identity")
 SWARM_WIDE = tuple(d.flag.param for d in declared(ModelConfig) if d.flag.swarm_wide)  # the fingerprint's flags
 # swarm-wide, but only on the commands that run or check a swarm (join, swarm, simulate, doctor)
 KIND_FLAGS = (param_of(ModelConfig, "kind"), param_of(ModelConfig, "ar_layers"))
@@ -129,8 +129,31 @@ def configure_security(ctx: Any, file: dict[str, Any], **given: Any) -> None:
         value = pick(name)
         return Path(value) if value else None
 
-    configure(Security(token=token, cert=path("tls_cert"), key=path("tls_key"), ca=path("tls_ca"),
-                       client_auth=bool(pick("tls_client_auth")), server_name=pick("tls_server_name") or ""))
+    sec = Security(token=token, cert=path("tls_cert"), key=path("tls_key"), ca=path("tls_ca"),
+                   client_auth=bool(pick("tls_client_auth")), server_name=pick("tls_server_name") or "")
+    identity, code = path("identity"), given["join_code"]
+    if identity is not None or code:
+        sec = _enrolled(sec, identity, code)
+    configure(sec)
+
+
+def _enrolled(sec: Any, folder: Path | None, code_text: str) -> Any:
+    """This node's identity in the swarm: the one in `folder`, or (none there yet) the one a join code
+    is traded for now (btnode/rpc/enroll.py)."""
+    from btnode.rpc import enroll
+
+    if sec.cert is not None:
+        raise ConfigError("--identity/--join-code and --tls-cert are two ways to name this node: give one")
+    code = enroll.JoinCode.parse(code_text) if code_text else None
+    if folder is None:
+        assert code is not None
+        folder = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "btnode" / code.code_id
+    if not enroll.enrolled(folder):
+        if code is None:
+            raise ConfigError(f"no identity in {folder}: give the join code from the swarm's operator "
+                              f"(--join-code or BTNODE_JOIN_CODE) to enroll once")
+        enroll.enroll(code, folder)
+    return enroll.identity_security(folder, sec.token)
 
 
 def _as_flag_value(v: Any) -> Any:

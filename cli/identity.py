@@ -12,6 +12,53 @@ import typer
 from btnode.aggregate.trust.identities import Role
 
 ca = typer.Typer(help="The swarm's certificate authority.", no_args_is_help=True)
+codes = typer.Typer(help="Single-use join codes: each becomes one identity (on the aggregator's host).",
+                    no_args_is_help=True)
+StateDir = Annotated[Path, typer.Option("--state-dir", help="The aggregator's --state-dir (it holds the swarm's CA).")]
+
+
+@codes.command("mint")
+def codes_mint(state_dir: StateDir,
+               role: Annotated[Role, typer.Option("--role", help="What the identity may do: worker, relay, stage or "
+                                                                 "operator.")] = Role.WORKER,
+               name: Annotated[str, typer.Option("--name", help="The identity's name (a worker's id); default "
+                                                                "ROLE-ID. With --count, NAME-1, NAME-2, ...")] = "",
+               count: Annotated[int, typer.Option("--count", min=1, help="How many codes.")] = 1,
+               hours: Annotated[float, typer.Option("--hours", help="Hours a code stays valid unused.")] = 168.0,
+               host: Annotated[str, typer.Option("--host", help="Host nodes reach the aggregator's enrollment port "
+                                                                "at (default: its --listen host, or this host's "
+                                                                "name).")] = "") -> None:
+    """Print single-use join codes: give one to each node (`btnode --join-code CODE join ...` or
+    BTNODE_JOIN_CODE), which trades it once for its identity."""
+    from btnode.rpc.enroll import SwarmAuthority
+
+    auth = SwarmAuthority(state_dir)
+    for i in range(count):
+        code, rec = auth.mint(role=role, name=f"{name}-{i + 1}" if name and count > 1 else name, ttl_s=hours * 3600,
+                              host=host or None)
+        typer.echo(f"{rec.name}\t{code}")
+
+
+@codes.command("list")
+def codes_list(state_dir: StateDir) -> None:
+    """The swarm's codes: name, role, and whether each is open, used or expired (never the secrets)."""
+    import time
+
+    from btnode.rpc.enroll import SwarmAuthority
+
+    now = time.time()
+    for r in SwarmAuthority(state_dir).records():
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.used_at or r.expires))
+        typer.echo(f"{r.code_id}  {r.role:<8} {r.name:<24} {r.state(now):<7} "
+                   f"{'used' if r.used_by else 'expires'} {when}")
+
+
+@codes.command("open")
+def codes_open(state_dir: StateDir, host: Annotated[str, typer.Option("--host")] = "") -> None:
+    """The code anyone may enroll with when the aggregator runs --open (publish it)."""
+    from btnode.rpc.enroll import SwarmAuthority
+
+    typer.echo(str(SwarmAuthority(state_dir).open_code(host or None)))
 
 
 @ca.command("init")
@@ -62,5 +109,6 @@ def revoke(peer: Annotated[str, typer.Option("--peer", help="HOST:PORT of the ag
 
 def register(app: typer.Typer) -> None:
     app.add_typer(ca, name="ca")
+    app.add_typer(codes, name="codes")
     app.command("admit")(admit)
     app.command("revoke")(revoke)

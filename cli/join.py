@@ -94,7 +94,7 @@ SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum", "check_claims",
                                                   "audit", "probation", "publish_codec", "publish_density"),
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
-                  Section(AggregatorNodeConfig, only=("state_dir", "seed"), defaults={"state_dir": Path("runs/swarm")},
+                  Section(AggregatorNodeConfig, only=("state_dir", "seed", "identities"), defaults={"state_dir": Path("runs/swarm")},
                           helps={"state_dir": "Aggregator state and logs."}),
                   Section(TrainConfig, only=("batch", "lr", "precision")),
                   Section(WorkerConfig, only=("rounds", "steps_per_round", "codec", "density"), defaults={"rounds": 5},

@@ -43,6 +43,13 @@ def root(ctx: typer.Context,
                                               help="Servers: require client certificates (mutual TLS)."),
          tls_server_name: str = typer.Option("", "--tls-server-name", envvar="BTNODE_TLS_SERVER_NAME",
                                              help="Clients: the name the server's certificate must carry."),
+         identity: Optional[Path] = typer.Option(None, "--identity", envvar="BTNODE_IDENTITY",
+                                                 help="Folder of this node's identity in the swarm (made at enrollment "
+                                                      "from --join-code; default with a code: "
+                                                      "~/.local/state/btnode/ID)."),
+         join_code: str = typer.Option("", "--join-code", envvar="BTNODE_JOIN_CODE",
+                                       help="Single-use code from the swarm's operator (`btnode codes mint`): "
+                                            "traded once for this node's identity, which later starts reuse."),
          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     from btnode_cli import config as settings
@@ -56,7 +63,7 @@ def root(ctx: typer.Context,
         ctx.default_map = settings.default_map(ctx.command, ctx, config)
         file_security = settings.security_table(config)
     settings.configure_security(ctx, file_security, token_file=token_file, tls_cert=tls_cert, tls_key=tls_key,
-                                tls_ca=tls_ca, tls_client_auth=tls_client_auth, tls_server_name=tls_server_name)
+                                tls_ca=tls_ca, tls_client_auth=tls_client_auth, tls_server_name=tls_server_name, identity=identity, join_code=join_code)
 
 
 def _register() -> None:

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.identities import Role
 from btnode.node import launch
+from btnode.rpc.enroll import SwarmAuthority, identity_security
+from btnode.rpc.security import Security
 from btnode.settings import declared
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
@@ -60,9 +63,22 @@ def cli_fails(*args: str, match: str) -> str:
     return last
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    """`btnode ARGS` with one torch thread, output appended to `log` (btnode.node.launch)."""
-    return launch.spawn_node(args, log=log, env=launch.one_thread_env())
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`btnode ARGS` with one torch thread (and `env`), output appended to `log` (btnode.node.launch)."""
+    return launch.spawn_node(args, log=log, env=launch.one_thread_env(**(env or {})))
+
+
+def identity_env(state_dir: Path, name: str, role: Role = Role.WORKER) -> dict[str, str]:
+    """The environment of a node that enrolls as `name` with a code minted now at the aggregator
+    whose --state-dir is `state_dir` (identities by default: btnode/rpc/enroll.py), as an operator
+    hands a node its code. Its identity is kept beside that folder, in id-NAME."""
+    code, _ = SwarmAuthority(state_dir).mint(name=name, role=role, host="127.0.0.1")
+    return {"BTNODE_JOIN_CODE": str(code), "BTNODE_IDENTITY": str(state_dir.parent / f"id-{name}")}
+
+
+def operator(state_dir: Path) -> Security:
+    """The settings of the operator identity the aggregator keeping `state_dir` made at its first start."""
+    return identity_security(SwarmAuthority(state_dir).operator)
 
 
 def wait_port(port_file: Path, proc: subprocess.Popen, timeout: float = 60.0) -> int:
@@ -70,9 +86,14 @@ def wait_port(port_file: Path, proc: subprocess.Popen, timeout: float = 60.0) ->
 
 
 class Aggregator:
-    def __init__(self, state_dir: Path, extra: list[str]):
+    """An aggregator process. `identities` False runs it --no-identities: the tests that drive the
+    protocol by hand push under several worker ids from one client, which a swarm with identities
+    (the default: one certificate, one id) refuses; tests/integration/test_identities.py and the
+    `btnode swarm` tests run the default."""
+
+    def __init__(self, state_dir: Path, extra: list[str], identities: bool = False):
         self.state_dir = state_dir
-        self.extra = extra
+        self.extra = extra if identities else ["--no-identities", *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
@@ -95,11 +116,11 @@ class Aggregator:
 
 @pytest.fixture
 def aggregator(tmp_path):
-    """make(*flags, state_dir=None) starts an aggregator process; all are killed at teardown."""
+    """make(*flags, state_dir=None, identities=False) starts an aggregator process; all are killed at teardown."""
     made: list[Aggregator] = []
 
-    def make(*extra: str, state_dir: Path | None = None) -> Aggregator:
-        agg = Aggregator(state_dir or tmp_path / "agg", list(extra)).start()
+    def make(*extra: str, state_dir: Path | None = None, identities: bool = False) -> Aggregator:
+        agg = Aggregator(state_dir or tmp_path / "agg", list(extra), identities).start()
         made.append(agg)
         return agg
 

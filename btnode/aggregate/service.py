@@ -216,8 +216,7 @@ class SwarmAggregator:
             block.reject(header, exc := Forbidden("revoked", f"worker {header.worker_id!r} was revoked"))
             raise exc
         if who is not None:
-            joined = who.name in self.keys.of(header.block) or self.relays.known(header.block, who.name)
-            self.identities.check_push(who, header, ever_joined=joined)
+            self.identities.check_push(who, header, ever_joined=self.has_joined(header.block, who.name))
         amends = block.amends(header)  # a relay's amendment: the child updates of the push it replaces
         if self.upstream is not None:  # at a relay: its frames' digest noted for the manifest (and committed upstream)
             chunks = self.upstream.noting(header, chunks)
@@ -237,11 +236,18 @@ class SwarmAggregator:
             judged = replace(judged, closes_in_s=_closes_in(block, header.base_version))
         return judged
 
+    def has_joined(self, block: int, name: str) -> bool:
+        """Whether `name` ever joined `block` here (its data key persists, so a join survives a restart),
+        itself or as a relay's child."""
+        return name in self.keys.of(block) or self.relays.known(block, name)
+
     def revoke(self, name: str) -> float:
         """Refuse the identity `name` from now on; returns the time of its revocation. Its updates
         accepted in open rounds are dropped from them."""
         at = self.identities.revoke(name)
         log.warning("identity %s revoked by the operator", name)
+        for b in self.blocks.values():
+            b.wake()  # its version streams end now
         self.replays.drop(name, "revoked")
         return at
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from pathlib import Path
 
 from btnode.aggregate.round.config import AggregatorConfig
@@ -27,6 +27,8 @@ from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
 from btnode.rpc.health import NodeHealth
+from btnode.rpc import security
+from btnode.rpc.enroll import SwarmAuthority, serve_enrollment
 from btnode.rpc.limits import PeerLimits
 from btnode.rpc.server import serve
 from btnode.settings import flag, join_ints, parse_ints, same_flag
@@ -118,6 +120,14 @@ class AggregatorNodeConfig:
                                           default=None, param="own_blocks", value=str,
                                           parse=lambda t: parse_ints(t, "--blocks-owned"), format=join_ints)
     seed: int = same_flag(TrainConfig, "seed")  # initialises the units' version 0
+    identities: bool = flag("--identities/--no-identities",
+                            "Admit identities, not token holders: the aggregator makes the swarm's CA in --state-dir at "
+                            "its first start, every node enrolls with a single-use join code (`btnode codes mint`) and "
+                            "every call needs its certificate (mutual TLS). --no-identities: any token holder may join "
+                            "under any worker id (benches, closed lab networks). docs/security.md.", default=True)
+    enroll_listen: str | None = flag("--enroll-listen", "HOST:PORT of the enrollment port, the one port that takes "
+                                                        "calls without a certificate (join codes only). Default: "
+                                                        "--listen's host, its port + 1 (port 0: any).", default=None)
     data_id: str | None = flag("--data-id", "The data id every worker must train on (a worker logs its own at start; "
                                             "btnode status shows the swarm's). Default: the first worker's.",
                                default=None)
@@ -136,8 +146,9 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
                    blocks: list[int] | None = None, seed: int = 0, port_file: Path | None = None,
                    metrics_listen: str | None = None, limits: PeerLimits | None = None,
                    stop: threading.Event | None = None, drain_notice_s: float = 0.0, data_id: str | None = None,
-                   corpus: ByteSource | bytes | None = None) -> None:
-    """Serve until `stop`; gRPC Health says NOT_SERVING until READY=1, SERVING, then NOT_SERVING for
+                   corpus: ByteSource | bytes | None = None, authority: SwarmAuthority | None = None,
+                   enroll_listen: str | None = None) -> None:
+    """Serve until `stop`; with an `authority` (identities by default) its enrollment port too; gRPC Health says NOT_SERVING until READY=1, SERVING, then NOT_SERVING for
     `drain_notice_s` (still taking calls) before the server stops accepting and the rounds drain.
     With audits on (`acfg.audit`), an auditor thread replays on `corpus`, the workers' training data."""
     stop = stop or threading.Event()
@@ -155,6 +166,8 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
               else "claims believed")
     log.info("aggregator for %s listening on %s:%d (fingerprint %s…; outer step η=%g, Nesterov μ=%g, %s; %s)", owns,
              host, port, agg.fingerprint[:12], outer.lr, outer.momentum, outer.robust, claims)
+    enrollment = _start_enrollment(agg, authority, enroll_listen or _enroll_address(listen, port), state_dir) \
+        if authority is not None else None
     auditor = _start_auditor(agg, stop) if agg.audits is not None else None
     if agg.relay_audits is not None:
         r = acfg.relay_audit
@@ -170,6 +183,8 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
         health.draining(drain_notice_s)
         server_stop.set()
         server.stop(grace=5.0).wait()  # in-flight pushes finish (and are judged) first
+        if enrollment is not None:
+            enrollment.stop(grace=1.0).wait()
         if auditor is not None:
             auditor.join()  # it saw `stop`: at most the replay in progress finishes
         tickers.join()  # they saw `stop`: at most a close in progress finishes
@@ -177,6 +192,19 @@ def run_aggregator(cfg: ModelConfig, acfg: AggregatorConfig, *, state_dir: Path,
             log.info("drain: block %d published version %d with the round's accepted updates", info.block,
                      info.version)
         log.info("aggregator stopped")
+
+
+def _enroll_address(listen: str, port: int) -> str:
+    host, _, asked = listen.rpartition(":")
+    return f"{host}:{0 if asked == '0' else port + 1}"
+
+
+def _start_enrollment(agg: SwarmAggregator, authority: SwarmAuthority, address: str, state_dir: Path) -> Any:
+    server, port = serve_enrollment(authority, address, open_swarm=False, count=agg.count)
+    log.info("identities: every call needs a certificate of this swarm's CA (pin %s); nodes enroll with join codes "
+             "on port %d (`btnode codes mint --state-dir %s`); this host's operator identity: --identity %s",
+             authority.pin, port, state_dir, authority.operator)
+    return server
 
 
 def expire_relay_audits(agg: SwarmAggregator, stop: threading.Event) -> None:
@@ -213,6 +241,7 @@ def join_aggregator(model: ModelConfig, aggregate: AggregatorConfig, limits: Pee
     workers' data, which replays train on), and that data's id is the one workers must state."""
     if node.state_dir is None:
         raise ConfigError("the aggregator needs --state-dir")
+    authority = _identities(node, serve.listen)
     data_id, corpus = node.data_id, None
     if aggregate.audit.on:
         data = host.load_corpus()
@@ -225,4 +254,23 @@ def join_aggregator(model: ModelConfig, aggregate: AggregatorConfig, limits: Pee
     run_aggregator(model, aggregate, state_dir=node.state_dir, listen=serve.listen, seed=node.seed,
                    port_file=serve.port_file, stop=stop, metrics_listen=serve.metrics_listen,
                    drain_notice_s=serve.drain_notice, limits=limits, blocks=list(node.blocks) if node.blocks else None,
-                   data_id=data_id, corpus=corpus)
+                   data_id=data_id, corpus=corpus, authority=authority, enroll_listen=node.enroll_listen)
+
+
+def _identities(node: AggregatorNodeConfig, listen: str) -> SwarmAuthority | None:
+    """The swarm's authority when identities are on and no TLS was configured by hand (then this
+    node's settings become its certificates: security.configure); None otherwise."""
+    sec = security.current()
+    if not node.identities:
+        log.warning("--no-identities: any holder of the swarm token%s may join under any worker id, and one "
+                    "holder under many", "" if sec.token else " (there is none: anyone)")
+        return None
+    if sec.tls:
+        if not sec.client_auth:
+            log.warning("TLS without --tls-client-auth: worker ids are claims, not identities (docs/security.md)")
+        return None  # the operator's own CA and certificates (btnode ca init / admit)
+    assert node.state_dir is not None
+    host = listen.rpartition(":")[0].strip("[]")
+    authority = SwarmAuthority.create(node.state_dir, hosts=(host,) if host not in ("", "0.0.0.0", "::") else ())
+    security.configure(authority.security(token=sec.token))
+    return authority

@@ -30,6 +30,8 @@ from btnode.node.memory import mmap_threshold, return_freed_memory
 from btnode.node.metrics import AggregatorCollector, serve_metrics
 from btnode.node.aggregator import AggregatorNodeConfig, expire_relay_audits, install_stop_signals, serving, watch_ticks
 from btnode.node.settings import ServeConfig
+from btnode.rpc.enroll import own_name
+from btnode.rpc.security import identity_hint
 from btnode.node.systemd import notify
 from btnode.node.worker import WorkerNodeConfig
 from btnode.protocol import Outcome, PushHeader, VersionInfo
@@ -215,6 +217,8 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
         except PeerUnavailable as exc:
             if time.monotonic() > deadline or stop.is_set():
                 raise
+            if hint := identity_hint(peers[0]):
+                raise ConfigError(hint) from None
             log.info("parent not reachable yet (%s); retrying", exc)
             stop.wait(1.0)
     parent_deadline = joined[0].deadline_s
@@ -280,6 +284,6 @@ def join_relay(model: ModelConfig, aggregate: AggregatorConfig, limits: PeerLimi
     stop = threading.Event()
     install_stop_signals(stop)
     run_relay(model, aggregate, peers=parse_peers(node.peer), listen=serve_cfg.listen, state_dir=node.state_dir,
-              name=node.relay_id or f"{socket.gethostname()}-{os.getpid()}-relay", margin=node.margin,
+              name=node.relay_id or own_name() or f"{socket.gethostname()}-{os.getpid()}-relay", margin=node.margin,
               blocks=list(node.blocks) if node.blocks else None, port_file=serve_cfg.port_file, limits=limits,
               stop=stop, metrics_listen=serve_cfg.metrics_listen)

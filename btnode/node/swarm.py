@@ -12,16 +12,19 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from btnode.aggregate.round.config import AggregatorConfig
-from btnode.errors import BtnodeError, PeerUnavailable
+from btnode.errors import BtnodeError, InputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.node.aggregator import AggregatorNodeConfig
 from btnode.node.launch import spawn_node, start_node, stop_processes
 from btnode.node.roles import ROLES
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.worker import WorkerNodeConfig
+from btnode.rpc import security
 from btnode.rpc.client import SwarmClient
+from btnode.rpc.enroll import SwarmAuthority, enrolled, identity_security
 from btnode.rpc.convert import info_from_pb
 from btnode.protocol import VersionInfo
 from btnode.rpc.limits import PeerLimits
@@ -73,14 +76,18 @@ def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorN
         peer = f"127.0.0.1:{port}"
         echo(f"aggregator on {peer}; starting {len(units)} × {replicas} workers ({', '.join(units)}) for {rounds} rounds "
              f"on {host.data or 'the bundled WikiText-2'} (logs in {logs})")
+        authority = SwarmAuthority(state_dir) if node.identities and not security.current().tls else None
         workers = [spawn_node(ROLES["worker"].argv("worker", model, train,
-                                                   replace(worker, block=b, worker_id=f"b{b}r{r}"),
+                                                   replace(worker, block=b, worker_id="" if authority else f"b{b}r{r}"),
                                                    WorkerNodeConfig(peer=peer, stats_file=logs / f"b{b}r{r}.stats.json"),
                                                    host),
-                              log=logs / f"worker-b{b}r{r}.log", env=env)
+                              log=logs / f"worker-b{b}r{r}.log",
+                              env={**env, **(enrolled_env(authority, state_dir / "identities", f"b{b}r{r}")
+                                             if authority else {})})
                    for b in range(len(units)) for r in range(replicas)]
         procs.extend(workers)
-        client = SwarmClient(peer, timeout_s=10.0)
+        client = SwarmClient(peer, timeout_s=10.0,
+                             security=identity_security(authority.operator) if authority else None)
         seen: dict[int, int] = {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -103,6 +110,19 @@ def run_swarm(model: ModelConfig, aggregate: AggregatorConfig, node: AggregatorN
         return result
     finally:
         stop_processes(procs[::-1], timeout_s=20.0)
+
+
+def enrolled_env(authority: SwarmAuthority, folder: Path, name: str) -> dict[str, str]:
+    """The environment of a local node that is (or becomes, with a code minted now) identity `name`,
+    kept in folder/name: as an operator gives each node its code."""
+    home = folder / name
+    if enrolled(home):
+        return {"BTNODE_IDENTITY": str(home)}
+    try:
+        code, _ = authority.mint(name=name, host="127.0.0.1")
+    except InputError:  # the name had a code whose identity folder is gone: a new name
+        code, _ = authority.mint(host="127.0.0.1")
+    return {"BTNODE_IDENTITY": str(home), "BTNODE_JOIN_CODE": str(code)}
 
 
 def _report(client: SwarmClient, seen: dict[int, int], result: SwarmResult, echo: Callable[[str], None],

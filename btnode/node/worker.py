@@ -25,6 +25,8 @@ from btnode.node.memory import MemoryLimit, check_worker, setting
 from btnode.node.metrics import WorkerCollector, serve_metrics
 from btnode.node.settings import HostConfig, ServeConfig
 from btnode.node.systemd import notify, start_watchdog
+from btnode.rpc.enroll import own_name
+from btnode.rpc.security import identity_hint
 from btnode.rpc.failover import upstream_link
 from btnode.settings import flag, same_flag
 from btnode.durable import atomic_write
@@ -84,6 +86,8 @@ def run_worker(cfg: ModelConfig, tc: TrainConfig, wcfg: WorkerConfig, *, peer: s
             except PeerUnavailable as exc:
                 if time.monotonic() > deadline or worker.stats.pushes:
                     raise
+                if hint := identity_hint(peer.split(",")[0]):
+                    raise ConfigError(hint) from None
                 log.info("aggregator at %s not reachable yet (%s); retrying", peer, exc)
                 alive.set()  # waiting for the peer is not a hang
                 stop.wait(1.0)
@@ -110,7 +114,7 @@ def join_worker(model: ModelConfig, train: TrainConfig, worker: WorkerConfig, no
     cap = setting(node.memory_limit) if node.memory_limit is not None else None
     total = node.schedule_steps or (worker.rounds * worker.steps_per_round if worker.rounds else 100_000)
     tc = replace(train, steps=total, warmup=min(train.warmup, max(1, total // 10)))
-    wcfg = replace(worker, block=block, worker_id=worker.worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    wcfg = replace(worker, block=block, worker_id=worker.worker_id or own_name() or f"{socket.gethostname()}-{os.getpid()}")
     stop = threading.Event()
     install_stop_signals(stop)
     data = host.load_corpus()

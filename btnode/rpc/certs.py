@@ -51,7 +51,7 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         os.fsync(f.fileno())
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
@@ -75,7 +75,7 @@ def init_ca(out: Path, *, name: str = "btnode swarm CA", days: int = 3650) -> Is
                                             data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                             crl_sign=True, encipher_only=False, decipher_only=False), critical=True))
     cert = _validity(builder, days, None).sign(key, hashes.SHA256())
-    _write(out / CA_KEY, _pem_key(key), private=True)
+    _write(out / CA_KEY, pem_key(key), private=True)
     _write(out / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return Issued(cert=out / CA_CERT, key=out / CA_KEY)
 
@@ -126,7 +126,7 @@ def admit(ca_dir: Path, name: str, *, role: Role = Role.WORKER, out: Path, days:
     cert = _validity(builder, days, now).sign(ca_key, hashes.SHA256())
     out.mkdir(parents=True, exist_ok=True)
     if key is not None:
-        _write(out / f"{name}.key", _pem_key(key), private=True)
+        _write(out / f"{name}.key", pem_key(key), private=True)
     _write(out / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM), private=False)
     return Issued(cert=out / f"{name}.pem", key=out / f"{name}.key" if key is not None else None)
 
@@ -228,6 +228,27 @@ def check_receipt(ca_pem: bytes, header: PushHeader, digest: str) -> Identity | 
     if header.manifest:
         return None  # a child relay's combined push: its entries carry their own receipts
     return verify_signed(ca_pem, header.cert, header.signature, receipt_statement(header, digest), header.worker_id)
+
+
+@dataclass(frozen=True)
+class Described:
+    name: str
+    role: Role
+    public_key: bytes  # DER SubjectPublicKeyInfo
+
+
+def describe(cert_pem: bytes, *, ca_pem: bytes | None = None) -> Described:
+    """What a certificate names (and, with `ca_pem`, a check that that CA issued it): a node reading
+    the identity it was given at enrollment (rpc/enroll.py)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        if ca_pem is not None:
+            cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_pem))
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise Forbidden("certificate", f"not a certificate of this swarm's CA: {exc or type(exc).__name__}") from None
+    who = _parse(cert_pem).identity
+    return Described(who.name, who.role, cert.public_key().public_bytes(serialization.Encoding.DER,
+                                                                       serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
 @functools.lru_cache(maxsize=8)

@@ -178,3 +178,34 @@ def bind(server: grpc.Server, address: str, security: Security | None = None) ->
     if port == 0:
         raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
     return port
+
+
+def speaks_tls(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether the server at `address` answers a TLS handshake (certificates not checked): tells a
+    node that dials a swarm with identities (mutual TLS, the default) without one why it gets no
+    answer, instead of retrying as if the server were down."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host.strip("[]") or None) as tls:
+            tls.recv(1)  # under TLS 1.3 a missing client certificate is refused after the handshake
+        return True
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "")  # the server spoke TLS, and refused us
+    except (OSError, ValueError):
+        return False
+
+
+def identity_hint(address: str) -> str:
+    """Why a node without TLS settings gets no answer from `address`, if that is the reason ("" if not)."""
+    if current().tls or not speaks_tls(address):
+        return ""
+    return (f"{address} speaks TLS: its swarm admits identities (the default), and this node has none. Enroll it "
+            f"once with the join code from the swarm's operator (`btnode --join-code CODE join ...`; the operator "
+            f"mints it with `btnode codes mint`)")

@@ -21,7 +21,7 @@ from btnode.aggregate.round.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.frames import ChunkData, Frame
-from btnode.errors import BtnodeError, MalformedInput, PeerInputError, Refused
+from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
 from btnode.protocol import ABORTED, EvidenceChild, PushHeader, VersionInfo, join_statement, receipt_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
@@ -377,12 +377,20 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         block = self.agg.block(request.block)
         worker = request.worker_id
         revoked = self.agg.identities.revoked
+        if worker in revoked:
+            raise Forbidden("revoked", f"worker {worker!r} was revoked")
+        if worker and not self.agg.has_joined(request.block, worker):  # a replica the round would wait for
+            raise Refused("not_joined", f"{worker!r} watches block {request.block} without having joined it")
         if worker:
             block.stream_opened(worker)
             context.add_callback(lambda: block.stream_closed(worker))
         last = -1
-        while context.is_active() and not self.stop.is_set() and (who is None or who.name not in revoked):
-            info = block.wait_for(last, timeout=0.5)
+
+        def ended() -> bool:
+            return worker in revoked or (who is not None and who.name in revoked)
+
+        while context.is_active() and not self.stop.is_set() and not ended():
+            info = block.wait_for(last, timeout=0.5, cancelled=ended)
             if info is not None:
                 last = info.version
                 yield pb.WatchReply(version=convert.info_to_pb(info))

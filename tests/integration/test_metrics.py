@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import TINY_SHAPE, claim_flags, free_port, scrape, start, stop_all
+from procs import TINY_SHAPE, claim_flags, free_port, identity_env, scrape, start, stop_all
+from btnode.aggregate.trust.identities import Role
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "btnode.json"
@@ -59,9 +60,10 @@ def swarm(tmp_path_factory):
         for w in ("w0", "w1"):
             procs.append(start(["join", "--role", "worker", "--block", "0", "--peer", address, "--worker-id", w,
                                 *training, "--metrics-listen",
-                                f"127.0.0.1:{ports[w]}", *TINY_SHAPE], d / f"{w}.log"))
+                                f"127.0.0.1:{ports[w]}", *TINY_SHAPE], d / f"{w}.log", env=identity_env(d / "state", w)))
         procs.append(start(["join", "--role", "stage", "--block", "2", "--peer", address, "--listen", "127.0.0.1:0",
-                            "--metrics-listen", f"127.0.0.1:{ports['stage']}", *TINY_SHAPE], d / "stage.log"))
+                            "--metrics-listen", f"127.0.0.1:{ports['stage']}", *TINY_SHAPE], d / "stage.log",
+                           env=identity_env(d / "state", "stage-2", Role.STAGE)))
         deadline = time.monotonic() + 240
 
         def settled() -> bool:  # both workers have pushed (one can start late on a loaded machine)

@@ -30,7 +30,7 @@ from lab.fuzz import AUDITED, AUDITEE, CFG, await_state, start_state
 from btnode.train.config import TrainConfig
 from btnode.v2 import swarm_pb2 as pb
 from btnode.v2 import swarm_pb2_grpc as pb_grpc
-from procs import TINY_TRAIN, cli_fails, start, stop_all, wait_port
+from procs import TINY_TRAIN, cli_fails, identity_env, operator, start, stop_all, wait_port
 
 CORPUS = bytes(range(256)) * 16
 TRAIN = TrainConfig(batch=4, warmup=1, steps=100)
@@ -155,9 +155,9 @@ def test_worker_processes_push_claims_to_an_auditing_aggregator_process(tmp_path
         address = f"127.0.0.1:{wait_port(state / 'port', procs[0])}"
         workers = [start(["join", "--role", "worker", "--block", "0", "--peer", address, "--worker-id", w,
                           "--rounds", "1", "--steps-per-round", "2", "--codec", "int8", *TINY_TRAIN],
-                         tmp_path / f"{w}.log") for w in ("w0", "w1")]
+                         tmp_path / f"{w}.log", env=identity_env(state, w)) for w in ("w0", "w1")]
         procs += workers
-        client = SwarmClient(address, timeout_s=10)
+        client = SwarmClient(address, timeout_s=10, security=operator(state))  # identities: the default
 
         def updates() -> dict[str, float]:
             assert procs[0].poll() is None, "the aggregator exited"
@@ -171,7 +171,8 @@ def test_worker_processes_push_claims_to_an_auditing_aggregator_process(tmp_path
             # recipe (CPU, one thread, this torch), so a pass is the bit-for-bit one (aggregate/audit.py). Each
             # worker sent its start state, which it keeps only when JoinReply.audits says the swarm replays
             st = client.status_dict()
-            audited = {r["name"]: (r["audited"], r["failed"], r["revoked_at_unix"]) for r in st["identities"]}
+            audited = {r["name"]: (r["audited"], r["failed"], r["revoked_at_unix"]) for r in st["identities"]
+                       if r["role"] == "worker"}
             assert audited == {"w0": (1, 0, None), "w1": (1, 0, None)}, st["identities"]
             assert not [c for c in st["counters"] if c["name"] == "revoked"], st["counters"]
         finally:

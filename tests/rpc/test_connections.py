@@ -75,7 +75,8 @@ def crowded(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="1000000")
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--port-file",
                              str(port_file), "--state-dir", str(tmp_path / "s"), "--deadline", "4", "--max-workers",
-                             str(BUDGET), "--metrics-listen", f"127.0.0.1:{metrics}", *TINY_SHAPE],
+                             str(BUDGET), "--metrics-listen", f"127.0.0.1:{metrics}", *TINY_SHAPE,
+                             "--no-identities", "--max-joins-per-minute", "1000"],  # 160 worker ids from one test process: ids as claims
                             env=env, stdout=open(tmp_path / "agg.log", "wb"), stderr=subprocess.STDOUT)
     try:
         yield proc, f"127.0.0.1:{wait_port(port_file, proc)}", metrics, alive, tmp_path / "agg.log"
@@ -108,7 +109,8 @@ def test_160_held_version_streams_starve_no_push(crowded):
     try:
         idle = rss_mb(proc.pid)
         streams, refused = [], []
-        for i in range(STREAMS):
+        for i in range(STREAMS):  # a stream is a replica's: its id joins the block first
+            watcher.join(f"idle-{i}", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms())
             s = watcher.watch(0, f"idle-{i}")
             try:
                 assert next(s).version == 0

@@ -376,11 +376,17 @@ class BlockAggregator:
                                accepted_in_round=len(self.round.accepted), recent=tuple(self.recent),
                                updates=dict(self.counters), rounds_closed=dict(self.rounds_closed))
 
-    def wait_for(self, after: int, timeout: float) -> VersionInfo | None:
-        """The current version once it is newer than `after`, or None after `timeout` seconds."""
+    def wait_for(self, after: int, timeout: float, *, cancelled: Callable[[], bool] = lambda: False) -> VersionInfo | None:
+        """The current version once it is newer than `after`, or None after `timeout` seconds or once
+        `cancelled()` (checked when the block is woken: `wake`)."""
         with self.lock:
-            self.lock.wait_for(lambda: self.info.version > after, timeout=timeout)
+            self.lock.wait_for(lambda: self.info.version > after or cancelled(), timeout=timeout)
             return self.info if self.info.version > after else None
+
+    def wake(self) -> None:
+        """Wake every waiter (a revocation: its streams end at once, not at their next poll)."""
+        with self.lock:
+            self.lock.notify_all()
 
     def delta(self, version: int) -> tuple[VersionInfo, Codec, dict[str, bytes]]:
         codec, raw, meta = self.store.delta(version)
