@@ -33,6 +33,7 @@ from btnode.aggregate.trust.datakeys import DataKeys
 from btnode.aggregate.trust.identities import Identities, Identity, IdentityRecord, Verify
 from btnode.aggregate.trust.manifests import Relays
 from btnode.aggregate.trust.signatures import Signatures
+from btnode.aggregate.trust.standing import Standing
 from btnode.aggregate.trust.terms import TrainingRecords
 from btnode.codec.frames import ChunkData
 from btnode.data.source import ByteSource
@@ -90,8 +91,20 @@ class SwarmAggregator:
         self.signatures = Signatures(self.identities, self.count)  # of what relays pass on, under mutual TLS
         self.relays = Relays()  # relays that joined, and their combined pushes (aggregate/trust/manifests.py)
         secret = audit_secret or secret_of(state_dir)  # also keys the screen's sketches (aggregate/sums/accumulate.py)
+        self.audits: Audits | None = None
+        self.replayers: dict[int, Replayer] = {}
+        self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
+        if acfg.audit.on:
+            if corpus is None:
+                raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
+                                  "(the same as the workers')")
+            self.audits = Audits(acfg.audit, secret, clock)
+            self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
+            self.commits = Commits(secret)
+        # the root weighs each identity's updates by its verified work and recent drops (aggregate/trust/standing.py)
+        self.standing = Standing(acfg.standing, self.audits, probation=acfg.audit.probation) if upstream is None else None
         self.blocks: dict[int, BlockAggregator] = {
-            b: (BlockAggregator(*unit, **named) if upstream is None else
+            b: (BlockAggregator(*unit, **named, standing=self.standing) if upstream is None else
                 upstream.unit(*unit, child_relay=functools.partial(self.relays.known, b), **named))
             for b in owned
             for unit, named in [((b, init_unit(cfg, b, seed).state_dict(),
@@ -104,16 +117,6 @@ class SwarmAggregator:
         self.intake = Intake(acfg.decode_slots, self.meter)  # pushes' frames, decoded a few at a time
         self._decoding, self._decoding_lazy = self.intake.slots, self.intake.lazy_slots
         self.clock = clock
-        self.audits: Audits | None = None
-        self.replayers: dict[int, Replayer] = {}
-        self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
-        if acfg.audit.on:
-            if corpus is None:
-                raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
-                                  "(the same as the workers')")
-            self.audits = Audits(acfg.audit, secret, clock)
-            self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
-            self.commits = Commits(secret)
         self.replays = ReplayDesk(acfg.audit, self.audits, self.commits, self.replayers, clock=clock, blocks=self.blocks,
                                   block=self.block, identities=self.identities, intake=self.intake,
                                   training=self.training, data_id=lambda: self.keys.data_id,

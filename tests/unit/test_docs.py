@@ -264,7 +264,7 @@ BUDGETS = {
     "relays.md": 2_400,
     "research.md": 4_500,
     "scale.md": 2_250,
-    "security.md": 3_950,
+    "security.md": 4_300,
     "serving.md": 2_900,
     "swarm.md": 3_600,
     "tuning.md": 1_600,

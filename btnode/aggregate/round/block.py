@@ -30,6 +30,7 @@ from btnode.aggregate.sums.norms import NormHistory
 from btnode.aggregate.sums.spill import Spill
 from btnode.aggregate.sums.averaging import OuterOptimizer
 from btnode.aggregate.trust.claims import Range, theta_ranges
+from btnode.aggregate.trust.standing import Standing
 from btnode.codec.codecs import Codec, encode
 from btnode.errors import PeerInputError
 from btnode.protocol import INCOMPLETE, Judgement, Outcome, PushHeader, VersionInfo, format_steps
@@ -41,10 +42,12 @@ Tensors = dict[str, torch.Tensor]
 class BlockAggregator:
     def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
                  clock: Callable[[], float] = time.time, name: str = "", sketch_key: bytes = b"",
-                 sink: RoundSink | None = None):
+                 sink: RoundSink | None = None, standing: Standing | None = None):
         """`sketch_key`: a secret the screen's sketches are drawn from (one per round from it), so that
         no worker can shape an update to look aligned in the sketch but not in fact. `sink`: what a
-        closed round becomes (default `Publisher`: a published version)."""
+        closed round becomes (default `Publisher`: a published version). `standing`: the identities' weight
+        factors (aggregate/trust/standing.py), told of each close; None: every identity weighs 1."""
+        self.standing = standing
         self.sink: RoundSink = sink if sink is not None else Publisher()
         self.block = block
         self.name = name or f"block {block}"  # in logs: "block 2", or "ar" for a DiLoCo run's whole model
@@ -230,7 +233,7 @@ class BlockAggregator:
                 return False
             if replaced:
                 self._amend(old, update)
-            self._take(update)
+            self._take(update, verified=True)
             self.counters[(Outcome.ACCEPTED.value, "")] += 1
             log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
             self._maybe_close()
@@ -290,11 +293,16 @@ class BlockAggregator:
             self._answers.popitem(last=False)
         return j
 
-    def _take(self, update: Update) -> None:
-        """Into the open round: into its tally (Tally.add), its senders waited for again. A durable sink's round keeps an update handed in without its codec bytes (in process) as fp32 bytes."""
+    def _take(self, update: Update, *, verified: bool = False) -> None:
+        """Into the open round: into its tally (Tally.add), its senders waited for again. Its weight is its
+        work times its sender's standing, or (`verified`: its own replay audit passed) its work. A durable
+        sink's round keeps an update handed in without its codec bytes (in process) as fp32 bytes."""
         if self.sink.durable and update.raw is None and update.delta is not None and not self.tally.holds_updates:
             update.raw = {n: t.contiguous().view(-1).numpy().tobytes() for n, t in update.delta.items()}
             update.codec = Codec.FP32
+        if self.standing is not None and not update.manifest and not verified:  # a relay's children were committed
+            update.standing = self.standing.factor(update.worker_id)
+            update.weight = update.work * update.standing
         self.tally.add(update)
         self.replicas.recall(update.worker_id, *(e.worker_id for e in update.manifest))
         self.round.add(update)
@@ -326,24 +334,30 @@ class BlockAggregator:
     def _screen(self, ups: list[Update]) -> tuple[list[Update], list[tuple[str, str]]]:
         """The robust screen at close (round/screen.py `screen`): the updates it drops are taken out
         of the round's sum and counted as rejected, with the reason, in the counters and metrics (their
-        senders were told ACCEPTED on arrival: the round could not judge them alone). Returns the
-        updates kept and (worker id, reason) of those dropped."""
-        kept, dropped = screen(ups, self.cfg, f"{self.name} round {self.round.version}")
-        for u, why in dropped:
+        senders were told ACCEPTED on arrival: the round could not judge them alone); those it keeps
+        weigh their vote in the sum (near-copies share one). Returns the updates kept and (worker id,
+        reason) of those dropped."""
+        out = screen(ups, self.cfg, f"{self.name} round {self.round.version}")
+        for u, why in out.dropped:
             self.tally.leave(u)
             self.counters[(Outcome.REJECTED.value, why)] += 1
             self.counters[(Outcome.ACCEPTED.value, "")] -= 1
-        return kept, [(u.worker_id, why) for u, why in dropped]
+        for u in out.kept:
+            self.tally.reweight(u, out.weights[u.update_id])
+        return out.kept, [(u.worker_id, why) for u, why in out.dropped]
 
     def _close(self, reason: str) -> VersionInfo | None:
         try:
             ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
-            return self.sink.close(self, reason, ups, dropped)
+            info = self.sink.close(self, reason, ups, dropped)
         except BaseException:
             # the close read (and freed) part of the running sum: build it again from what the round
             # holds (its spill), exactly as it was, so that a retry publishes the same version
             self.tally.rebuild(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
             raise
+        if self.standing is not None:
+            self.standing.closed([u.worker_id for u in ups if not u.manifest], dropped)
+        return info
 
     def published(self, info: VersionInfo, params: Mapping[str, torch.Tensor], residual: Tensors, ups: list[Update],
                   dropped: list[tuple[str, str]]) -> None:

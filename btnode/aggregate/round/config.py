@@ -12,6 +12,7 @@ from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.trust.evidence import RelayAuditConfig
+from btnode.aggregate.trust.standing import StandingConfig
 from btnode.codec.codecs import Codec, parse
 from btnode.errors import ConfigError
 from btnode.protocol import VersionInfo
@@ -26,6 +27,11 @@ class AggregatorConfig:
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
     relay_audit: RelayAuditConfig = RelayAuditConfig()  # relays' combined pushes checked bit for bit (evidence.py)
+    standing: StandingConfig = StandingConfig()  # an identity's weight from its verified work and drops (standing.py)
+    open: bool = flag("--open/--no-open", "Anyone may join, without a join code: a new identity's updates weigh "
+                                          "nothing until it has passed its probation audits, then grow with the "
+                                          "audits it passes (--full-standing). Needs --audit. docs/security.md.",
+                      default=False)
     update_codecs: tuple[Codec, ...] = tuple(Codec)
     publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2.",
                                 default=Codec.FP32, value=str, parse=parse,
@@ -52,6 +58,9 @@ class AggregatorConfig:
                                           "down to it before averaging.", default=False)
 
     def __post_init__(self) -> None:
+        if self.open and not (self.audit.on and self.audit.probation >= 1):
+            raise ConfigError("--open needs replay audits with probation (--audit P > 0, --probation ≥ 1): without "
+                              "them no identity can earn the standing its updates' weight comes from")
         if not 0 < self.publish_density <= 1:
             raise ConfigError(f"--publish-density must be in (0, 1], got {self.publish_density}")
         if self.decode_slots < 1:

@@ -44,7 +44,8 @@ class Update:
     loss: float
     delta: dict[str, torch.Tensor | SparseTensor] | None  # sparse codecs' updates stay sparse (aggregate/sums/accumulate.py);
     #   None once summed into the round (BlockAggregator._take), when its raw bytes went to the round's spill
-    weight: float
+    weight: float  # in the round's sum: its work times its sender's standing (aggregate/trust/standing.py), and at
+    #   close its vote (round/screen.py: near-copies share one); 0: in the round, not in the sum
     norm: float = 0.0  # ‖Δ‖ as it arrived (before any clipping)
     scale: float = 1.0  # the factor --clip applied before summing
     codec: Codec = Codec.FP32  # of `raw` / the spilled bytes
@@ -52,6 +53,11 @@ class Update:
     spilled: dict[str, tuple[int, int]] | None = None  # where its bytes are in the round's spill
     sketch: torch.Tensor | None = None  # what the screen keeps of it (accumulate.Sketcher)
     manifest: tuple[ManifestEntry, ...] = ()  # a relay's combined update: the child updates in it
+    work: float = 0.0  # samples × staleness factor, what its claims earn (its weight before standing); 0: its weight
+    standing: float = 1.0  # its sender's standing when it entered the round (aggregate/trust/standing.py)
+
+    def __post_init__(self) -> None:
+        self.work = self.work or self.weight
 
     @property
     def included(self) -> tuple[str, ...]:

@@ -75,7 +75,7 @@ class Tally:
         """Into the running sum and its sketch, as it is (a spilled one: a round taken up after a
         restart); returns its values."""
         values = self.values(update)
-        if not self.holds_updates:
+        if not self.holds_updates and update.weight > 0:  # weight 0: screened with the round, not in its sum
             self.sum.add(values, update.weight)
         if self.sketcher is not None:
             update.sketch = self.sketcher.of(values)
@@ -83,8 +83,21 @@ class Tally:
 
     def leave(self, update: Update) -> None:
         """Out of the running sum again, exactly."""
-        if not self.holds_updates:
+        if not self.holds_updates and update.weight > 0:
             self.sum.sub(self.values(update), update.weight)
+
+    def reweight(self, update: Update, weight: float) -> None:
+        """Its weight in the running sum made `weight` (the screen's vote at close), exactly: what it
+        added is taken out and it is added again, so the sum is the one the new weights give in any order."""
+        if weight == update.weight:
+            return
+        if not self.holds_updates:
+            values = self.values(update)
+            if update.weight > 0:
+                self.sum.sub(values, update.weight)
+            if weight > 0:
+                self.sum.add(values, weight)
+        update.weight = weight
 
     def rebuild(self, updates: Iterable[Update]) -> None:
         """The running sum made again from the round's updates (in worker-id order), exactly as it was:
@@ -92,7 +105,8 @@ class Tally:
         self.sum = self._accumulator()
         if not self.holds_updates:
             for u in updates:
-                self.sum.add(self.values(u), u.weight)
+                if u.weight > 0:
+                    self.sum.add(self.values(u), u.weight)
 
     def combiner(self, ups: list[Update], *, release: bool = True) -> tuple[Callable[[str], torch.Tensor], str]:
         """(tensor name → that tensor of Δ̄, the rule's name). The round's running sum, with what the

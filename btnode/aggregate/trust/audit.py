@@ -314,6 +314,19 @@ class Audits:
         with self.lock:
             return self.records.get(worker_id, AuditRecord()).passed < self.cfg.probation
 
+    def passed(self, worker_id: str) -> tuple[int, int]:
+        """(audits passed since its probation last began, audits passed all told): its verified work
+        (aggregate/trust/standing.py)."""
+        with self.lock:
+            rec = self.records.get(worker_id, AuditRecord())
+            return rec.passed, rec.passed_total
+
+    def force(self, worker_id: str) -> None:
+        """Put `worker_id` on probation again (trust/standing.py, after repeated drops at close): every update
+        of it is replayed, and held out of its round until its audit passes, for `probation` audits."""
+        with self.lock:
+            self.records.setdefault(worker_id, AuditRecord()).passed = 0
+
     def drawn(self, update_id: str) -> bool:
         return secret_draw(self.secret, update_id) < self.cfg.share
 
