@@ -325,7 +325,7 @@ class Tally:
         for e in ev:
             if e["kind"] == "push":
                 t.outcomes[e["outcome"]] += 1
-                if e["outcome"] == "accepted":
+                if e["outcome"] in ("pending", "accepted"):
                     t.accepted_told[e["version"]] += 1
                     if "update_id" in e:
                         t.accepted_ids[e["update_id"]] = (e.get("src", -1), e.get("peer", ""), e.get("worker", ""),

@@ -230,7 +230,7 @@ def test_a_relay_killed_with_its_workers_takes_its_round_up_again_after_a_restar
         delta = {n: 1e-5 * torch.randn(s, generator=g) for n, s in spec.items()}
         h = PushHeader(worker_id=w, block=0, base_version=0, samples=8.0, loss=1.0, codec=Codec.FP32,
                        update_id=f"{w}-update", data_key=keys[w], steps=(0, 1))
-        assert r.push(h, encode_frames(delta, Codec.FP32)).outcome is Outcome.ACCEPTED
+        assert r.push(h, encode_frames(delta, Codec.FP32)).outcome is Outcome.PENDING
     r.close()
     processes[1].send_signal(signal.SIGKILL)  # the relay, and (in effect) c1 and c2: nobody will push again
     processes[1].wait()
@@ -307,7 +307,7 @@ def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
     assert j.outcome is Outcome.REJECTED and "without joining block 0 as a relay" in j.reason
     assert info_from_pb(c.status().blocks[0].current).version == 0  # nothing of them was applied
     j = _push(c, "liar", [honest], 8.0)  # the honest manifest goes in: the refusals above were not blanket
-    assert j.outcome is Outcome.ACCEPTED, j
+    assert j.outcome is Outcome.PENDING, j
     deadline = time.monotonic() + 30
     while info_from_pb(c.status().blocks[0].current).version < 1:  # c1 reported through the relay: all reported
         assert time.monotonic() < deadline

@@ -71,7 +71,7 @@ def test_honest_updates_replay_bit_for_bit(tmp_path, corpus):
     assert not sim.agg.identities.revoked
     counts = sim.agg.block(0).counters
     assert counts[(Outcome.PROBATION.value, "")] == 3  # each worker's first update, held until audited
-    assert counts[(Outcome.ACCEPTED.value, "")] == 9  # ... then admitted: nothing honest is lost
+    assert counts[(Outcome.PENDING.value, "")] == 9  # ... then admitted: nothing honest is lost
     assert sim.agg.block(0).info.version == 3
 
 
