@@ -235,10 +235,11 @@ class SwarmAggregator:
             if header.manifest:
                 self.relays.pushed(header, False)
             raise
+        taken = judged.outcome in (Outcome.PENDING, Outcome.APPLIED)  # into a round (a re-push: its receipt)
         if who is not None:
-            self.identities.judged(who, header, judged.outcome is Outcome.PENDING, judged.outcome.value)
+            self.identities.judged(who, header, taken, judged.outcome.value)
         if header.manifest and judged.outcome is not Outcome.PROBATION:  # a held one is recorded at its verdict
-            self.relays.pushed(header, judged.outcome is Outcome.PENDING, replaced=amends)
+            self.relays.pushed(header, taken, replaced=amends)
         if header.manifest and judged.outcome in (Outcome.PENDING, Outcome.PROBATION):
             judged = replace(judged, closes_in_s=_closes_in(block, header.base_version))
         return judged

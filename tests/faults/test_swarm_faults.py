@@ -50,5 +50,5 @@ def test_kill_9_of_a_worker_mid_push_leaves_the_aggregator_serving(aggregator):
                 if m.labels.get("block") == "0"}
     # a dropped connection shows up as "aborted" or as a truncated stream, depending on which the server sees first
     assert counters.get(("rejected", "aborted"), 0) + counters.get(("rejected", "truncated"), 0) == 1
-    assert counters[("accepted", "")] == 1
+    assert counters[("pending", "")] == 1
     c.close()

@@ -115,7 +115,7 @@ def test_a_push_needs_a_join_of_its_block(swarm):
     w2 = client("w2")
     judged = push(w2, agg, "w2", "u1")  # a refused push comes back as a judgement the worker acts on
     assert judged.outcome is Outcome.REJECTED and "'w2' pushed to block 0 without joining it" in judged.reason
-    assert agg.block(0).info.version == 0 and not agg.block(0).counters[("accepted", "")]
+    assert agg.block(0).info.version == 0 and not agg.block(0).counters[("pending", "")]
 
 
 def test_one_identity_pushes_one_update_per_round_and_a_retry_is_answered_as_before(swarm):
@@ -202,4 +202,4 @@ def test_the_cli_revokes_and_shows_identities(swarm, pki):
     assert again.returncode == 5 and "no identity 'nobody'" in again.stderr and "Traceback" not in again.stderr
     st = subprocess.run([*cli, "status", "--peer", address], capture_output=True, text=True, env=env)
     assert st.returncode == 0, st.stderr
-    assert "identity w1 (worker, " in st.stdout and "REVOKED; joined [0]; 0 accepted" in st.stdout, st.stdout
+    assert "identity w1 (worker, " in st.stdout and "REVOKED; joined [0]; 0 taken into rounds" in st.stdout, st.stdout

@@ -212,7 +212,7 @@ def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and
     judged = w1.push(header, frames)  # through the relay: committed, drawn, passed on as it came
     assert judged.outcome is Outcome.PENDING  # its only worker reported: the root's round closed with it
     assert root.block(0).info.version == 1 and root.block(0).info.included == ("u1",)
-    assert relay.counters[("passed_on", "accepted")] == 1 and not relay.block(0).round.accepted
+    assert relay.counters[("passed_on", "pending")] == 1 and not relay.block(0).round.accepted
     assert root.audits is not None and root.audits.due()[0][0].header.update_id == "u1"  # its replay is due
 
 

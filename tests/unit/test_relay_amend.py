@@ -58,7 +58,8 @@ def test_an_amendment_takes_the_place_of_the_first_push_bit_for_bit(tmp_path):
     assert amended.submit(head, delta, amends=frozenset({"c1-u"})).outcome is Outcome.PENDING
     assert amended.info.version == 1 and amended.info.accepted == 2  # ra's amendment and rb's push
     assert sorted(amended.info.included) == ["c1-u", "c2-u", "c3-u", "d1-u"]
-    assert amended.counters[("replaced", "")] == 1 and amended.counters[("accepted", "")] == 2
+    assert amended.counters[("replaced", "")] == 1 and amended.counters[("pending", "")] == 3
+    assert amended.counters[("applied", "")] == 2  # the replaced push is neither applied nor dropped
     # the same version as a root that only ever got the amendment and rb's push
     direct = root(tmp_path, "direct", workers)
     assert direct.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.PENDING
@@ -175,7 +176,7 @@ def test_a_relay_restarted_on_its_state_folder_takes_up_its_open_round_durably(t
     again, out = relay_block(tmp_path)
     assert sorted(again.round.accepted) == ["c1", "c2"]
     assert again.submit(*child("c1", 0)).outcome is Outcome.PENDING  # its re-push: the same answer, counted once
-    assert again.counters[("accepted", "recovered")] == 2 and len(again.round.accepted) == 2
+    assert again.counters[("pending", "recovered")] == 2 and len(again.round.accepted) == 2
     again.drain()
     fresh, seen = relay_block(tmp_path / "fresh")
     for i, w in enumerate(("c1", "c2")):
