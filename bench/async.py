@@ -90,7 +90,7 @@ def metrics(res: dict) -> dict[str, Metric]:
 
 def render(out: dict) -> str:
     rows = [(f"{p:.0%}", r["sim"]["seed"], f"{r['ce']:.4f}", "/".join(str(x) for x in r["versions"].values()),
-             r["outcomes"]["accepted"], r["outcomes"]["late"], f"{r['virtual_seconds']:.1f}", f"`{r['command']}`")
+             r["outcomes"].get("pending", r["outcomes"].get("accepted", 0)), r["outcomes"]["late"], f"{r['virtual_seconds']:.1f}", f"`{r['command']}`")
             for name, p in LEVELS for r in out["runs"][name]]
     return "\n".join([
         "## Asynchrony: participation in the virtual async simulator (`bench/async.py`)", "",

@@ -55,7 +55,7 @@ CHEATER, VICTIM = "b0r2", "b0r0"
 STEP_S = 0.1
 MODES = ("default", "audit")
 DRAWN = "audit_"  # the mechanism of a failed audit: audit_<reason> (btnode.aggregate.service._punish)
-NOT_CAUGHT = {Outcome.ACCEPTED.value, Outcome.PROBATION.value}  # answers that are not a refusal
+NOT_CAUGHT = {Outcome.PENDING.value, Outcome.ACCEPTED.value, Outcome.PROBATION.value}  # answers that are not a refusal
 _corpus = functools.cache(bundled)  # once per process
 RULES = (OuterConfig.robust, *(r for r in ROBUST_MODES if r != OuterConfig.robust))  # the shipped rule first
 

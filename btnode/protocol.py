@@ -27,11 +27,24 @@ INCOMPLETE = {ABORTED, "truncated"}
 
 
 class Outcome(Enum):
+    """A push's answer on arrival (PENDING, PROBATION, LATE, STALE, REJECTED), and the final word on
+    one taken into a round, its `RoundReceipt` (APPLIED, DROPPED): the round's close may still drop an
+    update it took (the robust screen, a revocation, a failed audit), so no answer on arrival says
+    applied. ACCEPTED is an older aggregator's answer (taken into its round, no receipt to follow)."""
+
     ACCEPTED = "accepted"
     LATE = "late"
     STALE = "stale"
     REJECTED = "rejected"
     PROBATION = "probation"  # valid, held out of the round: its sender is new and is audited first
+    PENDING = "pending"  # in the open round, not applied yet: its receipt comes with the next version
+    APPLIED = "applied"  # a receipt: in the version its round made
+    DROPPED = "dropped"  # a receipt: left out of that version, with the reason
+
+    @property
+    def in_round(self) -> bool:
+        """The update may still be applied: taken into a round (or held there for its audit)."""
+        return self in (Outcome.PENDING, Outcome.ACCEPTED, Outcome.PROBATION)
 
 
 class ClosedBy(StrEnum):
@@ -157,6 +170,21 @@ class Judgement:
 
 
 @dataclass(frozen=True)
+class RoundReceipt:
+    """The final word on an update answered PENDING or PROBATION, once its round closed (or it was taken
+    out of it): APPLIED in `version`, or DROPPED from it with `reason` (norm_at_close, direction_at_close,
+    revoked, audit_<why>, audited_after_close, ...). A worker gets its own with the next version."""
+
+    update_id: str
+    outcome: Outcome  # APPLIED or DROPPED
+    version: int  # the version its round made: the update is in it, or left out of it
+    reason: str = ""  # why it was dropped
+
+    def __post_init__(self) -> None:
+        assert self.outcome in (Outcome.APPLIED, Outcome.DROPPED), self.outcome
+
+
+@dataclass(frozen=True)
 class JoinInfo:
     current: VersionInfo
     deadline_s: float
@@ -212,6 +240,10 @@ class Upstream(Protocol):
         """A relay commits a child's update (its header and frames digest) before it counts it."""
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
+
+    def receipt(self, block: int, worker_id: str, update_id: str) -> RoundReceipt | None:
+        """The receipt of `worker_id`'s update `update_id` (RoundReceipt), once its round closed: from the watch
+        stream that delivered the version, else asked for; None while it is pending, or unknown here."""
 
     def cancel_watches(self, worker_id: str) -> None:
         """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""

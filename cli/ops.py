@@ -50,7 +50,7 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
     for b in st["blocks"]:
         typer.echo(f"{unit(b['block'])}: version {b['version']} ({b['sha256'][:12]}), {len(b['replicas'])} replicas "
                    f"[{', '.join(b['replicas'])}], round open {b['round_age_s']:.1f} s with {b['accepted_in_round']} "
-                   f"accepted")
+                   f"in it")
         if b["data_keys"]:
             typer.echo("    data keys: " + ", ".join(f"{w} {k}" for w, k in b["data_keys"].items()))
         for r in b.get("relays", []):
@@ -63,10 +63,12 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
     for r in st["identities"]:
         state = "REVOKED" if r["revoked_at_unix"] else "admitted"
         refused_by = ", ".join(f"{k} {v}" for k, v in r["refused"].items()) or "none"
+        dropped_by = ", ".join(f"{k} {v}" for k, v in r.get("dropped", {}).items()) or "none"
         typer.echo(f"identity {r['name']} ({r['role']}, {r['fingerprint'][:12]}): {state}; joined "
-                   f"{r['joined'] or 'nothing'}; {r['accepted']} accepted; refused: {refused_by}; "
-                   f"{r['audited']} audited, {r['failed']} failed")
-    refused = [c for c in st["counters"] if c["labels"].get("outcome") in ("rejected", "stale") and c["value"]]
+                   f"{r['joined'] or 'nothing'}; {r['accepted']} taken into rounds, {r.get('applied', 0)} applied, "
+                   f"dropped: {dropped_by}; refused: {refused_by}; {r['audited']} audited, {r['failed']} failed")
+    refused = [c for c in st["counters"]
+               if c["labels"].get("outcome") in ("rejected", "stale", "dropped") and c["value"]]
     for c in refused:
         typer.echo(f"refused: {unit(c['labels'].get('block'))} {c['labels']['outcome']} "
                    f"({c['labels'].get('reason') or '-'}): {int(c['value'])}")

@@ -246,7 +246,7 @@ class Target:
 
     def model_changed(self) -> bool:
         """True if some block left version 0 although no update was ever accepted."""
-        accepted = sum(n for b in self.agg.blocks.values() for (o, _), n in b.counters.items() if o == "accepted")
+        accepted = sum(n for b in self.agg.blocks.values() for (o, _), n in b.counters.items() if o == "pending")
         moved = any(state_sha256(b.current()[1]) != self.initial[i] for i, b in self.agg.blocks.items())
         return moved and accepted == 0
 

@@ -185,7 +185,7 @@ class ReplayDesk:
                     judged: Judgement, probation: bool) -> Judgement:
         """Draw the update for audit (always on probation) and, if drawn, keep what the replay needs."""
         assert self.audits is not None and header.claim is not None
-        if judged.outcome not in (Outcome.ACCEPTED, Outcome.PROBATION) or not (probation or
+        if judged.outcome not in (Outcome.PENDING, Outcome.PROBATION) or not (probation or
                                                                               self.audits.drawn(header.update_id)):
             return judged
         terms = self._training(header.worker_id)

@@ -40,7 +40,7 @@ from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import (INCOMPLETE, Drawn, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader,
-                             Upstream, VersionInfo, format_steps)
+                             RoundReceipt, Upstream, VersionInfo, format_steps)
 from btnode.store.models import init_unit, unit_stem
 from btnode.store.versions import VersionStore
 from btnode.train.terms import TrainingTerms
@@ -109,7 +109,8 @@ class SwarmAggregator:
             for b in owned
             for unit, named in [((b, init_unit(cfg, b, seed).state_dict(),
                                   VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg),
-                                 dict(clock=clock, name=cfg.unit_name(b), sketch_key=secret))]}
+                                 dict(clock=clock, name=cfg.unit_name(b), sketch_key=secret,
+                                      on_settled=self._settled))]}
         self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self.terms = TrainingRecords(state_dir)  # worker id → the terms of its last admitted join (durable)
         self._terms_journal = self.terms.journal
@@ -139,6 +140,11 @@ class SwarmAggregator:
                verify: Verify | None) -> Identity:
         """The worker behind a join or push receipt a relay passes on (Signatures.proven)."""
         return self.signatures.proven(relay, worker_id, proof, statement, verify)
+
+    def _settled(self, worker_id: str, receipt: RoundReceipt) -> None:
+        """An update's round receipt (round/receipts.py) goes on its sender's record: applied, or
+        dropped with the reason (Identities.drops reads the screen's)."""
+        self.identities.settled(worker_id, receipt.outcome is Outcome.APPLIED, receipt.reason)
 
     def count(self, event: str, reason: str = "") -> None:
         """Count an event outside any one block (a refused join, an unauthenticated or limited call)."""
@@ -231,11 +237,12 @@ class SwarmAggregator:
             if header.manifest:
                 self.relays.pushed(header, False)
             raise
+        taken = judged.outcome in (Outcome.PENDING, Outcome.APPLIED)  # into a round (a re-push: its receipt)
         if who is not None:
-            self.identities.judged(who, header, judged.outcome is Outcome.ACCEPTED, judged.outcome.value)
+            self.identities.judged(who, header, taken, judged.outcome.value)
         if header.manifest and judged.outcome is not Outcome.PROBATION:  # a held one is recorded at its verdict
-            self.relays.pushed(header, judged.outcome is Outcome.ACCEPTED, replaced=amends)
-        if header.manifest and judged.outcome in (Outcome.ACCEPTED, Outcome.PROBATION):
+            self.relays.pushed(header, taken, replaced=amends)
+        if header.manifest and judged.outcome in (Outcome.PENDING, Outcome.PROBATION):
             judged = replace(judged, closes_in_s=_closes_in(block, header.base_version))
         return judged
 

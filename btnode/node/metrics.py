@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from btnode import __version__
 from btnode.aggregate.trust.audit import AuditTotals
 from btnode.aggregate.service import SwarmAggregator
+from btnode.aggregate.trust.identities import IdentityRecord
 from btnode.errors import ConfigError
 from btnode.protocol import Meter, Outcome
 from btnode.swarm.worker import WorkerStats
@@ -77,8 +78,9 @@ class AggregatorCollector(Collector):
         accepted_open = GaugeMetricFamily("btnode_round_accepted_updates", "Updates accepted so far in the open "
                                           "round.", labels=["block"])
         rounds = CounterMetricFamily("btnode_rounds", "Rounds closed, by what closed them.", labels=["block", "closed_by"])
-        updates = CounterMetricFamily("btnode_updates", "Pushed updates by outcome (accepted, late, stale, "
-                                      "rejected) and reason.", labels=["block", "outcome", "reason"])
+        updates = CounterMetricFamily("btnode_updates", "Pushed updates by the answer on arrival (pending, probation, "
+                                      "late, stale, rejected) and, once their round closed, by their receipt (applied, "
+                                      "dropped), with the reason.", labels=["block", "outcome", "reason"])
         status = self.agg.status()
         for s in status.blocks:
             lb = str(s.block)
@@ -96,6 +98,7 @@ class AggregatorCollector(Collector):
             for (outcome, reason), n in sorted(s.updates.items()):
                 updates.add_metric([lb, outcome, reason or "none"], n)
         yield from (version, replicas, loss, age, accepted_open, rounds, updates)
+        yield from identity_families(status.identities)
         events = CounterMetricFamily("btnode_swarm_events", "Swarm-wide events outside one block (joins, refused "
                                      "joins, pushes for unknown blocks), by reason.", labels=["event", "reason"])
         for (name, reason), n in sorted(status.events.items()):
@@ -108,6 +111,18 @@ class AggregatorCollector(Collector):
                               ("push", "pull", "fetch_delta", "submit_state"))
         if self.agg.audits is not None:
             yield from audit_families(self.agg.audits.totals())
+
+
+def identity_families(records: tuple[IdentityRecord, ...]) -> Iterator[Family]:
+    """Drops per identity without a label per identity (an open swarm's names are unbounded): how many
+    identities the screen dropped updates of, and the most of one; `btnode status` names them."""
+    drops = [r.screened_out for r in records]
+    dropped = GaugeMetricFamily("btnode_identities_dropped", "Identities with at least one update dropped by the "
+                                "robust screen at a round's close (btnode status names them).",
+                                value=sum(1 for n in drops if n))
+    most = GaugeMetricFamily("btnode_identity_drops_max", "The most updates of one identity dropped by the robust "
+                             "screen at a round's close.", value=max(drops, default=0))
+    yield from (dropped, most)
 
 
 def audit_families(t: AuditTotals) -> Iterator[Family]:
@@ -169,7 +184,13 @@ class WorkerCollector(Collector):
                                        labels=["block", "outcome"])
         for outcome in (o.value for o in Outcome):  # present from the start, at 0
             repushes.add_metric([*lb, outcome], s.repushes.get(outcome, 0))
-        yield from (version, steps, wait_steps, train, util, retries, reconnects, repushes)
+        receipts = CounterMetricFamily("btnode_worker_receipts", "Round receipts of this worker's updates: applied, "
+                                       "or dropped at the round's close, by the aggregator's reason.",
+                                       labels=["block", "outcome", "reason"])
+        receipts.add_metric([*lb, Outcome.APPLIED.value, "none"], s.applied)
+        for reason, n in sorted(s.dropped.items()):
+            receipts.add_metric([*lb, Outcome.DROPPED.value, reason or "none"], n)
+        yield from (version, steps, wait_steps, train, util, retries, reconnects, repushes, receipts)
         if s.losses:
             loss = GaugeMetricFamily("btnode_worker_train_loss", "Mean training CE (nats/byte) of the last pushed "
                                      "update.", labels=["block"])

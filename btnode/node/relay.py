@@ -141,7 +141,7 @@ def _forward(parent: FailoverLink, relay: UpstreamAdmission, c: Combined, give_u
                           c.block, c.base_version, exc, len(c.manifest))
                 return
             time.sleep(0.5)
-    level = logging.INFO if j.outcome in (Outcome.ACCEPTED, Outcome.PROBATION) else logging.WARNING
+    level = logging.INFO if j.outcome.in_round else logging.WARNING
     log.log(level, "block %d round %d: combined update of %d children (weight %g) %s at the parent%s", c.block,
             c.base_version, len(c.manifest), c.weight, j.outcome.value, f": {j.reason}" if j.reason else "")
     relay.forwarded[j.outcome.value] = relay.forwarded.get(j.outcome.value, 0) + 1

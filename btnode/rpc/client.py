@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -29,6 +29,7 @@ from btnode.protocol import (
     Outcome,
     Pulled,
     PushHeader,
+    RoundReceipt,
     Transfer,
     VersionInfo,
     join_statement,
@@ -75,6 +76,7 @@ class SwarmClient:
         self.relay_stub = pb_grpc.RelayStub(self.channel)
         self.operator_stub = pb_grpc.OperatorStub(self.channel)
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
+        self._receipts: OrderedDict[str, RoundReceipt] = OrderedDict()  # update id → its receipt, from Watch
 
     def _retrying(self, what: str, attempt: Callable[[], T], *, replayable: bool = True) -> T:
         """attempt(), again after a backoff while the server refuses it for now (Overloaded)."""
@@ -231,12 +233,34 @@ class SwarmClient:
         self._watches.append((worker_id, call))
         try:
             for msg in call:
-                yield convert.info_from_pb(msg.version)
+                info = convert.info_from_pb(msg.version)
+                for r in msg.receipts:  # before the version is handed on: its reader may ask for them at once
+                    self._keep_receipt(convert.round_receipt_from_pb(r))
+                yield info
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"watch at {self.address}") from None
         finally:
             if (worker_id, call) in self._watches:
                 self._watches.remove((worker_id, call))
+
+    def _keep_receipt(self, r: RoundReceipt) -> None:
+        self._receipts[r.update_id] = r
+        while len(self._receipts) > 64:
+            self._receipts.popitem(last=False)
+
+    def receipt(self, block: int, worker_id: str, update_id: str) -> RoundReceipt | None:
+        """The round receipt the watch stream brought with its version, else asked for (RoundReceipt);
+        None while pending, unknown there, or from an older aggregator without receipts."""
+        if (kept := self._receipts.get(update_id)) is not None:
+            return kept
+        request = pb.RoundReceiptRequest(block=block, worker_id=worker_id, update_id=update_id)
+        try:
+            reply = self.stub.RoundReceipt(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise error_from_rpc(err, f"round receipt at {self.address}") from None
+        return convert.round_receipt_from_pb(reply.receipt) if reply.HasField("receipt") else None
 
     def revoke(self, name: str) -> float:
         """Revoke the identity `name` (this client must hold an operator's certificate); returns
@@ -280,7 +304,8 @@ class SwarmClient:
             "counters": [{"name": c.name, "labels": dict(c.labels), "value": c.value} for c in st.counters],
             "identities": [{"name": r.name, "role": _role_name(r.role), "fingerprint": r.fingerprint, "joined": list(r.joined),
                             "accepted": r.accepted, "refused": dict(sorted(r.refused.items())), "audited": r.audited,
-                            "failed": r.failed, "revoked_at_unix": r.revoked_at_unix or None}
+                            "failed": r.failed, "revoked_at_unix": r.revoked_at_unix or None, "applied": r.applied,
+                            "dropped": dict(sorted(r.dropped.items()))}
                            for r in st.identities],
         }
 

@@ -23,7 +23,7 @@ from btnode.errors import MalformedInput
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.model.readout import Readout, default_readout
 from btnode.protocol import (MAX_NAME, ClosedBy, EvidenceChild, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader,
-                             VersionInfo, WorkClaim)
+                             RoundReceipt, VersionInfo, WorkClaim)
 from btnode.train.config import Precision, TrainConfig
 from btnode.train.terms import H, TrainingTerms
 from btnode.v2 import serve_pb2 as serve_pb
@@ -293,6 +293,20 @@ def judgement_from_pb(m: pb.PushReply) -> Judgement:
                      audit=m.audit, closes_in_s=closes_in)
 
 
+def round_receipt_to_pb(r: RoundReceipt) -> pb.RoundReceipt:
+    return pb.RoundReceipt(update_id=r.update_id, outcome=OUTCOMES.to_pb(r.outcome), version=r.version, reason=r.reason)
+
+
+def round_receipt_from_pb(m: pb.RoundReceipt) -> RoundReceipt:
+    """A receipt a peer sent: APPLIED or DROPPED, for an update id; anything else is MalformedInput."""
+    outcome = OUTCOMES.from_pb(m.outcome, "receipt")
+    if outcome not in (Outcome.APPLIED, Outcome.DROPPED):
+        raise MalformedInput("receipt", f"a receipt says applied or dropped, not {outcome.value if outcome else 'nothing'}")
+    if not m.update_id or len(m.update_id) > MAX_NAME or len(m.reason) > MAX_NAME:
+        raise MalformedInput("receipt", "a receipt names an update id, and a reason, of at most 256 characters")
+    return RoundReceipt(update_id=m.update_id, outcome=outcome, version=m.version, reason=m.reason)
+
+
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[CODECS.to_pb(c) for c in j.codecs],
                         max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits,
@@ -326,5 +340,5 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
     for r in s.identities:
         reply.identities.add(name=r.name, role=ROLES.to_pb(Role(r.role)) if r.role else 0, fingerprint=r.fingerprint, joined=sorted(r.joined),
                              accepted=r.accepted, refused=dict(r.refused), audited=r.audited, failed=r.failed,
-                             revoked_at_unix=r.revoked_at or 0.0)
+                             revoked_at_unix=r.revoked_at or 0.0, applied=r.applied, dropped=dict(r.dropped))
     return reply

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from btnode.codec.frames import ChunkData, Frame
 from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
-from btnode.protocol import Drawn, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, VersionInfo
+from btnode.protocol import Drawn, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, VersionInfo
 from btnode.rpc.client import SwarmClient
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,11 @@ class FailoverLink:
         except PeerUnavailable as exc:
             self._failover(i, exc)
             raise
+
+    def receipt(self, block: int, worker_id: str, update_id: str) -> RoundReceipt | None:
+        """Of the current upstream: the one the watch stream that delivered the version came from
+        (another, after a failover, never saw the update: None)."""
+        return self._run(lambda c: c.receipt(block, worker_id, update_id))
 
     def status(self):  # noqa: ANN201 - pb.StatusReply, as SwarmClient.status
         return self._run(lambda c: c.status())

@@ -393,7 +393,16 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
             info = block.wait_for(last, timeout=0.5, cancelled=ended)
             if info is not None:
                 last = info.version
-                yield pb.WatchReply(version=convert.info_to_pb(info))
+                receipts = block.receipts_for(worker, info.version) if worker else ()
+                yield pb.WatchReply(version=convert.info_to_pb(info),
+                                    receipts=[convert.round_receipt_to_pb(r) for r in receipts])
+
+    @_guard
+    def RoundReceipt(self, request: pb.RoundReceiptRequest, context: grpc.ServicerContext) -> pb.RoundReceiptReply:
+        """The round receipt of one of the caller's updates (under mutual TLS, its own name's only)."""
+        self._who(context, "RoundReceipt", request.worker_id)
+        found = self.agg.block(request.block).receipt(request.worker_id, request.update_id)
+        return pb.RoundReceiptReply(receipt=convert.round_receipt_to_pb(found)) if found else pb.RoundReceiptReply()
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

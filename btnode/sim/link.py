@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import decode
 from btnode.codec.frames import Frame, iter_chunks
-from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, Transfer, VersionInfo
+from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, Transfer, VersionInfo
 
 Spec = Mapping[str, tuple[int, ...]]
 
@@ -56,6 +56,9 @@ class LocalLink:
             if info is not None:
                 seen = info.version
                 yield info
+
+    def receipt(self, block: int, worker_id: str, update_id: str) -> RoundReceipt | None:
+        return self.agg.block(block).receipt(worker_id, update_id)
 
     def cancel_watches(self, worker_id: str) -> None:
         self._ended.add(worker_id)  # its watch loop returns within a second

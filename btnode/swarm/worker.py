@@ -7,9 +7,15 @@ No idle waiting (issue #5): the exchange of a round (push the update, wait for t
 fetch it) runs in a background thread, and meanwhile the worker keeps training from its local
 state (at most H steps). When the version arrives, that work is folded in:
 θ ← θ^{v+1} + (θ_now − θ_pushed), so the next update carries it and the next round needs only
-the remaining H − (steps done while waiting). If the pushed update was not accepted, nothing of it
-reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v). `swarm.fold.Fold` holds
-that state; `swarm.announcements` follows the server stream of versions.
+the remaining H − (steps done while waiting). If the pushed update was refused (late, stale,
+rejected), nothing of it reached θ^{v+1}, so the fold keeps all of it: θ ← θ^{v+1} + (θ_now − θ^v).
+`swarm.fold.Fold` holds that state; `swarm.announcements` follows the server stream of versions.
+
+An update taken into a round is answered PENDING (or PROBATION: held for its audit); its round
+receipt comes with the next version: APPLIED, or DROPPED with the reason (the robust screen at the
+round's close, a revocation, a failed or late audit). A dropped update's error-feedback residual is
+dropped with it (its rounding error belongs to a delta nobody applied), and its work is not folded
+into the next update: the round judged it, and sending it again would bring back what it dropped.
 
 A DiLoCo run (ModelConfig.kind "ar") uses this same loop: its one unit, block 0, is the whole AR
 model, so a worker trains a full replica with its inner AdamW and pushes the replica's delta; only
@@ -49,7 +55,7 @@ from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
 from btnode.model.config import ModelConfig
 from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, Upstream, Judgement, Outcome,
-                             PushHeader, RoundSize, Transfer, VersionInfo, WorkClaim)
+                             PushHeader, RoundReceipt, RoundSize, Transfer, VersionInfo, WorkClaim)
 from btnode.settings import flag, same_flag
 from btnode.store.files import optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
@@ -118,8 +124,10 @@ class WorkerStats:
     retries: int = 0  # calls tried again: refused for now (over a server's limit) or through an outage
     reconnects: int = 0  # version streams opened again after one broke or was refused
     repushes: dict[str, int] = field(default_factory=dict)  # updates pushed again after a reconnect, by the answer
-    accepted_updates: list[str] = field(default_factory=list)  # ids of its updates answered ACCEPTED
-    not_included: list[str] = field(default_factory=list)  # ... that the next version says it left out
+    accepted_updates: list[str] = field(default_factory=list)  # ids of its updates taken into a round (PENDING)
+    not_included: list[str] = field(default_factory=list)  # ... that the next version left out, no receipt saying why
+    applied: int = 0  # its updates whose round receipt says APPLIED
+    dropped: dict[str, int] = field(default_factory=dict)  # reason → its updates whose receipt says DROPPED
 
 
 @dataclass(frozen=True)
@@ -290,12 +298,19 @@ class BlockWorker:
         when the update was made (default: now), for when training went on during the push."""
         self.stats.pushes += 1
         self.stats.outcomes[j.outcome.value] = self.stats.outcomes.get(j.outcome.value, 0) + 1
-        accepted = j.outcome is Outcome.ACCEPTED
-        if not accepted:
-            self.residual = {}  # the delta was not applied: its rounding error means nothing
+        # PENDING and PROBATION may still be applied (a re-push may hear the receipt itself: APPLIED or
+        # DROPPED): the residual stays until a DROPPED receipt says otherwise (`settle`), so a worker on
+        # probation keeps its error feedback; the update's work is never folded in again (see the module doc)
+        taken = j.outcome.in_round or j.outcome in (Outcome.APPLIED, Outcome.DROPPED)
+        if not taken:
+            self.residual = {}  # refused: the delta was not applied, its rounding error means nothing
+        if j.outcome is Outcome.DROPPED:
+            self._dropped(j.reason, j.round_version + 1)
+        elif j.outcome is Outcome.APPLIED:
+            self.stats.applied += 1
         if not self.wcfg.train_while_waiting:
             self._fold = self._fold.idle()
-        elif accepted:
+        elif taken:
             self._fold = self._fold.accepted(at_push if at_push is not None else self._params())
         else:
             self._fold = self._fold.refused(dict(self.base), 2 * self.wcfg.steps_per_round)  # claims.max_steps
@@ -422,16 +437,38 @@ class BlockWorker:
             self._fold = self._fold.idle()
         return got
 
-    def _check_included(self, header: PushHeader, j: Judgement, newer: VersionInfo) -> None:
-        """An accepted update must be among the update ids its round's version lists (a relay on the way
-        could otherwise drop it unseen; docs/swarm.md, "Relays"). An aggregator that lists none is older."""
-        if j.outcome is not Outcome.ACCEPTED:
-            return
+    def settle(self, header: PushHeader, j: Judgement, newer: VersionInfo) -> RoundReceipt | None:
+        """The round receipt of an update taken into a round (answered PENDING or PROBATION), asked for
+        once the next version is here (the watch stream brought it, or a RoundReceipt call): APPLIED is
+        counted; DROPPED is counted by reason, logged, and drops the residual. Without a receipt (an older
+        aggregator, or behind a relay, whose parent decides), an update its round's version does not list
+        is counted in `not_included` (a relay on the way could otherwise drop it unseen; docs/swarm.md,
+        "Relays")."""
+        if not j.outcome.in_round:
+            return None
         self.stats.accepted_updates.append(header.update_id)
-        if newer.base_version == header.base_version and newer.included and header.update_id not in newer.included:
+        try:
+            receipt = self.link.receipt(self.wcfg.block, self.wcfg.worker_id, header.update_id)
+        except BtnodeError as exc:  # the answer is a courtesy: never a reason to stop training
+            log.warning("worker %s: no round receipt for update %s (%s)", self.wcfg.worker_id, header.update_id[:8],
+                        exc)
+            receipt = None
+        if receipt is not None and receipt.outcome is Outcome.DROPPED:
+            self._dropped(receipt.reason, receipt.version)
+        elif receipt is not None:
+            self.stats.applied += 1
+        elif newer.base_version == header.base_version and newer.included and header.update_id not in newer.included:
             self.stats.not_included.append(header.update_id)
-            log.warning("worker %s: update %s was accepted, but version %d does not include it (lost on the way up)",
-                        self.wcfg.worker_id, header.update_id[:8], newer.version)
+            log.warning("worker %s: update %s was taken into round %d, but version %d does not include it (lost on "
+                        "the way up)", self.wcfg.worker_id, header.update_id[:8], header.base_version, newer.version)
+        return receipt
+
+    def _dropped(self, reason: str, version: int) -> None:
+        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        self.residual = {}  # its rounding error belongs to a delta nobody applied
+        log.warning("worker %s: the update of %s round %d was dropped at its close (%s): version %d does not hold "
+                    "it", self.wcfg.worker_id, self.cfg.unit_name(self.wcfg.block), version - 1, reason or "no reason",
+                    version)
 
     def start(self) -> None:
         """Join with the fingerprint, data id and training terms, take the data key, and pull the block."""
@@ -476,7 +513,7 @@ class BlockWorker:
                          int(header.samples) // self.tc.batch)
                 if got.newer is None:
                     break
-                self._check_included(header, j, got.newer)
+                self.settle(header, j, got.newer)
                 self.advance(got.newer, got.fetched)
         finally:
             stop.set()

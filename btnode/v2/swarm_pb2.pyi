@@ -30,6 +30,9 @@ class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_OUTCOME_STALE: _ClassVar[PushOutcome]
     PUSH_OUTCOME_REJECTED: _ClassVar[PushOutcome]
     PUSH_OUTCOME_PROBATION: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_PENDING: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_APPLIED: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_DROPPED: _ClassVar[PushOutcome]
 
 class ClosedBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +64,9 @@ PUSH_OUTCOME_LATE: PushOutcome
 PUSH_OUTCOME_STALE: PushOutcome
 PUSH_OUTCOME_REJECTED: PushOutcome
 PUSH_OUTCOME_PROBATION: PushOutcome
+PUSH_OUTCOME_PENDING: PushOutcome
+PUSH_OUTCOME_APPLIED: PushOutcome
+PUSH_OUTCOME_DROPPED: PushOutcome
 CLOSED_BY_UNSPECIFIED: ClosedBy
 CLOSED_BY_DEADLINE: ClosedBy
 CLOSED_BY_ALL_REPORTED: ClosedBy
@@ -376,10 +382,40 @@ class WatchRequest(_message.Message):
     def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WatchReply(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "receipts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
-    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[RoundReceipt]
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[RoundReceipt, _Mapping]]] = ...) -> None: ...
+
+class RoundReceipt(_message.Message):
+    __slots__ = ("update_id", "outcome", "version", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    outcome: PushOutcome
+    version: int
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RoundReceiptRequest(_message.Message):
+    __slots__ = ("block", "worker_id", "update_id")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    worker_id: str
+    update_id: str
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class RoundReceiptReply(_message.Message):
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: RoundReceipt
+    def __init__(self, receipt: _Optional[_Union[RoundReceipt, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -454,8 +490,15 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class IdentityRecord(_message.Message):
-    __slots__ = ("name", "role", "fingerprint", "joined", "accepted", "refused", "audited", "failed", "revoked_at_unix")
+    __slots__ = ("name", "role", "fingerprint", "joined", "accepted", "refused", "audited", "failed", "revoked_at_unix", "dropped", "applied")
     class RefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +514,8 @@ class IdentityRecord(_message.Message):
     AUDITED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: IdentityRole
     fingerprint: str
@@ -480,7 +525,9 @@ class IdentityRecord(_message.Message):
     audited: int
     failed: int
     revoked_at_unix: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[IdentityRole, str]] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ...) -> None: ...
+    dropped: _containers.ScalarMap[str, int]
+    applied: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[IdentityRole, str]] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ..., dropped: _Optional[_Mapping[str, int]] = ..., applied: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("fingerprint", "config", "blocks", "counters", "server_time_unix", "data_id", "identities", "node_version")

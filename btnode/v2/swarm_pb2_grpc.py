@@ -70,6 +70,11 @@ class WorkerStub:
                 request_serializer=btnode_dot_v2_dot_swarm__pb2.WatchRequest.SerializeToString,
                 response_deserializer=btnode_dot_v2_dot_swarm__pb2.WatchReply.FromString,
                 _registered_method=True)
+        self.RoundReceipt = channel.unary_unary(
+                '/btnode.v2.Worker/RoundReceipt',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.RoundReceiptRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.RoundReceiptReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -120,6 +125,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundReceipt(self, request, context):
+        """The round receipt of one of the caller's updates, once its round closed (Watch carries it with the version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +169,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=btnode_dot_v2_dot_swarm__pb2.WatchRequest.FromString,
                     response_serializer=btnode_dot_v2_dot_swarm__pb2.WatchReply.SerializeToString,
+            ),
+            'RoundReceipt': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundReceipt,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.RoundReceiptRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.RoundReceiptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class Worker:
             '/btnode.v2.Worker/Watch',
             btnode_dot_v2_dot_swarm__pb2.WatchRequest.SerializeToString,
             btnode_dot_v2_dot_swarm__pb2.WatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundReceipt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Worker/RoundReceipt',
+            btnode_dot_v2_dot_swarm__pb2.RoundReceiptRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.RoundReceiptReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,7 @@ def push_round(c: SwarmClient, base: int, d: dict[str, dict[str, torch.Tensor]],
     for w in sorted(d, reverse=True):  # arrival order must not matter
         h = PushHeader(worker_id=w, block=0, base_version=base, samples=weights[w], loss=1.0, codec=Codec.FP32,
                        update_id=f"{w}:{base}", steps=tuple(range(int(weights[w]) // CLAIMS.batch)))
-        assert c.push(h, encode_frames(d[w], Codec.FP32)).outcome is Outcome.ACCEPTED
+        assert c.push(h, encode_frames(d[w], Codec.FP32)).outcome is Outcome.PENDING
 
 
 def mean(d: dict[str, dict[str, torch.Tensor]], weights: dict[str, float]) -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
     assert sum(store.load(v).meta["info"]["accepted"] for v in range(1, newest.version + 1)) == 4
     for r in range(2):  # each replica holds a published version, bit for bit
         stats = json.loads((state / "logs" / f"b0r{r}.stats.json").read_text())
-        assert stats["pushes"] == 2 and stats["outcomes"] == {"accepted": 2}
+        assert stats["pushes"] == 2 and stats["outcomes"] == {"pending": 2}
         held = store.load(stats["version"])
         assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
     out = run_cli("eval", "--checkpoint", str(state), "--windows", "4").stdout
@@ -138,7 +138,7 @@ def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_wor
             "--stats-file", str(stats), *TINY_SHAPE, *AR_FLAGS)
     held = json.loads(stats.read_text())
     current = info_from_pb(c.status().blocks[0].current)
-    assert held["outcomes"] == {"accepted": 1} and (held["version"], held["sha256"]) == (2, current.sha256)
+    assert held["outcomes"] == {"pending": 1} and (held["version"], held["sha256"]) == (2, current.sha256)
     c.close()
     cli_fails("join", "--role", "worker", "--block", "0", "--peer", agg.address, "--rounds", "1", "--worker-id", "odd",
               *TINY_SHAPE, match="kind: swarm has 'ar', worker has 'block'")
@@ -179,7 +179,7 @@ def test_a_local_swarm_passes_the_sparse_codecs_to_its_nodes(tmp_path):
     numel = sum(math.prod(s) for s in SPEC.values())
     for r in range(2):
         stats = json.loads((state / "logs" / f"b0r{r}.stats.json").read_text())
-        assert stats["outcomes"] == {"accepted": 2} and stats["sha256"] == store.load(stats["version"]).meta["info"]["sha256"]
+        assert stats["outcomes"] == {"pending": 2} and stats["sha256"] == store.load(stats["version"]).meta["info"]["sha256"]
         assert stats["bytes_pushed_raw"] < 0.03 * 4 * numel * stats["pushes"]  # sparse2 at 3 %: under 3 % of fp32
 
 

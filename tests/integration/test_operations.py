@@ -118,7 +118,7 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
         delta = {n: torch.full(s, 0.01) for n, s in spec.items()}
         header = PushHeader(worker_id="a", block=0, base_version=0, samples=4.0, loss=3.0, codec=Codec.FP32,
                             update_id="u1", steps=(0,))  # one step of batch 4 at lr 0.01 may move 0.0117
-        assert client.push(header, encode_frames(delta, Codec.FP32)).outcome.value == "accepted"
+        assert client.push(header, encode_frames(delta, Codec.FP32)).outcome.value == "pending"
         client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

@@ -104,7 +104,7 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
     root_store = VersionStore(tmp_path / "root", 0)
     for name, s in stats.items():
         # a worker that joins after its relay's first round closed is LATE once, as with a flat aggregator
-        assert s["outcomes"].get("accepted", 0) >= 2 and set(s["outcomes"]) <= {"accepted", "late"}, (name, s)
+        assert s["outcomes"].get("pending", 0) >= 2 and set(s["outcomes"]) <= {"pending", "late"}, (name, s)
         assert s["not_included"] == [], (name, s)
         assert s["delta_fetches"] >= 2  # versions came as deltas from its relay, checked against the root's hash
         assert root_store.load(s["version"]).meta["info"]["sha256"] == s["sha256"]
@@ -122,7 +122,7 @@ def test_two_relays_carry_four_workers_with_the_same_versions_at_every_hop(tmp_p
     # none was LATE; 2 when both of a relay's children trained on a version the root replaced before the
     # relay had a child: a flat 3 failed one CI run, which half of the check was not recorded)
     for r in st["relays"]:
-        most = max(stats[w]["outcomes"].get("accepted", 0) for w in r["children"])
+        most = max(stats[w]["outcomes"].get("pending", 0) for w in r["children"])
         assert r["refused"] == 0 and r["pushes"] >= most, (st["relays"], stats)
     c.close()
     # the root's version egress: one full pull and one delta per version for each of the two relays (a flat
@@ -230,7 +230,7 @@ def test_a_relay_killed_with_its_workers_takes_its_round_up_again_after_a_restar
         delta = {n: 1e-5 * torch.randn(s, generator=g) for n, s in spec.items()}
         h = PushHeader(worker_id=w, block=0, base_version=0, samples=8.0, loss=1.0, codec=Codec.FP32,
                        update_id=f"{w}-update", data_key=keys[w], steps=(0, 1))
-        assert r.push(h, encode_frames(delta, Codec.FP32)).outcome is Outcome.ACCEPTED
+        assert r.push(h, encode_frames(delta, Codec.FP32)).outcome is Outcome.PENDING
     r.close()
     processes[1].send_signal(signal.SIGKILL)  # the relay, and (in effect) c1 and c2: nobody will push again
     processes[1].wait()
@@ -270,7 +270,7 @@ def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, pro
     if lost_round:  # the relay's combined update came back only because the relay pushed it again
         r = SwarmClient(relay, timeout_s=15)
         repushed = {why: n for (name, why), n in counters(r).items() if name == "repushed"}
-        assert repushed.get("accepted", 0) + repushed.get("probation", 0) >= 1, repushed  # probation: drawn for audit
+        assert repushed.get("pending", 0) + repushed.get("probation", 0) >= 1, repushed  # probation: drawn for audit
         r.close()
     c.close()
 
@@ -307,7 +307,7 @@ def test_a_manifest_that_lies_is_refused_by_the_root(tmp_path, processes):
     assert j.outcome is Outcome.REJECTED and "without joining block 0 as a relay" in j.reason
     assert info_from_pb(c.status().blocks[0].current).version == 0  # nothing of them was applied
     j = _push(c, "liar", [honest], 8.0)  # the honest manifest goes in: the refusals above were not blanket
-    assert j.outcome is Outcome.ACCEPTED, j
+    assert j.outcome is Outcome.PENDING, j
     deadline = time.monotonic() + 30
     while info_from_pb(c.status().blocks[0].current).version < 1:  # c1 reported through the relay: all reported
         assert time.monotonic() < deadline
@@ -499,7 +499,7 @@ def test_an_auditing_root_replays_the_updates_of_workers_behind_a_relay(tmp_path
     assert audited == {"w0": (audited["w0"][0], 0), "w1": (audited["w1"][0], 0)}  # replayed, none failed
     assert sum(a for a, _ in audited.values()) == drawn  # every drawn update replayed, bit for bit
     for name, s in stats.items():
-        assert s["not_included"] == [] and set(s["outcomes"]) <= {"accepted", "probation", "late"}, (name, s)
+        assert s["not_included"] == [] and set(s["outcomes"]) <= {"pending", "probation", "late"}, (name, s)
     assert {u for s in stats.values() for u in s["accepted_updates"]} <= included(c)
     assert not [r["name"] for r in status["identities"] if r["revoked_at_unix"]], status["identities"]
     assert not [k for k in events if k[0] == "revoked" or k[1] == "uncommitted"], events

@@ -84,7 +84,8 @@ def test_drawn_updates_send_their_start_state_over_submit_state_and_pass_their_r
         link.close()
     # the first update (fresh optimizer: no state to send) is held on probation, replayed, then applied;
     # the next two are accepted, drawn, and their start states sent over SubmitState before their replays
-    assert stats.outcomes == {"probation": 1, "accepted": 2}
+    assert stats.outcomes == {"probation": 1, "pending": 2}
+    assert stats.applied == 3 and stats.dropped == {}  # each round receipt came with the next version
     assert agg.audits is not None
     until(lambda: agg.audits.totals().counts == {("passed", ""): 3})  # the last state is in; its replay follows
     assert agg.meter.snapshot()[1]["submit_state"][0] == 2
@@ -166,7 +167,7 @@ def test_worker_processes_push_claims_to_an_auditing_aggregator_process(tmp_path
         try:
             until(lambda: all(w.poll() is not None for w in workers), timeout_s=240)
             assert [w.returncode for w in workers] == [0, 0]
-            assert updates() == {"probation": 2, "accepted": 2}  # held, audited, then applied
+            assert updates() == {"probation": 2, "pending": 2, "applied": 2}  # held, audited, admitted, applied
             # each first update replayed on the aggregator's data and passed; the workers share the auditor's
             # recipe (CPU, one thread, this torch), so a pass is the bit-for-bit one (aggregate/audit.py). Each
             # worker sent its start state, which it keeps only when JoinReply.audits says the swarm replays

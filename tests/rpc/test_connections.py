@@ -128,7 +128,7 @@ def test_160_held_version_streams_starve_no_push(crowded):
             t.start()
         for t in pushers:
             t.join(timeout=60)
-        assert results == {f"w{i}": Outcome.ACCEPTED for i in range(PUSHERS)}
+        assert results == {f"w{i}": Outcome.PENDING for i in range(PUSHERS)}
         # the round closes at its deadline (4 s; the idle streams never push) and every held stream hears it
         assert [next(s).version for s in streams] == [1] * BUDGET
 

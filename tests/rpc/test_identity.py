@@ -90,7 +90,7 @@ def test_an_admitted_worker_joins_and_pushes_under_its_certificates_name(swarm):
     address, agg, client = swarm
     w1 = client("w1")
     assert join(w1, "w1").data_key == "0/0"
-    assert push(w1, agg, "w1", "u1").outcome is Outcome.ACCEPTED
+    assert push(w1, agg, "w1", "u1").outcome is Outcome.PENDING
     assert agg.block(0).info.version == 1  # its only replica reported: the round closed with its update
     st = w1.status_dict()["identities"]
     assert [(r["name"], r["role"], r["joined"], r["accepted"], r["refused"], r["revoked_at_unix"]) for r in st] == [
@@ -115,7 +115,7 @@ def test_a_push_needs_a_join_of_its_block(swarm):
     w2 = client("w2")
     judged = push(w2, agg, "w2", "u1")  # a refused push comes back as a judgement the worker acts on
     assert judged.outcome is Outcome.REJECTED and "'w2' pushed to block 0 without joining it" in judged.reason
-    assert agg.block(0).info.version == 0 and not agg.block(0).counters[("accepted", "")]
+    assert agg.block(0).info.version == 0 and not agg.block(0).counters[("pending", "")]
 
 
 def test_one_identity_pushes_one_update_per_round_and_a_retry_is_answered_as_before(swarm):
@@ -124,12 +124,12 @@ def test_one_identity_pushes_one_update_per_round_and_a_retry_is_answered_as_bef
     join(w1, "w1")
     join(w2, "w2")  # a second replica keeps the round open
     first = push(w1, agg, "w1", "u1")
-    assert first.outcome is Outcome.ACCEPTED and agg.block(0).status().accepted_in_round == 1
+    assert first.outcome is Outcome.PENDING and agg.block(0).status().accepted_in_round == 1
     assert push(w1, agg, "w1", "u1") == first  # the retry of u1 (a dropped connection): its first answer
     second = push(w1, agg, "w1", "u2")
     assert second.outcome is Outcome.REJECTED and "already pushed update u1" in second.reason
     assert agg.block(0).status().accepted_in_round == 1
-    assert push(w2, agg, "w2", "v1").outcome is Outcome.ACCEPTED  # the other identity is untouched
+    assert push(w2, agg, "w2", "v1").outcome is Outcome.PENDING  # the other identity is untouched
     assert agg.block(0).info.version == 1 and agg.block(0).info.accepted == 2
     rec = record(agg, "w1")
     assert (rec.accepted, dict(rec.refused)) == (1, {"second_push": 1})
@@ -202,4 +202,4 @@ def test_the_cli_revokes_and_shows_identities(swarm, pki):
     assert again.returncode == 5 and "no identity 'nobody'" in again.stderr and "Traceback" not in again.stderr
     st = subprocess.run([*cli, "status", "--peer", address], capture_output=True, text=True, env=env)
     assert st.returncode == 0, st.stderr
-    assert "identity w1 (worker, " in st.stdout and "REVOKED; joined [0]; 0 accepted" in st.stdout, st.stdout
+    assert "identity w1 (worker, " in st.stdout and "REVOKED; joined [0]; 0 taken into rounds" in st.stdout, st.stdout

@@ -438,7 +438,7 @@ def test_a_worker_outlives_a_refused_pull_and_a_refused_version_stream(tmp_path)
         got = outcome.get(timeout=30)
         assert not isinstance(got, BaseException), got
         # its first update may be late (the other peer's push closed round 0 while it trained): an answer too
-        assert got.pushes == 2 and got.outcomes.get("accepted", 0) >= 1 and set(got.outcomes) <= {"accepted", "late"}
+        assert got.pushes == 2 and got.outcomes.get("pending", 0) >= 1 and set(got.outcomes) <= {"pending", "late"}
         assert got.version >= 2 and got.retries >= 1 and got.reconnects >= 1
         assert agg.counters[("limited", "transfer_budget")] >= 1 and agg.counters[("limited", "watch_budget")] >= 1
         runner.join(timeout=10)

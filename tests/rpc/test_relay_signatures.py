@@ -126,11 +126,11 @@ def test_a_worker_joins_and_pushes_through_a_relay_under_its_own_certificate(tre
     w1 = client("w1")
     assert join(w1, "w1").data_key  # the root admitted w1 by its signed join, passed on by r1
     assert {r.name: (r.role, r.joined) for r in root.status().identities}["w1"] == ("worker", {0})
-    assert push(w1, root, "w1", "u1").outcome is Outcome.ACCEPTED  # at the relay: its only child reported
+    assert push(w1, root, "w1", "u1").outcome is Outcome.PENDING  # at the relay: its only child reported
     header, frames = combined(relay)
     (entry,) = header.manifest
     assert entry.worker_id == "w1" and entry.signature and entry.cert and entry.samples == 1.0
-    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED
+    assert upstream.push(header, frames).outcome is Outcome.PENDING
     assert root.block(0).info.version == 1 and root.block(0).recent[-1].info.included == ("u1",)
 
 
@@ -154,7 +154,7 @@ def test_a_relay_cannot_alter_or_invent_a_signed_child_update(tree):
             upstream.push(h, frames)
         assert exc.value.reason == "signature", what
     assert root.block(0).info.version == 0
-    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED  # the untouched one still goes in
+    assert upstream.push(header, frames).outcome is Outcome.PENDING  # the untouched one still goes in
 
 
 def test_a_relay_cannot_pass_on_a_join_it_cannot_prove(tree, pki):
@@ -187,10 +187,10 @@ def test_a_child_with_a_bad_receipt_is_refused_at_the_relay_and_spoils_nothing(t
     with pytest.raises(Forbidden, match="not its key's"):
         w1.push(bad, encode_frames({n: torch.full(s, 1e-3) for n, s in spec.items()}, Codec.FP32))
     assert "already pushed update u1" in push(w1, root, "w1", "u1b").reason  # one push per round and identity
-    assert push(w2, root, "w2", "u2").outcome is Outcome.ACCEPTED
+    assert push(w2, root, "w2", "u2").outcome is Outcome.PENDING
     header, frames = combined(relay)  # w1 reported (refused), w2 accepted: the relay's round closed with w2's
     assert [e.update_id for e in header.manifest] == ["u2"]
-    assert upstream.push(header, frames).outcome is Outcome.ACCEPTED
+    assert upstream.push(header, frames).outcome is Outcome.PENDING
     assert root.block(0).round.accepted["r1"].included == ("u2",)  # (the root's round waits on w1 until τ)
 
 
@@ -210,9 +210,9 @@ def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and
         upstream.push(header, other)
     assert root.block(0).status().accepted_in_round == 0
     judged = w1.push(header, frames)  # through the relay: committed, drawn, passed on as it came
-    assert judged.outcome is Outcome.ACCEPTED  # its only worker reported: the root's round closed with it
+    assert judged.outcome is Outcome.PENDING  # its only worker reported: the root's round closed with it
     assert root.block(0).info.version == 1 and root.block(0).info.included == ("u1",)
-    assert relay.counters[("passed_on", "accepted")] == 1 and not relay.block(0).round.accepted
+    assert relay.counters[("passed_on", "pending")] == 1 and not relay.block(0).round.accepted
     assert root.audits is not None and root.audits.due()[0][0].header.update_id == "u1"  # its replay is due
 
 
@@ -221,7 +221,7 @@ def test_a_relay_can_neither_push_a_committed_child_update_itself_nor_frame_its_
     w1 = client("w1")
     join(w1, "w1")
     header, frames, digest = signed_update(w1, root, "w1", "u1")
-    assert w1.push(header, frames).outcome is Outcome.ACCEPTED  # at the relay: committed at the root, not drawn
+    assert w1.push(header, frames).outcome is Outcome.PENDING  # at the relay: committed at the root, not drawn
     assert root.counters[("draws", "committed")] == 1
     # pushed directly in w1's name, it would reach the root as a second update of a chain that moved on
     refused = upstream.push(header, frames)
@@ -233,4 +233,4 @@ def test_a_relay_can_neither_push_a_committed_child_update_itself_nor_frame_its_
         upstream.draw(replace(old, base_version=0), old_digest)
     assert not root.identities.is_revoked("w1")
     (combined_header, combined_frames) = combined(relay)  # the relay's round, with w1's token, goes in
-    assert combined_header.manifest[0].token and upstream.push(combined_header, combined_frames).outcome is Outcome.ACCEPTED
+    assert combined_header.manifest[0].token and upstream.push(combined_header, combined_frames).outcome is Outcome.PENDING

@@ -71,7 +71,7 @@ def test_every_rpc_needs_the_swarm_token(node):
     good = SwarmClient(address, timeout_s=10, security=Security(token="correct horse"))
     for call in calls(good):
         call()
-    assert agg.block(0).counters[("accepted", "")] == 1
+    assert agg.block(0).counters[("pending", "")] == 1
     good.close()
 
 

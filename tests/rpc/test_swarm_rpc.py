@@ -97,7 +97,7 @@ def test_join_hands_out_data_keys_and_refuses_other_data_naming_both(live):
     assert st["blocks"][1]["data_keys"] == {}
     # an update names the key and steps it was trained with; a key not its own is refused
     ok = PushHeader(**{**hdr("b", samples=96.0).__dict__, "data_key": "0/1"})
-    assert live.client.push(ok, encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    assert live.client.push(ok, encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.PENDING
     theirs = PushHeader(**{**hdr("a", samples=96.0).__dict__, "data_key": "0/1"})
     j = live.client.push(theirs, encode_frames(small_delta(live), Codec.FP32))
     assert j.outcome is Outcome.REJECTED and "a trained steps 0-2 with data key '0/1', but its key here is '0/0'" in j.reason
@@ -115,8 +115,8 @@ def test_two_replicas_make_an_exact_version_everyone_can_rebuild(live, monkeypat
     base = live.client.pull(0, "r1", spec(live))
     assert base.info.version == 0 and state_sha256(base.tensors) == base.info.sha256
     d1, d2 = small_delta(live, seed=1), small_delta(live, seed=2)
-    assert live.client.push(hdr("r2", samples=96.0), encode_frames(d2, Codec.FP32)).outcome is Outcome.ACCEPTED
-    assert live.client.push(hdr("r1", samples=32.0), encode_frames(d1, Codec.FP32)).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("r2", samples=96.0), encode_frames(d2, Codec.FP32)).outcome is Outcome.PENDING
+    assert live.client.push(hdr("r1", samples=32.0), encode_frames(d1, Codec.FP32)).outcome is Outcome.PENDING
     new = live.client.pull(0, "r1", spec(live))
     assert new.info.version == 1 and new.info.accepted == 2
     for n, t in base.tensors.items():
@@ -138,7 +138,7 @@ def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
     every fetch still rebuilds the published hash."""
     join(live, "r1")
     base = live.client.pull(0, "r1", spec(live))
-    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.PENDING
     block = live.agg.block(0)
     reads, read = [], block.delta_frames
     block.delta_frames = lambda v: reads.append(v) or read(v)  # a counting wrapper around the real read
@@ -175,7 +175,7 @@ def test_concurrent_pulls_of_a_version_build_its_frames_once_and_a_new_version_a
         return results
 
     first = pulls()
-    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.PENDING
     second = pulls()
     assert builds == [0, 1]
     for got, version in [(g, 0) for g in first] + [(g, 1) for g in second]:
@@ -279,13 +279,13 @@ def test_bad_pushes_get_a_status_code_are_counted_and_change_nothing(live, case)
     counters = live.agg.counters if case in BEFORE_BLOCK else live.agg.block(0).counters
     assert counters[("rejected", reason)] == 1
     # the node keeps serving: a good push from the same worker is still accepted
-    assert live.client.push(hdr("w", uid="good"), frames_of(live)).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("w", uid="good"), frames_of(live)).outcome is Outcome.PENDING
 
 
 def test_a_stale_base_version_is_failed_precondition(live):
     join(live, "w")
     for v in range(3):
-        assert live.client.push(hdr("w", base=v), frames_of(live)).outcome is Outcome.ACCEPTED
+        assert live.client.push(hdr("w", base=v), frames_of(live)).outcome is Outcome.PENDING
     assert live.agg.block(0).info.version == 3
     err = raw_push(live, msgs(hdr("w", base=1, uid="old"), frames_of(live)))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "older than the staleness bound" in err.details()
@@ -313,5 +313,5 @@ def test_lossy_updates_are_accepted_and_decoded(live, codec):
     join(live, "w")
     d = small_delta(live)
     frames = [frame_from_raw(n, tuple(t.shape), codec, encode(codec, t, keep=41)) for n, t in d.items()]
-    assert live.client.push(hdr("w", codec=codec), frames).outcome is Outcome.ACCEPTED
+    assert live.client.push(hdr("w", codec=codec), frames).outcome is Outcome.PENDING
     assert live.agg.block(0).info.version == 1

@@ -71,7 +71,8 @@ def test_honest_updates_replay_bit_for_bit(tmp_path, corpus):
     assert not sim.agg.identities.revoked
     counts = sim.agg.block(0).counters
     assert counts[(Outcome.PROBATION.value, "")] == 3  # each worker's first update, held until audited
-    assert counts[(Outcome.ACCEPTED.value, "")] == 9  # ... then admitted: nothing honest is lost
+    assert counts[(Outcome.PENDING.value, "")] == 6 and counts[(Outcome.PENDING.value, "admitted")] == 3  # ... then admitted
+    assert counts[(Outcome.APPLIED.value, "")] == 9 and not any(o == Outcome.DROPPED.value for o, _ in counts)  # none lost
     assert sim.agg.block(0).info.version == 3
 
 
@@ -99,7 +100,9 @@ def test_without_probation_a_drawn_cheat_is_caught_and_its_pending_update_droppe
     sim = simulate(tmp_path, corpus, rounds=3, probation=0, cheater=Negating)
     block = sim.agg.block(0)
     assert sim.agg.identities.is_revoked("b0r2")
-    assert block.counters[(Outcome.REJECTED.value, "audit_delta")] == 1  # taken out of the open round
+    assert block.counters[(Outcome.DROPPED.value, "audit_delta")] == 1  # taken out of the open round
+    assert [(r.outcome, r.reason) for v in range(1, 4) for r in block.receipts_for("b0r2", v)].count(
+        (Outcome.DROPPED, "audit_delta")) == 1  # and its sender is told so with the next version
 
 
 def test_draws_follow_the_secret_and_the_share():

@@ -28,7 +28,7 @@ def test_a_tiny_flat_run_counts_every_update(tmp_path):
     row = run_row(QUICK_SHAPE, n, "flat", tmp_path / "run", rounds=rounds, deadline=30)
     assert row["lost"] == 0 and row["refused"] == 0 and row["errors_by_call"] == {}
     assert row["accepted_told"] == row["published_accepted"] == n * rounds
-    assert row["outcomes"] == {"accepted": n * rounds} and row["rounds_published"] == rounds
+    assert row["outcomes"] == {"pending": n * rounds} and row["rounds_published"] == rounds
     assert set(row["closed_by"].values()) == {"all_reported"}
     assert row["pulls_served"] == n and row["delta_fetches_served"] == n * rounds
     assert 0 < row["root_ingress_mb"] < row["root_egress_mb"]  # int8 up, fp32 deltas down to every worker

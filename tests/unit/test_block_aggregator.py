@@ -48,9 +48,9 @@ def test_new_version_is_base_plus_eta_times_weighted_mean(tmp_path):
     for w in ("x", "y"):
         agg.register(w)
     d1, d2 = delta(1.0), delta(-3.0)
-    assert agg.submit(header("y", 0, samples=3.0), d2).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("y", 0, samples=3.0), d2).outcome is Outcome.PENDING
     assert agg.info.version == 0  # x has not reported yet
-    assert agg.submit(header("x", 0, samples=1.0), d1).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("x", 0, samples=1.0), d1).outcome is Outcome.PENDING
     info, params = agg.current()
     assert info.version == 1 and info.closed_by == "all_reported" and info.accepted == 2
     for n, t in INIT.items():  # sorted by worker id: x then y
@@ -101,9 +101,9 @@ def test_repush_with_the_same_update_id_gets_the_same_answer_and_counts_once(tmp
     agg.register("x")
     agg.register("y")
     h = header("x", 0, uid="same")
-    assert agg.submit(h, delta(1.0)).outcome is Outcome.ACCEPTED
-    assert agg.submit(h, delta(1.0)).outcome is Outcome.ACCEPTED
-    assert len(agg.round.accepted) == 1 and agg.counters[("accepted", "")] == 1
+    assert agg.submit(h, delta(1.0)).outcome is Outcome.PENDING
+    assert agg.submit(h, delta(1.0)).outcome is Outcome.PENDING
+    assert len(agg.round.accepted) == 1 and agg.counters[("pending", "")] == 1
 
 
 def test_an_update_far_beyond_the_accepted_norms_is_rejected(tmp_path):
@@ -180,10 +180,10 @@ def test_a_round_with_nothing_accepted_restarts_its_clock_at_the_deadline(tmp_pa
     clock.t += 15.0  # the deadline passed and nobody pushed
     assert agg.tick() is None and agg.round.deadline() == clock.t + 10.0
     clock.t += 3.0
-    assert agg.submit(header("x", 0), delta(1.0)).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("x", 0), delta(1.0)).outcome is Outcome.PENDING
     assert agg.info.version == 0  # before the restart this first arrival would have closed the round alone
     clock.t += 3.0
-    assert agg.submit(header("y", 0, samples=2.0), delta(2.0)).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("y", 0, samples=2.0), delta(2.0)).outcome is Outcome.PENDING
     clock.t += 5.0
     info = agg.tick()
     assert info is not None and info.accepted == 2 and info.closed_by == "deadline"
@@ -204,7 +204,7 @@ def test_the_default_screen_drops_zero_sign_flipped_and_off_course_updates_at_cl
     for w in sent:
         agg.register(w)
     for w, d in sent.items():
-        assert agg.submit(header(w, 0), d).outcome is Outcome.ACCEPTED  # the round cannot judge them alone
+        assert agg.submit(header(w, 0), d).outcome is Outcome.PENDING  # the round cannot judge them alone
     info, params = agg.current()
     kept = ["a", "b", "c", "g"] if robust == "screened" else sorted(sent)
     assert info.version == 1 and info.accepted == len(kept) and info.rejected == len(sent) - len(kept)
@@ -216,7 +216,7 @@ def test_the_default_screen_drops_zero_sign_flipped_and_off_course_updates_at_cl
     if robust == "screened":
         assert agg.recent[-1].dropped == (("d", "norm_at_close"), ("e", "direction_at_close"),
                                           ("f", "direction_at_close"))
-        assert agg.counters[("rejected", "norm_at_close")] == 1 and agg.counters[("rejected", "direction_at_close")] == 2
-        assert agg.counters[("accepted", "")] == 4
+        assert agg.counters[("dropped", "norm_at_close")] == 1 and agg.counters[("dropped", "direction_at_close")] == 2
+        assert agg.counters[("pending", "")] == 7 and agg.counters[("applied", "")] == 4
     else:
         assert agg.recent[-1].dropped == ()

@@ -34,8 +34,8 @@ def test_the_hook_hosts_the_cheater_and_the_default_rule_drops_its_negated_updat
     agg = sim.agg.block(0)
     assert res.versions == {0: ROUNDS}
     assert [s.dropped for s in agg.recent] == [(("b0r2", "direction_at_close"),)] * ROUNDS
-    assert agg.counters[("rejected", "direction_at_close")] == ROUNDS
-    assert agg.counters[("accepted", "")] == 2 * ROUNDS  # the honest two, every round
+    assert agg.counters[("dropped", "direction_at_close")] == ROUNDS
+    assert agg.counters[("applied", "")] == 2 * ROUNDS  # the honest two, every round
     assert all(s.info.accepted == 2 and s.info.rejected == 1 for s in agg.recent)
 
 

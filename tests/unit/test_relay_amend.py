@@ -50,25 +50,26 @@ def root(tmp_path, name: str, registered: list[str]) -> BlockAggregator:
 def test_an_amendment_takes_the_place_of_the_first_push_bit_for_bit(tmp_path):
     workers = ["c1", "c2", "c3", "d1"]
     amended = root(tmp_path, "amended", workers)
-    assert amended.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
-    assert amended.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.ACCEPTED
+    assert amended.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.PENDING
+    assert amended.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.PENDING
     assert amended.info.version == 0  # c2, c3 have not reported
     head, delta = combined("ra", ["c1", "c2", "c3"], 3)
     assert amended.amends(head) == {"c1-u"}
-    assert amended.submit(head, delta, amends=frozenset({"c1-u"})).outcome is Outcome.ACCEPTED
+    assert amended.submit(head, delta, amends=frozenset({"c1-u"})).outcome is Outcome.PENDING
     assert amended.info.version == 1 and amended.info.accepted == 2  # ra's amendment and rb's push
     assert sorted(amended.info.included) == ["c1-u", "c2-u", "c3-u", "d1-u"]
-    assert amended.counters[("replaced", "")] == 1 and amended.counters[("accepted", "")] == 2
+    assert amended.counters[("replaced", "")] == 1 and amended.counters[("pending", "")] == 3
+    assert amended.counters[("applied", "")] == 2  # the replaced push is neither applied nor dropped
     # the same version as a root that only ever got the amendment and rb's push
     direct = root(tmp_path, "direct", workers)
-    assert direct.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.ACCEPTED
-    assert direct.submit(*combined("ra", ["c1", "c2", "c3"], 3)).outcome is Outcome.ACCEPTED
+    assert direct.submit(*combined("rb", ["d1"], 2)).outcome is Outcome.PENDING
+    assert direct.submit(*combined("ra", ["c1", "c2", "c3"], 3)).outcome is Outcome.PENDING
     assert direct.info.sha256 == amended.info.sha256
 
 
 def test_an_amendment_checked_against_a_round_that_moved_on_is_late(tmp_path):
     agg = root(tmp_path, "r", ["c1", "c2", "x"])
-    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
+    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.PENDING
     head, delta = combined("ra", ["c1", "c2"], 2)
     j = agg.submit(head, delta, amends=frozenset())  # checked as a first push; it is not one any more
     assert j.outcome is Outcome.LATE and "amend it again" in j.reason
@@ -113,12 +114,12 @@ def child(worker: str, i: int) -> tuple[PushHeader, dict]:
 def test_a_relay_amends_its_forwarded_round_with_a_child_that_moved_to_it(tmp_path):
     block, out = relay_block(tmp_path)
     block.register("d1")
-    assert block.submit(*child("d1", 1)).outcome is Outcome.ACCEPTED
+    assert block.submit(*child("d1", 1)).outcome is Outcome.PENDING
     assert [e.update_id for e in out[0].manifest] == ["d1-u"]
     block.tick()
     assert len(out) == 1  # nothing new: no second push
     block.register("c1")  # a child of a failed relay joins here and re-pushes its update, same id
-    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED
+    assert block.submit(*child("c1", 2)).outcome is Outcome.PENDING
     assert len(out) == 2 and sorted(e.update_id for e in out[1].manifest) == ["c1-u", "d1-u"]
     fresh, seen = relay_block(tmp_path / "fresh")
     fresh.register("c1")
@@ -150,15 +151,15 @@ def test_at_a_deadline_the_root_stops_waiting_for_silent_replicas_without_a_stre
     for w in ("c1", "c2", "c3"):
         agg.register(w)  # joined through a relay: no version stream here
     agg.stream_opened("d1")  # a direct worker, connected
-    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.ACCEPTED
+    assert agg.submit(*combined("ra", ["c1"], 1)).outcome is Outcome.PENDING
     now[0] += 11  # past the 10 s deadline: c2 and c3 (their relay died with them) and d1 missed the round
     assert agg.tick() is not None and agg.info.closed_by == "deadline"
     assert agg.registered == {"c1", "c2", "c3", "d1"}  # one round missed: still waited for (a spare may bring them)
-    assert agg.submit(*combined("ra2", ["c1"], 3, base=1)).outcome is Outcome.ACCEPTED
+    assert agg.submit(*combined("ra2", ["c1"], 3, base=1)).outcome is Outcome.PENDING
     now[0] += 11
     assert agg.tick() is not None and agg.info.closed_by == "deadline"
     assert agg.registered == {"c1", "d1"} and agg.forgotten == {"c2", "c3"}  # two in a row: not any more
-    assert agg.submit(*combined("rb", ["c2"], 2, base=2)).outcome is Outcome.ACCEPTED  # c2 is back, via a spare
+    assert agg.submit(*combined("rb", ["c2"], 2, base=2)).outcome is Outcome.PENDING  # c2 is back, via a spare
     assert agg.registered == {"c1", "c2", "d1"} and agg.forgotten == {"c3"}
     agg.stream_closed("d1")
     assert "d1" not in agg.registered
@@ -169,13 +170,13 @@ def test_a_relay_restarted_on_its_state_folder_takes_up_its_open_round_durably(t
     for w in ("c1", "c2", "c3"):
         block.register(w)
     for i, w in enumerate(("c1", "c2")):
-        assert block.submit(*child(w, i)).outcome is Outcome.ACCEPTED
+        assert block.submit(*child(w, i)).outcome is Outcome.PENDING
     assert out == []  # c3 has not reported: the round is open when the relay is killed
     del block  # SIGKILL: nothing flushed or closed on the way out
     again, out = relay_block(tmp_path)
     assert sorted(again.round.accepted) == ["c1", "c2"]
-    assert again.submit(*child("c1", 0)).outcome is Outcome.ACCEPTED  # its re-push: the same answer, counted once
-    assert again.counters[("accepted", "recovered")] == 2 and len(again.round.accepted) == 2
+    assert again.submit(*child("c1", 0)).outcome is Outcome.PENDING  # its re-push: the same answer, counted once
+    assert again.counters[("pending", "recovered")] == 2 and len(again.round.accepted) == 2
     again.drain()
     fresh, seen = relay_block(tmp_path / "fresh")
     for i, w in enumerate(("c1", "c2")):
@@ -198,7 +199,7 @@ def test_a_torn_last_record_is_dropped_and_a_round_on_another_version_is_not_tak
     log_path.write_bytes(data[:-20])  # the second record torn mid-write: c2 was never told ACCEPTED
     again, _ = relay_block(tmp_path)
     assert sorted(again.round.accepted) == ["c1"]
-    assert again.submit(*child("c2", 1)).outcome is Outcome.ACCEPTED  # c2 re-pushes and is judged afresh
+    assert again.submit(*child("c2", 1)).outcome is Outcome.PENDING  # c2 re-pushes and is judged afresh
     head = log_path.read_bytes().splitlines()[0].replace(b'"version":0', b'"version":7')
     log_path.write_bytes(head + b"\n")
     assert relay_block(tmp_path)[0].round.accepted == {}
@@ -219,19 +220,19 @@ def test_past_its_deadline_a_relay_that_forwarded_its_round_answers_late_rather_
     block, now, out = forwarded(tmp_path)
     block.register("c1")
     now[0] += 5  # within its 10 s deadline: an amendment still reaches the parent in time
-    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED and len(out) == 2
+    assert block.submit(*child("c1", 2)).outcome is Outcome.PENDING and len(out) == 2
     block.register("c2")
     now[0] += 6  # past it: the parent closes soon, an amendment would come late
     j = block.submit(*child("c2", 3))
     assert j.outcome is Outcome.LATE and "could no longer reach the parent" in j.reason and len(out) == 2
-    assert block.submit(*child("c1", 2)).outcome is Outcome.ACCEPTED  # a re-push still gets its answer
+    assert block.submit(*child("c1", 2)).outcome is Outcome.PENDING  # a re-push still gets its answer
 
 
 def test_a_relay_amends_while_the_parent_said_its_round_is_open_and_no_longer(tmp_path):
     block, now, out = forwarded(tmp_path)  # the parent's answer: its round closes 20 s from now
     block.parent_closes(0, now[0] + 20 - 2)  # (less an upload: node/relay.py)
     block.parent_closes(7, now[0] + 99)  # an answer about another round changes nothing
-    for w, seconds, outcome in (("c1", 11, Outcome.ACCEPTED), ("c2", 6, Outcome.ACCEPTED), ("c3", 1, Outcome.LATE)):
+    for w, seconds, outcome in (("c1", 11, Outcome.PENDING), ("c2", 6, Outcome.PENDING), ("c3", 1, Outcome.LATE)):
         block.register(w)
         now[0] += seconds  # c1 past this relay's own 10 s deadline, still within the parent's round
         assert block.submit(*child(w, len(out) + 1)).outcome is outcome, w

@@ -91,7 +91,7 @@ def closed_round(tmp_path, *, clip: bool = False, robust: str = "mean"):
     relay, block = relay_of(tmp_path, clip=clip, robust=robust)
     block._norms.extend([1.0, 1.0, 1.0])  # with --clip: a median norm every child is over
     for i, (w, codec) in enumerate(CHILDREN.items()):
-        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
+        assert push(relay, i, w, codec).outcome is Outcome.PENDING
     (combined,) = closed_into(relay)  # all three reported: the round closed into one combined update
     return block, combined
 
@@ -199,23 +199,23 @@ def test_a_relay_audit_without_evidence_in_time_revokes_the_relay_and_keeps_its_
 def test_evidence_outlives_the_next_version_and_the_next_rounds_spill(tmp_path):
     relay, block = relay_of(tmp_path)
     for i, (w, codec) in enumerate(CHILDREN.items()):
-        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
+        assert push(relay, i, w, codec).outcome is Outcome.PENDING
     (combined,) = closed_into(relay)
     _, params = block.current()
     block.adopt(VersionInfo(block=0, version=1, base_version=0, sha256=state_sha256(params)), params, raw=None,
                 codec=None)
     # the next round's spill takes new bytes under the same file name
-    assert push(relay, 3, "c0", Codec.FP32, base_version=1).outcome is Outcome.ACCEPTED
+    assert push(relay, 3, "c0", Codec.FP32, base_version=1).outcome is Outcome.PENDING
     check_evidence(job_of(combined), block.unit, wire(block.evidence(combined)), block.spec)  # round 0's, bit for bit
 
 
 def test_a_relay_restarted_mid_round_keeps_its_childrens_receipts_and_evidence(tmp_path):
     relay, _ = relay_of(tmp_path)
     for i, (w, codec) in enumerate(list(CHILDREN.items())[:2]):
-        assert push(relay, i, w, codec).outcome is Outcome.ACCEPTED
+        assert push(relay, i, w, codec).outcome is Outcome.PENDING
     del relay  # killed mid-round
     again, block = relay_of(tmp_path)
-    assert push(again, 2, "c2", Codec.BF16).outcome is Outcome.ACCEPTED
+    assert push(again, 2, "c2", Codec.BF16).outcome is Outcome.PENDING
     (combined,) = closed_into(again)
     assert [(e.worker_id, e.samples, e.cert, e.signature, e.claim_sha256, e.token) for e in combined.manifest] == [
         (w, float(1 + i), f"cert-{w}".encode(), f"sig-{w}".encode(), claim_digest(claim_of(w)), f"token-{w}".encode())

@@ -13,7 +13,7 @@ def upd(worker, base=5):
 
 def test_judging_by_base_version():
     r = Round(version=5, opened_at=0.0, cfg=RoundConfig())
-    assert r.judge("a", 5)[0] is Outcome.ACCEPTED
+    assert r.judge("a", 5)[0] is Outcome.PENDING
     assert r.judge("a", 4)[0] is Outcome.LATE
     with pytest.raises(StaleUpdate):
         r.judge("a", 3)
@@ -26,7 +26,7 @@ def test_judging_by_base_version():
 
 def test_staleness_bound_weights_older_updates_down():
     r = Round(version=5, opened_at=0.0, cfg=RoundConfig(max_staleness=2, staleness_decay=0.5))
-    assert r.judge("a", 3)[:2] == (Outcome.ACCEPTED, 0.25)
+    assert r.judge("a", 3)[:2] == (Outcome.PENDING, 0.25)
     assert r.judge("a", 2)[0] is Outcome.LATE
     with pytest.raises(StaleUpdate):
         r.judge("a", 1)

@@ -31,7 +31,7 @@ def run(tmp_path, deadline=1.0, **kw):
 def test_lockstep_publishes_one_version_per_round_and_closes_early(tmp_path):
     sim, res = run(tmp_path, participation=1.0)
     assert res.versions == {0: 4, 1: 4}
-    assert res.outcomes["accepted"] == 16 and res.outcomes["late"] == 0 and res.absent == 0
+    assert res.outcomes["pending"] == res.outcomes["applied"] == 16 and res.outcomes["late"] == 0 and res.absent == 0
     assert res.closed_by == {"all_reported": 8}
     # each round: H steps of compute, the push's delay and the announcement's delay
     assert res.virtual_seconds == pytest.approx(4 * (H * STEP + 0.04))
@@ -56,7 +56,7 @@ def test_absent_replicas_make_rounds_wait_for_the_deadline(tmp_path):
     _, res = run(tmp_path, participation=0.5, seed=1)
     assert 0 < res.absent < res.attempts
     assert res.closed_by.get("deadline", 0) > 0
-    assert res.outcomes["accepted"] == res.attempts - res.absent  # with τ generous nothing is late
+    assert res.outcomes["pending"] == res.attempts - res.absent  # with τ generous nothing is late
 
 
 def test_a_replica_slower_than_the_deadline_is_late(tmp_path):

@@ -63,7 +63,7 @@ def test_block_status_holds_what_the_block_knows(swarm):
     assert (s0.block, s0.current, s0.replicas) == (0, swarm.block(0).info, ("wa", "wb"))
     assert s0.current.version == 1 and s0.accepted_in_round == 0 and s0.round_age_s == 12.0
     assert [r.info.version for r in s0.recent] == [1] and s0.recent[0].info.mean_loss == 2.0
-    assert s0.updates == {("accepted", ""): 2, ("rejected", "norm"): 1}
+    assert s0.updates == {("pending", ""): 2, ("applied", ""): 2, ("rejected", "norm"): 1}
     assert s0.rounds_closed == {"all_reported": 1}
     assert s1.current.version == 0 and s1.accepted_in_round == 1 and s1.recent == ()
     assert s1.round_age_s == 12.0
@@ -75,7 +75,7 @@ def test_status_is_a_snapshot_the_aggregator_does_not_change(swarm):
     swarm.block(0).register("wc")
     swarm.block(0).reject(header("wa", 0, "bad2"), MalformedInput("codec", "no"))
     swarm.count("limited", "join_rate")
-    assert s0.replicas == ("wa", "wb") and s0.updates == {("accepted", ""): 2, ("rejected", "norm"): 1}
+    assert s0.replicas == ("wa", "wb") and s0.updates == {("pending", ""): 2, ("applied", ""): 2, ("rejected", "norm"): 1}
     assert ("limited", "join_rate") not in before.events
     with pytest.raises(dataclasses.FrozenInstanceError):
         s0.accepted_in_round = 5  # type: ignore[misc]
@@ -105,7 +105,8 @@ def test_the_status_reply_carries_the_snapshot(swarm):
     assert [(info_from_pb(r.version), r.closed_at_unix) for r in b0.recent] == [(r.info, r.closed_at)
                                                                                  for r in s.blocks[0].recent]
     counters = [(c.name, dict(c.labels), c.value) for c in reply.counters]
-    assert counters == [("updates", {"block": "0", "outcome": "accepted", "reason": ""}, 2),
+    assert counters == [("updates", {"block": "0", "outcome": "pending", "reason": ""}, 2),
+                        ("updates", {"block": "0", "outcome": "applied", "reason": ""}, 2),
                         ("updates", {"block": "0", "outcome": "rejected", "reason": "norm"}, 1),
-                        ("updates", {"block": "1", "outcome": "accepted", "reason": ""}, 1),
+                        ("updates", {"block": "1", "outcome": "pending", "reason": ""}, 1),
                         ("joins", {"reason": ""}, 4), ("join_refused", {"reason": "fingerprint"}, 1)]

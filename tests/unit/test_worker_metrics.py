@@ -36,9 +36,9 @@ def test_a_re_push_after_a_reconnect_is_counted_by_its_answer(tmp_path):
     w._repush(1)  # a reconnect while waiting on another round: nothing to push again
     assert w.stats.repushes == {}
     w._repush(0)  # the stream came back while w waits on round 0: the same update again, answered as before
-    assert w.stats.repushes == {"accepted": 1} and w.stats.outcomes == {"accepted": 1}
+    assert w.stats.repushes == {"pending": 1} and w.stats.outcomes == {"pending": 1}
     registry = CollectorRegistry()
     registry.register(WorkerCollector(0, lambda: w.stats))
     text = generate_latest(registry).decode()
-    assert 'btnode_worker_repushes_total{block="0",outcome="accepted"} 1.0' in text, text
+    assert 'btnode_worker_repushes_total{block="0",outcome="pending"} 1.0' in text, text
     assert 'btnode_worker_repushes_total{block="0",outcome="late"} 0.0' in text, text

@@ -23,7 +23,7 @@ from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.evidence import noting_digest
 from btnode.codec.frames import ChunkData, ReplayableFrames, frame_from_raw
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, Refused
-from btnode.protocol import JoinInfo, Judgement, Outcome, PushHeader, Upstream, claim_digest
+from btnode.protocol import JoinInfo, Judgement, PushHeader, Upstream, claim_digest
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class UpstreamAdmission:
         block = self.blocks[header.block]
         judged = self.upstream.push(header, [frame_from_raw(n, s, header.codec, raw[n]) for n, s in block.spec.items()])
         _remember(self._passed_on, header.update_id)
-        if judged.outcome in (Outcome.ACCEPTED, Outcome.PROBATION):
+        if judged.outcome.in_round:
             block.passed_on(header)
         count("passed_on", judged.outcome.value)
         log.info("%s: %s's update %s drawn for a replay audit at the parent, passed on: %s%s", block.name,

@@ -128,7 +128,7 @@ class Forwarder:
         """One combined update of the kept child updates for the parent; a relay publishes nothing."""
         for worker_id, _ in dropped:  # already out of the sum (the screen took them out): out of the round
             del block.round.accepted[worker_id]
-            block.round.counts[Outcome.ACCEPTED] -= 1
+            block.round.counts[Outcome.PENDING] -= 1
         mean_of, _ = block.tally.combiner(ups, release=False)  # the sum stays: an amendment adds to it
         delta = {n: mean_of(n) for n in block.spec}
         manifest = tuple(e for u in ups for e in manifest_of(u, self.digests.get(u.update_id, ""),
@@ -202,8 +202,8 @@ class RelayBlock(BlockAggregator):
         for u, digest in found.updates:
             self.tally.restore(u)
             self.round.add(u)
-            self.counters[(Outcome.ACCEPTED.value, "recovered")] += 1
-            self._remember(u.update_id, self.round.judgement(Outcome.ACCEPTED))
+            self.counters[(Outcome.PENDING.value, "recovered")] += 1
+            self._remember(u.update_id, self.round.judgement(Outcome.PENDING))
             self.forwarder.digests[u.update_id] = digest
         log.info("%s round %d: took up %d child updates accepted before a restart", self.name, self.round.version,
                  len(found.updates))

@@ -21,6 +21,7 @@ from btnode.aggregate.round.config import AggregatorConfig, BlockStatus, RoundSu
 from btnode.aggregate.round.deltas import DeltaFrames
 from btnode.aggregate.round.replicas import Replicas
 from btnode.aggregate.round.publish import Publisher, resume
+from btnode.aggregate.round.receipts import Receipts
 from btnode.aggregate.round.rounds import Round, Update
 from btnode.aggregate.round.screen import screen
 from btnode.aggregate.round.sink import RoundSink
@@ -33,7 +34,7 @@ from btnode.aggregate.trust.claims import Range, theta_ranges
 from btnode.aggregate.trust.standing import Standing
 from btnode.codec.codecs import Codec, encode
 from btnode.errors import PeerInputError
-from btnode.protocol import INCOMPLETE, Judgement, Outcome, PushHeader, VersionInfo, format_steps
+from btnode.protocol import INCOMPLETE, Judgement, Outcome, PushHeader, RoundReceipt, VersionInfo, format_steps
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,14 @@ Tensors = dict[str, torch.Tensor]
 class BlockAggregator:
     def __init__(self, block: int, initial: Tensors, store: VersionStore, cfg: AggregatorConfig, *,
                  clock: Callable[[], float] = time.time, name: str = "", sketch_key: bytes = b"",
-                 sink: RoundSink | None = None, standing: Standing | None = None):
+                 sink: RoundSink | None = None, standing: Standing | None = None,
+                 on_settled: Callable[[str, RoundReceipt], None] | None = None):
         """`sketch_key`: a secret the screen's sketches are drawn from (one per round from it), so that
         no worker can shape an update to look aligned in the sketch but not in fact. `sink`: what a
         closed round becomes (default `Publisher`: a published version). `standing`: the identities' weight
-        factors (aggregate/trust/standing.py), told of each close; None: every identity weighs 1."""
+        factors (aggregate/trust/standing.py), told of each close; None: every identity weighs 1.
+        `on_settled(worker id, receipt)`: each update's round receipt, once made (round/receipts.py),
+        under the block's lock."""
         self.standing = standing
         self.sink: RoundSink = sink if sink is not None else Publisher()
         self.block = block
@@ -62,6 +66,7 @@ class BlockAggregator:
         self.rounds_closed: Counter = Counter()  # closed_by → count
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
+        self.receipts = Receipts(on_settled)  # update id → APPLIED or DROPPED, once its round closed
         self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
         self.norms = NormHistory(cfg.max_norm_ratio, cfg.clip)  # of recent accepted updates (sums/norms.py)
         self._norms = self.norms.recent
@@ -174,7 +179,7 @@ class BlockAggregator:
             try:
                 outcome, factor, reason = self.round.judge(header.worker_id, header.base_version,
                                                            replacing=old is not None)
-                if outcome is Outcome.ACCEPTED:
+                if outcome is Outcome.PENDING:
                     samples = self.cfg.claims.check(header, delta, self.params, drift=2 + self.cfg.round.max_staleness,
                                                     ranges=self._theta_ranges())
                     size = norm(delta)
@@ -184,7 +189,7 @@ class BlockAggregator:
             except PeerInputError as exc:
                 self.reject(header, exc)
                 raise
-            if outcome is not Outcome.ACCEPTED:
+            if outcome is not Outcome.PENDING:
                 return self._answer(header, self.round.judgement(outcome, reason))
             update = Update(worker_id=header.worker_id, update_id=header.update_id, base_version=header.base_version,
                             samples=samples, loss=header.loss, delta=delta, weight=samples * factor, norm=size,
@@ -198,11 +203,13 @@ class BlockAggregator:
             if old is not None:
                 self._amend(old, update)
             self._take(update)
-            self.counters[(Outcome.ACCEPTED.value, "")] += 1
-            log.info("%s round %d: accepted the update of %s (data key %s, steps %s, CE %.4f)", self.name,
+            self.counters[(Outcome.PENDING.value, "")] += 1
+            log.info("%s round %d: took the update of %s into the round (data key %s, steps %s, CE %.4f)", self.name,
                      self.round.version, header.worker_id, header.data_key or "not stated", format_steps(header.steps),
                      header.loss)
-            answer = self._remember(header.update_id, self.round.judgement(Outcome.ACCEPTED))
+            answer = self._remember(header.update_id, self.round.judgement(
+                Outcome.PENDING, "in the round; applied or dropped when it closes (its receipt comes with the next "
+                                 "version)"))
             self._maybe_close()
             return answer
 
@@ -230,25 +237,29 @@ class BlockAggregator:
             if (update.base_version != self.round.version or (old is not None and not replaced)
                     or frozenset(old.included if replaced else ()) != amends):
                 self.counters[(Outcome.LATE.value, "audited_after_close")] += 1
+                self._settle_dropped(update, "audited_after_close", update.base_version + 1)
                 return False
             if replaced:
                 self._amend(old, update)
             self._take(update, verified=True)
-            self.counters[(Outcome.ACCEPTED.value, "")] += 1
-            log.info("%s round %d: accepted the audited update of %s", self.name, self.round.version, update.worker_id)
+            self.counters[(Outcome.PENDING.value, "admitted")] += 1
+            log.info("%s round %d: took the audited update of %s into the round", self.name, self.round.version,
+                     update.worker_id)
             self._maybe_close()
             return True
 
     def drop(self, worker_id: str, reason: str) -> bool:
-        """Take a worker's update out of the open round (its sender failed an audit, or was revoked):
-        it is counted as rejected with `reason`. True if there was one."""
+        """Take a worker's update out of the open round (its sender failed an audit, or was revoked),
+        and its held ones: each is DROPPED with `reason` (its receipt). True if one was in the round."""
         with self.lock:
-            self.held = {k: u for k, u in self.held.items() if u.worker_id != worker_id}
+            for u in [u for u in self.held.values() if u.worker_id == worker_id]:
+                del self.held[u.update_id]
+                self._settle_dropped(u, reason, self.round.version + 1)
             update = self.round.accepted.get(worker_id)
             if update is None:
                 return False
             self._withdraw(update)
-            self.counters[(Outcome.REJECTED.value, reason)] += 1
+            self._settle_dropped(update, reason, self.round.version + 1)
             log.warning("%s round %d: dropped the update of %s (%s)", self.name, self.round.version, worker_id, reason)
             return True
 
@@ -274,11 +285,37 @@ class BlockAggregator:
                  self.round.version, old.worker_id, len(old.manifest), len(update.manifest))
 
     def _withdraw(self, update: Update) -> None:
-        """An accepted update out of the open round again: its sum (exactly) and its count."""
+        """An update out of the open round again: its sum (exactly) and its count."""
         del self.round.accepted[update.worker_id]
         self.tally.leave(update)
-        self.round.counts[Outcome.ACCEPTED] -= 1
-        self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+        self.round.counts[Outcome.PENDING] -= 1
+
+    def _settle_dropped(self, update: Update, reason: str, version: int) -> None:
+        """`update` is DROPPED from `version` with `reason`: its receipt, and the count."""
+        if self.receipts.settle(update.worker_id, update.update_id, version, reason) is not None:
+            self.counters[(Outcome.DROPPED.value, reason)] += 1
+            self._remember(update.update_id, Judgement(Outcome.DROPPED, reason, version - 1))
+
+    def settled(self, applied: list[Update], version: int) -> None:
+        """The round that made `version` closed: its kept updates `applied` are APPLIED in it (a sink
+        that publishes calls this; a relay's kept updates are not applied yet), and the updates still
+        held for an audit can no longer get in (admit_held needs their round open): DROPPED."""
+        for u in applied:
+            if self.receipts.settle(u.worker_id, u.update_id, version) is not None:
+                self.counters[(Outcome.APPLIED.value, "")] += 1
+                self._remember(u.update_id, Judgement(Outcome.APPLIED, "", version - 1))
+        for u in self.held.values():
+            self._settle_dropped(u, "audited_after_close", version)
+
+    def receipt(self, worker_id: str, update_id: str) -> RoundReceipt | None:
+        """`worker_id`'s round receipt for `update_id` (None: pending, forgotten, or another's)."""
+        with self.lock:
+            return self.receipts.of(worker_id, update_id)
+
+    def receipts_for(self, worker_id: str, version: int) -> tuple[RoundReceipt, ...]:
+        """The round receipts of `worker_id`'s updates decided by the round that made `version`."""
+        with self.lock:
+            return self.receipts.for_version(worker_id, version)
 
     def _answer(self, header: PushHeader, j: Judgement) -> Judgement:
         self.replicas.recall(header.worker_id)
@@ -320,8 +357,8 @@ class BlockAggregator:
             return self._maybe_close()
 
     def drain(self) -> VersionInfo | None:
-        """Before a shutdown: publish the open round now if it accepted anything, so that no
-        update a worker was told was accepted is lost with the process."""
+        """Before a shutdown: publish the open round now if it took anything in, so that no update a
+        worker was told is pending is lost with the process."""
         with self.lock:
             return self._close("drain") if self.round.accepted and self.sink.due(self) else None
 
@@ -333,15 +370,13 @@ class BlockAggregator:
 
     def _screen(self, ups: list[Update]) -> tuple[list[Update], list[tuple[str, str]]]:
         """The robust screen at close (round/screen.py `screen`): the updates it drops are taken out
-        of the round's sum and counted as rejected, with the reason, in the counters and metrics (their
-        senders were told ACCEPTED on arrival: the round could not judge them alone); those it keeps
-        weigh their vote in the sum (near-copies share one). Returns the updates kept and (worker id,
-        reason) of those dropped."""
+        of the round's sum and DROPPED with the reason (their receipts; their senders were told PENDING
+        on arrival: the round could not judge them alone); those it keeps weigh their vote in the sum
+        (near-copies share one). Returns the updates kept and (worker id, reason) of those dropped."""
         out = screen(ups, self.cfg, f"{self.name} round {self.round.version}")
         for u, why in out.dropped:
             self.tally.leave(u)
-            self.counters[(Outcome.REJECTED.value, why)] += 1
-            self.counters[(Outcome.ACCEPTED.value, "")] -= 1
+            self._settle_dropped(u, why, self.round.version + 1)
         for u in out.kept:
             self.tally.reweight(u, out.weights[u.update_id])
         return out.kept, [(u.worker_id, why) for u, why in out.dropped]
@@ -367,6 +402,7 @@ class BlockAggregator:
         self.params, self.info, self.residual = params, info, residual
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
+        self.settled(ups, info.version)
         self.rounds_closed[info.closed_by] += 1
         if info.closed_by == "deadline":
             self._forget_silent()

@@ -83,7 +83,7 @@ class Round:
         if worker_id in self.accepted and not replacing:
             raise MalformedInput("duplicate", f"worker {worker_id!r} already has an accepted update in round {v}")
         if base_version >= v - s:
-            return Outcome.ACCEPTED, self.cfg.staleness_decay ** (v - base_version), ""
+            return Outcome.PENDING, self.cfg.staleness_decay ** (v - base_version), ""
         if base_version == v - s - 1:
             return Outcome.LATE, 0.0, (f"round {base_version} closed before this update arrived; "
                                        f"the block is at version {v}")
@@ -94,7 +94,7 @@ class Round:
         self.accepted[update.worker_id] = update
         self.reported.add(update.worker_id)
         self.reported.update(e.worker_id for e in update.manifest)  # a relay reports for its children
-        self.counts[Outcome.ACCEPTED] += 1
+        self.counts[Outcome.PENDING] += 1
 
     def note(self, worker_id: str, outcome: Outcome, base_version: int) -> None:
         """Record a non-accepted report (late, stale, rejected). Only a report based on this

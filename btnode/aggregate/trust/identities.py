@@ -19,6 +19,7 @@ from enum import Enum
 from pathlib import Path
 
 from btnode.errors import CheckpointError, Forbidden, InputError, Refused
+from btnode.aggregate.trust.standing import UNWEIGHTED  # kept, weighing 0: not its own drop
 from btnode.protocol import INCOMPLETE, MAX_NAME, PushHeader
 from btnode.durable import atomic_write
 
@@ -62,7 +63,9 @@ Verify = Callable[[bytes, bytes, bytes, str], Identity]
 @dataclass
 class IdentityRecord:
     """What one identity did since the aggregator started (revocation survives restarts).
-    `audited` and `failed` count audits of its updates: 0 until audits exist."""
+    `audited` and `failed` count audits of its updates: 0 until audits exist. Of its updates taken
+    into a round (`accepted`: answered PENDING, or admitted after probation), each ends `applied` or
+    `dropped` (its receipt), the drops by reason."""
 
     name: str
     role: str = ""
@@ -73,6 +76,18 @@ class IdentityRecord:
     audited: int = 0
     failed: int = 0
     revoked_at: float | None = None  # unix time
+    applied: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason → its updates dropped from their round
+
+    @property
+    def screened_out(self) -> int:
+        """Its updates the robust screen dropped at a round's close (reasons `*_at_close`): what says an
+        identity's updates keep disagreeing with the swarm's, as opposed to drops by revocation or an
+        audit (which revoke it anyway) or by an audit that finished after its round (the aggregator's pace)."""
+        return sum(n for reason, n in self.dropped.items() if reason.endswith(SCREEN_SUFFIX) and reason != UNWEIGHTED)
+
+
+SCREEN_SUFFIX = "_at_close"  # the robust screen's drop reasons (aggregate/round/screen.py): norm_at_close, ...
 
 
 class Identities:
@@ -154,6 +169,23 @@ class Identities:
             rec.audited += 1
             rec.failed += not passed
 
+    def settled(self, name: str, applied: bool, reason: str = "") -> None:
+        """Put the receipt of one of `name`'s updates on its record: applied, or dropped with `reason`
+        (a worker id's, without mutual TLS, as `audited`)."""
+        with self._lock:
+            rec = self._records.setdefault(name, IdentityRecord(name=name))
+            if applied:
+                rec.applied += 1
+            else:
+                rec.dropped[reason or "dropped"] += 1
+
+    def drops(self, name: str) -> int:
+        """How many of `name`'s updates the robust screen dropped at close since this aggregator started
+        (IdentityRecord.screened_out; 0 for a name never seen): what weighs against an identity."""
+        with self._lock:
+            rec = self._records.get(name)
+            return rec.screened_out if rec is not None else 0
+
     def is_revoked(self, name: str) -> bool:
         with self._lock:
             return name in self.revoked
@@ -179,7 +211,8 @@ class Identities:
         with self._lock:
             return tuple(IdentityRecord(name=r.name, role=r.role, fingerprint=r.fingerprint, joined=set(r.joined),
                                         accepted=r.accepted, refused=Counter(r.refused), audited=r.audited,
-                                        failed=r.failed, revoked_at=r.revoked_at)
+                                        failed=r.failed, revoked_at=r.revoked_at, applied=r.applied,
+                                        dropped=Counter(r.dropped))
                          for _, r in sorted(self._records.items()))
 
     def _read(self) -> dict[str, float]:
