@@ -20,7 +20,7 @@ from btnode.train.config import Precision, TrainConfig
 from btnode.v2 import serve_pb2, settings_pb2, swarm_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = [f"{name}{suffix}" for name in ("swarm", "serve", "settings")
+GENERATED = [f"{name}{suffix}" for name in ("swarm", "serve", "settings", "enroll")
              for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 # wire enum → its domain enum, and the member UNSPECIFIED stands for (None: the reader's stated rule)
 ENUMS = [(swarm_pb2.Codec, Codec, None), (swarm_pb2.PushOutcome, Outcome, None),
@@ -31,7 +31,7 @@ ENUMS = [(swarm_pb2.Codec, Codec, None), (swarm_pb2.PushOutcome, Outcome, None),
 
 def test_generated_code_matches_the_schema(tmp_path):
     protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
-    assert sorted(protos) == [f"btnode/v2/{n}.proto" for n in ("serve", "settings", "swarm")]
+    assert sorted(protos) == [f"btnode/v2/{n}.proto" for n in ("enroll", "serve", "settings", "swarm")]
     cwd = os.getcwd()
     os.chdir(ROOT / "proto")
     try:

@@ -39,13 +39,18 @@ def header(worker, base, uid=None):
                       update_id=uid or f"{worker}-{base}", steps=(0,))
 
 
-def along(block, scale, flip=False):
-    """A delta of `scale` along one fixed direction (sign-alternated with `flip`: off the others' course)."""
+def along(block, scale, flip=False, seed=None):
+    """A delta of `scale` along one fixed direction (sign-alternated with `flip`: off the others' course),
+    with noise of its own when `seed` is given: honest replicas are alike (cosine ≈ 0.9), not copies,
+    which the screen counts as one vote (round/screen.py)."""
     out = {}
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
     for n, s in block.spec.items():
         t = torch.ones(s).view(-1)
         if flip:
             t[1::2] = -1.0
+        if g is not None:
+            t = t + 0.35 * torch.randn(t.shape, generator=g)
         out[n] = (scale * t).view(s)
     return out
 
@@ -53,7 +58,7 @@ def along(block, scale, flip=False):
 def screened_round(agg):
     """Five updates into round 0: three alike, one of zero norm, one off course; all report, so it closes."""
     b = agg.block(0)
-    sent = {"a": along(b, 1e-3), "b": along(b, 1.1e-3), "c": along(b, 1.05e-3), "d": along(b, 0.0),
+    sent = {"a": along(b, 1e-3, seed=1), "b": along(b, 1.1e-3, seed=2), "c": along(b, 1.05e-3, seed=3), "d": along(b, 0.0),
             "e": along(b, 1e-3, flip=True)}
     for w in sent:
         b.register(w)
