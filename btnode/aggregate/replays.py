@@ -1,6 +1,8 @@
 """`ReplayDesk`: the root's replay audits (docs/security.md, "Work claims and replay audits"): updates
-drawn for one, their start states, the replays and their verdicts, the punishment of a failed one; and
-the commits of child updates relays pass up under them (`draw`, aggregate/trust/commits.py)."""
+drawn for one (held out of their round until the verdict), their start states, the verdicts of its
+`Verifier`, the punishment of a failed one and the repair of the rounds it pushed to
+(round/repairs.py); and the commits of child updates relays pass up under them (`draw`,
+aggregate/trust/commits.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.intake import Intake
-from btnode.aggregate.trust.audit import AuditConfig, AuditJob, Audits, Replayer, Verdict
+from btnode.aggregate.trust.audit import AuditConfig, AuditJob, Audits, Verdict, Verifier
 from btnode.aggregate.trust.commits import Commits
 from btnode.aggregate.trust.identities import Identities
 from btnode.codec.codecs import Codec
@@ -26,17 +28,18 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 class ReplayDesk:
-    """The audits of one aggregator (`audits`, `commits`: None without --audit-share), with what they act
-    on: its blocks, the identities a failure revokes, the workers' training terms (`training`), the
-    data keys' swarm data id (`data_id`), the key check of a direct push (`check_key`) and the swarm's
-    event counts (`count`)."""
+    """The audits of one aggregator (`audits`, `commits`, `verifier`: None with audits off), with what
+    they act on: its blocks, the identities a failure revokes, the workers' training terms (`training`),
+    the data keys' swarm data id (`data_id`), the key check of a direct push (`check_key`) and the
+    swarm's event counts (`count`). The round sees only held updates admitted or dropped; who decides
+    them is the `Verifier` (aggregate/trust/audit.py)."""
 
-    def __init__(self, cfg: AuditConfig, audits: Audits | None, commits: Commits | None, replayers: dict[int, Replayer],
+    def __init__(self, cfg: AuditConfig, audits: Audits | None, commits: Commits | None, verifier: Verifier | None,
                  *, clock: Callable[[], float], blocks: Mapping[int, BlockAggregator],
                  block: Callable[[int], BlockAggregator], identities: Identities, intake: Intake,
                  training: Callable[[str], TrainingTerms | None], data_id: Callable[[], str | None],
                  check_key: Callable[[PushHeader], None], count: Callable[..., None]):
-        self.cfg, self.audits, self.commits, self.replayers, self.clock = cfg, audits, commits, replayers, clock
+        self.cfg, self.audits, self.commits, self.verifier, self.clock = cfg, audits, commits, verifier, clock
         self.blocks, self._block, self.identities, self.intake = blocks, block, identities, intake
         self._training, self._data_id, self._check_key, self._count = training, data_id, check_key, count
 
@@ -69,8 +72,8 @@ class ReplayDesk:
             self._count("draws_refused", exc.reason)
             raise
         probation = audits.on_probation(header.worker_id) and self._training(header.worker_id) is not None
-        if probation or (audits.drawn(header.update_id) and self._training(header.worker_id) is not None
-                         and header.base_version == block.current()[0].version):
+        if probation or (self._training(header.worker_id) is not None and header.base_version ==
+                         block.current()[0].version and audits.drawn(header.update_id, header.worker_id)):
             self._count("draws", "drawn")
             commits.drew(header.update_id)
             return Drawn(True)
@@ -108,11 +111,29 @@ class ReplayDesk:
 
     def punish(self, worker_id: str, reason: str, detail: str) -> None:
         """A failed audit, a late or wrong start state, or a broken chain: revoke the worker (its
-        certificate's name, or its worker id without mutual TLS) and drop its pending updates."""
+        certificate's name, or its worker id without mutual TLS), drop its pending updates and take
+        back what it added in the kept rounds (`repair`)."""
         self.identities.revoke(worker_id, seen_only=False)
         self._count("revoked", reason)
         log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
         self.drop(worker_id, f"audit_{reason}")
+        self.repair(reason)
+
+    def repair(self, reason: str) -> None:
+        """Evidence of an attack on the kept rounds of some block (a failed audit, or a revocation):
+        each block takes every revoked sender out of them (BlockAggregator.repair; counted `repairs`),
+        and every other sender of a repaired round becomes a suspect, its next updates all audited
+        (Audits.suspect): the cheat's other ids are among them."""
+        for agg in self.blocks.values():
+            fix = agg.repair(self.identities.is_revoked)
+            if fix is None:
+                continue
+            self._count("repairs", reason)
+            if self.audits is not None:
+                new = self.audits.suspect(w for w in fix.others if not self.identities.is_revoked(w))
+                if new:
+                    log.warning("%s: after the repair of rounds %s, the next %d updates of %s are all audited",
+                                agg.name, fix.rounds, self.cfg.window, ", ".join(sorted(new)))
 
     def abandoned(self, worker_id: str, over: int) -> None:
         """It rejoined while an audit waited for its start state (aggregate/trust/audit.py Audits.joined):
@@ -132,6 +153,8 @@ class ReplayDesk:
             agg.drop(worker_id, reason)
         if self.audits is not None:
             self.audits.forget(worker_id)
+        if self.verifier is not None:
+            self.verifier.forget(worker_id)
 
     # -- audits -------------------------------------------------------------------------------
     def submit_state(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
@@ -143,28 +166,25 @@ class ReplayDesk:
         if job is None or job.header.worker_id != header.worker_id or job.header.block != header.block:
             raise MalformedInput("no_audit", f"no audit waits for the state of update {header.update_id[:16]!r} "
                                              f"of {header.worker_id!r}")
-        replayer = self.replayers[job.header.block]
-        state, _ = self.intake.assemble(replayer.start_spec(job.claim), Codec.FP32, chunks)
-        replayer.check_start(job.claim, state)
+        assert self.verifier is not None
+        block = job.header.block
+        state, _ = self.intake.assemble(self.verifier.start_spec(block, job.claim), Codec.FP32, chunks)
+        self.verifier.check_start(block, job.claim, state)
         self.audits.received(header.update_id, state)
 
     def run_audits(self) -> list[Verdict]:
-        """Replay every audit whose start state is in, fail those whose state is late; returns the verdicts."""
-        if self.audits is None:
+        """Hand the verifier every audit whose start state is in, fail those whose state is late, and act
+        on the verdicts reached; returns them."""
+        if self.audits is None or self.verifier is None:
             return []
         self.settle_commits()
         ready, late = self.audits.due()
         verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.cfg.state_timeout_s:g} s",
                             0.0, j.probation, self.clock() - j.arrived) for j in late]
         for job in ready:
-            if self.identities.is_revoked(job.header.worker_id):
-                continue
-            try:
-                verdicts.append(self.replayers[job.header.block](job, self.clock))
-            except Exception:  # noqa: BLE001 - a fault of the replay, not of the worker: never a verdict
-                log.exception("the replay of %s's update %s failed; the update is not judged", job.header.worker_id,
-                              job.header.update_id[:8])
-                self._count("audit_errors")
+            if not self.identities.is_revoked(job.header.worker_id):
+                self.verifier.submit(job)
+        verdicts += [v for v in self.verifier.verdicts() if not self.identities.is_revoked(v.header.worker_id)]
         for v in verdicts:
             self._verdict(v)
         return verdicts
@@ -176,17 +196,24 @@ class ReplayDesk:
         if v.passed:
             log.info("audit of %s's update on version %d passed (%s%s)", v.header.worker_id, v.header.base_version,
                      v.detail, ", probation" if v.probation else "")
-            if v.probation:
-                self._block(v.header.block).admit_held(v.header.update_id)
+            self._block(v.header.block).admit_held(v.header.update_id)  # held until now (probation, or drawn)
         else:
             self.punish(v.header.worker_id, v.reason, v.detail)
 
+    def holds(self, block: BlockAggregator, header: PushHeader, probation: bool) -> bool:
+        """Whether a direct push is audited, and so held out of its round until the verdict: always on
+        probation; else drawn at p (for sure while its sender is a suspect), when it can be replayed (its
+        sender's terms are known and it is based on the current version). Call once per update."""
+        assert self.audits is not None
+        return probation or (self._training(header.worker_id) is not None
+                             and header.base_version == block.current()[0].version
+                             and self.audits.drawn(header.update_id, header.worker_id))
+
     def open_audit(self, block: BlockAggregator, header: PushHeader, raw: dict[str, bytes], base: Tensors,
-                    judged: Judgement, probation: bool) -> Judgement:
-        """Draw the update for audit (always on probation) and, if drawn, keep what the replay needs."""
+                   judged: Judgement, probation: bool, held: bool) -> Judgement:
+        """An update `holds` chose for audit: keep what the verifier needs, and ask for its start state."""
         assert self.audits is not None and header.claim is not None
-        if judged.outcome not in (Outcome.PENDING, Outcome.PROBATION) or not (probation or
-                                                                              self.audits.drawn(header.update_id)):
+        if judged.outcome not in (Outcome.PENDING, Outcome.PROBATION) or not held:
             return judged
         terms = self._training(header.worker_id)
         if terms is None:  # it joined before this aggregator restarted: its settings are unknown until it rejoins

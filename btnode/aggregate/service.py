@@ -27,7 +27,7 @@ from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.config import AggregatorConfig, BlockStatus
 from btnode.aggregate.round.intake import Intake
 from btnode.aggregate.statedir import check_run, secret_of
-from btnode.aggregate.trust.audit import Audits, Replayer, Verdict
+from btnode.aggregate.trust.audit import Audits, LocalReplays, Replayer, Verdict
 from btnode.aggregate.trust.commits import Commits
 from btnode.aggregate.trust.datakeys import DataKeys
 from btnode.aggregate.trust.identities import Identities, Identity, IdentityRecord, Verify
@@ -90,16 +90,21 @@ class SwarmAggregator:
         self.identities = Identities(state_dir)
         self.signatures = Signatures(self.identities, self.count)  # of what relays pass on, under mutual TLS
         self.relays = Relays()  # relays that joined, and their combined pushes (aggregate/trust/manifests.py)
+        self.counters: Counter = Counter()  # (name, reason) for events outside one block
         secret = audit_secret or secret_of(state_dir)  # also keys the screen's sketches (aggregate/sums/accumulate.py)
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
         self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
-        if acfg.audit.on:
-            if corpus is None:
-                raise ConfigError("replay audits re-train updates on the workers' data: give the aggregator --data "
-                                  "(the same as the workers')")
+        verifier = None
+        if acfg.audit.on and corpus is None and upstream is None:
+            # audits are on by default; an in-process aggregator given no data cannot replay: it starts
+            # without them, and says so (a node always has data: --data, else the bundled corpus)
+            log.warning("replay audits are off: this aggregator was given no data to replay updates on")
+            self.count("audits_off", "no_data")
+        elif acfg.audit.on and corpus is not None:
             self.audits = Audits(acfg.audit, secret, clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
+            verifier = LocalReplays(self.replayers, clock, error=functools.partial(self.count, "audit_errors"))
             self.commits = Commits(secret)
         # the root weighs each identity's updates by its verified work and recent drops (aggregate/trust/standing.py)
         self.standing = Standing(acfg.standing, self.audits, probation=acfg.audit.probation) if upstream is None else None
@@ -111,14 +116,13 @@ class SwarmAggregator:
                                   VersionStore(state_dir, b, keep=acfg.keep, stem=unit_stem(cfg, b)), acfg),
                                  dict(clock=clock, name=cfg.unit_name(b), sketch_key=secret,
                                       on_settled=self._settled))]}
-        self.counters: Counter = Counter()  # (name, reason) for events outside one block
         self.terms = TrainingRecords(state_dir)  # worker id → the terms of its last admitted join (durable)
         self._terms_journal = self.terms.journal
         self.meter = Meter()  # bytes by (direction, form) and call durations, for metrics
         self.intake = Intake(acfg.decode_slots, self.meter)  # pushes' frames, decoded a few at a time
         self._decoding, self._decoding_lazy = self.intake.slots, self.intake.lazy_slots
         self.clock = clock
-        self.replays = ReplayDesk(acfg.audit, self.audits, self.commits, self.replayers, clock=clock, blocks=self.blocks,
+        self.replays = ReplayDesk(acfg.audit, self.audits, self.commits, verifier, clock=clock, blocks=self.blocks,
                                   block=self.block, identities=self.identities, intake=self.intake,
                                   training=self.training, data_id=lambda: self.keys.data_id,
                                   check_key=self._check_key, count=self.count)
@@ -259,6 +263,7 @@ class SwarmAggregator:
         for b in self.blocks.values():
             b.wake()  # its version streams end now
         self.replays.drop(name, "revoked")
+        self.replays.repair("operator")  # what it added in the kept rounds is taken back (round/repairs.py)
         return at
 
     def _judge(self, block: BlockAggregator, header: PushHeader, chunks: Iterable[ChunkData],
@@ -308,15 +313,17 @@ class SwarmAggregator:
             return block.submit(header, delta, raw=raw, amends=amends if header.manifest else None)
         base = block.current()
         probation = audits.on_probation(header.worker_id) and self.training(header.worker_id) is not None
+        held = self.replays.holds(block, header, probation)  # drawn or on probation: held until its verdict
         try:
-            judged = block.submit(header, delta, raw=raw, hold=probation, amends=amends if header.manifest else None)
+            judged = block.submit(header, delta, raw=raw, hold=held, drawn=held and not probation,
+                                  amends=amends if header.manifest else None)
         except PeerInputError:
             audits.advance(header)
             raise
         audits.advance(header)
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
-        return self.replays.open_audit(block, header, raw, base[1], judged, probation)
+        return self.replays.open_audit(block, header, raw, base[1], judged, probation, held)
 
     def _check_key(self, header: PushHeader) -> None:
         """A worker id that never joined the block (it has no data key for it, and keys survive a

@@ -27,6 +27,7 @@ CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, seg
 # the hand-made updates below state their weight and move values by 1e-3·randn: these tests are about
 # rounds and the outer step, so their aggregators believe claims (which tests/unit/test_claims.py checks)
 BELIEVE = "--believe-claims"
+NO_AUDIT = ("--audit", "0")  # these push hand-made updates without work claims: they test rounds, not audits
 
 
 def client_for(agg) -> SwarmClient:
@@ -98,7 +99,9 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
         assert newest is not None and newest.version >= 2
         for r in range(2):
             stats = json.loads((state / "logs" / f"b{b}r{r}.stats.json").read_text())
-            assert stats["pushes"] == 3 and stats["outcomes"].get("pending", 0) >= 1
+            # audits are on by default: the first 2 updates are held on probation, a drawn one too, until audited
+            assert stats["pushes"] == 3 and stats["outcomes"].get("probation", 0) >= 2
+            assert stats["outcomes"].get("pending", 0) + stats["outcomes"]["probation"] == 3
             assert stats["outcomes"].get("rejected", 0) == 0  # honest claims fit the swarm's batch, lr and H
             held = VersionStore(state, b).load(stats["version"])  # the version the worker ended on
             assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
@@ -112,7 +115,7 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
 
 
 def test_an_update_after_the_deadline_is_late_and_not_applied(aggregator):
-    agg = aggregator(BELIEVE, "--deadline", "1.5", "--min-updates", "1")
+    agg = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "1.5", "--min-updates", "1")
     c = client_for(agg)
     join(c, "fast", "slow")
     assert push(c, "fast", 0).outcome is Outcome.PENDING
@@ -152,7 +155,7 @@ def test_a_worker_with_other_training_settings_is_refused_at_join(aggregator):
 
 
 def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator, tmp_path):
-    agg = aggregator(BELIEVE, "--deadline", "30")
+    agg = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "30")
     c = client_for(agg)
     join(c, "w", block=1)
     for v in range(2):
@@ -161,7 +164,7 @@ def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator,
     assert before[1].version == 2 and before[0].version == 0
     c.close()
     assert agg.stop() == 0  # SIGTERM: a clean stop
-    again = aggregator(BELIEVE, "--deadline", "30", state_dir=agg.state_dir)
+    again = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "30", state_dir=agg.state_dir)
     c = client_for(again)
     after = {bs.block: info_from_pb(bs.current) for bs in c.status().blocks}
     assert {b: (i.version, i.sha256) for b, i in after.items()} == {b: (i.version, i.sha256) for b, i in before.items()}
@@ -172,7 +175,7 @@ def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator,
 
 def test_a_new_version_is_exactly_base_plus_eta_times_the_weighted_mean(aggregator):
     """Recomputed here from the updates we sent, against an aggregator process with η = 0.7."""
-    agg = aggregator(BELIEVE, "--deadline", "30", "--outer-lr", "0.7")
+    agg = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "30", "--outer-lr", "0.7")
     c = client_for(agg)
     join(c, "r1", "r2", block=2)
     base = c.pull(2, "r1", spec(c, 2))

@@ -83,8 +83,9 @@ def test_drawn_updates_send_their_start_state_over_submit_state_and_pass_their_r
     finally:
         link.close()
     # the first update (fresh optimizer: no state to send) is held on probation, replayed, then applied;
-    # the next two are accepted, drawn, and their start states sent over SubmitState before their replays
-    assert stats.outcomes == {"probation": 1, "pending": 2}
+    # the next two are drawn, held until their verdict (answered PROBATION: not applied yet), and their
+    # start states sent over SubmitState before their replays
+    assert stats.outcomes == {"probation": 3}
     assert stats.applied == 3 and stats.dropped == {}  # each round receipt came with the next version
     assert agg.audits is not None
     until(lambda: agg.audits.totals().counts == {("passed", ""): 3})  # the last state is in; its replay follows

@@ -71,7 +71,8 @@ def test_honest_updates_replay_bit_for_bit(tmp_path, corpus):
     assert not sim.agg.identities.revoked
     counts = sim.agg.block(0).counters
     assert counts[(Outcome.PROBATION.value, "")] == 3  # each worker's first update, held until audited
-    assert counts[(Outcome.PENDING.value, "")] == 6 and counts[(Outcome.PENDING.value, "admitted")] == 3  # ... then admitted
+    assert counts[(Outcome.PROBATION.value, "drawn")] == 6  # p = 1: every later one too (drawn)
+    assert counts[(Outcome.PENDING.value, "admitted")] == 9  # ... then admitted
     assert counts[(Outcome.APPLIED.value, "")] == 9 and not any(o == Outcome.DROPPED.value for o, _ in counts)  # none lost
     assert sim.agg.block(0).info.version == 3
 
@@ -96,11 +97,12 @@ def test_a_cheater_on_probation_is_caught_before_any_update_counts(tmp_path, cor
     assert [r.name for r in sim.agg.identities.records() if r.failed] == ["b0r2"]
 
 
-def test_without_probation_a_drawn_cheat_is_caught_and_its_pending_update_dropped(tmp_path, corpus):
+def test_without_probation_a_drawn_cheat_is_caught_and_its_held_update_dropped(tmp_path, corpus):
     sim = simulate(tmp_path, corpus, rounds=3, probation=0, cheater=Negating)
     block = sim.agg.block(0)
     assert sim.agg.identities.is_revoked("b0r2")
-    assert block.counters[(Outcome.DROPPED.value, "audit_delta")] == 1  # taken out of the open round
+    assert block.counters[(Outcome.DROPPED.value, "audit_delta")] == 1  # held for its verdict, then dropped
+    assert not block.held and "b0r2" not in block.round.accepted
     assert [(r.outcome, r.reason) for v in range(1, 4) for r in block.receipts_for("b0r2", v)].count(
         (Outcome.DROPPED, "audit_delta")) == 1  # and its sender is told so with the next version
 

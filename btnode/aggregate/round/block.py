@@ -22,6 +22,7 @@ from btnode.aggregate.round.deltas import DeltaFrames
 from btnode.aggregate.round.replicas import Replicas
 from btnode.aggregate.round.publish import Publisher, resume
 from btnode.aggregate.round.receipts import Receipts
+from btnode.aggregate.round.repairs import ClosedRound, Repair, Repairs
 from btnode.aggregate.round.rounds import Round, Update
 from btnode.aggregate.round.screen import screen
 from btnode.aggregate.round.sink import RoundSink
@@ -67,7 +68,7 @@ class BlockAggregator:
         self.recent: deque[RoundSummary] = deque(maxlen=cfg.history)
         self._answers: OrderedDict[str, Judgement] = OrderedDict()  # update id → answer (idempotent re-push)
         self.receipts = Receipts(on_settled)  # update id → APPLIED or DROPPED, once its round closed
-        self.held: dict[str, Update] = {}  # update id → an update of a worker on probation, awaiting its audit
+        self.held: dict[str, Update] = {}  # update id → an update awaiting its audit's verdict (probation or drawn)
         self.norms = NormHistory(cfg.max_norm_ratio, cfg.clip)  # of recent accepted updates (sums/norms.py)
         self._norms = self.norms.recent
         # θ held in memory, or (a unit over theta_in_file_bytes) read from its version file as needed: issue #25
@@ -77,6 +78,10 @@ class BlockAggregator:
         # weights are len(steps) × batch × 0.5^staleness, at most 2H × batch (aggregate/trust/claims.py)
         self.unit = weight_unit(2 * cfg.claims.steps_per_round * cfg.claims.batch)
         self._sketch_key, self._ranges = sketch_key, None  # _ranges: (version, hash) → θ's ranges (`_theta_ranges`)
+        # the root keeps its last closed rounds while audits are on, to take back a revoked sender's updates
+        self.repairs = (Repairs(cfg.audit.window, self.spec, cfg, self.name)
+                        if cfg.audit.on and cfg.audit.window and isinstance(self.sink, Publisher) else None)
+        self.correction: Tensors = {}  # what a repair adds to the next published step (`repair`)
         self._open(self.clock())
 
     def _theta_ranges(self) -> dict[str, Range]:
@@ -159,13 +164,14 @@ class BlockAggregator:
             return self._answers.get(update_id)
 
     def submit(self, header: PushHeader, delta: Tensors, *, raw: Mapping[str, bytes] | None = None,
-               hold: bool = False, amends: frozenset[str] | None = None) -> Judgement:
+               hold: bool = False, drawn: bool = False, amends: frozenset[str] | None = None) -> Judgement:
         """Judge and (if accepted) record a decoded, frame-validated update. `raw`: its codec bytes
         (header.codec), which the round spills so that it need not hold the update (without them, as
-        in-process callers pass, the update is held). `hold`: its sender is on
-        probation (aggregate/trust/audit.py): judge it in full, answer PROBATION, and hold it out of the round
-        until its audit passes (`admit_held`); the round does not count its sender as reported meanwhile,
-        so it waits for the audit until its deadline. `amends`: for a relay's combined update, the child
+        in-process callers pass, the update is held). `hold`: it awaits an audit's verdict (its sender is
+        on probation, or it was `drawn` after probation: aggregate/trust/audit.py): judge it in full, answer
+        PROBATION (counted with reason "drawn" when drawn), and hold it out of the round until its audit passes (`admit_held`); the round
+        does not count its sender as reported meanwhile, so it does not close on "all reported" before
+        the verdict (it may close at its deadline without it). `amends`: for a relay's combined update, the child
         updates of the one it was checked to replace (`amends()`); if the round moved on since, it is LATE."""
         with self.lock:
             if header.update_id in self._answers:
@@ -197,9 +203,10 @@ class BlockAggregator:
                             manifest=header.manifest)
             if hold:
                 self.held[header.update_id] = update
-                self.counters[(Outcome.PROBATION.value, "")] += 1
+                self.counters[(Outcome.PROBATION.value, "drawn" if drawn else "")] += 1
                 return self._remember(header.update_id, self.round.judgement(
-                    Outcome.PROBATION, "on probation: applied only once its audit passes"))
+                    Outcome.PROBATION, f"{'drawn for audit' if drawn else 'on probation'}: applied only once its "
+                                       f"audit passes"))
             if old is not None:
                 self._amend(old, update)
             self._take(update)
@@ -249,15 +256,16 @@ class BlockAggregator:
             return True
 
     def drop(self, worker_id: str, reason: str) -> bool:
-        """Take a worker's update out of the open round (its sender failed an audit, or was revoked),
-        and its held ones: each is DROPPED with `reason` (its receipt). True if one was in the round."""
+        """Take a worker's update out of the open round, or out of those held for a verdict (its sender
+        failed an audit, or was revoked): each is DROPPED with `reason` (its receipt). True if there was one."""
         with self.lock:
-            for u in [u for u in self.held.values() if u.worker_id == worker_id]:
+            held = [u for u in self.held.values() if u.worker_id == worker_id]
+            for u in held:  # held for its verdict: it never entered the round
                 del self.held[u.update_id]
                 self._settle_dropped(u, reason, self.round.version + 1)
             update = self.round.accepted.get(worker_id)
             if update is None:
-                return False
+                return bool(held)
             self._withdraw(update)
             self._settle_dropped(update, reason, self.round.version + 1)
             log.warning("%s round %d: dropped the update of %s (%s)", self.name, self.round.version, worker_id, reason)
@@ -368,31 +376,59 @@ class BlockAggregator:
         reason = self.round.close_reason(self.clock(), self.registered)
         return self._close(reason) if reason else None
 
-    def _screen(self, ups: list[Update]) -> tuple[list[Update], list[tuple[str, str]]]:
+    def _screen(self, ups: list[Update]) -> tuple[list[Update], list[tuple[Update, str]]]:
         """The robust screen at close (round/screen.py `screen`): the updates it drops are taken out
         of the round's sum and DROPPED with the reason (their receipts; their senders were told PENDING
         on arrival: the round could not judge them alone); those it keeps weigh their vote in the sum
-        (near-copies share one). Returns the updates kept and (worker id, reason) of those dropped."""
+        (near-copies share one). Returns the updates kept and (update, reason) of those dropped."""
         out = screen(ups, self.cfg, f"{self.name} round {self.round.version}")
         for u, why in out.dropped:
             self.tally.leave(u)
             self._settle_dropped(u, why, self.round.version + 1)
         for u in out.kept:
             self.tally.reweight(u, out.weights[u.update_id])
-        return out.kept, [(u.worker_id, why) for u, why in out.dropped]
+        return out.kept, list(out.dropped)
 
     def _close(self, reason: str) -> VersionInfo | None:
+        tally, version, keep = self.tally, self.round.version, self.repairs is not None
         try:
             ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
-            info = self.sink.close(self, reason, ups, dropped)
+            before = self.outer.state_dict() if keep else {}
+            if keep:
+                tally.take_spill()  # the round's bytes outlive it, for a repair (round/repairs.py)
+            info = self.sink.close(self, reason, ups, [(u.worker_id, why) for u, why in dropped])
         except BaseException:
+            tally.spill_taken = False
             # the close read (and freed) part of the running sum: build it again from what the round
             # holds (its spill), exactly as it was, so that a retry publishes the same version
             self.tally.rebuild(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
             raise
         if self.standing is not None:
-            self.standing.closed([u.worker_id for u in ups if not u.manifest], dropped)
+            self.standing.closed([u.worker_id for u in ups if not u.manifest], [(u.worker_id, why) for u, why in dropped])
+        if keep and self.repairs is not None:
+            if info is None:
+                tally.spill.close()
+            else:
+                self.repairs.keep(ClosedRound(version, tally, ups, [u for u, _ in dropped], before))
         return info
+
+    def repair(self, revoked: Callable[[str], bool]) -> Repair | None:
+        """Take the updates of revoked senders back out of the kept closed rounds (round/repairs.py):
+        the next published version adds the correction. None when none of them is in any kept round."""
+        with self.lock:
+            if self.repairs is None:
+                return None
+            fix = self.repairs.repair(revoked, self.outer.buffers)
+            if fix is None:
+                return None
+            self.correction = {n: self.correction.get(n, 0) + c for n, c in fix.correction.items()}
+            if self.cfg.outer.momentum:
+                self.outer.load_state_dict(fix.buffers)
+            self.counters[("repaired", "")] += 1
+            log.warning("%s: repaired rounds %s: took out the updates of %s, put back %s; version %d+1 carries "
+                        "the correction", self.name, fix.rounds, ", ".join(sorted(set(fix.removed))),
+                        ", ".join(sorted(set(fix.restored))) or "none", self.info.version)
+            return fix
 
     def published(self, info: VersionInfo, params: Mapping[str, torch.Tensor], residual: Tensors, ups: list[Update],
                   dropped: list[tuple[str, str]]) -> None:
@@ -400,6 +436,7 @@ class BlockAggregator:
         updates `ups` and written durably (round/publish.py), becomes current and a new round opens."""
         self.norms.recent.extend(u.norm for u in ups)
         self.params, self.info, self.residual = params, info, residual
+        self.correction = {}  # carried by this version (Publisher.close)
         now = self.clock()
         self.recent.append(RoundSummary(info=info, closed_at=now, dropped=tuple(dropped)))
         self.settled(ups, info.version)

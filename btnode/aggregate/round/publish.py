@@ -86,6 +86,8 @@ class Publisher:
         raw, made, residual = {}, {}, dict(block.residual)
         for n in block.spec:
             step = block.outer.step({n: mean_of(n)})[n]
+            if n in block.correction:  # a repair's Σ (step' − step) of its rounds (round/repairs.py)
+                step = step + block.correction[n]
             if codec is not Codec.FP32:  # error feedback on the published step
                 step = step + residual.get(n, 0)
             raw[n] = encode(codec, step, keep=keep)

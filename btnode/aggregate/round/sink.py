@@ -26,7 +26,7 @@ class RoundSink(Protocol):
         ...
 
     def took(self, block: BlockAggregator, update: Update) -> None:
-        """`update` went into the open round (its bytes spilled); before its sender hears ACCEPTED."""
+        """`update` went into the open round (its bytes spilled); before its sender hears PENDING."""
         ...
 
     def refuses(self, block: BlockAggregator, header: PushHeader) -> str:

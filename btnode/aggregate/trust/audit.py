@@ -13,7 +13,11 @@ match the claim. `Replayer` then trains the claimed steps on the claimed windows
 that state, exactly as a worker does (the same trainer, sampler and `encode_update`), and compares
 codec bytes: bit for bit when the worker's recipe equals the auditor's (CPU, same torch and thread
 count), within a relative tolerance otherwise. New workers are on probation: every update is
-replayed, and none is applied, until they have passed `probation` audits.
+replayed, and none is applied, until they have passed `probation` audits. A drawn update is held
+out of its round until its verdict, like a probation one, so a drawn cheat is never published.
+
+Who replays is a `Verifier` (the round and aggregate/replays.py's ReplayDesk talk to nothing else):
+`LocalReplays`, the aggregator's own `Replayer`s, is the first; delegated verifiers go behind it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -50,19 +55,34 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 
+# Why p = 0.25 (docs/security.md, "Work claims and replay audits"): a replay costs what the update's
+# training cost (bench/results/replay-cost: 1.01×), so the aggregator spends p × the workers' compute on
+# audits (the cheats bench measured 0.23 of it at p = 0.25). An attacker with k ids that cheats for r rounds
+# is missed with (1 − p)^(k·r): 0.32 for one id over 4 rounds, 0.032 for 3 ids over 4 rounds, 0.001 for 3
+# over 8; and one caught id makes every id of its rounds a suspect (drawn for sure) and takes back what the
+# caught ones added within the last `window` rounds (round/repairs.py). p = 0.1 would miss 3 ids over 4
+# rounds with 0.28, at 0.4 the auditor would need 40% of the swarm's compute.
+DEFAULT_SHARE = 0.25
+
+
 @dataclass(frozen=True)
 class AuditConfig:
-    share: float = flag("--audit", "Share p of accepted updates the aggregator replays to check them (0: no audits; "
-                                   "needs the workers' data: --data). docs/security.md.", default=0.0)
+    share: float = flag("--audit", "Share p of accepted updates the aggregator replays to check them, held out of "
+                                   "their round until the verdict (0: no audits). Default 0.25: a replay costs one "
+                                   "worker's round, so audits cost p × the workers' compute; a 3-id cheat goes 4 "
+                                   "rounds unseen with 0.75^12 = 0.03. Replays run on --data (default: the bundled "
+                                   "corpus). docs/security.md.", default=DEFAULT_SHARE)
     probation: int = flag("--probation", "With --audit: audits a new worker id must pass before any of its updates is "
                                          "applied.", default=2)
     state_timeout_s: float = flag("--audit-timeout", "Seconds a worker has to send the start state of an update "
                                                      "drawn for audit.", default=120.0)
     abandon_limit: int = 3  # audits a worker id may leave unanswered by rejoining (a crash), plus one per 20 it passed
     tolerance: float = 1e-3  # relative L2 error allowed when the recipes differ (1 vs 2 threads: 8.5e-5 at H = 25)
+    window: int = 4  # closed rounds kept to repair (round/repairs.py), and a suspect's updates all drawn; workers keep 4 states
 
     def __post_init__(self) -> None:
-        if not 0 <= self.share <= 1 or self.probation < 0 or self.state_timeout_s <= 0 or not self.tolerance > 0:
+        if (not 0 <= self.share <= 1 or self.probation < 0 or self.state_timeout_s <= 0 or not self.tolerance > 0
+                or self.window < 0):
             raise ConfigError(f"invalid audit settings: {self}")
 
     @property
@@ -107,6 +127,32 @@ def split_state(state: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
     """(optimizer tensors, residual) of an uploaded start state."""
     return ({n[len(OPTIMIZER_PREFIX):]: t for n, t in state.items() if n.startswith(OPTIMIZER_PREFIX)},
             {n[len(RESIDUAL_PREFIX):]: t for n, t in state.items() if n.startswith(RESIDUAL_PREFIX)})
+
+
+class Verifier(Protocol):
+    """Who decides drawn updates (the audit backend). ReplayDesk (aggregate/replays.py) hands it the
+    jobs whose start state is in and collects verdicts; it never sees a round, so a verifier may
+    answer at once (`LocalReplays`) or later (delegated to other workers), in any order."""
+
+    def start_spec(self, block: int, claim: WorkClaim) -> dict[str, tuple[int, ...]]:
+        """What the start state of an update of `block` with this claim must hold (its sender uploads it)."""
+        ...
+
+    def check_start(self, block: int, claim: WorkClaim, state: Mapping[str, torch.Tensor]) -> None:
+        """MalformedInput unless an uploaded start state is the one the claim committed to."""
+        ...
+
+    def submit(self, job: AuditJob) -> None:
+        """Verify this job (its start state is in)."""
+        ...
+
+    def verdicts(self) -> list[Verdict]:
+        """The verdicts reached since the last call; a job that could not be verified gives none."""
+        ...
+
+    def forget(self, worker_id: str) -> None:
+        """Drop the pending jobs of a punished worker: nothing is left to decide about it."""
+        ...
 
 
 class Replayer:
@@ -192,6 +238,44 @@ class Replayer:
         return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+class LocalReplays:
+    """The aggregator's own replays, one `Replayer` per block, run in the caller's thread (the
+    auditor's) when it asks for verdicts: the first `Verifier`. A replay that fails for a reason
+    of its own (not the worker's) gives no verdict, only a log line and `error()`."""
+
+    def __init__(self, replayers: Mapping[int, Replayer], clock: Callable[[], float], *,
+                 error: Callable[[], None] = lambda: None):
+        self.replayers, self.clock, self.error = dict(replayers), clock, error
+        self.queue: list[AuditJob] = []
+        self.lock = threading.Lock()
+
+    def start_spec(self, block: int, claim: WorkClaim) -> dict[str, tuple[int, ...]]:
+        return self.replayers[block].start_spec(claim)
+
+    def check_start(self, block: int, claim: WorkClaim, state: Mapping[str, torch.Tensor]) -> None:
+        self.replayers[block].check_start(claim, state)
+
+    def submit(self, job: AuditJob) -> None:
+        with self.lock:
+            self.queue.append(job)
+
+    def verdicts(self) -> list[Verdict]:
+        with self.lock:
+            jobs, self.queue = self.queue, []
+        out = []
+        for job in jobs:
+            try:
+                out.append(self.replayers[job.header.block](job, self.clock))
+            except Exception:  # noqa: BLE001 - a fault of the replay, not of the worker: never a verdict
+                log.exception("the replay of %s's update %s failed; the update is not judged", job.header.worker_id,
+                              job.header.update_id[:8])
+                self.error()
+        return out
+
+    def forget(self, worker_id: str) -> None:
+        with self.lock:
+            self.queue = [j for j in self.queue if j.header.worker_id != worker_id]
+
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
@@ -259,6 +343,7 @@ class Audits:
         self.seconds = 0.0  # replay wall time, all audits
         self.probation_seconds = 0.0  # ... of which on probation audits
         self.delays: list[float] = []  # seconds from push to a failed verdict (detection delay)
+        self.suspects: dict[str, int] = {}  # worker id → its next updates drawn for sure (`suspect`)
 
     # -- chains --------------------------------------------------------------------------------
     def joined(self, block: int, worker_id: str) -> int | None:
@@ -327,8 +412,26 @@ class Audits:
         with self.lock:
             self.records.setdefault(worker_id, AuditRecord()).passed = 0
 
-    def drawn(self, update_id: str) -> bool:
+    def drawn(self, update_id: str, worker_id: str = "") -> bool:
+        """Whether this update is audited: drawn at p, or for sure while its sender is a suspect (each
+        such draw uses up one of its suspect updates)."""
+        with self.lock:
+            left = self.suspects.get(worker_id, 0)
+            if left > 0:
+                self.suspects[worker_id] = left - 1
+                return True
         return secret_draw(self.secret, update_id) < self.cfg.share
+
+    def suspect(self, worker_ids: Iterable[str]) -> list[str]:
+        """A failed audit found a cheat in rounds these workers also pushed to (the cheat's other ids
+        may be among them): audit each one's next `window` updates, every one. Returns the new suspects."""
+        new = []
+        with self.lock:
+            for w in worker_ids:
+                if self.suspects.get(w, 0) < self.cfg.window:
+                    new.append(w)
+                    self.suspects[w] = max(self.cfg.window, 1)
+        return new
 
     def open(self, job: AuditJob) -> bool:
         """Queue a job; True when its sender must send the start state first."""
