@@ -184,7 +184,8 @@ def start_aggregator(out: Path, sh: list[str], training: list[str],
     """A real aggregator on loopback owning every unit of the model `sh` describes, checking claims by
     the workers' `training` flags (--steps-per-round, --batch): (process, command, peer)."""
     args = ["join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir", str(out / "agg"),
-            "--deadline", "300", "--min-updates", "1", "--keep", "2", *training, *extra, *sh]
+            "--deadline", "300", "--min-updates", "1", "--keep", "2", *training, *extra, *sh,
+            "--no-identities", "--audit", "0"]  # as measured before #38's defaults (identities, audits); docs/security.md for the defaults' costs
     agg = start_node(args, port_file=out / "port", log=out / "aggregator.log", timeout_s=600, name="aggregator")
     return agg.proc, [BTNODE, *args, "--port-file", str(out / "port")], agg.address()
 

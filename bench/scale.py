@@ -177,7 +177,10 @@ def root_command(cfg: ModelConfig, out: Path, n: int, metrics_port: int, deadlin
     return [*CLI, "--log-format", "json", "join", "--role", "aggregator", "--listen", "127.0.0.1:0",
             "--state-dir", str(out / "root"), "--blocks-owned", "0", "--deadline", str(deadline), "--keep", "2",
             "--metrics-listen", f"127.0.0.1:{metrics_port}", *per_peer_flags(n),
-            "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H), *shape_flags(cfg)]
+            "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H), *shape_flags(cfg),
+            # the load alone, as before #38's defaults: simulated workers have no certificates and send no work
+            # a replay could check (a lever's --audit, later on the line, wins)
+            "--no-identities", "--audit", "0"]
 
 
 def events(folder: Path) -> list[dict]:

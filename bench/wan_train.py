@@ -48,7 +48,9 @@ def start_aggregator(lab, d: Path, shape: list[str], tau: float, training: list[
     """The aggregator in the hub h0, listening on PORT, keeping every version (its log and state in d).
     `training`: the workers' --steps-per-round, --batch and --lr flags, which it checks their claims by."""
     return start_node(["join", "--role", "aggregator", "--listen", f"0.0.0.0:{PORT}", "--state-dir", str(d / "state"),
-                       "--deadline", str(tau), "--keep", "100000", *training, *shape], port_file=d / "port",
+                       "--deadline", str(tau), "--keep", "100000", *training, *shape,
+                       "--no-identities", "--audit", "0"],  # as measured before #38's defaults (identities, audits); docs/security.md for the defaults' costs
+                      port_file=d / "port",
                       log=d / "aggregator.log", env=one_thread_env(), popen=partial(lab.popen, 0), name="aggregator")
 
 

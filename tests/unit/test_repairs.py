@@ -46,14 +46,14 @@ def header(worker: str, base: int) -> PushHeader:
 
 def honest(worker: str, r: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * r + ord(worker[0]))
-    return {n: 0.3 + 0.1 * torch.rand(t.shape, generator=g) for n, t in INIT.items()}
+    return {n: 0.3 + 0.1 * torch.randn(t.shape, generator=g) for n, t in INIT.items()}  # alike (cos ≈ 0.9), not copies
 
 
 def test_a_drawn_update_is_held_until_its_verdict_and_the_round_waits_for_it(tmp_path):
     agg = make(tmp_path)
     for w in ("x", "y"):
         agg.register(w)
-    assert agg.submit(header("x", 0), honest("x", 0)).outcome is Outcome.ACCEPTED
+    assert agg.submit(header("x", 0), honest("x", 0)).outcome is Outcome.PENDING
     j = agg.submit(header("y", 0), honest("y", 0), hold=True, drawn=True)
     assert j.outcome is Outcome.PROBATION and j.reason.startswith("drawn for audit")
     assert agg.info.version == 0  # every replica pushed, but y's verdict is not in: no "all reported" close
@@ -71,7 +71,7 @@ def test_a_held_update_whose_verdict_fails_is_never_published(tmp_path):
     agg.submit(header("x", 0), honest("x", 0))
     agg.submit(header("y", 0), {n: -t for n, t in honest("x", 0).items()}, hold=True, drawn=True)
     assert agg.drop("y", "audit_delta")  # its replay failed
-    assert agg.counters[(Outcome.REJECTED.value, "audit_delta")] == 1
+    assert agg.counters[(Outcome.DROPPED.value, "audit_delta")] == 1
     agg.unregister("y")  # revoked: its stream closes
     info = agg.current()[0]
     assert (info.version, info.included) == (1, ("x-0",))
@@ -103,8 +103,10 @@ def run(agg: BlockAggregator, rounds: int, workers: list[str], attackers: list[s
             assert agg.repair(lambda w: w in attackers) is not None
         senders = workers + (attackers if r in attack_rounds else [])
         for w in senders:
-            d = honest(w, r) if w in workers else {n: -2 * t for n, t in honest(workers[0], r).items()}
-            assert agg.submit(header(w, r), d).outcome is Outcome.ACCEPTED
+            # an attacker pushes against the honest course, each its own update (near-copies would share
+            # one vote in the screen: round/screen.py), so that three of five still hold its median
+            d = honest(w, r) if w in workers else {n: -t for n, t in honest(w, r).items()}
+            assert agg.submit(header(w, r), d).outcome is Outcome.PENDING
         assert agg.info.version == r + 1
 
 
