@@ -199,7 +199,8 @@ def test_when_nobody_in_a_round_has_standing_each_weighs_its_work(tmp_path):
 
 def test_open_mode_needs_audits_with_probation():
     with pytest.raises(ConfigError, match="--open"):
-        AggregatorConfig(open=True)
+        AggregatorConfig(open=True, audit=AuditConfig(share=0.0))
+    assert AggregatorConfig(open=True).open  # audits are on by default
     with pytest.raises(ConfigError, match="--open"):
         AggregatorConfig(open=True, audit=AuditConfig(share=0.25, probation=0))
     assert AggregatorConfig(open=True, audit=AuditConfig(share=0.25)).open

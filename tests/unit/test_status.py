@@ -11,6 +11,7 @@ from procs import honest_terms
 
 import btnode
 from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.aggregate.trust.claims import ClaimConfig
@@ -42,7 +43,8 @@ def swarm(tmp_path):
     """Two blocks with two replicas each; block 0 published version 1 and rejected one push, block 1
     has one update in its open round; a refused join; 12 s since the rounds opened."""
     clock = Clock()
-    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=CLAIMS), tmp_path, clock=clock)
+    agg = SwarmAggregator(CFG, AggregatorConfig(round=RoundConfig(deadline_s=30.0), claims=CLAIMS,
+                                                audit=AuditConfig(share=0.0)), tmp_path, clock=clock)
     for b in (0, 1):
         for w in ("wb", "wa"):
             agg.join(w, b, CFG.fingerprint(), "", training_json=honest_terms(CLAIMS))

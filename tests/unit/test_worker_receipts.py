@@ -58,7 +58,8 @@ def next_claim(agg: SwarmAggregator, w: BlockWorker) -> PushHeader:
     w.advance(agg.block(0).current()[0])
     w.train_steps(w.steps_due())
     header, raw = w.make_update()
-    assert w.push(header, raw).outcome is Outcome.PENDING  # its chain holds, and probation is over
+    j = w.push(header, raw)  # its chain holds, and probation is over: at p = 1 it is drawn, not on probation
+    assert j.outcome is Outcome.PROBATION and j.reason.startswith("drawn for audit")
     return header
 
 
