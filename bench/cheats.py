@@ -1,33 +1,39 @@
-"""Cheats benchmark (issue #23): a simulated swarm (btnode/sim: the daemon's own aggregator and
-workers, int8 updates through the real frame checks, claims checked) of one block × 3 replicas,
-in which one replica cheats (lab/cheats.py), one cheat at a time. For each cheat: the
-first round its update was refused or dropped, and by what, and the held-out CE after R rounds
-against the all-honest swarm with the same seeds and the same aggregation rule.
+"""Cheats benchmark (issues #23, #38): a simulated swarm (btnode/sim: the daemon's own SwarmAggregator
+and workers, int8 updates through the real frame checks, each replica its own identity) of one block ×
+5 replicas in the shipped configuration: the aggregator holds a fresh AggregatorConfig() (mode
+`default`) or the same with its open mode on (mode `open`); the simulator sets only what it must (the
+claims' batch, lr and H from the training config, the audit state's timeout on the virtual clock: the
+record lists both under `sim_sets`). One cheat per swarm: a single cheating replica (lab/cheats.py
+CHEATS), or an attack of several identities acting as one (ATTACKS: a 3-of-5 Sybil, sleepers).
 
-    .venv/bin/python -m bench.cheats                    # every rule, the shipped one first (~10 min on 2 cores)
-    .venv/bin/python -m bench.cheats --rules screened   # the shipped rule only
-    .venv/bin/python -m bench.cheats --quick            # a smoke run
+Per row: `delta_ce`, the held-out CE at the end minus the all-honest swarm's of the same seed and mode
+(worst over seeds); `peak_delta_ce`, the worst version published during the run (every version scored
+on the same `--windows` held-out windows, against the honest swarm's version of the same number);
+`caught_round`, the first round in which a cheating update was refused, dropped or failed its audit
+(worst over seeds; None when a seed never caught it); `revoked`, every cheating identity revoked at the
+end of every seed. `false_positives`: honest identities that failed an audit or were revoked, over all
+swarms (the honest ones included).
 
-Mode `default` is the swarm as shipped. Mode `audit` adds replay audits (aggregate/trust/audit.py): the
-aggregator replays a secretly drawn share P of updates (`--audit`, 0.25) and every update of a new
-worker id until it has passed `--probation` (2) audits. Its rows say when the cheater's first failed
-audit (or refusal) came; `draws` measures, over `--draw-seeds` (20) seeded swarms without probation,
-how many rounds a cheater that cheats every round survives the draws alone (the situation of a worker
-that turns after its probation); `audit_cost_share` is the replays' time over the honest workers'
-training time in the honest audited swarms, `false_positives` the failed audits of honest workers there.
+    .venv/bin/python -m bench.cheats                      # every row, 3 seeds (~40 min on 2 cores)
+    .venv/bin/python -m bench.cheats --cheats sybil3 sleeper2 sleeper_sybil3 flip_once_sybil3
+    .venv/bin/python -m bench.cheats --quick --modes default   # a smoke run (~2 min on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
+import logging
 import multiprocessing
-import statistics
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,29 +41,59 @@ from bench.flags import BenchParser
 from bench.report import publish, table
 from bench.runs import Metric
 from btnode.aggregate.round.config import AggregatorConfig
-from btnode.aggregate.round.rounds import RoundConfig
-from btnode.aggregate.sums.averaging import ROBUST_MODES, OuterConfig
-from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.frames import Frame
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
 from btnode.evaluation.metrics import swarm_ce
 from btnode.model.config import ModelConfig
-from btnode.protocol import Judgement, Outcome, PushHeader
+from btnode.protocol import Judgement, Outcome, PushHeader, VersionInfo
 from btnode.sim.link import LocalLink
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
 from btnode.train.config import TrainConfig
-from lab.cheats import CHEATS, cheat_factory
+from lab.cheats import ATTACKS, CHEATS, SLEEP, attack_workers, cheat_factory
 
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
-CHEATER, VICTIM = "b0r2", "b0r0"
+REPLICAS = 5
+IDS = tuple(f"b0r{r}" for r in range(REPLICAS))
+VICTIM = IDS[0]  # whose updates the copying cheat copies: never a cheater
 STEP_S = 0.1
-MODES = ("default", "audit")
-DRAWN = "audit_"  # the mechanism of a failed audit: audit_<reason> (btnode.aggregate.service._punish)
+AIM = 0.02  # issue #38: every row's final ΔCE at most this (nats/byte)
+MODES = ("default", "open")
+OPEN_FIELD = "open"  # AggregatorConfig's switch of the open mode (issue #38, anyone may join)
+OPEN_CHEATS = tuple(c for c in ATTACKS if "sybil" in c)  # what the open mode changes: fresh ids' weight
+DRAWN = "audit_"  # the mechanism of a failed audit: audit_<reason>
 NOT_CAUGHT = {Outcome.PENDING.value, Outcome.ACCEPTED.value, Outcome.PROBATION.value}  # answers that are not a refusal
+ALL = (*CHEATS, *ATTACKS)
 _corpus = functools.cache(bundled)  # once per process
-RULES = (OuterConfig.robust, *(r for r in ROBUST_MODES if r != OuterConfig.robust))  # the shipped rule first
+
+# Rows measured outside the simulator, by a function of the parsed arguments returning rows with
+# ROW_FIELDS (plus "honest_flagged", counted into false_positives): a Watch stream held under a foreign,
+# never-joined or revoked id needs real gRPC. A name of EXTERNAL not registered here is listed in the
+# record's `unmeasured`, so that its absence shows.
+EXTERNAL = ("watch",)
+EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
+ROW_FIELDS = ("cheat", "mode", "delta_ce", "peak_delta_ce", "caught_round", "revoked")
+
+
+def config(mode: str) -> AggregatorConfig:
+    """The aggregator's configuration in `mode`, as a fresh aggregator holds it."""
+    if mode == "default":
+        return AggregatorConfig()
+    if OPEN_FIELD not in {f.name for f in dataclasses.fields(AggregatorConfig)}:
+        raise SystemExit(f"mode open needs AggregatorConfig.{OPEN_FIELD} (issue #38's open mode); this tree has "
+                         "none: run --modes default")
+    return replace(AggregatorConfig(), **{OPEN_FIELD: True})
+
+
+def cheaters(cheat: str) -> tuple[str, ...]:
+    """The identities that cheat: the last replicas, never the victim."""
+    return IDS[-ATTACKS[cheat].ids:] if cheat in ATTACKS else IDS[-1:]
+
+
+def cheating_in(cheat: str, version: int) -> bool:
+    """Whether the cheat's update on `version` is a cheating one (a sleeper's honest rounds are not)."""
+    return cheat not in ATTACKS or ATTACKS[cheat].turned(version)
 
 
 @dataclass(frozen=True)
@@ -68,12 +104,6 @@ class Settings:
     h: int
     batch: int
     windows: int
-    audit: float = 0.0  # mode audit: the share drawn
-    probation: int = 0  # mode audit: audits a new worker must pass first
-
-    def mode(self, mode: str) -> dict:
-        """The SimConfig fields a mode sets."""
-        return {"audit": self.audit, "probation": self.probation} if mode == "audit" else {}
 
     @property
     def tc(self) -> TrainConfig:
@@ -83,7 +113,7 @@ class Settings:
 
 @dataclass
 class Tap:
-    """The cheater's link: the shared LocalLink, with the answer to each of its pushes recorded as
+    """A cheating identity's link: its own LocalLink, with the answer to each of its pushes recorded as
     (round, worker id, outcome, reason) (a refusal's reason is the PeerInputError's label)."""
 
     link: LocalLink
@@ -102,157 +132,195 @@ class Tap:
         return j
 
 
-def run_swarm(rule: str, cheat: str | None, seed: int, mode: str, args: Settings, *, until_caught: bool = False) -> dict:
-    """One simulated swarm; returns its CE and, with a cheat, when and how the cheater was caught.
-    `until_caught`: stop once the cheater is revoked (the draws only need that round)."""
-    torch.set_num_threads(1)  # a tiny model: more threads only contend (measured far slower with 2 on 2 cores)
-    tc, corpus = args.tc, _corpus()
+def tapped(make: Callable[..., BlockWorker], answers: list) -> Callable[..., BlockWorker]:
+    def build(cfg, tc, wcfg, link, corpus, **kw) -> BlockWorker:  # type: ignore[no-untyped-def]
+        return make(cfg, tc, wcfg, Tap(link, answers), corpus, **kw)
+    return build
+
+
+def jsonable(value: Any) -> Any:
+    """A config as JSON holds it (enums by name, tuples as lists)."""
+    return json.loads(json.dumps(value, default=lambda v: getattr(v, "name", str(v))))
+
+
+def differences(a: Any, b: Any, path: str = "") -> dict[str, Any]:
+    """The leaves of nested dicts in which `b` differs from `a`: dotted path → b's value."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: v for key in sorted(set(a) | set(b))
+                for k, v in differences(a.get(key), b.get(key), f"{path}{key}.").items()}
+    return {} if a == b else {path.rstrip("."): b}
+
+
+def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings) -> dict:
+    """One simulated swarm: its CE after every published version and at the end, and, with a cheat,
+    when and how its identities were caught and whether they were revoked."""
+    torch.set_num_threads(1)  # a tiny model: more threads only contend
+    logging.getLogger("btnode").setLevel(logging.ERROR)  # every drop is logged: the row says what counts
+    t0 = time.perf_counter()
+    tc, corpus, cpu = s.tc, _corpus(), torch.device("cpu")
+    ids = cheaters(cheat) if cheat else ()
+    answers: list[tuple[int, str, str, str]] = []
+    curve: list[tuple[int, float]] = []
     sim: Simulation | None = None
-    tap: Tap | None = None
 
-    def cheater(cfg, tc_, wcfg, link, corpus, **kw) -> BlockWorker:  # type: ignore[no-untyped-def]
-        nonlocal tap
-        tap = Tap(link)
-        make = cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))  # type: ignore[arg-type,union-attr]
-        return make(cfg, tc_, wcfg, tap, corpus, **kw)
+    def score(_block: int, info: VersionInfo) -> None:
+        curve.append((info.version, swarm_ce(sim.blocks(), corpus.test, s.windows, cpu)))  # type: ignore[union-attr]
 
-    scfg = SimConfig(rounds=args.rounds, replicas=3, steps_per_round=args.h, step_time_s=STEP_S, seed=seed,
-                     **args.mode(mode))
-    acfg = AggregatorConfig(round=RoundConfig(deadline_s=1.5 * args.h * STEP_S), outer=OuterConfig(robust=rule),
-                            claims=ClaimConfig.of(tc, args.h, enforce=True), history=args.rounds)  # every round's drops
+    if cheat in ATTACKS:
+        makers = attack_workers(cheat, ids)
+    else:
+        makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
+    scfg = SimConfig(rounds=s.rounds, replicas=REPLICAS, steps_per_round=s.h, step_time_s=STEP_S, seed=seed)
+    acfg = config(mode)
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
-        sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp),
-                         device=torch.device("cpu"), workers={CHEATER: cheater} if cheat else None)
-        stop = (lambda: sim.agg.identities.is_revoked(CHEATER)) if until_caught else None  # type: ignore[union-attr]
-        res = sim.run(until=stop)
-        ce = None if until_caught else swarm_ce(sim.blocks(), corpus.test, args.windows, torch.device("cpu"))
-        dropped = [(s.info.base_version, wid, why) for s in sim.agg.block(0).recent for wid, why in s.dropped]
-    honest_verdicts = [v for v in sim.verdicts if v.header.worker_id != CHEATER]
-    out = {"cheat": cheat, "rule": rule, "mode": mode, "seed": seed, "ce": ce, "versions": res.versions[0],
-           "outcomes": res.outcomes, "honest_dropped": sum(not wid.startswith(CHEATER) for _, wid, _ in dropped),
-           "honest_failed": sum(not v.passed for v in honest_verdicts),
-           "audit_s": sum(v.seconds for v in sim.verdicts if not v.probation),
-           "probation_s": sum(v.seconds for v in sim.verdicts if v.probation),
-           "train_s": sum(r.worker.stats.train_seconds for r in sim.replicas if r.worker.wcfg.worker_id != CHEATER)}
-    if tap is not None:
+        sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp), device=cpu,
+                         workers={wid: tapped(make, answers) for wid, make in makers.items()}, on_publish=score)
+        assert sim.agg.acfg.history >= s.rounds + 1, "every round's drops must stay in the block's history"
+        res = sim.run()
+        ce = swarm_ce(sim.blocks(), corpus.test, s.windows, cpu)
+        dropped = [(i.info.base_version, wid, why) for i in sim.agg.block(0).recent for wid, why in i.dropped]
+    def theirs(wid: str) -> bool:
+        return wid.split("-")[0] in ids  # the old sybil's fake ids ("b0r4-sybil0") are its own
+
+    honest = [w for w in IDS if w not in ids]
+    flagged = {v.header.worker_id for v in sim.verdicts if not v.passed} | set(sim.agg.identities.revoked)
+    out = {"cheat": cheat, "mode": mode, "seed": seed, "ce": ce, "curve": curve, "versions": res.versions[0],
+           "outcomes": res.outcomes, "ids": list(ids), "honest_flagged": sorted(set(honest) & flagged),
+           "honest_dropped": sum(not theirs(wid) for _, wid, _ in dropped),
+           "audits": len(sim.verdicts), "audit_s": sum(v.seconds for v in sim.verdicts),
+           "train_s": sum(r.worker.stats.train_seconds for r in sim.replicas),
+           "config": jsonable(dataclasses.asdict(sim.agg.acfg)), "wall_s": time.perf_counter() - t0}
+    if cheat:
         # (round, 0 on arrival / 1 at close, reason): within a round, a refusal or failed audit comes before a drop
-        caught = sorted([(r, 0, why) for r, wid, outcome, why in tap.answers
-                         if outcome not in NOT_CAUGHT and why != "revoked"] +
+        caught = sorted([(r, 0, why) for r, _, outcome, why in answers
+                         if outcome not in NOT_CAUGHT and why != "revoked" and cheating_in(cheat, r)] +
                         [(v.header.base_version, 0, DRAWN + v.reason) for v in sim.verdicts
-                         if v.header.worker_id == CHEATER and not v.passed] +
-                        [(r, 1, why) for r, wid, why in dropped if wid.startswith(CHEATER)])
-        failed = [v.header.base_version for v in sim.verdicts if v.header.worker_id == CHEATER and not v.passed]
+                         if v.header.worker_id in ids and not v.passed] +
+                        [(r, 1, why) for r, wid, why in dropped if theirs(wid) and cheating_in(cheat, r)])
         out.update(caught_round=caught[0][0] if caught else None, mechanism=caught[0][2] if caught else None,
-                   audit_round=min(failed) if failed else None,
-                   caught_rounds=len({r for r, *_ in caught}), pushes=len({r for r, *_ in tap.answers}))
+                   revoked=all(sim.agg.identities.is_revoked(w) for w in ids),
+                   caught_rounds=len({r for r, *_ in caught}), pushes=len({r for r, *_ in answers}))
     return out
 
 
-def settings(args: argparse.Namespace, **changes: object) -> Settings:
-    return replace(Settings(args.rounds, args.h, args.batch, args.windows, args.audit, args.probation), **changes)
+def peak(cheat: list[tuple[int, float]], honest: list[tuple[int, float]], final: float) -> float:
+    """The worst published version's CE minus the honest swarm's version of the same number (its last
+    when it published fewer); `final` (ΔCE at the end) when the cheat's swarm published nothing."""
+    if not cheat or not honest:
+        return final
+    ref = dict(honest)
+    return max(ce - ref.get(v, honest[-1][1]) for v, ce in cheat)
 
 
-def measure(rule: str, mode: str, args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
-    """The honest CE per seed, and each cheat's runs, for one rule and mode."""
-    settings_ = settings(args)
+def row(cheat: str, mode: str, runs: list[dict], honest: dict[int, dict]) -> dict:
+    """One row: each seed's run against the honest swarm of its seed, worst over seeds."""
+    final = [r["ce"] - honest[r["seed"]]["ce"] for r in runs]
+    peaks = [peak(r["curve"], honest[r["seed"]]["curve"], d) for r, d in zip(runs, final)]
+    caught = [r["caught_round"] for r in runs]
+    return {"cheat": cheat, "mode": mode, "ids": len(runs[0]["ids"]), "seeds": [r["seed"] for r in runs],
+            "delta_ce": max(final), "peak_delta_ce": max(peaks),
+            "caught_round": None if None in caught else max(caught),
+            "revoked": all(r["revoked"] for r in runs),
+            "delta_ce_runs": final, "peak_delta_ce_runs": peaks, "caught_round_runs": caught,
+            "mechanism_runs": [r["mechanism"] for r in runs], "revoked_runs": [r["revoked"] for r in runs],
+            "caught_rounds": [r["caught_rounds"] for r in runs], "pushes": [r["pushes"] for r in runs],
+            "honest_flagged": sum(len(r["honest_flagged"]) for r in runs),
+            "honest_dropped": [r["honest_dropped"] for r in runs], "versions": [r["versions"] for r in runs],
+            "wall_s": [r["wall_s"] for r in runs]}
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(cheat, mode) of every row: every chosen cheat in mode default, the Sybil attacks in mode open too."""
+    return [(c, m) for m in args.modes for c in args.cheats if m == "default" or c in OPEN_CHEATS]
+
+
+def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
+    s = Settings(args.rounds, args.h, args.batch, args.windows)
     seeds = range(args.seeds)
-    honest_runs = {s: pool.submit(run_swarm, rule, None, s, mode, settings_) for s in seeds}
-    cheat_runs = {c: [pool.submit(run_swarm, rule, c, s, mode, settings_) for s in seeds] for c in args.cheats}
-    honest_done = {s: f.result() for s, f in honest_runs.items()}
-    honest = {s: r["ce"] for s, r in honest_done.items()}
-    dropped = sum(r["honest_dropped"] for r in honest_done.values())
-    print(f"[cheats] {rule}: honest CE {honest}, honest updates dropped {dropped}", flush=True)
+    rows_planned = plan(args)
+    honest_f = {(m, seed): pool.submit(run_swarm, None, seed, m, s) for m in args.modes for seed in seeds}
+    cheat_f = {(c, m): [pool.submit(run_swarm, c, seed, m, s) for seed in seeds] for c, m in rows_planned}
+    honest = {k: f.result() for k, f in honest_f.items()}
+    for m in args.modes:
+        print(f"[cheats] {m}: honest CE {[honest[(m, seed)]['ce'] for seed in seeds]}, one swarm "
+              f"{max(honest[(m, seed)]['wall_s'] for seed in seeds):.0f} s", flush=True)
     rows = []
-    for cheat, futures in cheat_runs.items():
-        runs = [f.result() for f in futures]
-        caught = [r["caught_round"] for r in runs if r["caught_round"] is not None]
-        row = {"cheat": cheat, "mode": mode, "rule": rule, "seeds": list(seeds),
-               "caught_round": min(caught) if caught else None,
-               "mechanism": next((r["mechanism"] for r in runs if r["mechanism"]), None),
-               "caught_rounds": [r["caught_rounds"] for r in runs], "pushes": [r["pushes"] for r in runs],
-               "delta_ce": statistics.mean(r["ce"] - honest[r["seed"]] for r in runs),
-               "delta_ce_runs": [r["ce"] - honest[r["seed"]] for r in runs]}
-        rows.append(row)
-        print(f"[cheats] {rule} {cheat}: ΔCE {row['delta_ce']:+.4f}, caught round {row['caught_round']} "
-              f"({row['mechanism']}), caught in {row['caught_rounds']} of {row['pushes']} rounds", flush=True)
-    return {"honest_ce": list(honest.values()), "honest_dropped": dropped, "rows": rows,
-            "honest_failed": sum(r["honest_failed"] for r in honest_done.values()),
-            "audit_s": sum(r["audit_s"] for r in honest_done.values()),
-            "probation_s": sum(r["probation_s"] for r in honest_done.values()),
-            "train_s": sum(r["train_s"] for r in honest_done.values())}
+    for (cheat, mode), futures in cheat_f.items():
+        r = row(cheat, mode, [f.result() for f in futures], {seed: honest[(mode, seed)] for seed in seeds})
+        rows.append(r)
+        print(f"[cheats] {cheat} ({mode}): ΔCE {r['delta_ce']:+.4f}, peak {r['peak_delta_ce']:+.4f}, caught round "
+              f"{r['caught_round_runs']} ({r['mechanism_runs']}), revoked {r['revoked_runs']}", flush=True)
+    default = honest[(args.modes[0], 0)]["config"]
+    return {"rows": rows, "honest": {m: {"ce": [honest[(m, seed)]["ce"] for seed in seeds],
+                                         "dropped": sum(honest[(m, seed)]["honest_dropped"] for seed in seeds),
+                                         "flagged": sum(len(honest[(m, seed)]["honest_flagged"]) for seed in seeds),
+                                         "audit_s": sum(honest[(m, seed)]["audit_s"] for seed in seeds),
+                                         "train_s": sum(honest[(m, seed)]["train_s"] for seed in seeds)}
+                                     for m in args.modes},
+            "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0]))), default),
+            "swarm_s": max(r for x in rows for r in x["wall_s"]) if rows else None}
 
 
-def draws(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
-    """Rounds each cheat survives the draws alone: `--draw-seeds` swarms per cheat, no probation,
-    stopped at the cheater's revocation or after `--draw-rounds` rounds. A cheat refused at arrival
-    (the bound) is never applied, so never drawn: it is left out."""
-    s = settings(args, rounds=args.draw_rounds, h=args.draw_h, probation=0)
-    cheats = [c for c in args.cheats if c != "scaled"]
-    runs = {c: [pool.submit(run_swarm, OuterConfig.robust, c, seed, "audit", s, until_caught=True)
-                for seed in range(args.draw_seeds)] for c in cheats}
-    out = {}
-    for cheat, futures in runs.items():
-        rounds = [None if r["audit_round"] is None else r["audit_round"] + 1 for r in (f.result() for f in futures)]
-        within = sum(r is not None and r <= args.within for r in rounds) / len(rounds)
-        out[cheat] = {"rounds_until_caught": rounds, "caught_within": within}
-        print(f"[cheats] draws {cheat}: rounds until caught {rounds}; within {args.within}: {within:.2f}", flush=True)
-    return out
+def external(args: argparse.Namespace) -> list[dict]:
+    """The rows of EXTERNAL_ROWS, each checked for ROW_FIELDS."""
+    rows = [r for make in EXTERNAL_ROWS.values() for r in make(args)]
+    for r in rows:
+        missing = [f for f in ROW_FIELDS if f not in r]
+        assert not missing, f"external row {r.get('cheat')!r} lacks {missing}"
+    return rows
 
 
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.result("cheats")
-    ap.rounds(rounds=10, h=20, batch=16)
-    ap.windows(64)
-    ap.seeds(2, help="seeds (model init, data, delays) per swarm; each cheat is compared with the honest swarm "
-                     "of the same seed")
-    ap.quick(rounds=2, h=3, batch=4, windows=8, seeds=1, draw_seeds=2, draw_rounds=4, draw_h=2)
-    ap.add_argument("--rules", nargs="*", default=list(RULES), choices=ROBUST_MODES,
-                    help="aggregation rules to measure; the first gives the rows (default: the shipped "
-                         f"{OuterConfig.robust!r}, then the other candidates)")
-    ap.add_argument("--cheats", nargs="*", default=list(CHEATS), choices=list(CHEATS), help="cheats to run (default: all)")
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="default, audit (default: both)")
-    ap.add_argument("--audit", type=float, default=0.25, help="mode audit: the share p of updates replayed")
-    ap.add_argument("--probation", type=int, default=2, help="mode audit: audits a new worker id must pass first")
-    ap.add_argument("--draw-seeds", type=int, default=20, help="seeded swarms per cheat for the rounds until caught")
-    ap.add_argument("--draw-rounds", type=int, default=40, help="rounds a draw swarm runs at most")
-    ap.add_argument("--draw-h", type=int, default=10, help="H of the draw swarms (the draws do not depend on it; "
-                                                         "above the lazy cheat's 5 steps)")
-    ap.add_argument("--within", type=int, default=17, help="the rounds the aim allows (1 − 0.75^17 ≈ 0.99 at p = 0.25)")
+    ap.rounds(rounds=8, h=10, batch=16)
+    ap.windows(32, help="held-out windows every published version is scored on")
+    ap.seeds(3, help="seeds (model init, data, delays, audit draws) per swarm; each cheat is compared with the "
+                     "honest swarm of the same seed and mode")
+    ap.quick(rounds=SLEEP + 1, h=3, batch=4, windows=8, seeds=1)  # the sleepers turn in the last round
+    ap.add_argument("--cheats", nargs="*", default=list(ALL), choices=list(ALL), help="cheats to run (default: all)")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                    help="default (a fresh AggregatorConfig), open (its open mode; the Sybil attacks only)")
     ap.add_argument("--jobs", type=int, default=2, help="swarms simulated at once (one process and one thread each)")
     args = ap.parse_args()
+    for mode in args.modes:
+        config(mode)  # a mode this tree lacks fails now, not after the first swarms
+    t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        candidates = {rule: measure(rule, "default", args, pool) for rule in args.rules} if "default" in args.modes else {}
-        audited = measure(RULES[0], "audit", args, pool) if "audit" in args.modes else None
-        drawn = draws(args, pool) if audited is not None else None
-    shipped = candidates.get(args.rules[0], {"rows": [], "honest_ce": []})
-    out = {"rule": args.rules[0], "rows": shipped["rows"] + (audited["rows"] if audited else []),
-           "honest_ce": shipped["honest_ce"],
-           "candidates": {rule: {"honest_ce": c["honest_ce"], "honest_dropped": c["honest_dropped"],
-                                 "delta_ce": {r["cheat"]: r["delta_ce"] for r in c["rows"]},
-                                 "caught": {r["cheat"]: r["mechanism"] for r in c["rows"]}}
-                          for rule, c in candidates.items()},
-           "rounds": args.rounds, "h": args.h, "batch": args.batch, "windows": args.windows, "seeds": args.seeds,
-           "model": SHAPE.to_dict(), "quick": args.quick, "false_positives": None, "audit_cost_share": None}
-    if audited is not None:
-        out.update(false_positives=audited["honest_failed"],
-                   audit_cost_share=audited["audit_s"] / audited["train_s"],
-                   audit_cost_share_with_probation=(audited["audit_s"] + audited["probation_s"]) / audited["train_s"],
-                   audit={"p": args.audit, "probation": args.probation, "honest_ce": audited["honest_ce"]},
-                   draws={"p": args.audit, "seeds": args.draw_seeds, "max_rounds": args.draw_rounds, "h": args.draw_h,
-                          "within": args.within, "cheats": drawn})
+        res = measure(args, pool)
+    out = record(args, res, res["rows"] + external(args), wall_s=time.perf_counter() - t0)
     publish("cheats", out, metrics(out), render, out=args.results)
 
 
-def _sybil_note(out: dict) -> str:
-    sybil = next((r for r in out["rows"] if r["cheat"] == "sybil"), None)
-    if sybil is None or sybil["mechanism"] is not None:
-        return "The sybil pushes under ids that never joined."
-    return "The sybil pushes under ids that never joined: accepted here (the aggregator does not refuse them yet)."
+def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: float) -> dict:
+    """What a run publishes: the configuration the rows ran under, the rows, and the false positives."""
+    return {"default_config": jsonable(dataclasses.asdict(AggregatorConfig())), "sim_sets": res["sim_sets"],
+            "identities": "each replica joins and pushes as its own proven identity (SimConfig.identities)",
+            "rows": rows, "false_positives": sum(r.get("honest_flagged", 0) for r in rows) +
+            sum(h["flagged"] for h in res["honest"].values()), "honest": res["honest"],
+            "unmeasured": [n for n in EXTERNAL if n not in EXTERNAL_ROWS],
+            "replicas": REPLICAS, "rounds": args.rounds, "h": args.h, "batch": args.batch, "windows": args.windows,
+            "seeds": args.seeds, "model": SHAPE.to_dict(), "quick": args.quick, "swarm_s": res["swarm_s"],
+            "wall_s": wall_s, "jobs": args.jobs}
 
 
-def metrics(res: dict) -> dict[str, Metric]:
-    """Cheats never caught, without and with replay audits, false positives, and what audits cost."""
+def metrics(out: dict) -> dict[str, Metric]:
+    """Rows over the aim, the worst ΔCE at the end and at its peak, rows with a cheating identity left
+    unrevoked, false positives, and the shipped audit share."""
+    if "default_config" not in out:
+        return _metrics_before_38(out)
+    rows = [r for r in out["rows"] if r["delta_ce"] is not None]
+    worst = max((r["delta_ce"] for r in rows), default=None)
+    return {f"rows over ΔCE {AIM}": sum(r["delta_ce"] > AIM for r in rows),
+            "worst ΔCE (nats/byte)": worst,
+            "worst peak ΔCE (nats/byte)": max((r["peak_delta_ce"] for r in rows), default=None),
+            "rows with a cheating id not revoked": sum(not r["revoked"] for r in out["rows"]),
+            "false positives": out["false_positives"], "rows run": len(out["rows"]),
+            "audit share (default)": out["default_config"]["audit"]["share"]}
+
+
+def _metrics_before_38(res: dict) -> dict[str, Metric]:
+    """The headline of a run recorded before issue #38 (3 replicas, modes default and audit, `--audit`)."""
     def missed(mode: str) -> int:
         return sum(r["caught_round"] is None for r in res["rows"] if r["mode"] == mode)
 
@@ -262,54 +330,26 @@ def metrics(res: dict) -> dict[str, Metric]:
 
 
 def render(out: dict) -> str:
-    rows = [(r["cheat"], r["mode"], "—" if r["caught_round"] is None else r["caught_round"], r["mechanism"] or "—",
-             f"{r['delta_ce']:+.4f}", " / ".join(f"{d:+.4f}" for d in r["delta_ce_runs"]))
+    def runs(values: list) -> str:
+        return " / ".join("—" if v is None else f"{v:+.3f}" if isinstance(v, float) else str(v) for v in values)
+
+    rows = [(r["cheat"], r["mode"], r.get("ids", "—"), "—" if r["caught_round"] is None else r["caught_round"],
+             runs(r.get("mechanism_runs", [])), "yes" if r["revoked"] else "no",
+             "—" if r["delta_ce"] is None else f"{r['delta_ce']:+.4f}",
+             "—" if r["peak_delta_ce"] is None else f"{r['peak_delta_ce']:+.4f}",
+             runs(r.get("delta_ce_runs", [])), runs(r.get("peak_delta_ce_runs", [])))
             for r in out["rows"]]
-    rules = list(out["candidates"])
-    cand = [(cheat, *(f"{out['candidates'][rule]['delta_ce'].get(cheat, float('nan')):+.4f}" for rule in rules))
-            for cheat in (out["candidates"][rules[0]]["delta_ce"] if rules else [])]
-    honest = [("honest CE", *(f"{statistics.mean(out['candidates'][rule]['honest_ce']):.4f}" for rule in rules)),
-              ("honest updates dropped", *(str(out["candidates"][rule]["honest_dropped"]) for rule in rules))]
+    a = out["default_config"]["audit"]
     lines = [
-        "## Cheats: one cheating replica in three (`bench/cheats.py`)", "",
-        f"Command: `.venv/bin/python -m bench.cheats` (2 cores). One block × 3 replicas, d=32, L=1, N=32, "
-        f"R = {out['rounds']} rounds of H = {out['h']} (batch {out['batch']}, int8 updates, claims checked), "
-        f"aggregation `{out['rule']}`; replica {CHEATER} cheats (lab/cheats.py). ΔCE: SCE-1 at K = 1 on "
-        f"{out['windows']} held-out windows against the all-honest swarm of the same seed and mode (nats/byte), mean "
-        f"over seeds {', '.join(map(str, range(out['seeds'])))}. Caught: the first round an update of the cheater was "
-        "refused, failed its audit (`audit_…`) or was dropped, and by what. A cheat dropped in every round leaves two "
-        f"honest replicas: its per-seed ΔCE is what one replica's work is worth here, the table's noise floor. "
-        f"{_sybil_note(out)}", ""]
-    if "runs" in out:
-        lines += ["Runs: " + "; ".join(f"mode {m}: `{c}`" for m, c in out["runs"].items()) + ".", ""]
-    if "audit" in out:
-        a = out["audit"]
-        lines += [f"Mode `audit`: p = {a['p']}, probation {a['probation']} (every cheat here cheats from its first "
-                  f"update, so probation catches it before anything of it is applied). Honest audited swarms: "
-                  f"{out['false_positives']} failed audits of honest workers; the replays took "
-                  f"{out['audit_cost_share']:.3f} of the honest workers' training time "
-                  f"({out['audit_cost_share_with_probation']:.3f} with the probation replays).", ""]
-    lines += table(["cheat", "mode", "caught round", "mechanism", "ΔCE", "per seed"], rows, "llrlrl")
-    if "draws" in out:
-        d = out["draws"]
-        lines += ["", f"Rounds until caught by the draws alone (no probation: a worker that turns after passing it), "
-                      f"p = {d['p']}, {d['seeds']} seeded swarms per cheat (H = {d['h']}, at most {d['max_rounds']} "
-                      f"rounds; `scaled` is refused at arrival and never drawn). Expected share within {d['within']} "
-                      f"rounds: 1 − (1 − p)^{d['within']} = {1 - (1 - d['p']) ** d['within']:.3f}.", "",
-                  *table(["cheat", "rounds until caught (per seed)", "median", f"caught within {d['within']}"],
-                         [(c, " ".join("—" if r is None else str(r) for r in v["rounds_until_caught"]),
-                           _median(v["rounds_until_caught"]), f"{v['caught_within']:.2f}")
-                          for c, v in d["cheats"].items()], "llrr")]
-    if rules:
-        lines += ["", "Every candidate rule (`--robust`), same command: the honest swarm's CE (mean over seeds), how "
-                      "many honest updates its screen dropped, and each cheat's ΔCE:", "",
-                  *table(["cheat", *rules], honest + cand, "l" + "r" * len(rules))]
+        "## Cheats in the shipped configuration (`bench/cheats.py`)", "",
+        f"One block × {out['replicas']} replicas, d=32, L=1, R = {out['rounds']} rounds of H = {out['h']} "
+        f"(batch {out['batch']}), a fresh AggregatorConfig (audit share {a['share']}, probation {a['probation']}); "
+        f"the simulator sets {', '.join(out['sim_sets']) or 'nothing'}. Seeds 0–{out['seeds'] - 1}; ΔCE and peak "
+        f"are the worst over seeds, nats/byte on {out['windows']} held-out windows. False positives: "
+        f"{out['false_positives']}. Not measured here: {', '.join(out['unmeasured']) or 'none'}.", "",
+        *table(["cheat", "mode", "ids", "caught round", "first caught by (per seed)", "revoked", "ΔCE", "peak ΔCE",
+                "ΔCE per seed", "peak per seed"], rows, "llrrllrrll")]
     return "\n".join(lines)
-
-
-def _median(rounds: list[int | None]) -> str:
-    caught = sorted(r for r in rounds if r is not None)
-    return str(statistics.median(caught)) if len(caught) == len(rounds) else "—"
 
 
 if __name__ == "__main__":

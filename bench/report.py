@@ -46,7 +46,7 @@ TITLES = {
     "data": "Data at scale",
     "memory": "Memory at scale",
     "soak": "Soak runs",
-    "cheats": "Cheats: one cheating replica in three",
+    "cheats": "Cheats in the shipped configuration",
     "replay-cost": "What a replay audit costs",
     "round-memory": "One round's memory at the aggregator",
     "fixed-memory": "The aggregator's fixed memory in one round",

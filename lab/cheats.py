@@ -3,13 +3,15 @@ what it pushes or what it trains on, while its claims look honest (the steps it 
 = len(steps) × batch, as an honest worker states them). The simulator hosts them by worker id
 (`Simulation(..., workers={id: factory})`); a factory takes BlockWorker's constructor arguments.
 
-`CHEATS` names every cheat the bench runs; `cheat_factory(name, victim=...)` builds one."""
+`CHEATS` names every cheat of one replica; `cheat_factory(name, victim=...)` builds one. `ATTACKS` names the
+attacks of several identities acting as one (a Sybil, colluding sleepers): `attack_workers(name, ids)` builds
+one worker per identity, all sharing one `Attacker`."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from btnode.codec.codecs import decode
 from btnode.codec.frames import encode_raw
 from btnode.data.source import ByteSource
+from btnode.errors import Forbidden
 from btnode.protocol import Judgement, PushHeader
 from btnode.swarm.worker import BlockWorker
 
@@ -26,6 +29,7 @@ LAZY_STEPS = 5  # what the lazy worker really trains of its H
 SCALE = 100.0  # the scaled cheat's factor
 SYBILS = 2  # extra ids the sybil pushes under
 SENTENCE = b"The cat sat on the mat. "
+SLEEP = 4  # a sleeper's honest rounds (base versions 0..SLEEP-1): past a probation of 2 audits at any p
 
 
 class ForgingWorker(BlockWorker):
@@ -130,7 +134,62 @@ class SybilWorker(NegatedWorker):
     def push(self, header: PushHeader, raw: Raw) -> Judgement:
         for i in range(SYBILS):
             fake = replace(header, worker_id=f"{self.wcfg.worker_id}-sybil{i}", update_id=uuid.uuid4().hex, data_key="")
-            super().push(fake, raw)
+            try:
+                super().push(fake, raw)
+            except Forbidden:  # under identities a certificate pushes under its own name only: it goes on
+                pass
+        return super().push(header, raw)
+
+
+@dataclass(frozen=True)
+class Attack:
+    """Several identities acting as one: `ids` of them train honestly, and in the rounds (base
+    versions) from `start` up to `stop` (None: to the end) each pushes the same −(mean of their honest
+    deltas of that round), under its own honest header."""
+
+    ids: int
+    start: int = 0
+    stop: int | None = None
+
+    def turned(self, version: int) -> bool:
+        return self.start <= version and (self.stop is None or version < self.stop)
+
+
+@dataclass
+class Attacker:
+    """What one attacker knows across its identities: each one's honest delta of each round."""
+
+    attack: Attack
+    honest: dict[int, dict[str, Tensors]] = field(default_factory=dict)  # base version → worker id → Δ
+
+    def noted(self, version: int, worker_id: str, delta: Tensors) -> None:
+        self.honest.setdefault(version, {})[worker_id] = delta
+
+    def forged(self, version: int) -> Tensors:
+        """−(mean of the honest deltas its identities made on `version`): the same for each of them."""
+        deltas = list(self.honest[version].values())
+        return {n: -sum(d[n] for d in deltas) / len(deltas) for n in deltas[0]}
+
+
+class ColludingWorker(BlockWorker):
+    """One identity of an `Attacker`: makes its honest update (so its header and claims are an honest
+    worker's), tells the attacker, and at push time, in a round the attack covers, pushes the attacker's
+    forged delta instead (by then every identity of the attacker made its update of the round: they
+    started it together and train as long)."""
+
+    def __init__(self, *args: object, attacker: Attacker, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.attacker = attacker
+
+    def make_update(self) -> tuple[PushHeader, Raw]:
+        header, raw = super().make_update()
+        self.attacker.noted(header.base_version, self.wcfg.worker_id,
+                            {n: decode(self.wcfg.codec, raw[n], self.spec[n]) for n in self.spec})
+        return header, raw
+
+    def push(self, header: PushHeader, raw: Raw) -> Judgement:
+        if self.attacker.attack.turned(header.base_version):
+            raw = encode_raw(self.attacker.forged(header.base_version), self.wcfg.codec)
         return super().push(header, raw)
 
 
@@ -168,6 +227,22 @@ CHEATS: dict[str, Callable[..., BlockWorker]] = {
     "copy": CopyingWorker,
     "sybil": SybilWorker,
 }
+
+
+ATTACKS: dict[str, Attack] = {
+    "sybil3": Attack(ids=3),  # one attacker holding 3 of 5 identities, from its first round
+    "sleeper2": Attack(ids=2, start=SLEEP),  # 2 of 5 collude after SLEEP honest rounds
+    "sleeper_sybil3": Attack(ids=3, start=SLEEP),  # one attacker with 3 ids, after SLEEP honest rounds
+    "flip_once_sybil3": Attack(ids=3, start=SLEEP, stop=SLEEP + 1),  # the 3 ids flip in one round only
+}
+
+
+def attack_workers(name: str, ids: Sequence[str]) -> dict[str, Callable[..., BlockWorker]]:
+    """One factory per identity of attack `name` (len(ids) == its ATTACKS[name].ids), sharing one Attacker."""
+    attack = ATTACKS[name]
+    assert len(ids) == attack.ids, f"{name} holds {attack.ids} identities, got {list(ids)}"
+    attacker = Attacker(attack)
+    return {wid: partial(ColludingWorker, attacker=attacker) for wid in ids}
 
 
 def cheat_factory(name: str, *, victim: Callable[[], BlockWorker] | None = None) -> Callable[..., BlockWorker]:

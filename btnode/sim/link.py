@@ -3,7 +3,8 @@
 Pushes still go through the wire format (frames compressed by the worker, then chunked and
 validated by the aggregator's own FrameAssembler), so the only thing replaced is the network.
 Pulls hand over the tensors directly; their Transfer counts fp32 bytes (nothing is compressed
-in-process)."""
+in-process). A link built with `who` carries that proven identity, as mutual TLS would: its joins
+and pushes are bound to it, and a push under another worker id is refused as the RPC layer refuses it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 
 from btnode.aggregate.service import SwarmAggregator
+from btnode.aggregate.trust.identities import Identity
 from btnode.codec.codecs import decode
 from btnode.codec.frames import Frame, iter_chunks
 from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, Transfer, VersionInfo
@@ -19,13 +21,16 @@ Spec = Mapping[str, tuple[int, ...]]
 
 
 class LocalLink:
-    def __init__(self, agg: SwarmAggregator):
+    def __init__(self, agg: SwarmAggregator, who: Identity | None = None):
         self.agg = agg
+        self.who = who
         self._ended: set[str] = set()  # workers whose watch streams were cancelled
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "", *,
              training_json: str = "") -> JoinInfo:
-        return self.agg.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json)
+        if self.who is not None:
+            self.agg.admit(self.who, "Join", worker_id)
+        return self.agg.join(worker_id, block, fingerprint, config_json, data_id, self.who, training_json=training_json)
 
     def leave(self, worker_id: str, block: int) -> None:
         self.agg.leave(worker_id, block)
@@ -42,7 +47,9 @@ class LocalLink:
                       transfer=Transfer(raw=size, wire=size))
 
     def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
-        return self.agg.push(header, iter_chunks(frames))
+        if self.who is not None and header.worker_id != self.who.name:  # (a revoked name: push refuses it itself)
+            self.agg.admit(self.who, "Push", header.worker_id)
+        return self.agg.push(header, iter_chunks(frames), who=self.who)
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame]) -> None:
         self.agg.submit_state(header, iter_chunks(frames))

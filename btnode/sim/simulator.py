@@ -35,12 +35,13 @@ import torch
 from btnode.aggregate.trust.audit import Verdict
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import SPARSE_DENSITY, Codec
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden
 from btnode.model.config import ModelConfig
-from btnode.protocol import Outcome
+from btnode.protocol import Outcome, VersionInfo
 from btnode.sim.link import LocalLink
 from btnode.store.models import init_unit
 from btnode.swarm.worker import BlockWorker, WorkerConfig
@@ -66,8 +67,9 @@ class SimConfig:
     train_while_waiting: bool = False
     schedule_by_version: bool = True  # see WorkerConfig
     seed: int = 0  # participation and delay streams
-    audit: float = 0.0  # share p of updates replayed by the aggregator (0: no audits); the draw's key follows `seed`
-    probation: int = 2  # with audits: audits a new worker must pass before its updates are applied
+    audit: float | None = None  # share p of updates replayed (0: no audits; None: the AggregatorConfig's); the draw's key follows `seed`
+    probation: int | None = None  # with audits: audits a new worker must pass first (None: the AggregatorConfig's)
+    identities: bool = True  # each replica joins and pushes as its own proven identity (as under mutual TLS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.participation <= 1:
@@ -110,18 +112,23 @@ class SimResult:
 class Simulation:
     def __init__(self, cfg: ModelConfig, tc: TrainConfig, acfg: AggregatorConfig, scfg: SimConfig,
                  corpus: ByteSource | bytes, state_dir: Path, *, device: torch.device,
-                 workers: Mapping[str, WorkerFactory] | None = None):
+                 workers: Mapping[str, WorkerFactory] | None = None,
+                 on_publish: Callable[[int, VersionInfo], None] | None = None):
         """`workers`: worker id ("b{block}r{replica}") → the factory of that replica's worker, for
-        the replicas that do not run a plain BlockWorker."""
-        self.cfg, self.acfg, self.scfg = cfg, acfg, scfg
+        the replicas that do not run a plain BlockWorker. `on_publish(block, info)`: called once the
+        aggregator published a version, before any worker hears of it (to score every version)."""
+        self.cfg, self.scfg = cfg, scfg
+        self.on_publish = on_publish
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
         # every replica here trains with tc and H: the aggregator judges their claims by the same
+        audit = {k: v for k, v in (("share", scfg.audit), ("probation", scfg.probation)) if v is not None}
         acfg = replace(acfg, claims=ClaimConfig.of(tc, scfg.steps_per_round, enforce=acfg.claims.enforce),
                        # a state comes with the push's answer here, at once: one not in by the next step is late
-                       audit=replace(acfg.audit, share=scfg.audit, probation=scfg.probation,
+                       audit=replace(acfg.audit, **audit,
                                      state_timeout_s=min(acfg.audit.state_timeout_s, scfg.step_time_s)))
+        self.acfg = acfg  # as the aggregator holds it
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now, corpus=corpus,
                                    audit_secret=hashlib.sha256(f"audit/{scfg.seed}".encode()).digest())
         self.link = LocalLink(self.agg)
@@ -134,7 +141,8 @@ class Simulation:
                                 schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
             make = (workers or {}).get(wid, BlockWorker)
-            self.replicas.append(Replica(make(cfg, tc, wcfg, self.link, corpus, device=device), mean,
+            link = LocalLink(self.agg, identity(wid)) if scfg.identities else self.link
+            self.replicas.append(Replica(make(cfg, tc, wcfg, link, corpus, device=device), mean,
                                          random.Random(f"turnout/{scfg.seed}/{wid}"),
                                          random.Random(f"delay/{scfg.seed}/{wid}")))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
@@ -162,6 +170,8 @@ class Simulation:
             if agg.info.version == self._published[b]:
                 continue
             self._published[b] = agg.info.version
+            if self.on_publish is not None:
+                self.on_publish(b, agg.info)
             self._at(agg.round.deadline(), self._tick, b)
             for rep in self.replicas:
                 if rep.worker.wcfg.block == b and rep.waiting_for is not None:
@@ -272,3 +282,7 @@ class Simulation:
             out.append(blk)
         return out
 
+
+def identity(worker_id: str) -> Identity:
+    """The identity a replica's certificate would prove: its worker id, a worker's role."""
+    return Identity(worker_id, Role.WORKER, hashlib.sha256(worker_id.encode()).hexdigest())

@@ -1,0 +1,55 @@
+"""bench/cheats.py at a tiny size, in process: a new row (the 3-of-5 Sybil) and the honest swarm it is
+measured against are run and every published field is computed from them. Whether the attack is
+stopped is the bench's to say, not this test's."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from concurrent.futures import Future
+
+import pytest
+
+from bench.cheats import MODES, ROW_FIELDS, config, differences, measure, metrics, record, render
+from btnode.aggregate.round.config import AggregatorConfig
+
+
+class Inline:
+    """An executor that runs each call at once (the bench's pool, without processes)."""
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        f: Future = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+def test_a_quick_sybil_row_has_every_field_computed():
+    args = argparse.Namespace(rounds=2, h=3, batch=4, windows=4, seeds=1, cheats=["sybil3"], modes=["default"],
+                              quick=True, jobs=1)
+    res = measure(args, Inline())  # type: ignore[arg-type]
+    out = record(args, res, res["rows"], wall_s=0.0)
+    [row] = out["rows"]
+    assert all(f in row for f in ROW_FIELDS) and (row["cheat"], row["mode"], row["ids"]) == ("sybil3", "default", 3)
+    assert math.isfinite(row["delta_ce"]) and row["delta_ce_runs"] == [row["delta_ce"]]
+    # every version was scored, the last one being the final model: its ΔCE is among the peak's candidates
+    assert row["peak_delta_ce"] >= row["delta_ce"] - 1e-9 and row["versions"] == [args.rounds]
+    assert isinstance(row["revoked"], bool) and len(row["caught_round_runs"]) == 1
+    assert out["default_config"]["audit"]["share"] == AggregatorConfig().audit.share  # as a fresh aggregator holds it
+    assert set(out["sim_sets"]) <= {"claims.batch", "claims.lr", "claims.steps_per_round", "audit.state_timeout_s"}
+    assert out["false_positives"] >= 0 and out["unmeasured"] == ["watch"]
+    m = metrics(out)
+    assert m["rows run"] == 1 and m["worst ΔCE (nats/byte)"] == row["delta_ce"]
+    assert "| sybil3 | default | 3 |" in render(out)
+
+
+def test_differences_names_the_leaves_that_changed():
+    assert differences({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 1, "c": 5}, "d": 3}) == {"a.c": 5}
+
+
+def test_mode_open_turns_the_config_s_open_switch_on_or_fails_loudly_without_one():
+    assert config("default") == AggregatorConfig() and MODES == ("default", "open")
+    if "open" in AggregatorConfig.__dataclass_fields__:
+        assert config("open").open is True  # type: ignore[attr-defined]
+    else:
+        with pytest.raises(SystemExit, match="AggregatorConfig.open"):
+            config("open")
