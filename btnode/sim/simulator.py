@@ -142,8 +142,10 @@ class Simulation:
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
             make = (workers or {}).get(wid, BlockWorker)
             link = LocalLink(self.agg, identity(wid)) if scfg.identities else self.link
-            self.replicas.append(Replica(make(cfg, tc, wcfg, link, corpus, device=device), mean,
-                                         random.Random(f"turnout/{scfg.seed}/{wid}"),
+            worker = make(cfg, tc, wcfg, link, corpus, device=device)
+            ids = random.Random(f"update-ids/{scfg.seed}/{wid}")  # the audit draw reads them: one seed, one run
+            worker.new_update_id = lambda ids=ids: f"{ids.getrandbits(128):032x}"
+            self.replicas.append(Replica(worker, mean, random.Random(f"turnout/{scfg.seed}/{wid}"),
                                          random.Random(f"delay/{scfg.seed}/{wid}")))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
         self.verdicts: list[Verdict] = []  # every audit's, in order
@@ -224,7 +226,7 @@ class Simulation:
         if rep.waiting_for != base:
             return  # already heard of a newer version
         w = rep.worker
-        if self.scfg.train_while_waiting and w.stats.pushes < self.scfg.rounds:
+        if w.wcfg.train_while_waiting and w.stats.pushes < self.scfg.rounds:  # off at Join when audits are on
             # what it would have trained while waiting, one step per step_time, at most H
             n = min(self.scfg.steps_per_round, int((self.now - rep.waiting_since) / self.scfg.step_time_s))
             w.train_steps(n)

@@ -167,6 +167,7 @@ class BlockWorker:
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
         self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
+        self.new_update_id: Callable[[], str] = lambda: uuid.uuid4().hex  # a seeded one in the simulator
 
     def _count_reconnect(self) -> None:
         self.stats.reconnects += 1
@@ -283,7 +284,7 @@ class BlockWorker:
         residual_start = self.residual
         raw = self._encode()
         header = PushHeader(worker_id=self.wcfg.worker_id, block=self.wcfg.block, base_version=self.info.version,
-                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=uuid.uuid4().hex,
+                            samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=self.new_update_id(),
                             data_key=self.data_key, steps=steps, claim=self._claim(residual_start, self.residual))
         if self._start[1] is not None:
             self._states[header.update_id] = {**{OPTIMIZER_PREFIX + n: t for n, t in self._start[1].items()},

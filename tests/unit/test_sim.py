@@ -70,8 +70,9 @@ def test_a_replica_slower_than_the_deadline_is_late(tmp_path):
 
 
 def test_training_while_waiting_raises_utilisation(tmp_path):
-    _, idle = run(tmp_path / "idle", delays_s=(0.25,), train_while_waiting=False)
-    _, busy = run(tmp_path / "busy", delays_s=(0.25,), train_while_waiting=True)
+    # without audits: an audited swarm turns training while waiting off (work folded in cannot be replayed)
+    _, idle = run(tmp_path / "idle", delays_s=(0.25,), train_while_waiting=False, audit=0.0)
+    _, busy = run(tmp_path / "busy", delays_s=(0.25,), train_while_waiting=True, audit=0.0)
     assert busy.utilisation > idle.utilisation + 0.1
     assert busy.virtual_seconds < idle.virtual_seconds
 
