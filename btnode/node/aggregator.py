@@ -200,7 +200,7 @@ def _enroll_address(listen: str, port: int) -> str:
 
 
 def _start_enrollment(agg: SwarmAggregator, authority: SwarmAuthority, address: str, state_dir: Path) -> Any:
-    server, port = serve_enrollment(authority, address, open_swarm=False, count=agg.count)
+    server, port = serve_enrollment(authority, address, open_swarm=agg.acfg.open, count=agg.count)
     log.info("identities: every call needs a certificate of this swarm's CA (pin %s); nodes enroll with join codes "
              "on port %d (`btnode codes mint --state-dir %s`); this host's operator identity: --identity %s",
              authority.pin, port, state_dir, authority.operator)
