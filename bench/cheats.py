@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from bench.cheats_watch import watch_rows
 from bench.flags import BenchParser
 from bench.report import publish, table
 from bench.runs import Metric
@@ -72,7 +73,7 @@ _corpus = functools.cache(bundled)  # once per process
 # never-joined or revoked id needs real gRPC. A name of EXTERNAL not registered here is listed in the
 # record's `unmeasured`, so that its absence shows.
 EXTERNAL = ("watch",)
-EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
+EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"watch": watch_rows}
 ROW_FIELDS = ("cheat", "mode", "delta_ce", "peak_delta_ce", "caught_round", "revoked")
 
 
