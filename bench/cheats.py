@@ -152,9 +152,11 @@ def differences(a: Any, b: Any, path: str = "") -> dict[str, Any]:
     return {} if a == b else {path.rstrip("."): b}
 
 
-def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings) -> dict:
+def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: int = REPLICAS) -> dict:
     """One simulated swarm: its CE after every published version and at the end, and, with a cheat,
-    when and how its identities were caught and whether they were revoked."""
+    when and how its identities were caught and whether they were revoked. `replicas` fewer than
+    REPLICAS: the honest replicas alone (the cheaters are the last ones), what is left once an attack's
+    ids are out: the compute an attack removes, told apart from the harm it does."""
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     logging.getLogger("btnode").setLevel(logging.ERROR)  # every drop is logged: the row says what counts
     t0 = time.perf_counter()
@@ -171,7 +173,7 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings) -> dict:
         makers = attack_workers(cheat, ids)
     else:
         makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
-    scfg = SimConfig(rounds=s.rounds, replicas=REPLICAS, steps_per_round=s.h, step_time_s=STEP_S, seed=seed)
+    scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed)
     acfg = config(mode)
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp), device=cpu,
@@ -213,13 +215,17 @@ def peak(cheat: list[tuple[int, float]], honest: list[tuple[int, float]], final:
     return max(ce - ref.get(v, honest[-1][1]) for v, ce in cheat)
 
 
-def row(cheat: str, mode: str, runs: list[dict], honest: dict[int, dict]) -> dict:
-    """One row: each seed's run against the honest swarm of its seed, worst over seeds."""
+def row(cheat: str, mode: str, runs: list[dict], honest: dict[int, dict], alone: dict[int, dict]) -> dict:
+    """One row: each seed's run against the honest swarm of its seed, worst over seeds; and against the
+    honest replicas alone of its seed (`alone`: the attack's ids absent from the start)."""
     final = [r["ce"] - honest[r["seed"]]["ce"] for r in runs]
+    vs_alone = [r["ce"] - alone[r["seed"]]["ce"] for r in runs]
     peaks = [peak(r["curve"], honest[r["seed"]]["curve"], d) for r, d in zip(runs, final)]
     caught = [r["caught_round"] for r in runs]
     return {"cheat": cheat, "mode": mode, "ids": len(runs[0]["ids"]), "seeds": [r["seed"] for r in runs],
-            "delta_ce": max(final), "peak_delta_ce": max(peaks),
+            "delta_ce": max(final), "peak_delta_ce": max(peaks), "delta_ce_vs_alone": max(vs_alone),
+            "delta_ce_vs_alone_runs": vs_alone, "alone_minus_honest_runs": [alone[r["seed"]]["ce"] - honest[r["seed"]]["ce"]
+                                                                             for r in runs],
             "caught_round": None if None in caught else max(caught),
             "revoked": all(r["revoked"] for r in runs),
             "delta_ce_runs": final, "peak_delta_ce_runs": peaks, "caught_round_runs": caught,
@@ -241,15 +247,22 @@ def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
     rows_planned = plan(args)
     honest_f = {(m, seed): pool.submit(run_swarm, None, seed, m, s) for m in args.modes for seed in seeds}
     cheat_f = {(c, m): [pool.submit(run_swarm, c, seed, m, s) for seed in seeds] for c, m in rows_planned}
+    counts = {len(cheaters(c)) for c, _ in rows_planned}
+    alone_f = {(m, seed, k): pool.submit(run_swarm, None, seed, m, s, REPLICAS - k)
+               for m in args.modes for seed in seeds for k in counts}
     honest = {k: f.result() for k, f in honest_f.items()}
+    alone = {k: f.result() for k, f in alone_f.items()}
     for m in args.modes:
         print(f"[cheats] {m}: honest CE {[honest[(m, seed)]['ce'] for seed in seeds]}, one swarm "
               f"{max(honest[(m, seed)]['wall_s'] for seed in seeds):.0f} s", flush=True)
     rows = []
     for (cheat, mode), futures in cheat_f.items():
-        r = row(cheat, mode, [f.result() for f in futures], {seed: honest[(mode, seed)] for seed in seeds})
+        k = len(cheaters(cheat))
+        r = row(cheat, mode, [f.result() for f in futures], {seed: honest[(mode, seed)] for seed in seeds},
+                {seed: alone[(mode, seed, k)] for seed in seeds})
         rows.append(r)
-        print(f"[cheats] {cheat} ({mode}): ΔCE {r['delta_ce']:+.4f}, peak {r['peak_delta_ce']:+.4f}, caught round "
+        print(f"[cheats] {cheat} ({mode}): ΔCE {r['delta_ce']:+.4f} (vs the honest alone {r['delta_ce_vs_alone']:+.4f}), "
+              f"peak {r['peak_delta_ce']:+.4f}, caught round "
               f"{r['caught_round_runs']} ({r['mechanism_runs']}), revoked {r['revoked_runs']}", flush=True)
     default = honest[(args.modes[0], 0)]["config"]
     return {"rows": rows, "honest": {m: {"ce": [honest[(m, seed)]["ce"] for seed in seeds],
@@ -312,7 +325,9 @@ def metrics(out: dict) -> dict[str, Metric]:
         return _metrics_before_38(out)
     rows = [r for r in out["rows"] if r["delta_ce"] is not None]
     worst = max((r["delta_ce"] for r in rows), default=None)
-    return {f"rows over ΔCE {AIM}": sum(r["delta_ce"] > AIM for r in rows),
+    alone = {f"rows over ΔCE {AIM} against the honest replicas alone": sum(r.get("delta_ce_vs_alone", r["delta_ce"]) > AIM for r in rows)
+             } if any("delta_ce_vs_alone" in r for r in rows) else {}  # (not measured before this run)
+    return {f"rows over ΔCE {AIM}": sum(r["delta_ce"] > AIM for r in rows), **alone,
             "worst ΔCE (nats/byte)": worst,
             "worst peak ΔCE (nats/byte)": max((r["peak_delta_ce"] for r in rows), default=None),
             "rows with a cheating id not revoked": sum(not r["revoked"] for r in out["rows"]),
@@ -338,7 +353,8 @@ def render(out: dict) -> str:
              runs(r.get("mechanism_runs", [])), "yes" if r["revoked"] else "no",
              "—" if r["delta_ce"] is None else f"{r['delta_ce']:+.4f}",
              "—" if r["peak_delta_ce"] is None else f"{r['peak_delta_ce']:+.4f}",
-             runs(r.get("delta_ce_runs", [])), runs(r.get("peak_delta_ce_runs", [])))
+             "—" if r.get("delta_ce_vs_alone") is None else f"{r['delta_ce_vs_alone']:+.4f}",
+             runs(r.get("delta_ce_runs", [])), runs(r.get("alone_minus_honest_runs", [])))
             for r in out["rows"]]
     a = out["default_config"]["audit"]
     lines = [
@@ -347,9 +363,12 @@ def render(out: dict) -> str:
         f"(batch {out['batch']}), a fresh AggregatorConfig (audit share {a['share']}, probation {a['probation']}); "
         f"the simulator sets {', '.join(out['sim_sets']) or 'nothing'}. Seeds 0–{out['seeds'] - 1}; ΔCE and peak "
         f"are the worst over seeds, nats/byte on {out['windows']} held-out windows. False positives: "
-        f"{out['false_positives']}. Not measured here: {', '.join(out['unmeasured']) or 'none'}.", "",
+        f"{out['false_positives']}. Not measured here: {', '.join(out['unmeasured']) or 'none'}. ΔCE is against "
+        f"the all-honest swarm of 5; \"vs alone\" against the honest replicas alone (the attack's ids absent from "
+        f"the start), whose own gap to the swarm of 5 is \"lost compute\": what removing the attacker's replicas "
+        f"costs, whatever they pushed.", "",
         *table(["cheat", "mode", "ids", "caught round", "first caught by (per seed)", "revoked", "ΔCE", "peak ΔCE",
-                "ΔCE per seed", "peak per seed"], rows, "llrrllrrll")]
+                "ΔCE vs alone", "ΔCE per seed", "lost compute per seed"], rows, "llrrllrrrll")]
     return "\n".join(lines)
 
 

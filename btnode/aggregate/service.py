@@ -214,6 +214,10 @@ class SwarmAggregator:
         except PeerInputError as exc:
             if passed_on and exc.reason not in INCOMPLETE and self.commits is not None:
                 self.commits.judged(header.update_id)  # refused: its chain moved on (or it never was its worker's)
+            if exc.reason == "bound" and not header.manifest and self.audits is not None:
+                # over the bound AdamW's steps allow (trust/claims.py): no honest worker's update is, so in
+                # an accountable swarm (audits on) it is evidence, like a failed replay
+                self.replays.punish(header.worker_id, "bound", str(exc))
             raise
         if passed_on and self.commits is not None:
             self.commits.judged(header.update_id)

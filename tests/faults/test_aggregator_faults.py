@@ -39,7 +39,7 @@ GHOST = honest_terms(ClaimConfig(batch=4, steps_per_round=2))  # a hand-made joi
 def start_aggregator(state: Path, port: int, shape: list[str], *extra: str) -> subprocess.Popen:
     p = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
                           str(state), "--keep", "1000", *shape, *extra,
-                          "--no-identities"],  # the test pushes by hand under several worker ids env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          "--no-identities", "--audit", "0"],  # hand-made pushes: several ids, no work claims env=dict(os.environ, OMP_NUM_THREADS="1"),
                          stdout=open(state.parent / "aggregator.log", "ab"), stderr=subprocess.STDOUT)
     client = SwarmClient(f"127.0.0.1:{port}", timeout_s=5)
     deadline = time.monotonic() + 60

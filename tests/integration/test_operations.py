@@ -101,7 +101,7 @@ def test_aggregator_notifies_ready_keeps_the_watchdog_and_drains_on_sigterm(tmp_
     log = tmp_path / "agg.log"
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--state-dir",
                              str(tmp_path / "state"), "--port-file", str(port_file), "--deadline", "600", "--batch",
-                             "4", "--lr", "0.01", *TINY_SHAPE, "--no-identities"],  # pushes by hand as "a"
+                             "4", "--lr", "0.01", *TINY_SHAPE, "--no-identities", "--audit", "0"],  # pushes by hand as "a", with no work claim
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         address = f"127.0.0.1:{wait_port(port_file, proc)}"

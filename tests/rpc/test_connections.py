@@ -76,7 +76,7 @@ def crowded(tmp_path):
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", "127.0.0.1:0", "--port-file",
                              str(port_file), "--state-dir", str(tmp_path / "s"), "--deadline", "4", "--max-workers",
                              str(BUDGET), "--metrics-listen", f"127.0.0.1:{metrics}", *TINY_SHAPE,
-                             "--no-identities", "--max-joins-per-minute", "1000"],  # 160 worker ids from one test process: ids as claims
+                             "--no-identities", "--max-joins-per-minute", "1000", "--audit", "0"],  # 160 worker ids from one test process: ids as claims
                             env=env, stdout=open(tmp_path / "agg.log", "wb"), stderr=subprocess.STDOUT)
     try:
         yield proc, f"127.0.0.1:{wait_port(port_file, proc)}", metrics, alive, tmp_path / "agg.log"

@@ -359,7 +359,7 @@ def test_memory_stays_bounded_under_50_concurrent_pushes(tmp_path):
     port = free_port()
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
                              str(tmp_path / "s"), "--max-streams-per-peer", "64", "--max-joins-per-minute", "64",
-                             "--no-identities"],  # dozens of worker ids from one test process: ids as claims
+                             "--no-identities", "--audit", "0"],  # dozens of worker ids from one test process: ids as claims
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(tmp_path / "agg.log", "wb"),
                             stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
@@ -471,7 +471,7 @@ def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
     proc = subprocess.Popen([*CLI, "join", "--role", "aggregator", "--listen", f"127.0.0.1:{port}", "--state-dir",
                              str(tmp_path / "s"), "--max-transfers", "1", "--transfer-queue", "64",
                              "--max-streams-per-peer", "64", "--max-joins-per-minute", "64",
-                             "--no-identities"],  # dozens of worker ids from one test process: ids as claims
+                             "--no-identities", "--audit", "0"],  # dozens of worker ids from one test process: ids as claims
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=open(tmp_path / "agg.log", "wb"),
                             stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
