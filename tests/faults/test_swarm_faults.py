@@ -25,7 +25,7 @@ CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, seg
 
 
 def test_kill_9_of_a_worker_mid_push_leaves_the_aggregator_serving(aggregator):
-    agg = aggregator("--deadline", "3")
+    agg = aggregator("--deadline", "3", "--audit", "0")  # hand-made pushes: no work claims
     c = SwarmClient(agg.address, timeout_s=30)
     c.join("good", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms())
     victim = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stalled_push.py")), agg.address,

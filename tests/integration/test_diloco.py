@@ -79,7 +79,8 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
     assert sum(store.load(v).meta["info"]["accepted"] for v in range(1, newest.version + 1)) == 4
     for r in range(2):  # each replica holds a published version, bit for bit
         stats = json.loads((state / "logs" / f"b0r{r}.stats.json").read_text())
-        assert stats["pushes"] == 2 and stats["outcomes"] == {"pending": 2}
+        # audits are on by default: a new identity's first 2 updates are held on probation until replayed
+        assert stats["pushes"] == 2 and stats["outcomes"] == {"probation": 2}
         held = store.load(stats["version"])
         assert stats["sha256"] == held.meta["info"]["sha256"] == state_sha256(held.params)
     out = run_cli("eval", "--checkpoint", str(state), "--windows", "4").stdout
@@ -87,7 +88,7 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
 
 
 def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(aggregator):
-    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30")
+    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0")
     c = SwarmClient(agg.address, timeout_s=30)
     weights = {"r1": 4.0, "r2": 12.0}  # one step and three
     for w in weights:
@@ -104,7 +105,7 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
         torch.testing.assert_close(v1.tensors[n], t + 0.7 * (m1[n] + 0.9 * m1[n]), rtol=0, atol=5e-7, msg=n)
     c.close()
     assert agg.stop() == 0
-    again = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", state_dir=agg.state_dir)
+    again = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0", state_dir=agg.state_dir)
     c = SwarmClient(again.address, timeout_s=30)
     (unit,) = c.status().blocks
     assert (info_from_pb(unit.current).version, info_from_pb(unit.current).sha256) == (1, v1.info.sha256)
@@ -122,7 +123,7 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
 
 
 def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_worker_is_refused(aggregator, tmp_path):
-    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--outer-lr", "1", "--outer-momentum", "0")
+    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0", "--outer-lr", "1", "--outer-momentum", "0")
     c = SwarmClient(agg.address, timeout_s=30)
     c.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
     base = c.pull(0, "r1", SPEC).tensors
@@ -179,7 +180,7 @@ def test_a_local_swarm_passes_the_sparse_codecs_to_its_nodes(tmp_path):
     numel = sum(math.prod(s) for s in SPEC.values())
     for r in range(2):
         stats = json.loads((state / "logs" / f"b0r{r}.stats.json").read_text())
-        assert stats["outcomes"] == {"pending": 2} and stats["sha256"] == store.load(stats["version"]).meta["info"]["sha256"]
+        assert stats["outcomes"] == {"probation": 2} and stats["sha256"] == store.load(stats["version"]).meta["info"]["sha256"]  # probation: audits by default
         assert stats["bytes_pushed_raw"] < 0.03 * 4 * numel * stats["pushes"]  # sparse2 at 3 %: under 3 % of fp32
 
 

@@ -15,7 +15,7 @@ from btnode.errors import BtnodeError, PeerUnavailable
 from btnode.node.launch import one_thread_env, start_node, stop_processes
 from btnode.rpc.client import SwarmClient
 
-from procs import TINY_SHAPE
+from procs import TINY_SHAPE, operator
 
 
 def recording(started: list[subprocess.Popen]):
@@ -34,7 +34,7 @@ def test_start_node_returns_the_port_a_real_aggregator_listens_on(tmp_path: Path
         assert node.port == int((tmp_path / "port").read_text()) and node.address() == f"127.0.0.1:{node.port}"
         with socket.create_connection(("127.0.0.1", node.port), timeout=10):
             pass
-        client = SwarmClient(node.address(), timeout_s=30)
+        client = SwarmClient(node.address(), timeout_s=30, security=operator(tmp_path / "s"))  # identities: the default
         assert client.status().fingerprint  # a btnode aggregator answers on that port
         client.close()
         environ = Path(f"/proc/{node.proc.pid}/environ").read_bytes().split(b"\0")

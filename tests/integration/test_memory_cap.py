@@ -109,7 +109,8 @@ def test_a_full_replica_is_refused_under_the_cap_and_block_workers_train_under_i
         stop_all(list(workers.values()))
     for b in workers:  # the same check (on by default, reading the cgroup's limit as above) let them train
         stats = json.loads((tmp_path / f"w{b}.json").read_text())
-        assert stats["pushes"] == 2 and stats["outcomes"] == {"pending": 2} and stats["version"] == 2
+        # audits are on by default: a new identity's first 2 updates are held on probation until replayed
+        assert stats["pushes"] == 2 and stats["outcomes"] == {"probation": 2} and stats["version"] == 2
         assert usage(groups[b], "max_usage_in_bytes") <= cap
 
 

@@ -17,6 +17,7 @@ from btnode.errors import ConfigMismatchError
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
 from btnode.rpc.client import SwarmClient
+from btnode.rpc.enroll import SwarmAuthority, enroll, identity_security
 from btnode.rpc.convert import info_from_pb
 from btnode.store.files import state_sha256
 from btnode.store.versions import VersionStore
@@ -79,7 +80,11 @@ def test_swarm_command_three_blocks_two_replicas(tmp_path):
         while not (port.exists() and port.read_text().strip()):
             assert time.monotonic() < deadline and p.poll() is None, "the swarm's aggregator never served"
             time.sleep(0.1)
-        probe = SwarmClient(f"127.0.0.1:{int(port.read_text())}", timeout_s=30)
+        # identities (the default): the probe is a node the operator gave a join code
+        code, _ = SwarmAuthority(state).mint(name="probe", host="127.0.0.1")
+        enroll(code, tmp_path / "probe")
+        probe = SwarmClient(f"127.0.0.1:{int(port.read_text())}", timeout_s=30,
+                            security=identity_security(tmp_path / "probe"))
         with pytest.raises(ConfigMismatchError):
             probe.join("probe", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()),
                        training_json=honest_terms(ClaimConfig(batch=8, lr=0.002, steps_per_round=3)))

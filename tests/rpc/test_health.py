@@ -189,7 +189,8 @@ def test_reflection_lists_each_servers_services_and_their_methods(servers):
         names, pool = services(ch)
         assert SWARM_SERVICE in AGGREGATOR_SERVICES and names == {*AGGREGATOR_SERVICES, *STANDARD}
         methods = {s: {m.name for m in pool.FindServiceByName(s).methods} for s in AGGREGATOR_SERVICES}
-        assert methods == {"btnode.v2.Worker": {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "Watch"},
+        assert methods == {"btnode.v2.Worker": {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "Watch",
+                                               "RoundReceipt"},
                            "btnode.v2.Relay": {"Draw", "SubmitEvidence"}, "btnode.v2.Operator": {"Status", "Revoke"}}
         assert pool.FindMessageTypeByName("btnode.v2.PushHeader").fields_by_name["base_version"].number > 0
     with grpc.insecure_channel(stage()) as ch:

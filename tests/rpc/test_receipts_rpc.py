@@ -48,11 +48,14 @@ def test_a_dropped_update_is_pending_then_dropped_with_the_next_version(live):
         assert time.monotonic() < deadline and runner.is_alive(), "the worker's update never came"
         time.sleep(0.02)
     uid = block.round.accepted["w"].update_id
-    for i, w in enumerate("abc"):  # three alike: w's faint update is far under their median norm
-        header = PushHeader(worker_id=w, block=0, base_version=0, samples=32.0, loss=2.0, codec=Codec.FP32,
-                            update_id=f"{w}:0", steps=(0,))
-        assert live.client.push(header, encode_frames(small_delta(live, 1e-3 * (1 + 0.05 * i)), Codec.FP32)).outcome \
-            is Outcome.PENDING
+    course = small_delta(live, 1e-3)
+    for i, w in enumerate("abc"):  # three alike, not copies (those share one vote): w's faint update is far under
+        own = small_delta(live, 3.5e-4, seed=i + 1)  # their median norm
+        # as much work as w's (its H steps): the screen's medians are weighted by work (round/screen.py)
+        header = PushHeader(worker_id=w, block=0, base_version=0, samples=32.0 * claims.steps_per_round, loss=2.0,
+                            codec=Codec.FP32, update_id=f"{w}:0", steps=tuple(range(claims.steps_per_round)))
+        delta = {n: course[n] + own[n] for n in course}
+        assert live.client.push(header, encode_frames(delta, Codec.FP32)).outcome is Outcome.PENDING
     runner.join(timeout=60)
     link.close()
     stats = got[0]

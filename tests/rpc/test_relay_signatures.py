@@ -55,7 +55,7 @@ def creds(pki: Path, name: str, folder: Path | None = None, server: bool = False
                     client_auth=server)
 
 
-def _tree(tmp_path: Path, pki: Path, audit: AuditConfig = AuditConfig()):
+def _tree(tmp_path: Path, pki: Path, audit: AuditConfig = AuditConfig(share=0.0)):  # hand-made pushes: no claims
     """(root aggregator, relay, relay's upstream client, client(name, folder) to the relay)."""
     root = SwarmAggregator(CFG, replace(ACFG, audit=audit), tmp_path / "root", corpus=bytes(range(256)) * 4)
     rserver, rport, _ = serve(root, "127.0.0.1:0", security=creds(pki, "root", server=True))
@@ -210,9 +210,10 @@ def test_a_drawn_child_update_reaches_a_replaying_root_under_its_own_receipt_and
         upstream.push(header, other)
     assert root.block(0).status().accepted_in_round == 0
     judged = w1.push(header, frames)  # through the relay: committed, drawn, passed on as it came
-    assert judged.outcome is Outcome.PENDING  # its only worker reported: the root's round closed with it
-    assert root.block(0).info.version == 1 and root.block(0).info.included == ("u1",)
-    assert relay.counters[("passed_on", "pending")] == 1 and not relay.block(0).round.accepted
+    # drawn: held at the root until its verdict (never published before it), its round open meanwhile
+    assert judged.outcome is Outcome.PROBATION and judged.reason.startswith("drawn for audit")
+    assert root.block(0).info.version == 0 and "u1" in root.block(0).held
+    assert relay.counters[("passed_on", "probation")] == 1 and not relay.block(0).round.accepted
     assert root.audits is not None and root.audits.due()[0][0].header.update_id == "u1"  # its replay is due
 
 
