@@ -67,8 +67,9 @@ def swarm(tmp_path_factory):
         deadline = time.monotonic() + 240
 
         def settled() -> bool:  # both workers have pushed (one can start late on a loaded machine)
-            return (sample(scrape(ports["aggregator"]), "btnode_updates_total", outcome="pending") >= 4
-                    and all(sample(scrape(ports[w]), "btnode_worker_pushes_total", block="0", outcome="pending") >= 1
+            # --audit 1: every update is drawn, answered PROBATION, replayed, then applied
+            return (sample(scrape(ports["aggregator"]), "btnode_updates_total", outcome="applied") >= 4
+                    and all(sample(scrape(ports[w]), "btnode_worker_pushes_total", block="0", outcome="probation") >= 1
                             for w in ("w0", "w1")))
 
         while not settled():
@@ -92,7 +93,7 @@ def test_each_role_exports_its_metrics(swarm):
     assert sample(agg, "btnode_build_info", role="aggregator") == 1
     assert {"btnode_audits_total", "btnode_audit_seconds_total", "btnode_audit_detection_delay_seconds_count",
             "btnode_audits_waiting"} <= names(agg)  # audits on (p = 1, no probation: updates count at once)
-    assert sample(worker, "btnode_worker_pushes_total", block="0", outcome="pending") >= 1
+    assert sample(worker, "btnode_worker_pushes_total", block="0", outcome="probation") >= 1  # --audit 1: all drawn
     assert sample(worker, "btnode_worker_train_seconds_total", block="0") > 0
     assert 0 < sample(worker, "btnode_worker_utilisation_ratio", block="0") <= 1
     assert sample(stage, "btnode_build_info", role="stage") == 1
@@ -156,7 +157,7 @@ def test_a_real_prometheus_sees_accepted_updates_increase(swarm, tmp_path):
                 pass
             assert time.monotonic() < deadline and prom.poll() is None, (tmp_path / "prometheus.log").read_text()
             time.sleep(1)
-        q = 'sum(increase(btnode_updates_total{job="btnode",outcome="pending"}[20s]))'
+        q = 'sum(increase(btnode_updates_total{job="btnode",outcome="applied"}[20s]))'
         while True:
             result = query(q)
             if result and float(result[0]["value"][1]) > 0:
