@@ -28,11 +28,17 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
            json_out: Json = False) -> None:
     """The aggregator's build, then blocks, versions, replicas and the outcomes of the last rounds, from a live
     aggregator."""
+    from btnode.errors import ConfigError, PeerUnavailable
     from btnode.rpc.client import SwarmClient
+    from btnode.rpc.security import identity_hint
 
     client = SwarmClient(peer, timeout_s=15)
     try:
         st = client.status_dict()
+    except PeerUnavailable:
+        if hint := identity_hint(peer):  # a swarm with identities, and no --identity here
+            raise ConfigError(f"{hint}; on the aggregator's host: --identity STATE/swarm/operator") from None
+        raise
     finally:
         client.close()
     if json_out:
