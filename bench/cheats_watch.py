@@ -42,17 +42,19 @@ def _rows(tmp: Path) -> list[dict]:
     clients: dict[str, SwarmClient] = {}
     terms = TrainingTerms(TrainConfig(batch=acfg.claims.batch, lr=acfg.claims.lr), acfg.claims.steps_per_round).to_json()
     try:
-        for name in ("honest", "mallory", "stranger"):
+        for name in ("honest", "mallory", "stranger", "eve"):
             code, _ = authority.mint(name=name, host="127.0.0.1")
             enroll(code, tmp / name)
             clients[name] = SwarmClient(address, timeout_s=10, security=identity_security(tmp / name))
-        for name in ("honest", "mallory"):
+        for name in ("honest", "mallory", "eve"):
             clients[name].join(name, 0, SHAPE.fingerprint(), json.dumps(SHAPE.to_dict()), training_json=terms)
         before = block.info.sha256
-        rows = [_attempt("watch_foreign", clients["mallory"], "honest", block),  # another identity's id
-                _attempt("watch_never_joined", clients["stranger"], "stranger", block)]
-        rows.append(_revoked(clients["mallory"], SwarmClient(address, timeout_s=10,
-                                                             security=identity_security(authority.operator)), block))
+        # another identity's id: a joined identity doing so is revoked (SwarmAggregator.admit); one that never
+        # joined is refused only (an honest worker's stream reconnecting to a restarted aggregator looks the same)
+        rows = [_attempt("watch_foreign", clients["mallory"], "honest", block, agg, "mallory"),
+                _attempt("watch_never_joined", clients["stranger"], "stranger", block, agg, "stranger")]
+        rows.append(_revoked(clients["eve"], SwarmClient(address, timeout_s=10,
+                                                         security=identity_security(authority.operator)), block, agg))
         assert block.info.sha256 == before  # no row trains: the model cannot move
         return rows
     finally:
@@ -70,19 +72,21 @@ def _row(cheat: str, refused: str, held: bool, **extra: object) -> dict:
             "stream_held": held, "honest_flagged": 0, **extra}
 
 
-def _attempt(cheat: str, client: SwarmClient, worker_id: str, block) -> dict:  # type: ignore[no-untyped-def]
+def _attempt(cheat: str, client: SwarmClient, worker_id: str, block, agg: SwarmAggregator,  # type: ignore[no-untyped-def]
+             who: str) -> dict:
+    """`who`: the name `client`'s certificate proves."""
     try:
         next(iter(client.watch(0, worker_id)))
         refused = ""
     except PeerInputError as exc:
         refused = exc.reason
-    return _row(cheat, refused, worker_id in block.streams)
+    return _row(cheat, refused, worker_id in block.streams, revoked=agg.identities.is_revoked(who))
 
 
-def _revoked(client: SwarmClient, operator: SwarmClient, block) -> dict:  # type: ignore[no-untyped-def]
-    stream = client.watch(0, "mallory")
+def _revoked(client: SwarmClient, operator: SwarmClient, block, agg: SwarmAggregator) -> dict:  # type: ignore[no-untyped-def]
+    stream = client.watch(0, "eve")
     next(stream)
-    held = "mallory" in block.streams
+    held = "eve" in block.streams
     ended = threading.Event()
 
     def drain() -> None:
@@ -95,11 +99,11 @@ def _revoked(client: SwarmClient, operator: SwarmClient, block) -> dict:  # type
 
     threading.Thread(target=drain, daemon=True).start()
     t0 = time.perf_counter()
-    operator.revoke("mallory")
+    operator.revoke("eve")
     ended.wait(10)
     took = time.perf_counter() - t0
-    again = _attempt("watch_revoked", client, "mallory", block)
+    again = _attempt("watch_revoked", client, "eve", block, agg, "eve")
     operator.close()
-    return _row("watch_revoked", again["refused"], "mallory" in block.streams, revoked=True,
+    return _row("watch_revoked", again["refused"], "eve" in block.streams, revoked=agg.identities.is_revoked("eve"),
                 held_before=held, stream_end_s=round(took, 3) if ended.is_set() else None,
-                replica_after="mallory" in block.registered)
+                replica_after="eve" in block.registered)

@@ -192,7 +192,7 @@ def audits(state: Path, log: Path) -> dict:
     revoked_file = state / "revoked.json"
     revoked = sorted(json.loads(revoked_file.read_text())["revoked"]) if revoked_file.exists() else []
     return {"audits_passed": len(re.findall(r"audit of \S+ update on version \d+ passed", text)),
-            "audits_failed": len(re.findall(r"revoked after a failed audit", text)),
+            "audits_failed": len(re.findall(r"worker \S+ revoked \(", text)),
             "flagged": revoked, "false_positives": len(revoked)}
 
 

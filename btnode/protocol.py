@@ -245,6 +245,11 @@ class Upstream(Protocol):
         """The receipt of `worker_id`'s update `update_id` (RoundReceipt), once its round closed: from the watch
         stream that delivered the version, else asked for; None while it is pending, or unknown here."""
 
+    def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
+        """Update ids of `worker_id`'s whose start states an audit asks for after their push was answered
+        (dropped at close, or in a round a failed audit found attacked): from the watch stream's versions,
+        else asked for with a RoundReceipt call. The worker sends each with `submit_state`."""
+
     def cancel_watches(self, worker_id: str) -> None:
         """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""
 

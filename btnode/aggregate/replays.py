@@ -2,11 +2,21 @@
 drawn for one (held out of their round until the verdict), their start states, the verdicts of its
 `Verifier`, the punishment of a failed one and the repair of the rounds it pushed to
 (round/repairs.py); and the commits of child updates relays pass up under them (`draw`,
-aggregate/trust/commits.py)."""
+aggregate/trust/commits.py).
+
+Later audits (`review`, `_later`): an update is also replayed after its push was answered, from the
+round's kept spill and base, when the screen dropped it at close (a cheat the screen caught is still a
+cheat: its sender is revoked, not just outvoted), and when a failed audit finds its round attacked
+(every update of every kept round the cheat pushed to, and of the round open then, once it closes:
+the cheat's other identities are among their senders, and what they added is taken back by the
+repair). Its sender hears of it with the next version (states_wanted) and sends the start state it
+kept (swarm/worker.py STATES_KEPT); one that never does is not judged, only put on probation again
+(it may have left: `Audits.unanswered`)."""
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
@@ -14,6 +24,8 @@ import torch
 
 from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.intake import Intake
+from btnode.aggregate.round.repairs import ClosedRound
+from btnode.aggregate.round.rounds import Update
 from btnode.aggregate.trust.audit import AuditConfig, AuditJob, Audits, Verdict, Verifier
 from btnode.aggregate.trust.commits import Commits
 from btnode.aggregate.trust.identities import Identities
@@ -25,6 +37,7 @@ from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
 Tensors = Mapping[str, torch.Tensor]
+HEADERS_KEPT = 8192  # headers of unaudited updates kept for later audits: a few rounds of a large swarm's pushes
 
 
 class ReplayDesk:
@@ -42,6 +55,9 @@ class ReplayDesk:
         self.cfg, self.audits, self.commits, self.verifier, self.clock = cfg, audits, commits, verifier, clock
         self.blocks, self._block, self.identities, self.intake = blocks, block, identities, intake
         self._training, self._data_id, self._check_key, self._count = training, data_id, check_key, count
+        self.headers: OrderedDict[str, PushHeader] = OrderedDict()  # update id → header, of unaudited direct pushes
+        self.reviewed: dict[int, int] = {}  # block → the last closed round `review` looked at
+        self.attacked: dict[int, set[int]] = {}  # block → rounds open when an audit failed: verified in full at close
 
     # -- replay audits through relays (aggregate/trust/commits.py) ------------------------------------
     def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
@@ -110,12 +126,12 @@ class ReplayDesk:
                                 relay or "(unnamed: no mutual TLS)", info.version if info else -1)
 
     def punish(self, worker_id: str, reason: str, detail: str) -> None:
-        """A failed audit, a late or wrong start state, or a broken chain: revoke the worker (its
-        certificate's name, or its worker id without mutual TLS), drop its pending updates and take
-        back what it added in the kept rounds (`repair`)."""
+        """A failed audit, a late or wrong start state, a broken chain, or a call in another's name: revoke
+        the worker (its certificate's name, or its worker id without mutual TLS), drop its pending updates
+        and take back what it added in the kept rounds (`repair`)."""
         self.identities.revoke(worker_id, seen_only=False)
         self._count("revoked", reason)
-        log.warning("worker %s revoked after a failed audit (%s): %s", worker_id, reason, detail)
+        log.warning("worker %s revoked (%s): %s", worker_id, reason, detail)
         self.drop(worker_id, f"audit_{reason}")
         self.repair(reason)
 
@@ -178,9 +194,13 @@ class ReplayDesk:
         if self.audits is None or self.verifier is None:
             return []
         self.settle_commits()
+        self.review()
         ready, late = self.audits.due()
         verdicts = [Verdict(j.header, False, "late_state", f"no start state within {self.cfg.state_timeout_s:g} s",
-                            0.0, j.probation, self.clock() - j.arrived) for j in late]
+                            0.0, j.probation, self.clock() - j.arrived) for j in late if not j.later]
+        for j in late:
+            if j.later and not self.identities.is_revoked(j.header.worker_id):
+                self._unanswered(j)
         for job in ready:
             if not self.identities.is_revoked(job.header.worker_id):
                 self.verifier.submit(job)
@@ -198,7 +218,77 @@ class ReplayDesk:
                      v.detail, ", probation" if v.probation else "")
             self._block(v.header.block).admit_held(v.header.update_id)  # held until now (probation, or drawn)
         else:
+            rounds = self._attacked(v.header.block, v.header.worker_id)
             self.punish(v.header.worker_id, v.reason, v.detail)
+            self._verify(v.header.block, rounds)
+
+    def _unanswered(self, job: AuditJob) -> None:
+        over = self.audits.unanswered(job) if self.audits is not None else 0
+        log.warning("worker %s sent no start state for the later audit of its update on version %d: on probation "
+                    "again (%s)", job.header.worker_id, job.header.base_version,
+                    "forgiven" if over <= 0 else "over its allowance")
+        if over > 0:
+            self.punish(job.header.worker_id, "abandoned", "more audits left without their state than it is forgiven")
+
+    # -- later audits ----------------------------------------------------------------------------
+    def remember(self, header: PushHeader) -> None:
+        """A direct push taken into its round unaudited, on the current version: kept, so that a later
+        audit can replay it (its codec bytes are in the round's spill)."""
+        self.headers[header.update_id] = header
+        while len(self.headers) > HEADERS_KEPT:
+            self.headers.popitem(last=False)
+
+    def wanted(self, worker_id: str) -> tuple[str, ...]:
+        """The start states `worker_id` is asked for with the next version (its later audits waiting)."""
+        return self.audits.wanted(worker_id) if self.audits is not None else ()
+
+    def review(self) -> None:
+        """Open the later audits of rounds closed since the last look: the updates the screen dropped, and
+        every update of a round that was open when an audit failed."""
+        if self.audits is None:
+            return
+        for b, agg in self.blocks.items():
+            with agg.lock:
+                if agg.repairs is None:
+                    continue
+                for r in [r for r in agg.repairs.rounds if r.version > self.reviewed.get(b, -1)]:
+                    attacked = r.version in self.attacked.get(b, set())
+                    self.attacked.get(b, set()).discard(r.version)
+                    for u in (*r.kept, *r.dropped) if attacked else r.dropped:
+                        self._later(agg.name, r, u, "attacked" if attacked else "dropped")
+                    self.reviewed[b] = r.version
+
+    def _attacked(self, block: int, worker_id: str) -> list[ClosedRound]:
+        """A failed audit of `worker_id`: the kept rounds it pushed to (found before the repair takes it out
+        of them), and the open round marked, to be verified in full once it closes (`review`)."""
+        agg = self._block(block)
+        with agg.lock:
+            self.attacked.setdefault(block, set()).add(agg.round.version)
+            return [r for r in agg.repairs.rounds if worker_id in r.senders()] if agg.repairs is not None else []
+
+    def _verify(self, block: int, rounds: list[ClosedRound]) -> None:
+        agg = self._block(block)
+        with agg.lock:
+            for r in rounds:
+                for u in (*r.kept, *r.dropped):
+                    self._later(agg.name, r, u, "attacked")
+
+    def _later(self, name: str, r: ClosedRound, u: Update, why: str) -> None:
+        """A later audit of `u`, of closed round `r` (the block's lock held: the spill stays open). Only an
+        update pushed here directly and not audited yet, on the round's base, with its bytes as pushed."""
+        assert self.audits is not None
+        header = self.headers.pop(u.update_id, None)
+        terms = self._training(u.worker_id)
+        if (header is None or header.claim is None or header.base_version != r.version or terms is None
+                or r.base is None or r.tally.holds_updates or u.spilled is None or u.manifest
+                or self.identities.is_revoked(u.worker_id)):
+            return
+        job = AuditJob(header=header, claim=header.claim, train=terms.train, raw=r.tally.spill.get(u.spilled),
+                       base=r.base, arrived=self.clock(), probation=False, later=True)
+        self.audits.open(job)
+        self._count("later_audits", why)
+        log.info("%s round %d: audits the update of %s after its close (%s)", name, r.version,
+                 u.worker_id, "dropped by the screen" if why == "dropped" else "its round was attacked")
 
     def holds(self, block: BlockAggregator, header: PushHeader, probation: bool) -> bool:
         """Whether a direct push is audited, and so held out of its round until the verdict: always on

@@ -135,10 +135,16 @@ class SwarmAggregator:
                               relays=self.relays, audits=self.audits, abandoned=self.replays.abandoned,
                               relay_audits=self.review is not None, upstream=upstream, count=self.count)
 
-    def admit(self, who: Identity, method: str, claimed: str = "") -> None:
+    def admit(self, who: Identity, method: str, claimed: str = "", *, counted: bool = True) -> None:
         """Let a call of `who` through (aggregate/trust/identities.py), or count its refusal
-        (`identity_refused/<reason>`, so that operators see them in metrics) and raise it."""
-        self.signatures.admit(who, method, claimed)
+        (`identity_refused/<reason>`, so that operators see them in metrics; `counted` False: the caller
+        counts it) and raise it. A joined identity calling in another's name is revoked (`impersonates`)."""
+        try:
+            (self.signatures.admit if counted else self.identities.admit)(who, method, claimed)
+        except Forbidden as exc:
+            if exc.reason == "name" and self.identities.impersonates(who, method, claimed):
+                self.replays.punish(who.name, "impersonation", f"{method} under worker id {claimed!r}")
+            raise
 
     def proven(self, relay: Identity, worker_id: str, proof: tuple[bytes, bytes], statement: bytes,
                verify: Verify | None) -> Identity:
@@ -327,6 +333,8 @@ class SwarmAggregator:
         audits.advance(header)
         if base[0].version != header.base_version:
             return judged  # a stale-weighted update: its base is not at hand to replay against (docs/security.md)
+        if judged.outcome is Outcome.PENDING and not held:
+            self.replays.remember(header)  # for a later audit (dropped at close, or its round found attacked)
         return self.replays.open_audit(block, header, raw, base[1], judged, probation, held)
 
     def _check_key(self, header: PushHeader) -> None:

@@ -77,6 +77,7 @@ class SwarmClient:
         self.operator_stub = pb_grpc.OperatorStub(self.channel)
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
         self._receipts: OrderedDict[str, RoundReceipt] = OrderedDict()  # update id → its receipt, from Watch
+        self._wanted: dict[str, tuple[str, ...]] = {}  # worker id → the start states its last Watch reply asked for
 
     def _retrying(self, what: str, attempt: Callable[[], T], *, replayable: bool = True) -> T:
         """attempt(), again after a backoff while the server refuses it for now (Overloaded)."""
@@ -236,6 +237,7 @@ class SwarmClient:
                 info = convert.info_from_pb(msg.version)
                 for r in msg.receipts:  # before the version is handed on: its reader may ask for them at once
                     self._keep_receipt(convert.round_receipt_from_pb(r))
+                self._wanted[worker_id] = tuple(msg.states_wanted)
                 yield info
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"watch at {self.address}") from None
@@ -261,6 +263,20 @@ class SwarmClient:
                 return None
             raise error_from_rpc(err, f"round receipt at {self.address}") from None
         return convert.round_receipt_from_pb(reply.receipt) if reply.HasField("receipt") else None
+
+    def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
+        """The start states the last version's Watch reply asked for (taken once), else asked for with a
+        RoundReceipt call (a worker without a watch stream)."""
+        if (kept := self._wanted.pop(worker_id, None)) is not None:
+            return kept
+        request = pb.RoundReceiptRequest(block=block, worker_id=worker_id)
+        try:
+            reply = self.stub.RoundReceipt(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ()
+            raise error_from_rpc(err, f"round receipt at {self.address}") from None
+        return tuple(reply.states_wanted)
 
     def revoke(self, name: str) -> float:
         """Revoke the identity `name` (this client must hold an operator's certificate); returns

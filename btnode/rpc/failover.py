@@ -125,6 +125,9 @@ class FailoverLink:
         (another, after a failover, never saw the update: None)."""
         return self._run(lambda c: c.receipt(block, worker_id, update_id))
 
+    def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
+        return self._run(lambda c: c.states_wanted(block, worker_id))
+
     def status(self):  # noqa: ANN201 - pb.StatusReply, as SwarmClient.status
         return self._run(lambda c: c.status())
 

@@ -266,7 +266,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
                 raise MalformedInput("no_header", f"a {method} stream must start with its header")
             header = convert.push_header_from_pb(first.header)
             if who is not None:  # a relay passes a child's update on for a replay audit under the child's id
-                self.agg.identities.admit(who, method, "" if who.passes_on(header) else header.worker_id)
+                self.agg.admit(who, method, "" if who.passes_on(header) else header.worker_id, counted=False)
         except PeerInputError as exc:
             self.agg.count(refused, exc.reason)
             log.warning("refused %s: %s", method, exc)
@@ -395,14 +395,17 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
                 last = info.version
                 receipts = block.receipts_for(worker, info.version) if worker else ()
                 yield pb.WatchReply(version=convert.info_to_pb(info),
-                                    receipts=[convert.round_receipt_to_pb(r) for r in receipts])
+                                    receipts=[convert.round_receipt_to_pb(r) for r in receipts],
+                                    states_wanted=self.agg.replays.wanted(worker) if worker else ())
 
     @_guard
     def RoundReceipt(self, request: pb.RoundReceiptRequest, context: grpc.ServicerContext) -> pb.RoundReceiptReply:
         """The round receipt of one of the caller's updates (under mutual TLS, its own name's only)."""
         self._who(context, "RoundReceipt", request.worker_id)
         found = self.agg.block(request.block).receipt(request.worker_id, request.update_id)
-        return pb.RoundReceiptReply(receipt=convert.round_receipt_to_pb(found)) if found else pb.RoundReceiptReply()
+        wanted = self.agg.replays.wanted(request.worker_id)
+        return (pb.RoundReceiptReply(receipt=convert.round_receipt_to_pb(found), states_wanted=wanted) if found
+                else pb.RoundReceiptReply(states_wanted=wanted))
 
     @_guard
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

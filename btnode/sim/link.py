@@ -67,6 +67,9 @@ class LocalLink:
     def receipt(self, block: int, worker_id: str, update_id: str) -> RoundReceipt | None:
         return self.agg.block(block).receipt(worker_id, update_id)
 
+    def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
+        return self.agg.replays.wanted(worker_id)
+
     def cancel_watches(self, worker_id: str) -> None:
         self._ended.add(worker_id)  # its watch loop returns within a second
 

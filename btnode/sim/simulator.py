@@ -233,6 +233,8 @@ class Simulation:
             w.stats.wait_steps += n
             rep.busy_s += n * self.scfg.step_time_s
         rep.waiting_for = None
+        w.send_wanted()  # start states asked for after their pushes (as a worker does with each version)
+        self._audit()
         w.advance(self.agg.block(w.wcfg.block).info)
         self._attempt(rep)
 

@@ -69,6 +69,11 @@ from btnode.train.trainers import unit_trainer
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 T = TypeVar("T")
+# Start states kept for audits (audits on): an update drawn at its push is asked for with the answer; one
+# asked for later (dropped at close, or in a round found attacked) within the aggregator's repair window
+# (AuditConfig.window = 4 closed rounds), a round after it: 4 + 2 covers both. Each is the optimizer state
+# and the residual: about 3 × the block's parameters.
+STATES_KEPT = 6
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,9 @@ class BlockWorker:
         self.recipe = Recipe.here(device, tc.precision.value, error_feedback=wcfg.error_feedback)
         self.audits = False  # set at Join: the swarm replays updates, so keep each round's start state
         self._start: tuple[str, Tensors | None] = (EMPTY_STATE, None)  # the round's optimizer start: hash, state
-        self._states: OrderedDict[str, Tensors] = OrderedDict()  # update id → start state, for an audit
+        # update id → (its header, the state its round started from), for an audit: asked for with the push's
+        # answer (drawn), or later (dropped at close, or in a round found attacked: `send_wanted`)
+        self._states: OrderedDict[str, tuple[PushHeader, Tensors]] = OrderedDict()
         self._stop: threading.Event | None = None
         self.heartbeat: Callable[[], None] = lambda: None  # called every step and wait tick (a watchdog)
         self.on_ready: Callable[[], None] = lambda: None  # called once joined and pulled
@@ -287,9 +294,10 @@ class BlockWorker:
                             samples=float(samples), loss=loss, codec=self.wcfg.codec, update_id=self.new_update_id(),
                             data_key=self.data_key, steps=steps, claim=self._claim(residual_start, self.residual))
         if self._start[1] is not None:
-            self._states[header.update_id] = {**{OPTIMIZER_PREFIX + n: t for n, t in self._start[1].items()},
-                                              **{RESIDUAL_PREFIX + n: t.clone() for n, t in residual_start.items()}}
-            while len(self._states) > 4:  # an audit asks for a state with the push's answer: a few suffice
+            self._states[header.update_id] = (header, {
+                **{OPTIMIZER_PREFIX + n: t for n, t in self._start[1].items()},
+                **{RESIDUAL_PREFIX + n: t.clone() for n, t in residual_start.items()}})
+            while len(self._states) > STATES_KEPT:
                 self._states.popitem(last=False)
         self._last_update = (header, raw)
         return self._last_update
@@ -391,7 +399,7 @@ class BlockWorker:
     def _send_state(self, header: PushHeader) -> None:
         """The aggregator drew this update for a replay audit: send the state its round started from.
         Not sending it counts as failing the audit, so a refusal is logged loudly."""
-        state = self._states.get(header.update_id)
+        state = self._states.get(header.update_id, (None, None))[1]
         if state is None:
             log.error("worker %s: update %s was drawn for audit, but its start state is no longer kept",
                       self.wcfg.worker_id, header.update_id[:8])
@@ -404,6 +412,24 @@ class BlockWorker:
         except PeerInputError as exc:
             log.error("worker %s: the start state of update %s was refused: %s", self.wcfg.worker_id,
                       header.update_id[:8], exc)
+
+    def send_wanted(self) -> None:
+        """Send the start states the aggregator asked for after their pushes were answered (an update the
+        screen dropped at close, or one of a round a failed audit found attacked: aggregate/replays.py)."""
+        if not self.audits:
+            return
+        try:
+            wanted = self.link.states_wanted(self.wcfg.block, self.wcfg.worker_id)
+        except BtnodeError as exc:  # asked again with the next version
+            log.warning("worker %s: could not ask which start states are wanted (%s)", self.wcfg.worker_id, exc)
+            return
+        for update_id in wanted:
+            kept = self._states.get(update_id)
+            if kept is None:
+                log.error("worker %s: an audit asks for the start state of update %s, which is no longer kept",
+                          self.wcfg.worker_id, update_id[:8])
+                continue
+            self._send_state(kept[0])
 
     def _exchange(self, header: PushHeader, raw: dict[str, bytes], stop: threading.Event, *,
                   overlap: bool) -> Exchanged:
@@ -515,6 +541,7 @@ class BlockWorker:
                 if got.newer is None:
                     break
                 self.settle(header, j, got.newer)
+                self.send_wanted()
                 self.advance(got.newer, got.fetched)
         finally:
             stop.set()

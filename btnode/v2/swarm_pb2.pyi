@@ -382,12 +382,14 @@ class WatchRequest(_message.Message):
     def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WatchReply(_message.Message):
-    __slots__ = ("version", "receipts")
+    __slots__ = ("version", "receipts", "states_wanted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    STATES_WANTED_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
     receipts: _containers.RepeatedCompositeFieldContainer[RoundReceipt]
-    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[RoundReceipt, _Mapping]]] = ...) -> None: ...
+    states_wanted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[RoundReceipt, _Mapping]]] = ..., states_wanted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoundReceipt(_message.Message):
     __slots__ = ("update_id", "outcome", "version", "reason")
@@ -412,10 +414,12 @@ class RoundReceiptRequest(_message.Message):
     def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class RoundReceiptReply(_message.Message):
-    __slots__ = ("receipt",)
+    __slots__ = ("receipt", "states_wanted")
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    STATES_WANTED_FIELD_NUMBER: _ClassVar[int]
     receipt: RoundReceipt
-    def __init__(self, receipt: _Optional[_Union[RoundReceipt, _Mapping]] = ...) -> None: ...
+    states_wanted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, receipt: _Optional[_Union[RoundReceipt, _Mapping]] = ..., states_wanted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -99,15 +99,21 @@ def test_an_admitted_worker_joins_and_pushes_under_its_certificates_name(swarm):
 
 
 def test_a_certificate_speaks_only_for_its_own_name(swarm):
+    """A Join under another name is refused (it may be a mistake); once joined under its own, a call in
+    another's name is impersonation: refused, and the identity revoked."""
     _, agg, client = swarm
     w1 = client("w1")
     with pytest.raises(Forbidden, match="certificate names 'w1'.*'w2'"):
         join(w1, "w2")
+    assert not agg.identities.is_revoked("w1")
     join(w1, "w1")
     with pytest.raises(Forbidden, match="certificate names 'w1'.*'w2'"):
         push(w1, agg, "w2", "u1")
     assert agg.block(0).registered == {"w1"} and agg.block(0).info.version == 0  # nothing of w2's got in
     assert record(agg, "w1").refused == {"name": 2}
+    assert agg.identities.is_revoked("w1") and agg.counters[("revoked", "impersonation")] == 1
+    with pytest.raises(Forbidden, match="revoked"):
+        push(w1, agg, "w1", "u2")
 
 
 def test_a_push_needs_a_join_of_its_block(swarm):

@@ -50,8 +50,9 @@ class Skipping(BlockWorker):
 
 
 def simulate(tmp_path: Path, corpus: bytes, *, rounds: int = 3, audit: float = 1.0, probation: int = 1,
-             cheater: type[BlockWorker] | None = None, seed: int = 0, codec: Codec = Codec.INT8) -> Simulation:
-    sim = Simulation(CFG, TC, ACFG, SimConfig(rounds=rounds, replicas=3, steps_per_round=4, audit=audit,
+             cheater: type[BlockWorker] | None = None, seed: int = 0, codec: Codec = Codec.INT8,
+             acfg: AggregatorConfig = ACFG) -> Simulation:
+    sim = Simulation(CFG, TC, acfg, SimConfig(rounds=rounds, replicas=3, steps_per_round=4, audit=audit,
                                               probation=probation, seed=seed, codec=codec, density=0.03),
                      corpus, tmp_path, device=torch.device("cpu"), workers={"b0r2": cheater} if cheater else None)
     sim.run()
@@ -107,6 +108,33 @@ def test_without_probation_a_drawn_cheat_is_caught_and_its_held_update_dropped(t
         (Outcome.DROPPED, "audit_delta")) == 1  # and its sender is told so with the next version
 
 
+def test_a_cheat_the_screen_drops_is_replayed_after_its_close_and_revokes(tmp_path, corpus):
+    """No update is drawn (p ≈ 0, no probation): the negated one is only outvoted by the screen at close.
+    Its later audit (its start state sent with the next version) fails, so its sender is revoked rather
+    than left to try again; and the round it attacked is verified in full (the honest two pass)."""
+    sim = simulate(tmp_path, corpus, rounds=3, audit=1e-9, probation=0, cheater=Negating)
+    block = sim.agg.block(0)
+    assert block.counters[(Outcome.DROPPED.value, "direction_at_close")] == 1
+    assert sim.agg.identities.is_revoked("b0r2")
+    assert [(v.header.worker_id, v.passed) for v in sim.verdicts][0] == ("b0r2", False)
+    events = sim.agg.counters
+    assert events[("later_audits", "dropped")] == 1 and events[("later_audits", "attacked")] == 2
+    assert all(v.passed for v in sim.verdicts if v.header.worker_id != "b0r2")
+    assert [r.name for r in sim.agg.identities.records() if r.failed] == ["b0r2"]
+
+
+def test_honest_updates_the_screen_drops_pass_their_later_audit(tmp_path, corpus):
+    """All honest, under a screen so strict that it drops honest updates (norms within 0.1% of the median):
+    each one dropped is replayed after its close and passes; nobody is flagged."""
+    strict = dataclasses.replace(ACFG, screen_band=(0.999, 1.001))
+    sim = simulate(tmp_path, corpus, rounds=3, audit=1e-9, probation=0, acfg=strict)
+    assert not sim.agg.identities.revoked
+    dropped = sum(n for (o, _), n in sim.agg.block(0).counters.items() if o == Outcome.DROPPED.value)
+    assert dropped >= 2
+    assert sim.agg.counters[("later_audits", "dropped")] == dropped == len(sim.verdicts)
+    assert all(v.passed for v in sim.verdicts)
+
+
 def test_draws_follow_the_secret_and_the_share():
     ids = [f"{i:032x}" for i in range(4000)]
     a = [secret_draw(b"k" * 32, u) < 0.25 for u in ids]
@@ -133,6 +161,23 @@ def test_a_broken_chain_is_refused_and_revokes(tmp_path, corpus):
     with pytest.raises(MalformedInput, match="another optimizer state"):
         sim.agg.push(forged, iter([]))
     assert sim.agg.identities.is_revoked(w.wcfg.worker_id)
+
+
+def test_the_update_that_ended_the_chain_may_be_pushed_again(tmp_path, corpus):
+    """A refusal (stale, say) is not remembered, but the chain moved past the refused update: its re-push
+    after a reconnect is the same claim again, not a break (an honest worker was once revoked for it)."""
+    sim, w = joined_worker(tmp_path, corpus)
+    header, _ = w.make_update()
+    audits = sim.agg.audits
+    audits.check_chain(header)
+    audits.advance(header)  # as after a refusal
+    audits.check_chain(header)  # the same update again: fine
+    other = dataclasses.replace(header, update_id="f" * 32)  # another update from the same start: a break
+    with pytest.raises(MalformedInput, match="another optimizer state"):
+        audits.check_chain(other)
+    lied = dataclasses.replace(header, claim=dataclasses.replace(header.claim, optimizer_end="cd" * 32))
+    with pytest.raises(MalformedInput, match="another optimizer state"):
+        audits.check_chain(lied)  # the same id with another claim is no re-push
 
 
 def test_claims_state_fresh_starts_and_chain(tmp_path, corpus):

@@ -66,4 +66,6 @@ def test_the_watch_rows_are_refused_and_hold_no_stream():
     assert {c: r["refused"] for c, r in rows.items()} == {"watch_foreign": "name", "watch_never_joined": "not_joined",
                                                           "watch_revoked": "revoked"}
     assert not any(r["stream_held"] for r in rows.values())
+    assert {c: r["revoked"] for c, r in rows.items()} == {"watch_foreign": True, "watch_never_joined": False,
+                                                          "watch_revoked": True}  # impersonation revokes
     assert rows["watch_revoked"]["held_before"] and rows["watch_revoked"]["stream_end_s"] is not None

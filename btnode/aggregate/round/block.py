@@ -390,7 +390,7 @@ class BlockAggregator:
         return out.kept, list(out.dropped)
 
     def _close(self, reason: str) -> VersionInfo | None:
-        tally, version, keep = self.tally, self.round.version, self.repairs is not None
+        tally, version, keep, base = self.tally, self.round.version, self.repairs is not None, self.params
         try:
             ups, dropped = self._screen(sorted(self.round.accepted.values(), key=lambda u: u.worker_id))
             before = self.outer.state_dict() if keep else {}
@@ -409,7 +409,8 @@ class BlockAggregator:
             if info is None:
                 tally.spill.close()
             else:
-                self.repairs.keep(ClosedRound(version, tally, ups, [u for u, _ in dropped], before))
+                self.repairs.keep(ClosedRound(version, tally, ups, [u for u, _ in dropped], before,
+                                              None if self.theta_in_file else base))
         return info
 
     def repair(self, revoked: Callable[[str], bool]) -> Repair | None:

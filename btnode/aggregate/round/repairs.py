@@ -37,6 +37,8 @@ class ClosedRound:
     kept: list[Update]  # what the published versions apply of it (after a repair: the repaired set)
     dropped: list[Update]  # what the screen dropped of it
     buffers: Tensors  # the outer momentum before its step ({} without momentum)
+    base: Mapping[str, torch.Tensor] | None = None  # θ^version, which its updates started from (a later audit
+    #   replays against it: aggregate/replays.py); None where θ lives in its version file (which may be gone)
 
     def senders(self) -> set[str]:
         return {u.worker_id for u in (*self.kept, *self.dropped)}

@@ -100,6 +100,8 @@ class AuditJob:
     arrived: float
     probation: bool
     start: Tensors | None = None  # the uploaded start state (opt.* and ef.*); {} when both are fresh
+    later: bool = False  # opened after its push was answered (aggregate/replays.py `ReplayDesk.later`): its
+    #   sender hears of it with a version (states_wanted), and one that never sends it is not thereby a cheat
 
     @property
     def needs_state(self) -> bool:
@@ -300,6 +302,8 @@ class ChainEnd:
 
     optimizer: str = EMPTY_STATE
     residual: str = EMPTY_STATE
+    update_id: str = ""  # the update whose claim ended here ...
+    claim: WorkClaim | None = None  # ... and that claim: the same update pushed again is no break in the chain
 
 
 @dataclass
@@ -375,6 +379,8 @@ class Audits:
             end = self.chains.get((header.block, header.worker_id))
         if end is None:
             return  # the aggregator restarted since it joined: the chain starts here
+        if header.update_id == end.update_id and claim == end.claim:
+            return  # the update that ended the chain, pushed again (a refusal is not remembered: a re-push is judged again)
         if claim.optimizer_start != end.optimizer:
             raise MalformedInput("chain", f"{header.worker_id}'s update starts from another optimizer state than its "
                                           f"last round ended with")
@@ -392,7 +398,8 @@ class Audits:
         if claim is None:
             return
         with self.lock:
-            self.chains[(header.block, header.worker_id)] = ChainEnd(claim.optimizer_end, claim.residual_end)
+            self.chains[(header.block, header.worker_id)] = ChainEnd(claim.optimizer_end, claim.residual_end,
+                                                                     header.update_id, claim)
 
     # -- draws and jobs -----------------------------------------------------------------------
     def on_probation(self, worker_id: str) -> bool:
@@ -453,6 +460,22 @@ class Audits:
             if job is not None:
                 job.start = state
                 self.ready.append(job)
+
+    def wanted(self, worker_id: str) -> tuple[str, ...]:
+        """The update ids of `worker_id`'s later audits (AuditJob.later) still waiting for a start state."""
+        with self.lock:
+            return tuple(k for k, j in self.waiting.items() if j.later and j.header.worker_id == worker_id)
+
+    def unanswered(self, job: AuditJob) -> int:
+        """A later audit whose start state did not come: its sender may have left (or restarted, losing
+        its kept states), so this is no verdict; it counts as abandoned (Audits.joined): on probation
+        again, and revoked once past what is forgiven. Returns how many more than forgiven it has abandoned."""
+        with self.lock:
+            rec = self.records.setdefault(job.header.worker_id, AuditRecord())
+            rec.abandoned += 1
+            rec.passed = 0
+            self.counts[("abandoned", "unanswered")] += 1
+            return rec.abandoned - rec.forgiven(self.cfg.abandon_limit)
 
     def due(self) -> tuple[list[AuditJob], list[AuditJob]]:
         """(jobs ready to replay, jobs whose start state did not come in time), both taken off the book."""

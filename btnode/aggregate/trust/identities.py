@@ -126,6 +126,15 @@ class Identities:
         rec.refused[exc.reason] += 1
         raise exc
 
+    def impersonates(self, who: Identity, method: str, claimed: str) -> bool:
+        """Whether this call is one identity acting under another's worker id after it joined under its
+        own: a joined node is configured right (its id is its certificate's name), so a Watch, Push or
+        other call of it in another name is no mistake. A Join under another name may be one: refused only."""
+        with self._lock:
+            rec = self._records.get(who.name)
+            return (bool(claimed) and claimed != who.name and method not in ("Join", "Status", "Revoke")
+                    and rec is not None and bool(rec.joined))
+
     def joined(self, who: Identity, block: int) -> None:
         with self._lock:
             self._record(who).joined.add(block)
