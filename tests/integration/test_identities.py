@@ -12,11 +12,12 @@ import time
 
 import pytest
 
+from btnode.aggregate.trust.identities import Role
 from btnode.errors import Forbidden, Refused
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.enroll import SwarmAuthority, identity_security
 
-from procs import BTNODE, TINY_SHAPE, Aggregator, identity_env, operator, start, stop_all
+from procs import BTNODE, TINY_SHAPE, Aggregator, identity_env, operator, start, stop_all, wait_port
 
 from btnode.model.config import ModelConfig
 
@@ -100,3 +101,48 @@ def test_streams_are_bound_to_a_joined_unrevoked_identity(swarm, tmp_path):
     finally:
         c.close()
         ops.close()
+
+
+def test_the_default_swarm_through_a_relay_enrolls_audits_and_applies(swarm, tmp_path):
+    """The README's swarm with a relay, no flags beyond the shape: the relay and two workers behind it
+    enroll with join codes (mutual TLS at every hop), every child update is committed at the root, the
+    workers' probation updates (and the drawn ones) are replayed there bit for bit, nobody is flagged,
+    and every update a worker was told is in a round is in a published version."""
+    relay_port = tmp_path / "r1.port"
+    relay = start(["join", "--role", "relay", "--peer", swarm.address, "--blocks-owned", "0", "--listen",
+                   "127.0.0.1:0", "--port-file", str(relay_port), "--state-dir", str(tmp_path / "r1"), *TRAINING,
+                   *TINY_SHAPE], tmp_path / "r1.log", env=identity_env(swarm.state_dir, "r1", Role.RELAY))
+    procs = [relay]
+    try:
+        relay_address = f"127.0.0.1:{wait_port(relay_port, relay)}"
+        for w in ("w0", "w1"):
+            procs.append(start(["join", "--role", "worker", "--block", "0", "--peer", relay_address, "--rounds", "4",
+                                *TRAINING, *TINY_SHAPE, "--stats-file", str(tmp_path / f"{w}.json")],
+                               tmp_path / f"{w}.log", env=identity_env(swarm.state_dir, w)))
+        for w, p in zip(("w0", "w1"), procs[1:]):
+            assert p.wait(timeout=300) == 0, (tmp_path / f"{w}.log").read_text()
+        ops = SwarmClient(swarm.address, timeout_s=10, security=operator(swarm.state_dir))
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # the last replays may still run after the workers exit
+                status = ops.status_dict()
+                events = {(c["name"], c["labels"].get("reason", "")): c["value"] for c in status["counters"]}
+                names = {r["name"]: r for r in status["identities"]}
+                audited = sum(names[w]["audited"] for w in ("w0", "w1") if w in names)
+                if audited >= events.get(("draws", "drawn"), 0) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            included = {i for r in status["blocks"][0]["recent"] for i in r["included"]}
+        finally:
+            ops.close()
+    finally:
+        stop_all(procs)
+    assert names["r1"]["role"] == "relay" and {names[w]["role"] for w in ("w0", "w1")} == {"worker"}
+    assert all(names[w]["audited"] >= 2 and names[w]["failed"] == 0 for w in ("w0", "w1")), names  # probation 2
+    assert events.get(("draws", "drawn"), 0) >= 4 and audited == events[("draws", "drawn")], events
+    assert not [n for n, r in names.items() if r["revoked_at_unix"]], names
+    assert not [k for k in events if k[0] in ("revoked", "relay_uncounted", "identity_refused")], events
+    for w in ("w0", "w1"):
+        stats = json.loads((tmp_path / f"{w}.json").read_text())
+        assert stats["pushes"] == 4 and stats["not_included"] == [], stats
+        assert set(stats["accepted_updates"]) <= included, (w, stats, included)
