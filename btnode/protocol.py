@@ -133,6 +133,55 @@ class Drawn:
 
 
 @dataclass(frozen=True)
+class VerifyTask:
+    """A drawn update another worker is asked to replay (delegated verification, aggregate/trust/delegate.py):
+    the author's push header (its work claim in it), the author's training terms (train.terms JSON) and
+    the keep its frames state. θ^base and the author's start state come with `Upstream.verify_inputs`."""
+
+    task_id: str
+    header: PushHeader
+    terms_json: str
+    keep: int
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """A verifier's result for a task: the train.replay `result_digest` of its replay, and what the replay cost."""
+
+    task_id: str
+    verifier: str  # its identity (under mutual TLS, the caller's own name)
+    digest: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TraceWanted:
+    """A party to a disputed verification is asked for the trace of the round (a state digest per step)."""
+
+    task: VerifyTask
+
+
+@dataclass(frozen=True)
+class StateWanted:
+    """A party to a dispute is asked for the whole state (θ and optimizer) after `k` steps of the round."""
+
+    task: VerifyTask
+    k: int
+
+
+@dataclass
+class Duties:
+    """The verification work handed to one worker since it last asked, each item once."""
+
+    tasks: list[VerifyTask] = field(default_factory=list)
+    traces: list[TraceWanted] = field(default_factory=list)
+    states: list[StateWanted] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks or self.traces or self.states)
+
+
+@dataclass(frozen=True)
 class EvidenceChild:
     """One update in a relay's evidence for a combined push (docs/swarm.md, "Relays"); the frames of
     that update, as the relay received them, follow it in the stream."""
@@ -249,6 +298,23 @@ class Upstream(Protocol):
         """Update ids of `worker_id`'s whose start states an audit asks for after their push was answered
         (dropped at close, or in a round a failed audit found attacked): from the watch stream's versions,
         else asked for with a RoundReceipt call. The worker sends each with `submit_state`."""
+
+    def duties(self, block: int, worker_id: str) -> Duties:
+        """The verification work (delegated replays, and traces or states for disputes) handed to
+        `worker_id` since it last asked (aggregate/trust/delegate.py)."""
+
+    def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(θ^base, the author's start state) of a verification task `worker_id` has a part in."""
+
+    def attest(self, block: int, attestation: Attestation) -> None:
+        """A verifier's result for its task; PeerInputError when the task is not its own, or closed."""
+
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+        """The trace a dispute asked `worker_id` for."""
+
+    def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
+                             state: Mapping[str, torch.Tensor]) -> None:
+        """The whole state after `k` steps that a dispute asked `worker_id` for."""
 
     def cancel_watches(self, worker_id: str) -> None:
         """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""

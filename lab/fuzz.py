@@ -30,7 +30,8 @@ import grpc
 import torch
 
 from btnode.aggregate.sums.accumulate import Accumulator
-from btnode.aggregate.trust.audit import AuditConfig, AuditJob, split_state
+from btnode.aggregate.trust.audit import AuditConfig, AuditJob
+from btnode.train.replay import split_state
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.evidence import frames_digest
 from btnode.aggregate.round.rounds import RoundConfig

@@ -207,6 +207,12 @@ class ReplayDesk:
         verdicts += [v for v in self.verifier.verdicts() if not self.identities.is_revoked(v.header.worker_id)]
         for v in verdicts:
             self._verdict(v)
+        offenders, credits = self.verifier.outcomes()
+        for name, n in credits.items():
+            self.audits.credit(name, n)
+        for name, reason, detail in offenders:  # delegated verification: a verifier that lied (trust/delegate.py)
+            if not self.identities.is_revoked(name):
+                self.punish(name, reason, detail)
         return verdicts
 
     def _verdict(self, v: Verdict) -> None:

@@ -29,6 +29,7 @@ from btnode.aggregate.round.intake import Intake
 from btnode.aggregate.statedir import check_run, secret_of
 from btnode.aggregate.trust.audit import Audits, LocalReplays, Replayer, Verdict
 from btnode.aggregate.trust.commits import Commits
+from btnode.aggregate.trust.delegate import DelegatedReplays, compatible
 from btnode.aggregate.trust.datakeys import DataKeys
 from btnode.aggregate.trust.identities import Identities, Identity, IdentityRecord, Verify
 from btnode.aggregate.trust.manifests import Relays
@@ -39,10 +40,11 @@ from btnode.codec.frames import ChunkData
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
-from btnode.protocol import (INCOMPLETE, Drawn, EvidenceChild, JoinInfo, Judgement, Meter, Outcome, PushHeader,
-                             RoundReceipt, Upstream, VersionInfo, format_steps)
+from btnode.protocol import (INCOMPLETE, Attestation, Drawn, Duties, EvidenceChild, JoinInfo, Judgement, Meter,
+                             Outcome, PushHeader, RoundReceipt, Upstream, VersionInfo, format_steps)
 from btnode.store.models import init_unit, unit_stem
 from btnode.store.versions import VersionStore
+from btnode.train.recipe import Recipe
 from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class SwarmAggregator:
         secret = audit_secret or secret_of(state_dir)  # also keys the screen's sketches (aggregate/sums/accumulate.py)
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
+        self.delegated: DelegatedReplays | None = None
+        self.recipes: dict[str, str] = {}  # worker id → the recipe its last direct push claimed (who may verify whom)
         self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
         verifier = None
         if acfg.audit.on and corpus is None and upstream is None:
@@ -104,7 +108,11 @@ class SwarmAggregator:
         elif acfg.audit.on and corpus is not None:
             self.audits = Audits(acfg.audit, secret, clock)
             self.replayers = {b: Replayer(cfg, b, corpus, tolerance=acfg.audit.tolerance) for b in owned}
-            verifier = LocalReplays(self.replayers, clock, error=functools.partial(self.count, "audit_errors"))
+            local = LocalReplays(self.replayers, clock, error=functools.partial(self.count, "audit_errors"))
+            # the block's other workers replay drawn updates, the aggregator referees (aggregate/trust/delegate.py)
+            self.delegated = (DelegatedReplays(acfg.delegation, local, {b: r.replay for b, r in self.replayers.items()},
+                                               secret, clock, self._verifiers) if acfg.delegation.on else None)
+            verifier = self.delegated or local
             self.commits = Commits(secret)
         # the root weighs each identity's updates by its verified work and recent drops (aggregate/trust/standing.py)
         self.standing = Standing(acfg.standing, self.audits, probation=acfg.audit.probation) if upstream is None else None
@@ -178,6 +186,42 @@ class SwarmAggregator:
         """Admit a worker or a relay (JoinDesk.join)."""
         return self.joins.join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json,
                                relay=relay, proof=proof)
+
+    # -- delegated verification (aggregate/trust/delegate.py) ----------------------------------------
+    def _verifiers(self, block: int, author: str) -> list[str]:
+        """Who may replay `author`'s update of `block`: the block's other live replicas whose recipe gives
+        the same bytes as the author's (known from their pushes), with training terms, not revoked."""
+        agg, theirs = self.blocks.get(block), self.recipes.get(author)
+        if agg is None or theirs is None:
+            return []
+        with agg.lock:
+            names = sorted(agg.registered)
+        mine = Recipe.from_json(theirs)
+        return [n for n in names if n != author and n in self.recipes and not self.identities.is_revoked(n)
+                and self.training(n) is not None and compatible(Recipe.from_json(self.recipes[n]), mine)]
+
+    def _delegation(self) -> DelegatedReplays:
+        if self.delegated is None:
+            raise Refused("no_delegation", "this aggregator does not delegate its replay audits")
+        return self.delegated
+
+    def duties(self, worker_id: str) -> Duties:
+        """`worker_id`'s verification duties since it last asked (none without delegation, or once revoked)."""
+        if self.delegated is None or self.identities.is_revoked(worker_id):
+            return Duties()
+        return self.delegated.duties_of(worker_id)
+
+    def verify_inputs(self, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self._delegation().inputs(task_id, worker_id)
+
+    def attest(self, attestation: Attestation) -> None:
+        self._delegation().attest(attestation)
+
+    def submit_trace(self, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+        self._delegation().submit_trace(task_id, worker_id, trace)
+
+    def submit_dispute_state(self, task_id: str, worker_id: str, k: int, state: Mapping[str, torch.Tensor]) -> None:
+        self._delegation().submit_state(task_id, worker_id, k, state)
 
     def training(self, worker_id: str) -> TrainingTerms | None:
         """The training terms `worker_id` stated at its last admitted Join (None: none stated): what
@@ -289,6 +333,8 @@ class SwarmAggregator:
                           for a in (self.audits, self.relay_audits))
             return replace(answered, audit=waiting)
         audits = None if header.manifest else self.audits  # a relay's children were committed one by one (`draw`)
+        if audits is not None and header.claim is not None:
+            self.recipes[header.worker_id] = header.claim.recipe  # who may verify whom (`_verifiers`)
         try:
             if audits is not None:
                 audits.check_chain(header)

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+
+import torch
 
 from btnode.aggregate.service import SwarmAggregator
 from btnode.aggregate.trust.identities import Identity
 from btnode.codec.codecs import decode
 from btnode.codec.frames import Frame, iter_chunks
-from btnode.protocol import JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, Transfer, VersionInfo
+from btnode.protocol import (Attestation, Duties, JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, Transfer,
+                             VersionInfo)
 
 Spec = Mapping[str, tuple[int, ...]]
+Tensors = dict[str, torch.Tensor]
 
 
 class LocalLink:
@@ -69,6 +74,27 @@ class LocalLink:
 
     def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
         return self.agg.replays.wanted(worker_id)
+
+    def duties(self, block: int, worker_id: str) -> Duties:
+        return self.agg.duties(self._me(worker_id))
+
+    def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], Tensors]:
+        base, start = self.agg.verify_inputs(task_id, self._me(worker_id))
+        return base, {n: t.clone() for n, t in start.items()}
+
+    def attest(self, block: int, attestation: Attestation) -> None:
+        self.agg.attest(replace(attestation, verifier=self._me(attestation.verifier)))
+
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+        self.agg.submit_trace(task_id, self._me(worker_id), trace)
+
+    def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
+                             state: Mapping[str, torch.Tensor]) -> None:
+        self.agg.submit_dispute_state(task_id, self._me(worker_id), k, state)
+
+    def _me(self, worker_id: str) -> str:
+        """The caller's name: its proven identity's when it has one (as under mutual TLS), else what it says."""
+        return self.who.name if self.who is not None else worker_id
 
     def cancel_watches(self, worker_id: str) -> None:
         self._ended.add(worker_id)  # its watch loop returns within a second

@@ -248,8 +248,14 @@ class Simulation:
 
     # -- running -----------------------------------------------------------------------------
     def _audit(self) -> None:
-        """Replay what is due at once: the replay's compute is counted, its time is not simulated."""
+        """Replay what is due at once, the aggregator's replays and the workers' verification duties
+        (delegated verification; a dispute takes a few exchanges): their compute is counted, their time
+        is not simulated."""
         self.verdicts.extend(self.agg.run_audits())
+        for _ in range(8):
+            if not sum(r.worker.verify() for r in self.replicas):
+                break
+            self.verdicts.extend(self.agg.run_audits())
 
     def run(self, until: Callable[[], bool] | None = None) -> SimResult:
         """Run every replica's rounds (or stop once `until()` holds, checked after each event)."""

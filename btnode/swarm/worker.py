@@ -61,6 +61,7 @@ from btnode.store.files import optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
 from btnode.swarm.announcements import Announcements
 from btnode.swarm.fold import Fold
+from btnode.swarm.verify import Verification
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
 from btnode.train.terms import TrainingTerms
@@ -132,6 +133,8 @@ class WorkerStats:
     accepted_updates: list[str] = field(default_factory=list)  # ids of its updates taken into a round (PENDING)
     not_included: list[str] = field(default_factory=list)  # ... that the next version left out, no receipt saying why
     applied: int = 0  # its updates whose round receipt says APPLIED
+    verified: int = 0  # verification duties done for the swarm (replays of others' rounds, dispute traces and states)
+    verify_seconds: float = 0.0  # ... and their compute (swarm/verify.py)
     dropped: dict[str, int] = field(default_factory=dict)  # reason → its updates whose receipt says DROPPED
 
 
@@ -154,6 +157,8 @@ class BlockWorker:
         self.data_id = data_id
         self.data_key = ""  # handed out by the aggregator at Join
         self.sampler = WindowSampler(corpus, cfg.context)
+        self.corpus = corpus
+        self.verification: Verification | None = None  # made at Join when the swarm audits (swarm/verify.py)
         model = init_unit(cfg, wcfg.block, tc.seed)
         self.spec = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self.trainer = unit_trainer(cfg, wcfg.block, model, tc, device=device)
@@ -413,6 +418,19 @@ class BlockWorker:
             log.error("worker %s: the start state of update %s was refused: %s", self.wcfg.worker_id,
                       header.update_id[:8], exc)
 
+    def make_verification(self) -> Verification:
+        """This worker's verifier (a cheat in the bench makes a lying one)."""
+        return Verification(self.cfg, self.wcfg.block, self.corpus, self.link, self.wcfg.worker_id)
+
+    def verify(self) -> int:
+        """Do the verification duties handed out since the last call (between rounds); returns how many."""
+        if self.verification is None:
+            return 0
+        done = self.verification.run()
+        self.stats.verified += done
+        self.stats.verify_seconds = self.verification.seconds
+        return done
+
     def send_wanted(self) -> None:
         """Send the start states the aggregator asked for after their pushes were answered (an update the
         screen dropped at close, or one of a round a failed audit found attacked: aggregate/replays.py)."""
@@ -506,6 +524,8 @@ class BlockWorker:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id
         self.audits = joined.audits
+        if joined.audits:  # its workers may be drawn to verify each other's rounds (aggregate/trust/delegate.py)
+            self.verification = self.make_verification()
         if joined.audits and w.train_while_waiting:
             log.info("worker %s: the swarm replays updates to audit them, so this worker trains nothing while it "
                      "waits for a version (work folded in could not be replayed)", w.worker_id)
@@ -542,6 +562,7 @@ class BlockWorker:
                     break
                 self.settle(header, j, got.newer)
                 self.send_wanted()
+                self.verify()
                 self.advance(got.newer, got.fetched)
         finally:
             stop.set()

@@ -11,6 +11,7 @@ from btnode.aggregate.sums.averaging import OuterConfig
 from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.delegate import DelegationConfig
 from btnode.aggregate.trust.evidence import RelayAuditConfig
 from btnode.aggregate.trust.standing import StandingConfig
 from btnode.codec.codecs import Codec, parse
@@ -26,6 +27,7 @@ class AggregatorConfig:
     outer: OuterConfig = OuterConfig()
     claims: ClaimConfig = ClaimConfig()  # the swarm's batch, H and inner lr: an update's weight and bound
     audit: AuditConfig = AuditConfig()  # replay audits: share, probation, how long a state may take
+    delegation: DelegationConfig = DelegationConfig()  # who replays them: other workers, refereed (delegate.py)
     relay_audit: RelayAuditConfig = RelayAuditConfig()  # relays' combined pushes checked bit for bit (evidence.py)
     standing: StandingConfig = StandingConfig()  # an identity's weight from its verified work and drops (standing.py)
     open: bool = flag("--open/--no-open", "Anyone may join, without a join code: a new identity's updates weigh "

@@ -22,34 +22,29 @@ Who replays is a `Verifier` (the round and aggregate/replays.py's ReplayDesk tal
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
 import math
-import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from btnode.codec.codecs import decode, keep_in
-from btnode.codec.frames import encode_update
 from btnode.data.source import ByteSource
-from btnode.data.windows import WindowSampler
 from btnode.errors import ConfigError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, PushHeader, WorkClaim
 from btnode.settings import flag
-from btnode.store.files import load_optimizer, optimizer_tensors, state_sha256
-from btnode.store.models import init_unit
+from btnode.store.files import state_sha256
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
-from btnode.train.trainers import optimizer_spec, unit_trainer
+from btnode.train.replay import RoundReplay, split_state, torch_threads
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -125,12 +120,6 @@ def secret_draw(secret: bytes, update_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_state(state: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
-    """(optimizer tensors, residual) of an uploaded start state."""
-    return ({n[len(OPTIMIZER_PREFIX):]: t for n, t in state.items() if n.startswith(OPTIMIZER_PREFIX)},
-            {n[len(RESIDUAL_PREFIX):]: t for n, t in state.items() if n.startswith(RESIDUAL_PREFIX)})
-
-
 class Verifier(Protocol):
     """Who decides drawn updates (the audit backend). ReplayDesk (aggregate/replays.py) hands it the
     jobs whose start state is in and collects verdicts; it never sees a round, so a verifier may
@@ -156,16 +145,20 @@ class Verifier(Protocol):
         """Drop the pending jobs of a punished worker: nothing is left to decide about it."""
         ...
 
+    def outcomes(self) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
+        """Since the last call: (verifiers found lying, as (name, reason, detail), to revoke; verifiers
+        whose replays an upheld verdict agreed with → how many: verified work of theirs)."""
+        ...
+
 
 class Replayer:
-    """Re-runs a claimed round of one unit. Holds no lock and no swarm state: give it a job, get a verdict."""
+    """Re-runs a claimed round of one unit (train/replay.py `RoundReplay`) and judges it against the
+    pushed bytes and claim. Holds no lock and no swarm state: give it a job, get a verdict."""
 
     def __init__(self, cfg: ModelConfig, unit: int, corpus: ByteSource | bytes, *, tolerance: float):
         self.cfg, self.unit, self.tolerance = cfg, unit, tolerance
-        self.sampler = WindowSampler(corpus, cfg.context)
-        model = init_unit(cfg, unit, 0)
-        self.shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        self.optimizer_shapes = optimizer_spec(model)
+        self.replay = RoundReplay(cfg, unit, corpus)
+        self.shapes, self.optimizer_shapes = self.replay.shapes, self.replay.optimizer_shapes
 
     def start_spec(self, claim: WorkClaim) -> dict[str, tuple[int, ...]]:
         """What the start state of an update with this claim must hold: the optimizer's tensors unless
@@ -202,18 +195,10 @@ class Replayer:
 
     def _run(self, job: AuditJob, theirs: Recipe) -> tuple[bool, str, str]:
         """The replay itself, under the worker's thread count where it trained on CPU."""
-        h, claim, tc, steps = job.header, job.claim, job.train, job.header.steps
-        optim, residual = split_state(job.start or {})
-        model = init_unit(self.cfg, self.unit, tc.seed)
-        model.load_state_dict(dict(job.base))
-        trainer = unit_trainer(self.cfg, self.unit, model, tc, device=torch.device("cpu"))
-        if optim:
-            load_optimizer(trainer.opt, optim, trainer.opt.state_dict()["param_groups"])
-        trainer.step = steps[0]
-        for step in steps:
-            trainer.train_step(self.sampler.batch(tc.seed, h.data_key, step, tc.batch), h.worker_id)
-        raw, res_end = encode_update(trainer.model.state_dict(), job.base, residual, h.codec,
-                                     error_feedback=theirs.error_feedback, keep=keep_in(h.codec, job.raw))
+        h, claim = job.header, job.claim
+        res = self.replay.run(h, job.train, job.base, job.start or {}, keep=keep_in(h.codec, job.raw),
+                              error_feedback=theirs.error_feedback)
+        raw = res.raw
         exact = theirs.exact_with(Recipe.here(torch.device("cpu"), theirs.precision,
                                               error_feedback=theirs.error_feedback))
         if exact and raw != job.raw:
@@ -225,9 +210,9 @@ class Replayer:
                 return False, "delta", f"the replay differs from the pushed delta by {err:.3g} (relative L2; " \
                                        f"tolerance {self.tolerance:g} for a recipe other than the auditor's)"
             return True, "", f"within tolerance ({err:.3g})"
-        if state_sha256(optimizer_state(trainer.opt)) != claim.optimizer_end:
+        if res.optimizer_end != claim.optimizer_end:
             return False, "optimizer_end", "the replay's optimizer state differs from the claimed end state"
-        if state_sha256(res_end) != claim.residual_end:
+        if res.residual_end != claim.residual_end:
             return False, "residual_end", "the replay's residual differs from the claimed end residual"
         return True, "", "bit for bit"
 
@@ -278,22 +263,8 @@ class LocalReplays:
         with self.lock:
             self.queue = [j for j in self.queue if j.header.worker_id != worker_id]
 
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run with torch's intra-op thread count at n (reductions split by it), then restore it."""
-    before = torch.get_num_threads()
-    if n != before and 1 <= n <= (os.cpu_count() or 1):
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def optimizer_state(opt: torch.optim.Optimizer) -> Tensors:
-    """The optimizer's state as named tensors (store.files.optimizer_tensors' names), for hashing and upload."""
-    return optimizer_tensors(opt)[0]
+    def outcomes(self) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
+        return [], {}  # the aggregator verifies alone: nobody else to judge or credit
 
 
 @dataclass
@@ -310,6 +281,7 @@ class ChainEnd:
 class AuditRecord:
     passed: int = 0  # since its last abandoned audit (probation counts these)
     failed: int = 0
+    verified: int = 0  # others' rounds it replayed that an upheld verdict agreed with (trust/delegate.py)
     abandoned: int = 0  # audits it left waiting for a state when it rejoined
     passed_total: int = 0
 
@@ -407,11 +379,16 @@ class Audits:
             return self.records.get(worker_id, AuditRecord()).passed < self.cfg.probation
 
     def passed(self, worker_id: str) -> tuple[int, int]:
-        """(audits passed since its probation last began, audits passed all told): its verified work
-        (aggregate/trust/standing.py)."""
+        """(audits passed since its probation last began, audits passed all told plus the replays it did
+        as a verifier that verdicts upheld): its verified work (aggregate/trust/standing.py)."""
         with self.lock:
             rec = self.records.get(worker_id, AuditRecord())
-            return rec.passed, rec.passed_total
+            return rec.passed, rec.passed_total + rec.verified
+
+    def credit(self, worker_id: str, n: int) -> None:
+        """`n` replays of others' rounds by `worker_id` that upheld verdicts agreed with (trust/delegate.py)."""
+        with self.lock:
+            self.records.setdefault(worker_id, AuditRecord()).verified += n
 
     def force(self, worker_id: str) -> None:
         """Put `worker_id` on probation again (trust/standing.py, after repeated drops at close): every update
