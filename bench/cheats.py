@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import multiprocessing
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -52,7 +53,7 @@ from btnode.sim.link import LocalLink
 from btnode.sim.simulator import SimConfig, Simulation
 from btnode.swarm.worker import BlockWorker
 from btnode.train.config import TrainConfig
-from lab.cheats import ATTACKS, CHEATS, SLEEP, attack_workers, cheat_factory
+from lab.cheats import ATTACKS, CHEATS, SLEEP, VERIFIER_CHEATS, attack_workers, cheat_factory, lied, verifier_workers
 
 SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))
 REPLICAS = 5
@@ -65,7 +66,7 @@ OPEN_FIELD = "open"  # AggregatorConfig's switch of the open mode (issue #38, an
 OPEN_CHEATS = tuple(c for c in ATTACKS if "sybil" in c)  # what the open mode changes: fresh ids' weight
 DRAWN = "audit_"  # the mechanism of a failed audit: audit_<reason>
 NOT_CAUGHT = {Outcome.PENDING.value, Outcome.ACCEPTED.value, Outcome.PROBATION.value}  # answers that are not a refusal
-ALL = (*CHEATS, *ATTACKS)
+ALL = (*CHEATS, *ATTACKS, *VERIFIER_CHEATS)
 _corpus = functools.cache(bundled)  # once per process
 
 # Rows measured outside the simulator, by a function of the parsed arguments returning rows with
@@ -89,6 +90,8 @@ def config(mode: str) -> AggregatorConfig:
 
 def cheaters(cheat: str) -> tuple[str, ...]:
     """The identities that cheat: the last replicas, never the victim."""
+    if cheat in VERIFIER_CHEATS:
+        return IDS[-VERIFIER_CHEATS[cheat]:]
     return IDS[-ATTACKS[cheat].ids:] if cheat in ATTACKS else IDS[-1:]
 
 
@@ -158,7 +161,7 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
     REPLICAS: the honest replicas alone (the cheaters are the last ones), what is left once an attack's
     ids are out: the compute an attack removes, told apart from the harm it does."""
     torch.set_num_threads(1)  # a tiny model: more threads only contend
-    logging.getLogger("btnode").setLevel(logging.ERROR)  # every drop is logged: the row says what counts
+    logging.getLogger("btnode").setLevel(logging.ERROR if not os.environ.get("BTNODE_BENCH_LOG") else logging.INFO)  # every drop is logged: the row says what counts
     t0 = time.perf_counter()
     tc, corpus, cpu = s.tc, _corpus(), torch.device("cpu")
     ids = cheaters(cheat) if cheat else ()
@@ -166,11 +169,18 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
     curve: list[tuple[int, float]] = []
     sim: Simulation | None = None
 
+    revoked_in: dict[str, int] = {}  # a cheating id → the round in which it was revoked (a lying verifier's catch)
+
     def score(_block: int, info: VersionInfo) -> None:
         curve.append((info.version, swarm_ce(sim.blocks(), corpus.test, s.windows, cpu)))  # type: ignore[union-attr]
+        for w in ids:
+            if w not in revoked_in and sim.agg.identities.is_revoked(w):  # type: ignore[union-attr]
+                revoked_in[w] = info.base_version
 
     if cheat in ATTACKS:
         makers = attack_workers(cheat, ids)
+    elif cheat in VERIFIER_CHEATS:
+        makers = verifier_workers(cheat, ids)
     else:
         makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
     scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed)
@@ -199,9 +209,10 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
                          if outcome not in NOT_CAUGHT and why != "revoked" and cheating_in(cheat, r)] +
                         [(v.header.base_version, 0, DRAWN + v.reason) for v in sim.verdicts
                          if v.header.worker_id in ids and not v.passed] +
-                        [(r, 1, why) for r, wid, why in dropped if theirs(wid) and cheating_in(cheat, r)])
+                        [(r, 1, why) for r, wid, why in dropped if theirs(wid) and cheating_in(cheat, r)] +
+                        [(r, 2, "verifier") for r in revoked_in.values() if cheat in VERIFIER_CHEATS])
         out.update(caught_round=caught[0][0] if caught else None, mechanism=caught[0][2] if caught else None,
-                   revoked=all(sim.agg.identities.is_revoked(w) for w in ids),
+                   revoked=all(sim.agg.identities.is_revoked(w) for w in ids if lied(sim.worker(w))),
                    caught_rounds=len({r for r, *_ in caught}), pushes=len({r for r, *_ in answers}))
     return out
 

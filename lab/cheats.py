@@ -5,10 +5,13 @@ what it pushes or what it trains on, while its claims look honest (the steps it 
 
 `CHEATS` names every cheat of one replica; `cheat_factory(name, victim=...)` builds one. `ATTACKS` names the
 attacks of several identities acting as one (a Sybil, colluding sleepers): `attack_workers(name, ids)` builds
-one worker per identity, all sharing one `Attacker`."""
+one worker per identity, all sharing one `Attacker`. `VERIFIER_CHEATS` lie as verifiers (delegated
+verification, aggregate/trust/delegate.py): one that accuses honest rounds, and a pair (`verifier_workers`)
+whose verifier vouches for its partner's forged updates."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,8 +23,10 @@ from btnode.codec.codecs import decode
 from btnode.codec.frames import encode_raw
 from btnode.data.source import ByteSource
 from btnode.errors import Forbidden
-from btnode.protocol import Judgement, PushHeader
+from btnode.protocol import Judgement, PushHeader, VerifyTask
+from btnode.swarm.verify import Verification
 from btnode.swarm.worker import BlockWorker
+from btnode.train.replay import ReplayResult, result_digest
 
 Tensors = dict[str, torch.Tensor]
 Raw = dict[str, bytes]
@@ -191,6 +196,84 @@ class ColludingWorker(BlockWorker):
         if self.attacker.attack.turned(header.base_version):
             raw = encode_raw(self.attacker.forged(header.base_version), self.wcfg.codec)
         return super().push(header, raw)
+
+
+class AccusingVerification(Verification):
+    """Replays as asked, then attests another digest: it accuses every round it verifies."""
+
+    def digest(self, task: VerifyTask, result: ReplayResult) -> str:
+        return hashlib.sha256(b"accused" + result.digest.encode()).hexdigest()
+
+
+class AccusingWorker(BlockWorker):
+    """Trains and pushes honestly; as a verifier it accuses every honest round it is drawn to verify."""
+
+    def make_verification(self) -> Verification:
+        return AccusingVerification(self.cfg, self.wcfg.block, self.corpus, self.link, self.wcfg.worker_id)
+
+
+@dataclass
+class Ring:
+    """Two identities of one attacker: what the forging one pushed (update id → its digest), so that the
+    other, drawn as its verifier, can vouch for it without replaying."""
+
+    pushed: dict[str, str] = field(default_factory=dict)
+    vouched: int = 0  # times its verifier vouched for the forger (the lie it is there to tell)
+
+
+class RingForger(NegatedWorker):
+    """Pushes −Δ (with honest claims) and tells its ring the digest it pushed."""
+
+    def __init__(self, *args: object, ring: Ring, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.ring = ring
+
+    def make_update(self) -> tuple[PushHeader, Raw]:
+        header, raw = super().make_update()
+        assert header.claim is not None
+        self.ring.pushed[header.update_id] = result_digest(raw, header.claim.optimizer_end, header.claim.residual_end)
+        return header, raw
+
+
+class VouchingVerification(Verification):
+    def __init__(self, *args: object, ring: Ring, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.ring = ring
+
+    def digest(self, task: VerifyTask, result: ReplayResult) -> str:
+        if task.task_id in self.ring.pushed:
+            self.ring.vouched += 1
+            return self.ring.pushed[task.task_id]  # its partner's: the digest it pushed
+        return result.digest
+
+
+class VouchingWorker(BlockWorker):
+    """Trains and pushes honestly, verifies others honestly, and vouches for its ring's forger."""
+
+    def __init__(self, *args: object, ring: Ring, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.ring = ring
+
+    def make_verification(self) -> Verification:
+        return VouchingVerification(self.cfg, self.wcfg.block, self.corpus, self.link, self.wcfg.worker_id,
+                                    ring=self.ring)
+
+
+VERIFIER_CHEATS = {"verifier_accusing": 1, "verifier_vouching": 2}  # name → identities it holds
+
+
+def verifier_workers(name: str, ids: Sequence[str]) -> dict[str, Callable[..., BlockWorker]]:
+    """One factory per identity of lying-verifier cheat `name` (len(ids) == VERIFIER_CHEATS[name])."""
+    assert len(ids) == VERIFIER_CHEATS[name], f"{name} holds {VERIFIER_CHEATS[name]} identities, got {list(ids)}"
+    if name == "verifier_accusing":
+        return {ids[0]: AccusingWorker}
+    ring = Ring()
+    return {ids[0]: partial(VouchingWorker, ring=ring), ids[1]: partial(RingForger, ring=ring)}
+
+
+def lied(worker: BlockWorker) -> bool:
+    """Whether a cheating identity did cheat: a vouching verifier only once drawn for its forger."""
+    return not isinstance(worker, VouchingWorker) or worker.ring.vouched > 0
 
 
 def skip(worker: BlockWorker, n: int) -> None:

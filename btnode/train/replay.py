@@ -89,8 +89,8 @@ class RoundReplay:
         model = init_unit(self.cfg, self.unit, tc.seed)
         model.load_state_dict(dict(base))
         trainer = unit_trainer(self.cfg, self.unit, model, tc, device=torch.device("cpu"))
-        if optim:
-            load_optimizer(trainer.opt, optim, trainer.opt.state_dict()["param_groups"])
+        if optim:  # copies: AdamW steps its loaded state in place, and a job's start state is replayed more than once
+            load_optimizer(trainer.opt, {n: t.clone() for n, t in optim.items()}, trainer.opt.state_dict()["param_groups"])
         return trainer
 
     def _step(self, trainer, header: PushHeader, tc: TrainConfig, step: int) -> None:  # type: ignore[no-untyped-def]

@@ -30,6 +30,7 @@ import hmac
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from btnode.train.terms import TrainingTerms
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
+RECHECKED = 4  # a revoked author's last updates that verifiers passed, replayed by the aggregator
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,10 @@ class DelegatedReplays:
         self.work: dict[str, float] = {}  # verifier → seconds of replays it attested (its verified work)
         self.counts: dict[str, int] = {}  # event → count (tasks, redundant, spot, disputes, local, reassigned)
         self.referee_seconds = 0.0  # the aggregator's own compute on disputes
+        # author → its last updates that verifiers passed (job, verifier → digest): if the author is revoked
+        # later, they are replayed here, and a verifier that vouched for one that fails lied (`forget`)
+        self.passed: dict[str, deque[tuple[AuditJob, dict[str, str]]]] = {}
+        self.rechecks: dict[str, dict[str, str]] = {}  # update id → its verifiers' digests, replayed here
 
     # -- the Verifier protocol --------------------------------------------------------------------------
     def start_spec(self, block: int, claim) -> dict[str, tuple[int, ...]]:  # type: ignore[no-untyped-def]
@@ -164,6 +170,9 @@ class DelegatedReplays:
         out: list[Verdict] = []
         with self.lock:
             for v in local:
+                if v.header.update_id in self.rechecks:  # a revoked author's passed update, replayed here
+                    self._rechecked(v, self.rechecks.pop(v.header.update_id))
+                    continue
                 tid = self.spots.pop(v.header.update_id, None)
                 task = self.tasks.get(tid) if tid is not None else None
                 if task is not None:
@@ -185,11 +194,19 @@ class DelegatedReplays:
         return out, credits
 
     def forget(self, worker_id: str) -> None:
+        """`worker_id` was revoked: its open tasks go, and the updates of its that verifiers passed are
+        replayed here (a cheat is rarely caught on its first lie: whoever vouched for one lied too)."""
         self.local.forget(worker_id)
         with self.lock:
             for tid in [t for t, task in self.tasks.items() if task.author == worker_id]:
                 del self.tasks[tid]
             self.duties.pop(worker_id, None)
+            kept = self.passed.pop(worker_id, ())
+            for job, digests in kept:
+                self.rechecks[job.header.update_id] = digests
+        for job, _ in kept:
+            self._count("rechecks")
+            self.local.submit(job)  # (after local.forget above: the queue keeps it)
 
     # -- what workers ask and answer ----------------------------------------------------------------------
     def duties_of(self, worker_id: str) -> Duties:
@@ -338,6 +355,8 @@ class DelegatedReplays:
     def _pass(self, t: _Task, detail: str) -> None:
         self.tasks.pop(t.task.task_id, None)
         self._credit(t.attests)
+        kept = self.passed.setdefault(t.author, deque(maxlen=RECHECKED))
+        kept.append((t.job, {n: a.digest for n, a in t.attests.items()}))
         self._verdicts.append(self._verdict(t, True, "", detail))
 
     def _credit(self, names) -> None:  # type: ignore[no-untyped-def]
@@ -350,6 +369,14 @@ class DelegatedReplays:
         self.spots[t.task.task_id] = t.task.task_id
         self._count("local_after_dispute")
         self.local.submit(t.job)
+
+    def _rechecked(self, v: Verdict, digests: dict[str, str]) -> None:
+        """A revoked author's update that verifiers passed, replayed here: if it fails, they vouched for a cheat."""
+        if v.passed:
+            return
+        for name in digests:
+            self._offenders.append((name, "verifier", f"it passed {v.header.worker_id}'s update "
+                                                      f"{v.header.update_id[:8]}, which the aggregator's replay fails"))
 
     def _spot_checked(self, t: _Task) -> None:
         """The aggregator's own replay decided a spot-checked task: a verifier that said otherwise lied."""
