@@ -218,7 +218,7 @@ class Ring:
     other, drawn as its verifier, can vouch for it without replaying."""
 
     pushed: dict[str, str] = field(default_factory=dict)
-    vouched: int = 0  # times its verifier vouched for the forger (the lie it is there to tell)
+    vouched: int = 0  # times its verifier vouched for a forged update (the lie it is there to tell)
 
 
 class RingForger(NegatedWorker):
@@ -241,10 +241,9 @@ class VouchingVerification(Verification):
         self.ring = ring
 
     def digest(self, task: VerifyTask, result: ReplayResult) -> str:
-        if task.task_id in self.ring.pushed:
-            self.ring.vouched += 1
-            return self.ring.pushed[task.task_id]  # its partner's: the digest it pushed
-        return result.digest
+        pushed = self.ring.pushed.get(task.task_id, result.digest)  # its partner's: the digest it pushed
+        self.ring.vouched += pushed != result.digest  # a lie only where the partner forged
+        return pushed
 
 
 class VouchingWorker(BlockWorker):
