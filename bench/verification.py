@@ -1,0 +1,164 @@
+"""What verification costs the aggregator as the swarm grows (issue #39): one block × N replicas in the
+simulator (the daemon's SwarmAggregator and BlockWorkers in process, each replica its own identity), the
+shipped configuration (audit share 0.25, probation 2, delegated verification), against the same swarm
+with the aggregator replaying every audit itself (`--verify-min-workers 0`, the configuration before
+#39) and with no audits at all.
+
+Per run: `aggregator_cpu_s`, the aggregator's time in verification (its replay audits, draws, digest
+checks and referee steps: every call into the audit desk and the delegated verifier, timed);
+`verifier_cpu_s`, the workers' replays for each other; `swarm_train_cpu_s`, the workers' training;
+`audits`, `disputes`, `tasks` (delegated), `local` (replayed by the aggregator). The simulator runs
+compute without simulating its time, so a round's latency is given as what it would wait for: the
+aggregator's verification work per round (one core) against a worker's training time per round. A
+verifier's replay of a held update adds one replay (≈ one worker round) to its round in the delegated
+mode; the aggregator-only mode adds its whole queue.
+
+    .venv/bin/python -m bench.verification                 # N = 64 and 256, 6 rounds (~10 min on 2 cores)
+    .venv/bin/python -m bench.verification --quick         # N = 8 and 16
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.flags import BenchParser
+from bench.report import publish, table
+from bench.runs import Metric
+from btnode.aggregate.replays import ReplayDesk
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.aggregate.trust.audit import AuditConfig
+from btnode.aggregate.trust.claims import ClaimConfig
+from btnode.aggregate.trust.delegate import DelegatedReplays, DelegationConfig
+from btnode.data.corpus import bundled
+from btnode.model.config import ModelConfig
+from btnode.sim.simulator import SimConfig, Simulation
+from btnode.train.config import TrainConfig
+
+SHAPE = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1, 8))  # the cheats bench's
+MODES = {
+    "delegated": lambda a: a,  # the shipped configuration
+    "aggregator_only": lambda a: replace(a, delegation=DelegationConfig(min_workers=0)),  # before issue #39
+    "no_audits": lambda a: replace(a, audit=AuditConfig(share=0.0)),
+}
+TIMED = ((ReplayDesk, "run_audits"), (DelegatedReplays, "attest"), (DelegatedReplays, "submit_trace"),
+         (DelegatedReplays, "submit_state"), (DelegatedReplays, "inputs"), (DelegatedReplays, "duties_of"))
+
+
+class Stopwatch:
+    """Sums the wall time of every call into the aggregator's verification (TIMED), re-entrant calls once."""
+
+    def __init__(self) -> None:
+        self.seconds, self.depth, self.saved = 0.0, 0, []
+
+    def __enter__(self) -> Stopwatch:
+        for cls, name in TIMED:
+            fn = getattr(cls, name)
+            self.saved.append((cls, name, fn))
+            setattr(cls, name, self._timed(fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, fn in self.saved:
+            setattr(cls, name, fn)
+
+    def _timed(self, fn):  # type: ignore[no-untyped-def]
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
+    torch.set_num_threads(1)
+    logging.getLogger("btnode").setLevel(logging.ERROR)
+    tc = TrainConfig(batch=batch, steps=rounds * h, warmup=h, seed=seed)
+    acfg = MODES[mode](AggregatorConfig(claims=ClaimConfig.of(tc, h)))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="btnode-verification-") as tmp, Stopwatch() as watch:
+        sim = Simulation(SHAPE, tc, acfg, SimConfig(rounds=rounds, replicas=n, steps_per_round=h, seed=seed),
+                         bundled().train, Path(tmp), device=torch.device("cpu"))
+        sim.run()
+    d = sim.agg.delegated
+    stats = [r.worker.stats for r in sim.replicas]
+    train = sum(s.train_seconds for s in stats)
+    out = {"n_workers": n, "mode": mode, "rounds": rounds, "versions": sim.agg.block(0).info.version,
+           "aggregator_cpu_s": watch.seconds, "aggregator_replay_s": sim.agg.audits.seconds if sim.agg.audits else 0.0,
+           "referee_s": d.referee_seconds if d is not None else 0.0, "verifier_cpu_s": sum(s.verify_seconds for s in stats),
+           "swarm_train_cpu_s": train, "audits": len(sim.verdicts), "failed": sum(not v.passed for v in sim.verdicts),
+           "revoked": sorted(sim.agg.identities.revoked), "counts": dict(d.counts) if d is not None else {},
+           "disputes": d.counts.get("disputes", 0) if d is not None else 0,
+           "worker_round_s": train / max(1, sum(s.pushes for s in stats)), "wall_s": time.perf_counter() - t0}
+    out["aggregator_share"] = out["aggregator_cpu_s"] / train if train else 0.0
+    out["aggregator_per_round_s"] = out["aggregator_cpu_s"] / max(1, out["versions"])
+    return out
+
+
+def main() -> None:
+    ap = BenchParser(__doc__)
+    ap.result("verification")
+    ap.rounds(rounds=6, h=10, batch=16)
+    ap.quick(rounds=3, h=3, batch=4)
+    ap.add_argument("--workers", type=int, nargs="*", default=[64, 256], help="swarm sizes N")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    sizes = [8, 16] if args.quick else args.workers
+    runs = []
+    for n in sizes:
+        for mode in args.modes:
+            r = run(n, mode, args.rounds, args.h, args.batch, args.seed)
+            runs.append(r)
+            print(f"N={n:4d} {mode:16s} aggregator {r['aggregator_cpu_s']:7.2f} s ({100 * r['aggregator_share']:5.2f} % "
+                  f"of training {r['swarm_train_cpu_s']:7.1f} s), verifiers {r['verifier_cpu_s']:7.1f} s, "
+                  f"audits {r['audits']}, disputes {r['disputes']}, revoked {r['revoked']}", flush=True)
+    out = {"runs": runs, "model": SHAPE.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
+           "seed": args.seed, "quick": args.quick, "config": {"audit": AuditConfig().share,
+                                                              "delegation": DelegationConfig().__dict__}}
+    publish("verification", out, metrics(out), render, out=args.results)
+
+
+def metrics(out: dict) -> dict[str, Metric]:
+    by = {(r["n_workers"], r["mode"]): r for r in out["runs"]}
+    m: dict[str, Metric] = {}
+    for (n, mode), r in sorted(by.items()):
+        if mode != "no_audits":
+            m[f"aggregator verification / training, N={n}, {mode}"] = r["aggregator_share"]
+    m["honest revoked"] = sum(len(r["revoked"]) for r in out["runs"])
+    return m
+
+
+def render(out: dict) -> str:
+    rows = [(r["n_workers"], r["mode"], f"{r['swarm_train_cpu_s']:.1f}", f"{r['verifier_cpu_s']:.1f}",
+             f"{r['aggregator_cpu_s']:.2f}", f"{100 * r['aggregator_share']:.2f} %", f"{r['aggregator_per_round_s']:.2f}",
+             f"{r['worker_round_s']:.3f}", r["audits"], r["disputes"], r["counts"].get("local", 0), len(r["revoked"]))
+            for r in out["runs"]]
+    return "\n".join([
+        "## What verification costs the aggregator (`bench/verification.py`)", "",
+        f"Command: `.venv/bin/python -m bench.verification`. One block (d={out['model']['d_model']}, "
+        f"L={out['model']['n_layers']}) × N replicas in the simulator, {out['rounds']} rounds of H = {out['h']} "
+        f"(batch {out['batch']}), the shipped configuration (`delegated`) against the aggregator replaying every "
+        "audit itself (`aggregator_only`, before issue #39) and no audits. Aggregator: its time in every call of "
+        "verification (replays, draws, digests, referee steps). Per round: the aggregator's verification time per "
+        "published version (on one core) against one worker's training time per round: above it, held updates "
+        "wait on the aggregator's queue.", "",
+        *table(["N", "mode", "training (s)", "verifiers (s)", "aggregator (s)", "aggregator / training",
+                "aggregator per round (s)", "worker round (s)", "audits", "disputes", "replayed at aggregator",
+                "revoked"], rows, "rlrrrrrrrrrr")])
+
+
+if __name__ == "__main__":
+    main()
