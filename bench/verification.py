@@ -35,7 +35,7 @@ from btnode.aggregate.replays import ReplayDesk
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.trust.claims import ClaimConfig
-from btnode.aggregate.trust.delegate import DelegatedReplays, DelegationConfig
+from btnode.aggregate.trust.delegate import DelegatedReplays, DelegationConfig, draw_order, share_draw
 from btnode.data.corpus import bundled
 from btnode.model.config import ModelConfig
 from btnode.sim.simulator import SimConfig, Simulation
@@ -107,6 +107,33 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
     return out
 
 
+def pass_formula(f_pool: int, pool: int, r: float, s: float) -> float:
+    """The chance a cheating update drawn for audit passes: every verifier drawn is the attacker's (one,
+    or two at share r, drawn without replacement from the author's `pool` others, `f_pool` of them its)
+    and the aggregator does not spot-check it (share s)."""
+    one = f_pool / pool
+    two = f_pool * (f_pool - 1) / (pool * (pool - 1))
+    return (1 - s) * ((1 - r) * one + r * two)
+
+
+def detection(pool: int = 63, trials: int = 4000, secret: bytes = b"bench-verification" * 2) -> list[dict]:
+    """The pass rate of a cheat against the real draws (delegate.py draw_order, share_draw) over `trials`
+    update ids, for attacker shares of the verifier pool and (redundancy, spot) settings, beside the formula."""
+    names = [f"w{i:03d}" for i in range(pool)]
+    out = []
+    for f in (0.1, 0.2, 1 / 3, 0.5):
+        bad = set(names[:round(f * pool)])
+        for r, s in ((DelegationConfig().redundancy, DelegationConfig().spot), (0.5, 0.04), (0.2, 0.2)):
+            passed = 0
+            for i in range(trials):
+                uid = f"{i:032x}"
+                chosen = draw_order(secret, uid, names)[:2 if share_draw(secret, "redundant", uid) < r else 1]
+                passed += all(c in bad for c in chosen) and not share_draw(secret, "spot", uid) < s
+            out.append({"attacker_share": len(bad) / pool, "redundancy": r, "spot": s, "trials": trials,
+                        "measured_pass": passed / trials, "formula_pass": pass_formula(len(bad), pool, r, s)})
+    return out
+
+
 def main() -> None:
     ap = BenchParser(__doc__)
     ap.result("verification")
@@ -125,7 +152,7 @@ def main() -> None:
             print(f"N={n:4d} {mode:16s} aggregator {r['aggregator_cpu_s']:7.2f} s ({100 * r['aggregator_share']:5.2f} % "
                   f"of training {r['swarm_train_cpu_s']:7.1f} s), verifiers {r['verifier_cpu_s']:7.1f} s, "
                   f"audits {r['audits']}, disputes {r['disputes']}, revoked {r['revoked']}", flush=True)
-    out = {"runs": runs, "model": SHAPE.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
+    out = {"runs": runs, "detection": detection(trials=1000 if args.quick else 4000), "model": SHAPE.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
            "seed": args.seed, "quick": args.quick, "config": {"audit": AuditConfig().share,
                                                               "delegation": DelegationConfig().__dict__}}
     publish("verification", out, metrics(out), render, out=args.results)
@@ -157,7 +184,13 @@ def render(out: dict) -> str:
         "wait on the aggregator's queue.", "",
         *table(["N", "mode", "training (s)", "verifiers (s)", "aggregator (s)", "aggregator / training",
                 "aggregator per round (s)", "worker round (s)", "audits", "disputes", "replayed at aggregator",
-                "revoked"], rows, "rlrrrrrrrrrr")])
+                "revoked"], rows, "rlrrrrrrrrrr"), "",
+        "A cheating update drawn for audit passes when every verifier drawn is the attacker's and no spot check "
+        "falls on it: (1 − s)·[(1 − r)·a/P + r·a(a − 1)/(P(P − 1))] for a of the author's P others the attacker's. "
+        "Measured: the real draws (`draw_order`, `share_draw`) over update ids, P = 63.", "",
+        *table(["attacker share", "redundancy r", "spot s", "pass (measured)", "pass (formula)"],
+               [(f"{d['attacker_share']:.2f}", d["redundancy"], d["spot"], f"{d['measured_pass']:.4f}",
+                 f"{d['formula_pass']:.4f}") for d in out["detection"]], "rrrrr")])
 
 
 if __name__ == "__main__":

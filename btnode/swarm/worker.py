@@ -75,6 +75,7 @@ T = TypeVar("T")
 # (AuditConfig.window = 4 closed rounds), a round after it: 4 + 2 covers both. Each is the optimizer state
 # and the residual: about 3 × the block's parameters.
 STATES_KEPT = 6
+DUTIES_POLL_S = 1.0  # while waiting for a version, how often a worker asks for verification duties
 
 
 @dataclass(frozen=True)
@@ -467,7 +468,7 @@ class BlockWorker:
 
         thread = threading.Thread(target=talk, daemon=True, name="exchange")
         thread.start()
-        trained = 0
+        trained, asked = 0, time.monotonic()
         while thread.is_alive():
             if overlap and trained < self.wcfg.steps_per_round and not stop.is_set():
                 self.train_steps(1)
@@ -476,6 +477,10 @@ class BlockWorker:
             else:
                 self.heartbeat()
                 thread.join(0.05)
+                if self.verification is not None and time.monotonic() - asked >= DUTIES_POLL_S:
+                    # while it waits for the round to close: the rounds of others that wait for its replay
+                    self.verify()
+                    asked = time.monotonic()
         got = result.result(timeout=0)
         self.pushed(got.judgement, at_push)
         if not overlap:
