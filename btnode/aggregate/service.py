@@ -111,7 +111,8 @@ class SwarmAggregator:
             local = LocalReplays(self.replayers, clock, error=functools.partial(self.count, "audit_errors"))
             # the block's other workers replay drawn updates, the aggregator referees (aggregate/trust/delegate.py)
             self.delegated = (DelegatedReplays(acfg.delegation, local, {b: r.replay for b, r in self.replayers.items()},
-                                               secret, clock, self._verifiers) if acfg.delegation.on else None)
+                                               secret, clock, self._verifiers, self._replicas)
+                              if acfg.delegation.on else None)
             verifier = self.delegated or local
             self.commits = Commits(secret)
         # the root weighs each identity's updates by its verified work and recent drops (aggregate/trust/standing.py)
@@ -199,6 +200,13 @@ class SwarmAggregator:
         mine = Recipe.from_json(theirs)
         return [n for n in names if n != author and n in self.recipes and not self.identities.is_revoked(n)
                 and self.training(n) is not None and compatible(Recipe.from_json(self.recipes[n]), mine)]
+
+    def _replicas(self, block: int) -> int:
+        agg = self.blocks.get(block)
+        if agg is None:
+            return 0
+        with agg.lock:
+            return len(agg.registered)
 
     def _delegation(self) -> DelegatedReplays:
         if self.delegated is None:

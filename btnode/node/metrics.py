@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from btnode import __version__
 from btnode.aggregate.trust.audit import AuditTotals
+from btnode.aggregate.trust.delegate import DelegatedReplays
 from btnode.aggregate.service import SwarmAggregator
 from btnode.aggregate.trust.identities import IdentityRecord
 from btnode.errors import ConfigError
@@ -111,6 +112,8 @@ class AggregatorCollector(Collector):
                               ("push", "pull", "fetch_delta", "submit_state"))
         if self.agg.audits is not None:
             yield from audit_families(self.agg.audits.totals())
+        if self.agg.delegated is not None:
+            yield from delegation_families(self.agg.delegated)
 
 
 def identity_families(records: tuple[IdentityRecord, ...]) -> Iterator[Family]:
@@ -123,6 +126,23 @@ def identity_families(records: tuple[IdentityRecord, ...]) -> Iterator[Family]:
     most = GaugeMetricFamily("btnode_identity_drops_max", "The most updates of one identity dropped by the robust "
                              "screen at a round's close.", value=max(drops, default=0))
     yield from (dropped, most)
+
+
+def delegation_families(d: DelegatedReplays) -> Iterator[Family]:
+    """Delegated verification (aggregate/trust/delegate.py): what went to workers, what the aggregator kept."""
+    events = CounterMetricFamily("btnode_verification_events", "Delegated verification: tasks handed to workers, "
+                                 "redundant and spot-checked ones, disputes, rechecks, and audits replayed by the "
+                                 "aggregator itself (local).", labels=["event"])
+    counts = dict(d.counts)
+    for name in ("tasks", "redundant", "spot", "disputes", "rechecks", "local", "reassigned", "local_after_dispute"):
+        events.add_metric([name], counts.get(name, 0))
+    verifiers = CounterMetricFamily("btnode_verifier_seconds", "Replay time workers attested doing for others "
+                                    "(their verified work).")
+    verifiers.add_metric([], sum(d.work.values()))
+    referee = CounterMetricFamily("btnode_referee_seconds", "The aggregator's own compute on disputes (one step or "
+                                  "one encode each).")
+    referee.add_metric([], d.referee_seconds)
+    yield from (events, verifiers, referee)
 
 
 def audit_families(t: AuditTotals) -> Iterator[Family]:

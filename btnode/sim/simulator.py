@@ -181,6 +181,7 @@ class Simulation:
 
     # -- events ------------------------------------------------------------------------------
     def _tick(self, b: int) -> None:
+        self._audit()  # as the aggregator's auditor runs on its own clock: audits waiting on time move on
         agg = self.agg.block(b)
         version = agg.info.version
         agg.tick()

@@ -269,6 +269,7 @@ BUDGETS = {
     "serving.md": 2_900,
     "swarm.md": 3_600,
     "tuning.md": 1_600,
+    "verification.md": 1_500,
     "wire.md": 600,
 }
 README_BUDGET = 1_200  # the front door: what btnode is, two commands, a tour

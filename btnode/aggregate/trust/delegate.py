@@ -49,6 +49,7 @@ from btnode.train.terms import TrainingTerms
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 RECHECKED = 4  # a revoked author's last updates that verifiers passed, replayed by the aggregator
+WAIT_S = 5.0  # how long a job waits for verifiers whose recipes are known (at a swarm's start) before it is replayed here
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class DelegationConfig:
     redundancy: float = flag("--verify-redundancy", "Share of delegated audits given to two verifiers (a vouching "
                                                     "verifier disagrees with an honest second one).", default=0.2)
     spot: float = flag("--verify-spot", "Share of delegated audits the aggregator also replays itself, and "
-                                        "decides (catches a verifier that vouches for its own cheater).", default=0.04)
+                                        "decides (catches a verifier that vouches for its own cheater).", default=0.02)
     timeout_s: float = flag("--verify-timeout", "Seconds a verifier has to attest, and a party to a dispute to send "
                                                 "its trace or state; then another verifier is drawn, or the "
                                                 "silent party loses the dispute.", default=120.0)
@@ -92,6 +93,7 @@ class _Task:
     dispute: _Dispute | None = None
     spot: bool = False  # the aggregator replays it too, and its verdict decides
     local: Verdict | None = None  # ... once in: the verifiers' attestations are judged against it
+    handed: float = field(default_factory=time.monotonic)  # wall clock, bounding the time a verifier may claim
 
     @property
     def author(self) -> str:
@@ -112,13 +114,14 @@ def share_draw(secret: bytes, what: str, update_id: str) -> float:
 class DelegatedReplays:
     """The `Verifier` of a swarm whose workers verify each other (see the module doc). `candidates(block,
     author)`: the block's replicas that may verify the author's update (live, not revoked, with its
-    recipe), those behind the author's relay last; `local`: the aggregator's own replays (small blocks,
-    spot checks). Thread-safe."""
+    recipe), those behind the author's relay last; `replicas(block)`: how many the block has, known recipe
+    or not; `local`: the aggregator's own replays (small blocks, spot checks). Thread-safe."""
 
     def __init__(self, cfg: DelegationConfig, local: LocalReplays, replays: Mapping[int, RoundReplay], secret: bytes,
-                 clock: Callable[[], float], candidates: Callable[[int, str], list[str]]):
+                 clock: Callable[[], float], candidates: Callable[[int, str], list[str]],
+                 replicas: Callable[[int], int] = lambda block: 0):
         self.cfg, self.local, self.replays, self.secret, self.clock = cfg, local, dict(replays), secret, clock
-        self.candidates = candidates
+        self.candidates, self.replicas = candidates, replicas
         self.lock = threading.Lock()
         self.tasks: dict[str, _Task] = {}
         self.duties: dict[str, Duties] = {}
@@ -133,6 +136,7 @@ class DelegatedReplays:
         # later, they are replayed here, and a verifier that vouched for one that fails lied (`forget`)
         self.passed: dict[str, deque[tuple[AuditJob, dict[str, str]]]] = {}
         self.rechecks: dict[str, dict[str, str]] = {}  # update id → its verifiers' digests, replayed here
+        self.waiting: list[AuditJob] = []  # jobs with too few known verifiers yet (a swarm's first pushes)
 
     # -- the Verifier protocol --------------------------------------------------------------------------
     def start_spec(self, block: int, claim) -> dict[str, tuple[int, ...]]:  # type: ignore[no-untyped-def]
@@ -142,12 +146,21 @@ class DelegatedReplays:
         self.local.check_start(block, claim, state)
 
     def submit(self, job: AuditJob) -> None:
+        if not self._delegate(job, waited=False):
+            with self.lock:
+                self.waiting.append(job)
+
+    def _delegate(self, job: AuditJob, *, waited: bool) -> bool:
+        """Hand `job` to verifiers, or to the aggregator's own replay; False: not yet (a fresh swarm whose
+        other replicas' recipes are not known yet: tried again for up to WAIT_S, `verdicts`)."""
         h = job.header
         pool = [n for n in self.candidates(h.block, h.worker_id) if n != h.worker_id]
         if not self.cfg.on or len(pool) + 1 < self.cfg.min_workers or not self._exact(job):
+            if self.cfg.on and self._exact(job) and not waited and self.replicas(h.block) >= self.cfg.min_workers:
+                return False  # enough replicas, whose recipes are not all known yet
             self._count("local")
             self.local.submit(job)
-            return
+            return True
         n = 2 if share_draw(self.secret, "redundant", h.update_id) < self.cfg.redundancy and len(pool) >= 2 else 1
         chosen = draw_order(self.secret, h.update_id, pool)[:n]
         task = VerifyTask(task_id=h.update_id, header=h, terms_json=TrainingTerms(job.train, len(h.steps)).to_json(),
@@ -164,8 +177,16 @@ class DelegatedReplays:
         if spot:
             self._count("spot")
             self.local.submit(job)
+        return True
 
     def verdicts(self) -> list[Verdict]:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        now = self.clock()
+        for job in waiting:
+            if not self._delegate(job, waited=now - job.arrived > WAIT_S):
+                with self.lock:
+                    self.waiting.append(job)
         local = self.local.verdicts()  # small blocks, and spot checks (which decide their task)
         out: list[Verdict] = []
         with self.lock:
@@ -198,6 +219,7 @@ class DelegatedReplays:
         replayed here (a cheat is rarely caught on its first lie: whoever vouched for one lied too)."""
         self.local.forget(worker_id)
         with self.lock:
+            self.waiting = [j for j in self.waiting if j.header.worker_id != worker_id]
             for tid in [t for t, task in self.tasks.items() if task.author == worker_id]:
                 del self.tasks[tid]
             self.duties.pop(worker_id, None)
@@ -210,9 +232,13 @@ class DelegatedReplays:
 
     # -- what workers ask and answer ----------------------------------------------------------------------
     def duties_of(self, worker_id: str) -> Duties:
-        """The verification work handed to `worker_id` since it last asked (each item once)."""
+        """The verification work handed to `worker_id` since it last asked (each item once), less what
+        closed meanwhile (decided, or its author revoked)."""
         with self.lock:
-            return self.duties.pop(worker_id, Duties())
+            d = self.duties.pop(worker_id, Duties())
+            return Duties([t for t in d.tasks if t.task_id in self.tasks],
+                          [w for w in d.traces if w.task.task_id in self.tasks],
+                          [w for w in d.states if w.task.task_id in self.tasks])
 
     def inputs(self, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], Tensors]:
         """(θ^base, the author's start state) of a task `worker_id` is a verifier or party of; a
@@ -230,7 +256,9 @@ class DelegatedReplays:
             if t is None or a.verifier not in t.verifiers or a.verifier in t.attests or t.dispute is not None:
                 raise MalformedInput("no_task", f"{a.verifier!r} has no open verification task {a.task_id[:16]!r}")
             t.attests[a.verifier] = a
-            self.work[a.verifier] = self.work.get(a.verifier, 0.0) + max(0.0, a.seconds)
+            # its own word for its replay's time, at most the time since the task was handed out (not inflatable)
+            spent = min(max(0.0, a.seconds), time.monotonic() - t.handed)
+            self.work[a.verifier] = self.work.get(a.verifier, 0.0) + spent
             if len(t.attests) < len(t.verifiers):
                 return
             if not t.spot:
