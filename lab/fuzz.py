@@ -308,6 +308,22 @@ def _state_messages(rng: random.Random) -> list[bytes]:
     return _stream(rng, header, chunks)
 
 
+def _dispute_messages(rng: random.Random, spec: dict[str, tuple[int, ...]]) -> list[bytes]:
+    """A SubmitDisputeState stream (no dispute is open): a header, then a whole state of `spec` (RoundReplay's
+    state_spec), whole or mutated, now and then with junk inserted or the header left out."""
+    header = swarm_pb2.DisputeStateHeader(block=rng.choice([0, 0, 1]), task_id=rng.choice(["t", "", "z" * 300]),
+                                          worker_id=rng.choice([AUDITEE, "a", ""]), k=rng.choice([1, 1, 0, 2**31]))
+    state = {n: torch.randn(s) for n, s in spec.items()}
+    chunks = list(iter_chunks(encode_frames(state, Codec.FP32), rng.choice([256, 1 << 20])))
+    if rng.random() < 0.7:
+        chunks = mutate_chunks(rng, chunks, list(state))
+    msgs = [swarm_pb2.SubmitDisputeStateRequest(header=header).SerializeToString()]
+    msgs += [swarm_pb2.SubmitDisputeStateRequest(chunk=convert.chunk_to_pb(c)).SerializeToString() for c in chunks]
+    if rng.random() < 0.2:
+        msgs.insert(rng.randrange(len(msgs) + 1), _junk(rng))
+    return msgs[1:] if rng.random() < 0.1 else msgs
+
+
 def _draw_request(rng: random.Random, base_sha256: str) -> bytes:
     """A relay's Draw: a child's header (mostly of the joined COMMITTER, with a claim that starts a
     fresh chain on the current version, or of BREAKER, whose claims break its chain) and
@@ -399,7 +415,9 @@ SWARM_CALLS = {"Join": (swarm_pb2.JoinRequest, "unary"), "Leave": (swarm_pb2.Lea
                "Status": (swarm_pb2.StatusRequest, "unary"), "Pull": (swarm_pb2.PullRequest, "stream"),
                "FetchDelta": (swarm_pb2.FetchDeltaRequest, "stream"), "Watch": (swarm_pb2.WatchRequest, "stream"),
                "Push": (None, "push"), "SubmitState": (None, "state"), "SubmitEvidence": (None, "evidence"),
-               "Draw": (None, "draw")}
+               "Draw": (None, "draw"), "Duties": (swarm_pb2.DutiesRequest, "unary"),
+               "VerifyInputs": (swarm_pb2.VerifyInputsRequest, "stream"), "Attest": (swarm_pb2.AttestRequest, "unary"),
+               "SubmitTrace": (swarm_pb2.SubmitTraceRequest, "unary"), "SubmitDisputeState": (None, "dispute")}
 STAGE_CALLS = {"Info": (serve_pb2.StageInfoRequest, "unary"), "Forward": (serve_pb2.SegmentRequest, "unary"),
                "ForwardAR": (serve_pb2.ARRequest, "unary"), "Generate": (serve_pb2.GenerateRequest, "stream")}
 
@@ -418,7 +436,8 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
     calls = STAGE_CALLS if stage else SWARM_CALLS
     name = only or rng.choice(sorted(calls))
     message, kind = calls[name]
-    channel = target.stage_channel if stage else target.audit_channel if kind in ("state", "draw") else target.channel
+    channel = (target.stage_channel if stage else target.audit_channel if kind in ("state", "draw", "dispute")
+               else target.channel)
     method = STAGE + name if stage else _swarm_method(name)
     ident = lambda b: b  # noqa: E731  (raw bytes on the wire)
     try:
@@ -441,7 +460,8 @@ def fuzz_rpc(target: Target, seed: int, only: str | None = None) -> str:
             if kind == "evidence":
                 await_evidence(target.agg)  # a case before may have passed it
             messages = (_push_messages(rng) if kind == "push" else _state_messages(rng) if kind == "state"
-                        else _evidence_messages(rng, target.agg.block(0).unit))
+                        else _dispute_messages(rng, target.audit_agg.replayers[0].replay.state_spec())
+                        if kind == "dispute" else _evidence_messages(rng, target.agg.block(0).unit))
             channel.stream_unary(method, request_serializer=ident, response_deserializer=ident)(iter(messages),
                                                                                                 timeout=10)
         return "OK"

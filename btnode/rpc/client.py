@@ -6,6 +6,8 @@ exponential backoff for up to `Retry.budget_s`, and each retry counted; an unrea
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import random
 import time
@@ -15,14 +17,20 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from btnode.aggregate.trust.evidence import frames_digest
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
-from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError
+from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks, lazy_frames
+from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError, Refused
 from btnode.model.config import ModelConfig
 from btnode.protocol import (
+    EMPTY_STATE,
+    OPTIMIZER_PREFIX,
+    RESIDUAL_PREFIX,
+    Attestation,
     Drawn,
+    Duties,
     EvidenceChild,
     JoinInfo,
     Judgement,
@@ -31,6 +39,7 @@ from btnode.protocol import (
     PushHeader,
     RoundReceipt,
     Transfer,
+    VerifyTask,
     VersionInfo,
     join_statement,
     receipt_statement,
@@ -40,7 +49,9 @@ from btnode.rpc.certs import sign
 from btnode.rpc.security import Security, channel, current
 from btnode.rpc.server import CHANNEL_OPTIONS
 from btnode.rpc.status import error_from_rpc
+from btnode.store.models import init_unit
 from btnode.train.terms import TrainingTerms
+from btnode.train.trainers import optimizer_spec
 from btnode.v2 import swarm_pb2 as pb
 from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
@@ -78,6 +89,9 @@ class SwarmClient:
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
         self._receipts: OrderedDict[str, RoundReceipt] = OrderedDict()  # update id → its receipt, from Watch
         self._wanted: dict[str, tuple[str, ...]] = {}  # worker id → the start states its last Watch reply asked for
+        self._configs: dict[int, str] = {}  # block → the model settings (JSON) joined with: a task's tensors' shapes
+        self._tasks: OrderedDict[str, VerifyTask] = OrderedDict()  # task id → the verification task Duties gave
+        self.verify_stub = pb_grpc.VerificationStub(self.channel)
 
     def _retrying(self, what: str, attempt: Callable[[], T], *, replayable: bool = True) -> T:
         """attempt(), again after a backoff while the server refuses it for now (Overloaded)."""
@@ -122,6 +136,7 @@ class SwarmClient:
             text = convert.training_json_from_pb(training) if training is not None else ""
             proof = mine[0], sign(mine[1], join_statement(worker_id, block, fingerprint, data_id, text))
         cert, signature = proof or (b"", b"")
+        self._configs[block] = config_json
         reply = self._call("join", self.stub.Join, pb.JoinRequest(worker_id=worker_id, block=block,
                                                                   fingerprint=fingerprint,
                                                                   config=convert.model_text_to_pb(config_json),
@@ -278,6 +293,84 @@ class SwarmClient:
             raise error_from_rpc(err, f"round receipt at {self.address}") from None
         return tuple(reply.states_wanted)
 
+    # -- delegated verification (swarm/verify.py; the server's side is rpc/verification.py) ---------------
+    def duties(self, block: int, worker_id: str) -> Duties:
+        """The verification work handed to `worker_id` since it last asked; none from an older aggregator
+        (UNIMPLEMENTED). Its tasks are kept, so that their inputs can be checked against their claims."""
+        try:
+            reply = self.verify_stub.Duties(pb.DutiesRequest(block=block, worker_id=worker_id), timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return Duties()
+            raise error_from_rpc(err, f"duties at {self.address}") from None
+        duties = convert.duties_from_pb(reply)
+        for task in [*duties.tasks, *(t.task for t in duties.traces), *(s.task for s in duties.states)]:
+            self._tasks[task.task_id] = task
+            self._tasks.move_to_end(task.task_id)
+        while len(self._tasks) > 256:
+            self._tasks.popitem(last=False)
+        return duties
+
+    def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[dict[str, torch.Tensor],
+                                                                                dict[str, torch.Tensor]]:
+        """(θ^base, the author's start state) of a task Duties gave, each frame checked against the shapes of
+        the block this client joined and the start state its task's claim names."""
+        base_spec, start_spec = self._inputs_spec(block, task_id)
+        request = pb.VerifyInputsRequest(block=block, task_id=task_id, worker_id=worker_id)
+
+        def attempt() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            call = self.verify_stub.VerifyInputs(request, timeout=self.timeout_s)
+            parts = {"base": _fp32_assembler(base_spec), "start": _fp32_assembler(start_spec)}
+            try:
+                for msg in call:
+                    kind = msg.WhichOneof("kind")
+                    if kind not in parts:
+                        raise MalformedInput("stream", f"verify inputs: unexpected {kind} message")
+                    parts[kind].add(convert.chunk_from_pb(getattr(msg, kind)))
+            except grpc.RpcError as err:
+                raise error_from_rpc(err, f"verify inputs at {self.address}") from None
+            except PeerInputError:
+                call.cancel()
+                raise
+            return dict(parts["base"].finish()), dict(parts["start"].finish())
+
+        return self._retrying("verify inputs", attempt)
+
+    def _inputs_spec(self, block: int, task_id: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        task, config = self._tasks.get(task_id), self._configs.get(block)
+        if task is None or config is None or task.header.claim is None:
+            raise Refused("no_task", f"no verification task {task_id[:16]!r} of block {block} came to this client")
+        shapes, optimizer = _unit_spec(config, block)
+        claim = task.header.claim
+        start: dict[str, tuple[int, ...]] = {}  # as the aggregator's Replayer.start_spec (aggregate/trust/audit.py)
+        if claim.optimizer_start != EMPTY_STATE:
+            start.update({OPTIMIZER_PREFIX + n: s for n, s in optimizer})
+        if claim.residual_start != EMPTY_STATE:
+            start.update({RESIDUAL_PREFIX + n: s for n, s in shapes})
+        return dict(shapes), start
+
+    def attest(self, block: int, attestation: Attestation) -> None:
+        """A verifier's result; MalformedInput(no_task) when the task is not its own, or closed."""
+        self._call("attest", self.verify_stub.Attest, convert.attestation_to_pb(block, attestation))
+
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+        self._call("trace upload", self.verify_stub.SubmitTrace,
+                   pb.SubmitTraceRequest(block=block, task_id=task_id, worker_id=worker_id,
+                                         trace=convert.trace_to_pb(trace)))
+
+    def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
+                             state: Mapping[str, torch.Tensor]) -> None:
+        """The whole state after `k` steps that a dispute asked for: a header, then its fp32 frames."""
+        header = pb.DisputeStateHeader(block=block, task_id=task_id, worker_id=worker_id, k=k)
+
+        def messages() -> Iterator[pb.SubmitDisputeStateRequest]:
+            yield pb.SubmitDisputeStateRequest(header=header)
+            for chunk in iter_chunks(lazy_frames(state, Codec.FP32)):
+                yield pb.SubmitDisputeStateRequest(chunk=convert.chunk_to_pb(chunk))
+
+        self._call("dispute state upload",
+                   lambda timeout: self.verify_stub.SubmitDisputeState(messages(), timeout=timeout))
+
     def revoke(self, name: str) -> float:
         """Revoke the identity `name` (this client must hold an operator's certificate); returns
         the aggregator's time of the revocation."""
@@ -333,6 +426,20 @@ class SwarmClient:
     def close(self) -> None:
         self.cancel_watches()
         self.channel.close()
+
+
+def _fp32_assembler(spec: Mapping[str, tuple[int, ...]]) -> FrameAssembler:
+    """An assembler of fp32 frames of `spec`; of none (a fresh start state), one that refuses every frame."""
+    return FrameAssembler.for_spec(spec, [Codec.FP32]) if spec else FrameAssembler({}, codecs=[Codec.FP32],
+                                                                                     max_frame_bytes=0)
+
+
+@functools.lru_cache(maxsize=8)
+def _unit_spec(config_json: str, block: int) -> tuple[tuple[tuple[str, tuple[int, ...]], ...],
+                                                      tuple[tuple[str, tuple[int, ...]], ...]]:
+    """(θ's, the optimizer state's) names and shapes of `block` under these model settings, as RoundReplay's."""
+    model = init_unit(ModelConfig.from_dict(json.loads(config_json)), block, 0)
+    return (tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()), tuple(optimizer_spec(model).items()))
 
 
 def _role_name(number: int) -> str:

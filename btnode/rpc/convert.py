@@ -22,8 +22,9 @@ from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.model.readout import Readout, default_readout
-from btnode.protocol import (MAX_NAME, ClosedBy, EvidenceChild, Judgement, JoinInfo, ManifestEntry, Outcome, PushHeader,
-                             RoundReceipt, VersionInfo, WorkClaim)
+from btnode.protocol import (MAX_NAME, Attestation, ClosedBy, Duties, EvidenceChild, Judgement, JoinInfo, ManifestEntry,
+                             Outcome, PushHeader, RoundReceipt, StateWanted, TraceWanted, VerifyTask, VersionInfo,
+                             WorkClaim)
 from btnode.train.config import Precision, TrainConfig
 from btnode.train.terms import H, TrainingTerms
 from btnode.v2 import serve_pb2 as serve_pb
@@ -342,3 +343,87 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
                              accepted=r.accepted, refused=dict(r.refused), audited=r.audited, failed=r.failed,
                              revoked_at_unix=r.revoked_at or 0.0, applied=r.applied, dropped=dict(r.dropped))
     return reply
+
+
+# -- delegated verification (aggregate/trust/delegate.py, swarm/verify.py) ------------------------------------
+MAX_KEEP = 1 << 20  # a task's keep: a sparse codec's values per 4,096-value chunk (4,096 for a dense one)
+MAX_TRACE = 1 << 16  # digests in a trace: one per claimed step
+
+
+def name_from_pb(text: str, what: str) -> str:
+    """A task id or worker id a peer sent: non-empty, at most MAX_NAME characters."""
+    if not text or len(text) > MAX_NAME:
+        raise MalformedInput(what, f"a {what} is 1 to {MAX_NAME} characters")
+    return text
+
+
+def _digest_to_pb(hexdigest: str, what: str) -> bytes:
+    try:
+        raw = bytes.fromhex(hexdigest)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise MalformedInput(what, f"a {what} is a sha256 digest (64 hex characters), not {hexdigest[:80]!r}")
+    return raw
+
+
+def _digest_from_pb(raw: bytes, what: str) -> str:
+    if len(raw) != 32:
+        raise MalformedInput(what, f"a {what} is a sha256 digest of 32 bytes, not {len(raw)}")
+    return bytes(raw).hex()
+
+
+def task_to_pb(t: VerifyTask) -> pb.VerifyTask:
+    return pb.VerifyTask(task_id=t.task_id, header=push_header_to_pb(t.header),
+                         terms=training_to_pb(TrainingTerms.from_json(t.terms_json)), keep=t.keep)
+
+
+def task_from_pb(m: pb.VerifyTask) -> VerifyTask:
+    """A task as the aggregator sent it: its header checked as a push's, its terms as a join's, and a claim in it."""
+    if not m.HasField("header") or not m.HasField("terms"):
+        raise MalformedInput("task", "a verification task carries the author's push header and training terms")
+    header = push_header_from_pb(m.header)
+    if header.claim is None or not header.steps:
+        raise MalformedInput("task", f"verification task {m.task_id[:16]!r} has no work claim or no steps")
+    if not 0 < m.keep <= MAX_KEEP:
+        raise MalformedInput("task", f"verification task {m.task_id[:16]!r}: keep {m.keep} is not in [1, {MAX_KEEP}]")
+    terms = TrainingTerms.from_json(training_json_from_pb(m.terms))  # MalformedInput("training") if refused
+    return VerifyTask(task_id=name_from_pb(m.task_id, "task_id"), header=header, terms_json=terms.to_json(),
+                      keep=int(m.keep))
+
+
+def duties_to_pb(d: Duties) -> pb.DutiesReply:
+    return pb.DutiesReply(tasks=[task_to_pb(t) for t in d.tasks], traces=[task_to_pb(t.task) for t in d.traces],
+                          states=[pb.StateWanted(task=task_to_pb(s.task), k=s.k) for s in d.states])
+
+
+def duties_from_pb(m: pb.DutiesReply) -> Duties:
+    states = []
+    for s in m.states:
+        if not s.HasField("task") or s.k < 1:
+            raise MalformedInput("task", "a state wanted names its task and a step count of at least 1")
+        states.append(StateWanted(task_from_pb(s.task), int(s.k)))
+    return Duties(tasks=[task_from_pb(t) for t in m.tasks], traces=[TraceWanted(task_from_pb(t)) for t in m.traces],
+                  states=states)
+
+
+def attestation_to_pb(block: int, a: Attestation) -> pb.AttestRequest:
+    return pb.AttestRequest(block=block, task_id=a.task_id, verifier=a.verifier,
+                            digest=_digest_to_pb(a.digest, "digest"), seconds=a.seconds)
+
+
+def attestation_from_pb(m: pb.AttestRequest) -> Attestation:
+    if not (math.isfinite(m.seconds) and m.seconds >= 0):
+        raise MalformedInput("seconds", f"an attestation's seconds are finite and at least 0, not {m.seconds}")
+    return Attestation(task_id=name_from_pb(m.task_id, "task_id"), verifier=name_from_pb(m.verifier, "verifier"),
+                       digest=_digest_from_pb(m.digest, "digest"), seconds=m.seconds)
+
+
+def trace_to_pb(trace: tuple[str, ...]) -> list[bytes]:
+    return [_digest_to_pb(d, "trace") for d in trace]
+
+
+def trace_from_pb(trace) -> tuple[str, ...]:  # type: ignore[no-untyped-def] - a repeated bytes field
+    if len(trace) > MAX_TRACE:
+        raise MalformedInput("trace", f"a trace of {len(trace)} digests, over {MAX_TRACE}")
+    return tuple(_digest_from_pb(d, "trace") for d in trace)

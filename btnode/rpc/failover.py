@@ -10,9 +10,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from btnode.codec.frames import ChunkData, Frame
 from btnode.errors import BtnodeError, ConfigError, PeerUnavailable
-from btnode.protocol import Drawn, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, VersionInfo
+from btnode.protocol import (Attestation, Drawn, Duties, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader,
+                             RoundReceipt, VersionInfo)
 from btnode.rpc.client import SwarmClient
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,24 @@ class FailoverLink:
 
     def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
         return self._run(lambda c: c.states_wanted(block, worker_id))
+
+    # delegated verification: of the current upstream, which handed out the duties (another knows none of them)
+    def duties(self, block: int, worker_id: str) -> Duties:
+        return self._run(lambda c: c.duties(block, worker_id))
+
+    def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[dict[str, torch.Tensor],
+                                                                                dict[str, torch.Tensor]]:
+        return self._run(lambda c: c.verify_inputs(block, task_id, worker_id))
+
+    def attest(self, block: int, attestation: Attestation) -> None:
+        self._run(lambda c: c.attest(block, attestation))
+
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+        self._run(lambda c: c.submit_trace(block, task_id, worker_id, trace))
+
+    def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
+                             state: Mapping[str, torch.Tensor]) -> None:
+        self._run(lambda c: c.submit_dispute_state(block, task_id, worker_id, k, state))
 
     def status(self):  # noqa: ANN201 - pb.StatusReply, as SwarmClient.status
         return self._run(lambda c: c.status())

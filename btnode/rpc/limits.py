@@ -43,7 +43,8 @@ def method_path(service: str, method: str) -> str:
 
 JOIN = method_path("Worker", "Join")  # the call the per-peer join rate limits
 TRANSFERS = frozenset([*(method_path("Worker", m) for m in ("Push", "SubmitState", "Pull", "FetchDelta")),
-                       method_path("Relay", "SubmitEvidence")])
+                       method_path("Relay", "SubmitEvidence"),
+                       *(method_path("Verification", m) for m in ("VerifyInputs", "SubmitDisputeState"))])
 LOG_EVERY_S = 10.0  # a refusal's log line, at most once per reason in this long (with the count since)
 LIMIT_REASONS = ("join_rate", "watch_streams", "transfer_streams", "calls", "watch_budget", "transfer_budget",
                  "call_budget", "transfer_wait")  # a refusal's reason: a client backs off and retries

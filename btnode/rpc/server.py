@@ -1,4 +1,5 @@
-"""The aggregator's gRPC services (btnode.v2 Worker, Relay and Operator): a thin layer over SwarmAggregator.
+"""The aggregator's gRPC services (btnode.v2 Worker, Relay and Operator; Verification in rpc/verification.py):
+a thin layer over SwarmAggregator.
 
 Every handler runs inside `_guard`, which plays the interceptor: domain errors become their
 status code (with the reason in trailing metadata), anything unexpected is logged and becomes
@@ -21,14 +22,15 @@ from btnode.aggregate.round.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.frames import ChunkData, Frame
-from btnode.errors import BtnodeError, Forbidden, MalformedInput, PeerInputError, Refused
+from btnode.errors import Forbidden, MalformedInput, PeerInputError, Refused
 from btnode.protocol import ABORTED, EvidenceChild, PushHeader, VersionInfo, join_statement, receipt_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.limits import PeerLimiter, PeerLimits
 from btnode.rpc.certs import peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
-from btnode.rpc.status import REASON_KEY, code_for, reason_for
+from btnode.rpc.status import _abort, _guard, streaming
+from btnode.rpc.verification import VerificationServicer
 from btnode.v2 import swarm_pb2 as pb
 from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
@@ -60,38 +62,6 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
     # its clients' windows, which keep BDP probing.
     ("grpc.http2.bdp_probe", 0),
 ]
-
-
-def _abort(context: grpc.ServicerContext, exc: BtnodeError) -> None:
-    context.set_trailing_metadata(((REASON_KEY, reason_for(exc)),))
-    context.abort(code_for(exc), str(exc))
-
-
-def _guard(method: Callable) -> Callable:
-    """Map errors to status codes for unary and server-streaming handlers alike."""
-
-    def handle(self: Any, context: grpc.ServicerContext, exc: BaseException) -> None:
-        if isinstance(exc, BtnodeError):
-            _abort(context, exc)
-        log.exception("internal error in %s", method.__name__)
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}")
-
-    if getattr(method, "streaming", False):
-        @functools.wraps(method)
-        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from method(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - the guard is the last line
-                handle(self, context, exc)
-        return stream
-
-    @functools.wraps(method)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            handle(self, context, exc)
-    return unary
 
 
 class DecodeGuard(grpc.ServerInterceptor):
@@ -134,12 +104,8 @@ class DecodeGuard(grpc.ServerInterceptor):
                                                      response_serializer=handler.response_serializer)
 
 
-def streaming(method: Callable) -> Callable:
-    method.streaming = True  # type: ignore[attr-defined]
-    return method
-
-
-SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Worker", "Relay", "Operator"))
+SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name
+                 for name in ("Worker", "Relay", "Verification", "Operator"))
 
 
 class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.OperatorServicer):
@@ -450,6 +416,8 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     pb_grpc.add_RelayServicer_to_server(servicer, server)
     pb_grpc.add_OperatorServicer_to_server(servicer, server)
+    # delegated verification, bound to the callers' identities as the other calls are (rpc/verification.py)
+    pb_grpc.add_VerificationServicer_to_server(VerificationServicer(agg, servicer._who), server)
     (health or NodeHealth(serving=True)).add_to(server, SERVICES)
     port = bind(server, address, sec)
     server.start()

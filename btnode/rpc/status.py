@@ -1,7 +1,13 @@
 """Domain errors ⇄ gRPC status codes, in one table used by both the server and the client.
-The reason label travels in trailing metadata so a client can count and report it."""
+The reason label travels in trailing metadata so a client can count and report it. `_guard` is
+the server's half: it wraps every handler (rpc/server.py, rpc/verification.py, rpc/stages.py)."""
 
 from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -10,8 +16,9 @@ from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError,
                            StageTimeout, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
 from btnode.rpc.limits import LIMIT_REASONS
 
+log = logging.getLogger(__name__)
 REASON_KEY = "btnode-reason"
-REFUSALS = ("not_joined", "second_push", "no_identities")  # FAILED_PRECONDITION reasons that come back as Refused
+REFUSALS = ("not_joined", "second_push", "no_identities", "no_delegation")  # FAILED_PRECONDITION reasons that come back as Refused
 
 _CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
     (MalformedInput, grpc.StatusCode.INVALID_ARGUMENT),
@@ -84,3 +91,40 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
             return CacheMiss(message)
         return StaleUpdate(reason or "stale", message)
     return BtnodeError(f"{message} ({code.name if code else 'unknown status'})")
+
+
+def _abort(context: grpc.ServicerContext, exc: BtnodeError) -> None:
+    context.set_trailing_metadata(((REASON_KEY, reason_for(exc)),))
+    context.abort(code_for(exc), str(exc))
+
+
+def _guard(method: Callable) -> Callable:
+    """Map errors to status codes for unary and server-streaming handlers alike."""
+
+    def handle(self: Any, context: grpc.ServicerContext, exc: BaseException) -> None:
+        if isinstance(exc, BtnodeError):
+            _abort(context, exc)
+        log.exception("internal error in %s", method.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}")
+
+    if getattr(method, "streaming", False):
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the guard is the last line
+                handle(self, context, exc)
+        return stream
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            handle(self, context, exc)
+    return unary
+
+
+def streaming(method: Callable) -> Callable:
+    method.streaming = True  # type: ignore[attr-defined]
+    return method

@@ -564,3 +564,117 @@ class RevokeReply(_message.Message):
     REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     revoked_at_unix: float
     def __init__(self, revoked_at_unix: _Optional[float] = ...) -> None: ...
+
+class DutiesRequest(_message.Message):
+    __slots__ = ("block", "worker_id")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    worker_id: str
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class VerifyTask(_message.Message):
+    __slots__ = ("task_id", "header", "terms", "keep")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    header: PushHeader
+    terms: _settings_pb2.TrainingSettings
+    keep: int
+    def __init__(self, task_id: _Optional[str] = ..., header: _Optional[_Union[PushHeader, _Mapping]] = ..., terms: _Optional[_Union[_settings_pb2.TrainingSettings, _Mapping]] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class StateWanted(_message.Message):
+    __slots__ = ("task", "k")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    task: VerifyTask
+    k: int
+    def __init__(self, task: _Optional[_Union[VerifyTask, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class DutiesReply(_message.Message):
+    __slots__ = ("tasks", "traces", "states")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    TRACES_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[VerifyTask]
+    traces: _containers.RepeatedCompositeFieldContainer[VerifyTask]
+    states: _containers.RepeatedCompositeFieldContainer[StateWanted]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateWanted, _Mapping]]] = ...) -> None: ...
+
+class VerifyInputsRequest(_message.Message):
+    __slots__ = ("block", "task_id", "worker_id")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    task_id: str
+    worker_id: str
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class VerifyInputsReply(_message.Message):
+    __slots__ = ("base", "start")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    base: Chunk
+    start: Chunk
+    def __init__(self, base: _Optional[_Union[Chunk, _Mapping]] = ..., start: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class AttestRequest(_message.Message):
+    __slots__ = ("block", "task_id", "verifier", "digest", "seconds")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    task_id: str
+    verifier: str
+    digest: bytes
+    seconds: float
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., verifier: _Optional[str] = ..., digest: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class AttestReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubmitTraceRequest(_message.Message):
+    __slots__ = ("block", "task_id", "worker_id", "trace")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    task_id: str
+    worker_id: str
+    trace: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., trace: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SubmitTraceReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DisputeStateHeader(_message.Message):
+    __slots__ = ("block", "task_id", "worker_id", "k")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    task_id: str
+    worker_id: str
+    k: int
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., k: _Optional[int] = ...) -> None: ...
+
+class SubmitDisputeStateRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: DisputeStateHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[DisputeStateHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SubmitDisputeStateReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -525,6 +525,257 @@ class Relay:
             _registered_method=True)
 
 
+class VerificationStub:
+    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
+    without delegating: Duties answers empty there.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Duties = channel.unary_unary(
+                '/btnode.v2.Verification/Duties',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.DutiesRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.DutiesReply.FromString,
+                _registered_method=True)
+        self.VerifyInputs = channel.unary_stream(
+                '/btnode.v2.Verification/VerifyInputs',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.VerifyInputsRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.VerifyInputsReply.FromString,
+                _registered_method=True)
+        self.Attest = channel.unary_unary(
+                '/btnode.v2.Verification/Attest',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.AttestRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.AttestReply.FromString,
+                _registered_method=True)
+        self.SubmitTrace = channel.unary_unary(
+                '/btnode.v2.Verification/SubmitTrace',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitTraceRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitTraceReply.FromString,
+                _registered_method=True)
+        self.SubmitDisputeState = channel.stream_unary(
+                '/btnode.v2.Verification/SubmitDisputeState',
+                request_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateRequest.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateReply.FromString,
+                _registered_method=True)
+
+
+class VerificationServicer:
+    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
+    without delegating: Duties answers empty there.
+    """
+
+    def Duties(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyInputs(self, request, context):
+        """θ^base and the author's start state of a task the caller verifies or is a party of.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitTrace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitDisputeState(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_VerificationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Duties': grpc.unary_unary_rpc_method_handler(
+                    servicer.Duties,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.DutiesRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.DutiesReply.SerializeToString,
+            ),
+            'VerifyInputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.VerifyInputs,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.VerifyInputsRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.VerifyInputsReply.SerializeToString,
+            ),
+            'Attest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attest,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.AttestRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.AttestReply.SerializeToString,
+            ),
+            'SubmitTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitTrace,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitTraceRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitTraceReply.SerializeToString,
+            ),
+            'SubmitDisputeState': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitDisputeState,
+                    request_deserializer=btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateRequest.FromString,
+                    response_serializer=btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'btnode.v2.Verification', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('btnode.v2.Verification', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Verification:
+    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
+    without delegating: Duties answers empty there.
+    """
+
+    @staticmethod
+    def Duties(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Verification/Duties',
+            btnode_dot_v2_dot_swarm__pb2.DutiesRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.DutiesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/btnode.v2.Verification/VerifyInputs',
+            btnode_dot_v2_dot_swarm__pb2.VerifyInputsRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.VerifyInputsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Verification/Attest',
+            btnode_dot_v2_dot_swarm__pb2.AttestRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.AttestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Verification/SubmitTrace',
+            btnode_dot_v2_dot_swarm__pb2.SubmitTraceRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.SubmitTraceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitDisputeState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/btnode.v2.Verification/SubmitDisputeState',
+            btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateRequest.SerializeToString,
+            btnode_dot_v2_dot_swarm__pb2.SubmitDisputeStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class OperatorStub:
     """What an operator (and `btnode status`, `doctor`, a stage reading the swarm's settings) calls.
     """

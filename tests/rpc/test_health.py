@@ -35,7 +35,7 @@ from conftest import CFG
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 STAGE_SERVICE = "btnode.v2.Serving"
-AGGREGATOR_SERVICES = {"btnode.v2.Worker", "btnode.v2.Relay", "btnode.v2.Operator"}
+AGGREGATOR_SERVICES = {"btnode.v2.Worker", "btnode.v2.Relay", "btnode.v2.Verification", "btnode.v2.Operator"}
 STANDARD = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 
 
@@ -191,7 +191,9 @@ def test_reflection_lists_each_servers_services_and_their_methods(servers):
         methods = {s: {m.name for m in pool.FindServiceByName(s).methods} for s in AGGREGATOR_SERVICES}
         assert methods == {"btnode.v2.Worker": {"Join", "Leave", "Pull", "FetchDelta", "Push", "SubmitState", "Watch",
                                                "RoundReceipt"},
-                           "btnode.v2.Relay": {"Draw", "SubmitEvidence"}, "btnode.v2.Operator": {"Status", "Revoke"}}
+                           "btnode.v2.Relay": {"Draw", "SubmitEvidence"}, "btnode.v2.Operator": {"Status", "Revoke"},
+                           "btnode.v2.Verification": {"Duties", "VerifyInputs", "Attest", "SubmitTrace",
+                                                      "SubmitDisputeState"}}
         assert pool.FindMessageTypeByName("btnode.v2.PushHeader").fields_by_name["base_version"].number > 0
     with grpc.insecure_channel(stage()) as ch:
         names, pool = services(ch)
