@@ -146,3 +146,32 @@ def test_the_default_swarm_through_a_relay_enrolls_audits_and_applies(swarm, tmp
         stats = json.loads((tmp_path / f"{w}.json").read_text())
         assert stats["pushes"] == 4 and stats["not_included"] == [], stats
         assert set(stats["accepted_updates"]) <= included, (w, stats, included)
+
+
+def test_the_default_swarm_of_four_workers_verifies_its_audits_itself(swarm, tmp_path):
+    """Four enrolled worker processes of one block, no flags beyond the shape: their probation updates
+    (and the drawn ones) are replayed by the other workers over gRPC (delegated verification) while they
+    wait for their round to close, every verdict passes, nobody is flagged, and every round closes."""
+    names = [f"w{i}" for i in range(4)]
+    procs = [start(["join", "--role", "worker", "--block", "0", "--peer", swarm.address, "--rounds", "3", *TRAINING,
+                    *TINY_SHAPE, "--stats-file", str(tmp_path / f"{w}.json")], tmp_path / f"{w}.log",
+                   env=identity_env(swarm.state_dir, w)) for w in names]
+    try:
+        for w, p in zip(names, procs):
+            assert p.wait(timeout=300) == 0, (tmp_path / f"{w}.log").read_text()
+    finally:
+        stop_all(procs)
+    stats = {w: json.loads((tmp_path / f"{w}.json").read_text()) for w in names}
+    assert sum(s["verified"] for s in stats.values()) >= 4, {w: s["verified"] for w, s in stats.items()}
+    assert all(s["pushes"] == 3 and not s["dropped"] for s in stats.values()), stats
+    ops = SwarmClient(swarm.address, timeout_s=10, security=operator(swarm.state_dir))
+    try:
+        status = ops.status_dict()
+    finally:
+        ops.close()
+    records = {r["name"]: r for r in status["identities"]}
+    assert all(records[w]["audited"] >= 2 and records[w]["failed"] == 0 for w in names), records  # probation 2
+    assert not [n for n, r in records.items() if r["revoked_at_unix"]]
+    block = status["blocks"][0]
+    assert block["version"] == 3  # every round closed, on all its replicas' updates (none waited for its deadline):
+    assert {r["closed_by"] for r in block["recent"]} == {"all_reported"}, block["recent"]
