@@ -5,7 +5,9 @@ with the aggregator replaying every audit itself (`--verify-min-workers 0`, the 
 #39) and with no audits at all.
 
 Per run: `aggregator_cpu_s`, the aggregator's time in verification (its replay audits, draws, digest
-checks and referee steps: every call into the audit desk and the delegated verifier, timed);
+checks and referee steps: every call into the audit desk and the delegated verifier, timed), and apart
+from it the workers' polls for duties (`duty_polls`, `duty_polls_s`: the simulator polls after every
+event, a worker process once a second while it waits, so only the per-call cost carries over);
 `verifier_cpu_s`, the workers' replays for each other; `swarm_train_cpu_s`, the workers' training;
 `audits`, `disputes`, `tasks` (delegated), `local` (replayed by the aggregator). The simulator runs
 compute without simulating its time, so a round's latency is given as what it would wait for: the
@@ -35,7 +37,7 @@ from btnode.aggregate.replays import ReplayDesk
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.trust.claims import ClaimConfig
-from btnode.aggregate.trust.delegate import DelegatedReplays, DelegationConfig, draw_order, share_draw
+from btnode.aggregate.trust.delegate import DelegatedReplays, DelegationConfig, draw, share_draw
 from btnode.data.corpus import bundled
 from btnode.model.config import ModelConfig
 from btnode.sim.simulator import SimConfig, Simulation
@@ -48,17 +50,19 @@ MODES = {
     "no_audits": lambda a: replace(a, audit=AuditConfig(share=0.0)),
 }
 TIMED = ((ReplayDesk, "run_audits"), (DelegatedReplays, "attest"), (DelegatedReplays, "submit_trace"),
-         (DelegatedReplays, "submit_state"), (DelegatedReplays, "inputs"), (DelegatedReplays, "duties_of"))
+         (DelegatedReplays, "submit_state"), (DelegatedReplays, "inputs"))
+POLLS = ((DelegatedReplays, "duties_of"),)  # workers asking for duties: timed apart (the simulator asks after
+#   every event, where a worker process asks once a second while it waits)
 
 
 class Stopwatch:
-    """Sums the wall time of every call into the aggregator's verification (TIMED), re-entrant calls once."""
+    """Sums the wall time of every call of `methods`, re-entrant calls once; counts the outer calls."""
 
-    def __init__(self) -> None:
-        self.seconds, self.depth, self.saved = 0.0, 0, []
+    def __init__(self, methods=TIMED) -> None:  # type: ignore[no-untyped-def]
+        self.methods, self.seconds, self.depth, self.calls, self.saved = methods, 0.0, 0, 0, []
 
     def __enter__(self) -> Stopwatch:
-        for cls, name in TIMED:
+        for cls, name in self.methods:
             fn = getattr(cls, name)
             self.saved.append((cls, name, fn))
             setattr(cls, name, self._timed(fn))
@@ -79,6 +83,7 @@ class Stopwatch:
                 self.depth -= 1
                 if self.depth == 0:
                     self.seconds += time.perf_counter() - t0
+                    self.calls += 1
         return timed
 
 
@@ -88,7 +93,8 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
     tc = TrainConfig(batch=batch, steps=rounds * h, warmup=h, seed=seed)
     acfg = MODES[mode](AggregatorConfig(claims=ClaimConfig.of(tc, h)))
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="btnode-verification-") as tmp, Stopwatch() as watch:
+    with tempfile.TemporaryDirectory(prefix="btnode-verification-") as tmp, Stopwatch() as watch, \
+            Stopwatch(POLLS) as polls:
         sim = Simulation(SHAPE, tc, acfg, SimConfig(rounds=rounds, replicas=n, steps_per_round=h, seed=seed),
                          bundled().train, Path(tmp), device=torch.device("cpu"))
         sim.run()
@@ -96,13 +102,17 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
     stats = [r.worker.stats for r in sim.replicas]
     train = sum(s.train_seconds for s in stats)
     out = {"n_workers": n, "mode": mode, "rounds": rounds, "versions": sim.agg.block(0).info.version,
-           "aggregator_cpu_s": watch.seconds, "aggregator_replay_s": sim.agg.audits.seconds if sim.agg.audits else 0.0,
+           "aggregator_cpu_s": watch.seconds, "duty_polls": polls.calls, "duty_polls_s": polls.seconds,
+           "aggregator_replay_s": sim.agg.audits.seconds if sim.agg.audits else 0.0,
            "referee_s": d.referee_seconds if d is not None else 0.0, "verifier_cpu_s": sum(s.verify_seconds for s in stats),
            "swarm_train_cpu_s": train, "audits": len(sim.verdicts), "failed": sum(not v.passed for v in sim.verdicts),
            "revoked": sorted(sim.agg.identities.revoked), "counts": dict(d.counts) if d is not None else {},
            "disputes": d.counts.get("disputes", 0) if d is not None else 0,
            "worker_round_s": train / max(1, sum(s.pushes for s in stats)), "wall_s": time.perf_counter() - t0}
     out["aggregator_share"] = out["aggregator_cpu_s"] / train if train else 0.0
+    out["replayed_at_aggregator"] = (sum(d.counts.get(k, 0) for k in ("local", "spot", "rechecks", "reassigned",
+                                                                      "local_after_dispute")) if d is not None
+                                     else len(sim.verdicts))
     out["aggregator_per_round_s"] = out["aggregator_cpu_s"] / max(1, out["versions"])
     return out
 
@@ -117,7 +127,7 @@ def pass_formula(f_pool: int, pool: int, r: float, s: float) -> float:
 
 
 def detection(pool: int = 63, trials: int = 4000, secret: bytes = b"bench-verification" * 2) -> list[dict]:
-    """The pass rate of a cheat against the real draws (delegate.py draw_order, share_draw) over `trials`
+    """The pass rate of a cheat against the real draws (delegate.py draw, share_draw) over `trials`
     update ids, for attacker shares of the verifier pool and (redundancy, spot) settings, beside the formula."""
     names = [f"w{i:03d}" for i in range(pool)]
     out = []
@@ -127,7 +137,7 @@ def detection(pool: int = 63, trials: int = 4000, secret: bytes = b"bench-verifi
             passed = 0
             for i in range(trials):
                 uid = f"{i:032x}"
-                chosen = draw_order(secret, uid, names)[:2 if share_draw(secret, "redundant", uid) < r else 1]
+                chosen = draw(secret, uid, names, 2 if share_draw(secret, "redundant", uid) < r else 1)
                 passed += all(c in bad for c in chosen) and not share_draw(secret, "spot", uid) < s
             out.append({"attacker_share": len(bad) / pool, "redundancy": r, "spot": s, "trials": trials,
                         "measured_pass": passed / trials, "formula_pass": pass_formula(len(bad), pool, r, s)})
@@ -171,7 +181,8 @@ def metrics(out: dict) -> dict[str, Metric]:
 def render(out: dict) -> str:
     rows = [(r["n_workers"], r["mode"], f"{r['swarm_train_cpu_s']:.1f}", f"{r['verifier_cpu_s']:.1f}",
              f"{r['aggregator_cpu_s']:.2f}", f"{100 * r['aggregator_share']:.2f} %", f"{r['aggregator_per_round_s']:.2f}",
-             f"{r['worker_round_s']:.3f}", r["audits"], r["disputes"], r["counts"].get("local", 0), len(r["revoked"]))
+             f"{r['worker_round_s']:.3f}", r["audits"], r["disputes"], r["replayed_at_aggregator"],
+             f"{1e6 * r['duty_polls_s'] / max(1, r['duty_polls']):.0f}", len(r["revoked"]))
             for r in out["runs"]]
     return "\n".join([
         "## What verification costs the aggregator (`bench/verification.py`)", "",
@@ -184,10 +195,10 @@ def render(out: dict) -> str:
         "wait on the aggregator's queue.", "",
         *table(["N", "mode", "training (s)", "verifiers (s)", "aggregator (s)", "aggregator / training",
                 "aggregator per round (s)", "worker round (s)", "audits", "disputes", "replayed at aggregator",
-                "revoked"], rows, "rlrrrrrrrrrr"), "",
+                "µs per duty poll", "revoked"], rows, "rlrrrrrrrrrrr"), "",
         "A cheating update drawn for audit passes when every verifier drawn is the attacker's and no spot check "
         "falls on it: (1 − s)·[(1 − r)·a/P + r·a(a − 1)/(P(P − 1))] for a of the author's P others the attacker's. "
-        "Measured: the real draws (`draw_order`, `share_draw`) over update ids, P = 63.", "",
+        "Measured: the real draws (`draw`, `share_draw`) over update ids, P = 63.", "",
         *table(["attacker share", "redundancy r", "spot s", "pass (measured)", "pass (formula)"],
                [(f"{d['attacker_share']:.2f}", d["redundancy"], d["spot"], f"{d['measured_pass']:.4f}",
                  f"{d['formula_pass']:.4f}") for d in out["detection"]], "rrrrr")])

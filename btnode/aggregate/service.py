@@ -64,6 +64,12 @@ class SwarmStatus:
     identities: tuple[IdentityRecord, ...] = ()  # under mutual TLS: each certificate's record, by name
 
 
+@functools.lru_cache(maxsize=256)
+def recipe_of(text: str) -> Recipe:
+    """A claim's recipe, parsed once per distinct text (a swarm has few)."""
+    return Recipe.from_json(text)
+
+
 class SwarmAggregator:
     """The root, or (built with an `UpstreamAdmission`) a relay: the same admission, judging and rounds;
     a relay's joins go to its parent first and its blocks' rounds close into combined updates
@@ -197,9 +203,9 @@ class SwarmAggregator:
             return []
         with agg.lock:
             names = sorted(agg.registered)
-        mine = Recipe.from_json(theirs)
+        mine = recipe_of(theirs)
         return [n for n in names if n != author and n in self.recipes and not self.identities.is_revoked(n)
-                and self.training(n) is not None and compatible(Recipe.from_json(self.recipes[n]), mine)]
+                and self.training(n) is not None and compatible(recipe_of(self.recipes[n]), mine)]
 
     def _replicas(self, block: int) -> int:
         agg = self.blocks.get(block)
@@ -342,7 +348,9 @@ class SwarmAggregator:
             return replace(answered, audit=waiting)
         audits = None if header.manifest else self.audits  # a relay's children were committed one by one (`draw`)
         if audits is not None and header.claim is not None:
-            self.recipes[header.worker_id] = header.claim.recipe  # who may verify whom (`_verifiers`)
+            with contextlib.suppress(MalformedInput):  # (an unreadable one fails the claims check below)
+                recipe_of(header.claim.recipe)
+                self.recipes[header.worker_id] = header.claim.recipe  # who may verify whom (`_verifiers`)
         try:
             if audits is not None:
                 audits.check_chain(header)

@@ -100,10 +100,14 @@ class _Task:
         return self.job.header.worker_id
 
 
-def draw_order(secret: bytes, update_id: str, names: list[str]) -> list[str]:
-    """`names` in an order only the holder of `secret` can compute before the update exists."""
-    return sorted(names, key=lambda n: hmac.new(secret, f"verifier\0{update_id}\0{n}".encode(),
-                                                hashlib.sha256).digest())
+def draw(secret: bytes, update_id: str, names: list[str], n: int) -> list[str]:
+    """`n` of `names` (sorted), drawn without replacement by HMAC(secret, update id, i): a draw only the
+    holder of `secret` can compute before the update exists, in O(n) whatever the swarm's size."""
+    pool, out = sorted(names), []
+    for i in range(min(n, len(pool))):
+        digest = hmac.new(secret, f"verifier\0{update_id}\0{i}".encode(), hashlib.sha256).digest()
+        out.append(pool.pop(int.from_bytes(digest[:8], "big") % len(pool)))
+    return out
 
 
 def share_draw(secret: bytes, what: str, update_id: str) -> float:
@@ -137,6 +141,7 @@ class DelegatedReplays:
         self.passed: dict[str, deque[tuple[AuditJob, dict[str, str]]]] = {}
         self.rechecks: dict[str, dict[str, str]] = {}  # update id → its verifiers' digests, replayed here
         self.waiting: list[AuditJob] = []  # jobs with too few known verifiers yet (a swarm's first pushes)
+        self._scanned = float("-inf")  # when `_expire` last looked over the open tasks
 
     # -- the Verifier protocol --------------------------------------------------------------------------
     def start_spec(self, block: int, claim) -> dict[str, tuple[int, ...]]:  # type: ignore[no-untyped-def]
@@ -162,7 +167,7 @@ class DelegatedReplays:
             self.local.submit(job)
             return True
         n = 2 if share_draw(self.secret, "redundant", h.update_id) < self.cfg.redundancy and len(pool) >= 2 else 1
-        chosen = draw_order(self.secret, h.update_id, pool)[:n]
+        chosen = draw(self.secret, h.update_id, pool, n)
         task = VerifyTask(task_id=h.update_id, header=h, terms_json=TrainingTerms(job.train, len(h.steps)).to_json(),
                           keep=keep_in(h.codec, job.raw))
         spot = share_draw(self.secret, "spot", h.update_id) < self.cfg.spot
@@ -419,8 +424,12 @@ class DelegatedReplays:
                                                           f"contradicts the aggregator's own replay"))
 
     def _expire(self) -> None:
-        """Tasks whose verifier did not attest in time go to the aggregator; a silent party to a dispute loses."""
+        """Tasks whose verifier did not attest in time go to the aggregator; a silent dispute too. Looked
+        over once a second at most (a scan of every open task)."""
         now = self.clock()
+        if now - self._scanned < 1.0:
+            return
+        self._scanned = now
         for t in list(self.tasks.values()):
             if t.spot:  # decided by the aggregator's replay; verifiers still silent after it go unjudged
                 if t.local is not None and now - t.given_at > self.cfg.timeout_s:
