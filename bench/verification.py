@@ -5,7 +5,8 @@ with the aggregator replaying every audit itself (`--verify-min-workers 0`, the 
 #39) and with no audits at all.
 
 Per run: `aggregator_cpu_s`, the aggregator's time in verification (its replay audits, draws, digest
-checks and referee steps: every call into the audit desk and the delegated verifier, timed), and apart
+checks and referee steps: every call into the audit desk and the delegated verifier, timed, less the
+admission of a verified update into its round's sum, which every update pays audited or not), and apart
 from it the workers' polls for duties (`duty_polls`, `duty_polls_s`: the simulator polls after every
 event, a worker process once a second while it waits, so only the per-call cost carries over);
 `verifier_cpu_s`, the workers' replays for each other; `swarm_train_cpu_s`, the workers' training;
@@ -34,6 +35,7 @@ from bench.flags import BenchParser
 from bench.report import publish, table
 from bench.runs import Metric
 from btnode.aggregate.replays import ReplayDesk
+from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.audit import AuditConfig
 from btnode.aggregate.trust.claims import ClaimConfig
@@ -51,6 +53,8 @@ MODES = {
 }
 TIMED = ((ReplayDesk, "run_audits"), (DelegatedReplays, "attest"), (DelegatedReplays, "submit_trace"),
          (DelegatedReplays, "submit_state"), (DelegatedReplays, "inputs"))
+ADMITS = ((BlockAggregator, "admit_held"),)  # a verdict's admission of its update into the round's sum (and a
+#   close it may trigger): every update pays that once, audited or not, so it is taken out of verification's time
 POLLS = ((DelegatedReplays, "duties_of"),)  # workers asking for duties: timed apart (the simulator asks after
 #   every event, where a worker process asks once a second while it waits)
 
@@ -94,7 +98,7 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
     acfg = MODES[mode](AggregatorConfig(claims=ClaimConfig.of(tc, h)))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="btnode-verification-") as tmp, Stopwatch() as watch, \
-            Stopwatch(POLLS) as polls:
+            Stopwatch(POLLS) as polls, Stopwatch(ADMITS) as admits:
         sim = Simulation(SHAPE, tc, acfg, SimConfig(rounds=rounds, replicas=n, steps_per_round=h, seed=seed),
                          bundled().train, Path(tmp), device=torch.device("cpu"))
         sim.run()
@@ -102,7 +106,7 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
     stats = [r.worker.stats for r in sim.replicas]
     train = sum(s.train_seconds for s in stats)
     out = {"n_workers": n, "mode": mode, "rounds": rounds, "versions": sim.agg.block(0).info.version,
-           "aggregator_cpu_s": watch.seconds, "duty_polls": polls.calls, "duty_polls_s": polls.seconds,
+           "aggregator_cpu_s": watch.seconds - admits.seconds, "admit_s": admits.seconds, "duty_polls": polls.calls, "duty_polls_s": polls.seconds,
            "aggregator_replay_s": sim.agg.audits.seconds if sim.agg.audits else 0.0,
            "referee_s": d.referee_seconds if d is not None else 0.0, "verifier_cpu_s": sum(s.verify_seconds for s in stats),
            "swarm_train_cpu_s": train, "audits": len(sim.verdicts), "failed": sum(not v.passed for v in sim.verdicts),
