@@ -16,6 +16,14 @@ what else the machine was doing. Rows (default profile):
   budget the AR models get.
 Learning curves are checkpoints along each run (T/8, T/4, T/2, T), each scored by `btnode eval`.
 Peak RSS is measured with wait4 on processes training one block and the B·L-layer baseline.
+
+Baselines (issue #42; bench/baselines.py), per training seed at the same checkpoints: the chain, its best
+block alone, AR-L on one worker (the block-sized model), AR-(B·L), DiLoCo of AR-L over B workers
+(`btnode simulate --model ar`) and an ensemble of B AR-L models trained apart (probabilities averaged).
+--corpus DIR runs it all on a prepared dataset (`btnode data fetch linux-doc --out DIR`).
+
+    .venv/bin/python -m bench.quality --quick                          # smoke run of every row (minutes)
+    .venv/bin/python -m bench.quality --quick --corpus data/linux-doc
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ import argparse
 import dataclasses
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.flags import SHAPE, BenchParser, shape_flags  # no torch: this process must stay small
+from bench import baselines
+from bench.flags import QUICK_SHAPE, SHAPE, BenchParser, shape_flags  # no torch: this process must stay small
 from bench.report import RESULTS, ROOT, is_published, measure, module_command, publish, pyplot, result_path, shown, table
 from bench.runs import Metric
 
@@ -45,16 +55,21 @@ PROFILES = {
 }
 PROFILE = "default"
 CFG = SHAPE
-FLAGS: list[str] = []  # CFG's flags, for every btnode command this run starts
+FLAGS: list[str] = []  # CFG's flags and --data, for every btnode command this run starts
+DATA: list[str] = []  # --data DIR when --corpus names a prepared dataset
 SWARM_H = 25  # local steps per round in the swarm rows (as `make demo`)
+QUICK_RUN = False
+QUICK = dict(budget=6.0, swarm_budget=3.0, windows=16, seeds=2, train_seeds="0")  # --quick: a smoke run
 
 
-def use_profile(name: str) -> dict:
-    global PROFILE, CFG, FLAGS
+def use_profile(name: str, quick: bool = False, corpus: str = baselines.BUNDLED) -> dict:
+    global PROFILE, CFG, FLAGS, DATA, QUICK_RUN
     p = PROFILES[name]
-    PROFILE = name
-    CFG = dataclasses.replace(SHAPE, context=p["context"], segments=p["segments"])
-    FLAGS = shape_flags(CFG)
+    PROFILE, QUICK_RUN = name, quick
+    CFG = dataclasses.replace(QUICK_SHAPE if quick else SHAPE, context=QUICK_SHAPE.context if quick else p["context"],
+                              segments=QUICK_SHAPE.segments if quick else p["segments"])
+    DATA = [] if corpus == baselines.BUNDLED else ["--data", corpus]
+    FLAGS = [*shape_flags(CFG), *DATA]
     return p
 
 
@@ -66,7 +81,8 @@ def step_seconds(kind: str, n: int = 8) -> float:
 
     Runs in a child process: the orchestrator never loads torch, so that wait4's peak RSS of
     each child is not inflated by the parent's pages copied at fork."""
-    m = measure(module_command("bench.quality", "--profile", PROFILE, "--calibrate", kind))
+    m = measure(module_command("bench.quality", "--profile", PROFILE, *(["--quick"] if QUICK_RUN else []),
+                               "--calibrate", kind))
     return float(m.stdout.strip().splitlines()[-1])
 
 
@@ -98,11 +114,12 @@ def calibrate(kind: str, n: int = 8) -> float:
 
 
 FRACTIONS = (8, 4, 2, 1)  # curve points at T/8, T/4, T/2 and T: checkpoints along one run
+QUICK_FRACTIONS = (2, 1)
 
 
 def evaluate(out: Path, ev: Path, args: argparse.Namespace, k1_only: bool, version: int | None = None) -> dict:
     cmd = [BTNODE, "eval", "--checkpoint", str(out), "--windows", str(args.windows), "--seeds", str(args.seeds),
-           "--json", str(ev)]
+           "--json", str(ev), *DATA]
     if k1_only:
         cmd += ["--segments", "1"]
     if version is not None:
@@ -112,9 +129,12 @@ def evaluate(out: Path, ev: Path, args: argparse.Namespace, k1_only: bool, versi
 
 
 def staged(name: str, base: list[str], steps: int, per_step: float, args: argparse.Namespace,
-           fractions: tuple[int, ...] = FRACTIONS) -> dict:
+           fractions: tuple[int, ...] | None = None, *, seed: int = 0, snapshots: bool = False) -> dict:
     """Train `base` for `steps` steps in stages (--stop-after, then --resume: exact), scoring the
-    checkpoint at each stage; the last stage is scored at every trained K, the others at K = 1."""
+    checkpoint at each stage; the last stage is scored at every trained K, the others at K = 1.
+    `snapshots`: each stage's checkpoint is also kept in at-STEPS/ (the ensemble is scored from them)."""
+    fractions = fractions or args.fractions
+    base = [*base, *(["--seed", str(seed)] if seed else [])]
     out = args.out / name
     saved = out / "bench-run.json"
     if args.reuse and saved.exists():
@@ -137,6 +157,8 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
         m = measure(cmd)
         wall, rss = wall + m.wall_s, max(rss, m.max_rss_mb)
         ev = evaluate(out, out / f"eval-{stop}.json", args, k1_only=div != 1)
+        if snapshots:
+            snapshot(out, out / f"at-{stop}")
         points.append({"steps": stop, "budget_s": stop * per_step, "eval": ev, "wall_s": m.wall_s,
                        "max_rss_mb": m.max_rss_mb})
         done.write_text(json.dumps(points[-1], indent=1))
@@ -151,32 +173,42 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
     return run
 
 
-def swarm_run(name: str, steps: int, per_step: float, args: argparse.Namespace) -> dict:
-    """B blocks × 2 replicas through `btnode simulate` (the daemon's aggregation code, virtual clock,
+def snapshot(folder: Path, to: Path) -> None:
+    """A copy of the checkpoint files in `folder` (not its subfolders)."""
+    to.mkdir(exist_ok=True)
+    for f in folder.iterdir():
+        if f.is_file():
+            shutil.copy2(f, to / f.name)
+
+
+def swarm_run(name: str, steps: int, per_step: float, args: argparse.Namespace, *, replicas: int = 2,
+              model: tuple[str, ...] = (), seed: int = 0) -> dict:
+    """B blocks × `replicas` through `btnode simulate` (the daemon's aggregation code, virtual clock,
     every replica taking part), each replica training `steps` steps; every version is kept so that
-    the curve reads versions along the run."""
+    the curve reads versions along the run. `model` ("--model", "ar", …): replicas of an AR model, DiLoCo."""
     out = args.out / name
     saved = out / "bench-run.json"
     if args.reuse and saved.exists():
         print(f"[quality] {name}: reusing {out}", flush=True)
         return json.loads(saved.read_text())
-    rounds = max(4, steps // SWARM_H)
-    total = rounds * SWARM_H
+    h = min(SWARM_H, max(1, steps // 4))  # at least 4 rounds, and a short run is not stretched past its budget
+    rounds = max(4, steps // h)
+    total = rounds * h
     state = out / "state"
-    cmd = [BTNODE, "simulate", "--replicas", "2", "--participation", "1", "--rounds", str(rounds),
-           "--steps-per-round", str(SWARM_H), "--batch", str(BATCH), "--lr", str(LR), "--warmup",
+    cmd = [BTNODE, "simulate", "--replicas", str(replicas), "--participation", "1", "--rounds", str(rounds),
+           "--steps-per-round", str(h), "--batch", str(BATCH), "--lr", str(LR), "--warmup",
            str(max(10, total // 20)), "--eval-windows", "16", "--state-dir", str(state), "--keep", str(rounds + 1),
-           "--json", str(out / "simulate.json"), *FLAGS]
+           "--json", str(out / "simulate.json"), *model, *(["--seed", str(seed)] if seed else []), *FLAGS]
     out.mkdir(parents=True, exist_ok=True)
     m = measure(cmd)
     points = []
-    for div in FRACTIONS:
+    for div in args.fractions:
         v = max(1, rounds // div)
         ev = evaluate(state, out / f"eval-v{v}.json", args, k1_only=div != 1, version=v)
-        points.append({"steps": v * SWARM_H, "version": v, "budget_s": v * SWARM_H * per_step, "eval": ev})
-        print(f"[quality] {name}: version {v} ({v * SWARM_H * per_step:.0f} s per worker), "
+        points.append({"steps": v * h, "version": v, "budget_s": v * h * per_step, "eval": ev})
+        print(f"[quality] {name}: version {v} ({v * h * per_step:.0f} s per worker), "
               f"{headline(ev, args.seeds):.4f} nats/byte", flush=True)
-    run = {"steps": total, "rounds": rounds, "steps_per_round": SWARM_H, "per_step_s": per_step, "wall_s": m.wall_s,
+    run = {"steps": total, "rounds": rounds, "steps_per_round": h, "per_step_s": per_step, "wall_s": m.wall_s,
            "max_rss_mb": m.max_rss_mb, "points": points, "command": shown(cmd), "eval": points[-1]["eval"]}
     saved.write_text(json.dumps(run, indent=1))
     return run
@@ -202,9 +234,12 @@ def run_default(args: argparse.Namespace) -> None:
     print(f"[quality] step times: block {t_block:.3f} s, {ar_total} {t_ar[ar_total]:.3f} s, "
           f"{ar_block} {t_ar[ar_block]:.3f} s", flush=True)
     T, Ts = args.budget, args.swarm_budget
-    runs = {"deployed": staged("deployed", [BTNODE, "train-local"], int(T / t_block), t_block, args)}
+    first = args.train_seeds[0]
+    runs = {"deployed": staged("deployed", [BTNODE, "train-local"], int(T / t_block), t_block, args, seed=first)}
     for name in (ar_total, ar_block):
-        runs[name] = staged(name, [BTNODE, "train-ar", "--ar-layers", name[2:]], int(T / t_ar[name]), t_ar[name], args)
+        runs[name] = staged(name, [BTNODE, "train-ar", "--ar-layers", name[2:]], int(T / t_ar[name]), t_ar[name], args,
+                            seed=first, snapshots=name == ar_block)
+    rows = baseline_rows(args, t_block, t_ar, runs)
     runs["deployed-swarm-budget"] = staged("deployed-swarm-budget", [BTNODE, "train-local"], int(Ts / t_block),
                                            t_block, args, fractions=(1,))
     runs["swarm"] = swarm_run("swarm", int(Ts / t_block), t_block, args)
@@ -218,13 +253,15 @@ def run_default(args: argparse.Namespace) -> None:
     threads = measure([sys.executable, "-c", "import torch; print(torch.get_num_threads(), torch.__version__)"])
 
     seeds, kmax = args.seeds, max(CFG.segments)
+    corpus = baselines.describe(args.corpus)
     dep, eq = runs["deployed"]["eval"], runs["deployed-swarm-budget"]["eval"]
     curves = [{"model": model, "budget_s": p["budget_s"], "steps": p["steps"], "sce8_k1": headline(p["eval"], seeds)}
               for model in ("deployed", "swarm", ar_total, ar_block) for p in runs[model]["points"]]
     res = {
         "config": {**CFG.to_dict(), "batch": BATCH, "lr": LR, "budget_s": T, "swarm_budget_s": Ts,
                    "windows": args.windows, "seeds": seeds, "n_steps": dep["n_steps"], "readout": dep.get("readout"),
-                   "train_defaults": train_defaults()},
+                   "train_defaults": train_defaults(), "corpus": corpus["name"], "train_seeds": args.train_seeds,
+                   "quick": args.quick},
         "budget_s": T,
         "sce8_k1_deployed": headline(dep, seeds),
         "sce1_k1_deployed": dep["per_k"]["1"]["sce1"],
@@ -243,7 +280,8 @@ def run_default(args: argparse.Namespace) -> None:
         "sce1_kmax": eq["per_k"][str(kmax)]["sce1"], "sce8_kmax": eq["per_k"][str(kmax)][f"sce{seeds}"],
         "best_block_alone_equal_total": eq["best_block"]["ce"],
         "kmax": kmax, "ar_total_ce": runs[ar_total]["eval"]["ce"], "ar_block_ce": runs[ar_block]["eval"]["ce"],
-        "unigram": dep["unigram"], "curves": curves,
+        "unigram": dep["unigram"], "curves": curves, "baselines": rows,
+        **({"large_corpus": corpus} if args.corpus != baselines.BUNDLED else {}),
         "rss_block_mb": rss_block.max_rss_mb, "rss_ar_total_mb": rss_ar.max_rss_mb,
         "rss_torch_baseline_mb": rss_base.max_rss_mb,
         "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("eval", "points")} for k, v in runs.items()},
@@ -253,8 +291,63 @@ def run_default(args: argparse.Namespace) -> None:
     print(json.dumps(res, indent=1))
     if args.no_report:
         return
-    plot = plot_curves(res, RESULTS / "quality_curves.png") if is_published(args.results) else None
-    publish("quality", res, metrics(res), lambda r: render_default(r, runs, plot), out=args.results)
+    published = is_published(args.results)
+    plot = plot_curves(res, RESULTS / "quality_curves.png") if published else None
+    png = baselines.plot(rows, RESULTS / f"quality_baselines_{baselines.slug(corpus['name'])}.png") if published else None
+    publish("quality", res, metrics(res), lambda r: render_default(r, runs, plot, png), out=args.results)
+
+
+def baseline_rows(args: argparse.Namespace, t_block: float, t_ar: dict, runs: dict) -> list[dict]:
+    """Issue #42's rows, per training seed, at the checkpoints (T/8 … T) every model shares: trains what
+    `runs` (the first seed's deployed and AR runs) lacks: the ensemble's other B − 1 AR-L members
+    (seeds seed + 100·i), DiLoCo of AR-L over B replicas, and the later seeds' runs."""
+    B, L = CFG.n_blocks, CFG.n_layers
+    ar_total, ar_block = f"ar{B * L}", f"ar{L}"
+    ar = [BTNODE, "train-ar", "--ar-layers"]
+    T, rows = args.budget, []
+    for seed in args.train_seeds:
+        sfx = "" if seed == args.train_seeds[0] else f"-s{seed}"
+        plan = {"deployed": ([BTNODE, "train-local"], t_block, seed),
+                ar_total: ([*ar, str(B * L)], t_ar[ar_total], seed), ar_block: ([*ar, str(L)], t_ar[ar_block], seed),
+                **{f"{ar_block}-member{i}": ([*ar, str(L)], t_ar[ar_block], seed + 100 * i) for i in range(1, B)}}
+        for name, (base, per_step, s) in plan.items():
+            if name + sfx not in runs:
+                runs[name + sfx] = staged(name + sfx, base, int(T / per_step), per_step, args, seed=s,
+                                          snapshots=name.startswith(ar_block))
+        if "diloco_block" + sfx not in runs:
+            runs["diloco_block" + sfx] = swarm_run("diloco_block" + sfx, int(T / t_ar[ar_block]), t_ar[ar_block], args,
+                                                   replicas=B, model=("--model", "ar", "--ar-layers", str(L)), seed=seed)
+        members = [ar_block + sfx, *(f"{ar_block}-member{i}{sfx}" for i in range(1, B))]
+        ensemble = [ensemble_ce([args.out / m / f"at-{p['steps']}" for m in members], args)
+                    for p in runs[ar_block + sfx]["points"]]
+        rows += baselines.rows(corpus=baselines.describe(args.corpus)["name"], seed=seed, budget=T,
+                               fractions=args.fractions, seeds=args.seeds, chain=runs["deployed" + sfx],
+                               ar_block=runs[ar_block + sfx], ar_total=runs[ar_total + sfx],
+                               diloco=runs["diloco_block" + sfx], ensemble=ensemble)
+    return rows
+
+
+def ensemble_ce(folders: list[Path], args: argparse.Namespace) -> float:
+    """The teacher-forced CE of AR checkpoints whose probabilities are averaged, scored in a child
+    (this process never loads torch) on the windows and rows `btnode eval` scores."""
+    m = measure(module_command("bench.quality", "--corpus", args.corpus, "--windows", str(args.windows),
+                               "--score-ensemble", *map(str, folders)))
+    return float(m.stdout.strip().splitlines()[-1])
+
+
+def score_ensemble(folders: list[Path], windows: int, corpus_arg: str) -> float:
+    import torch
+
+    from btnode.data import corpus
+    from btnode.data.windows import eval_windows
+    from btnode.evaluation.metrics import ar_ce
+    from btnode.store.models import load_ar
+
+    members = [load_ar(f) for f in folders]
+    test = corpus.load(None if corpus_arg == baselines.BUNDLED else corpus_arg).test
+    with torch.no_grad():
+        return ar_ce([m.model for m in members], eval_windows(test, members[0].cfg.context, windows),
+                     device=torch.device("cpu"))
 
 
 def train_defaults() -> dict:
@@ -281,7 +374,7 @@ def plot_curves(res: dict, path: Path) -> Path | None:
     ax.set_xscale("log")
     ax.set_xlabel("per-worker training wall-clock (s, 2 cores; checkpoints along one run)")
     ax.set_ylabel("held-out nats/byte (blocks: SCE-8 at K=1; AR: CE)")
-    ax.set_title("Learning curves, wiki.test.raw")
+    ax.set_title(f"Learning curves, {res['config']['corpus']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -302,13 +395,29 @@ def main() -> None:
                                                  "<profile>.json; any other path leaves BENCHMARKS.md alone)")
     ap.add_argument("--no-report", action="store_true", help="do not write results/quality.json or BENCHMARKS.md")
     ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
+    ap.add_argument("--corpus", default=baselines.BUNDLED,
+                    help="bundled (WikiText-2) or a prepared dataset folder, e.g. `btnode data fetch linux-doc`'s")
+    ap.add_argument("--train-seeds", default="0,1", help="training seeds of the baseline rows (comma-separated)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the tiny shape, budgets of seconds, one seed, "
+                                                          "two checkpoints; recorded in quality/quick.json")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
+    ap.add_argument("--score-ensemble", nargs="+", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prof = use_profile(args.profile)
+    if args.score_ensemble:
+        print(score_ensemble(args.score_ensemble, args.windows, args.corpus))
+        return
+    prof = use_profile(args.profile, args.quick, args.corpus)
+    for key, value in (QUICK.items() if args.quick else ()):
+        if getattr(args, key) in (None, ap.get_default(key)):
+            setattr(args, key, value)
+    args.train_seeds = [int(x) for x in args.train_seeds.split(",")]
+    args.fractions = QUICK_FRACTIONS if args.quick else FRACTIONS
     args.budget = args.budget or prof["budget"]
     args.windows = args.windows or prof["windows"]
-    args.out = args.out or ROOT / "runs" / prof["out"]
-    args.results = args.results or result_path("quality", prof["setting"])
+    name = baselines.slug(baselines.describe(args.corpus)["name"]) if args.corpus != baselines.BUNDLED else ""
+    args.out = args.out or ROOT / "runs" / "-".join(filter(None, [prof["out"], name, "quick" if args.quick else ""]))
+    args.results = args.results or result_path("quality", "-".join(filter(None, [prof["setting"], name])),
+                                               quick=args.quick)
     if args.calibrate:
         print(calibrate(args.calibrate))
         return
@@ -390,7 +499,7 @@ def render_serving(res: dict) -> str:
         f"(`{runs[ar_total]['command']}`). Unigram entropy of the held-out file: {res['unigram']:.4f}."])
 
 
-def render_default(r: dict, runs: dict, plot: Path | None) -> str:
+def render_default(r: dict, runs: dict, plot: Path | None, baselines_png: Path | None = None) -> str:
     B, L = CFG.n_blocks, CFG.n_layers
     ar_total, ar_block = f"ar{B * L}", f"ar{L}"
     c, S = r["config"], r["config"]["seeds"]
@@ -415,7 +524,8 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
         f"Command: `.venv/bin/python -m bench.quality` ({r['date']}, {r['machine']}). Model: d={c['d_model']}, "
         f"{c['n_heads']} heads, B={B} blocks × L={L} layers, N={c['context']}, K ∈ {c['segments']}, batch {c['batch']}, "
         f"AdamW lr {c['lr']}; block training defaults {c['train_defaults']} (K = 1 share, context-readout share); "
-        f"readout `{c['readout']}`. Held-out: {c['windows']} windows of wiki.test.raw, rows with ≥ N/2 context; "
+        f"readout `{c['readout']}`. Held-out: {c['windows']} windows of {c['corpus']}'s test split, rows with ≥ N/2 "
+        "context; "
         f"SCE uses N_s = {c['n_steps']} and seeds 0..{S - 1}; every model is scored by {ev} on the same rows. "
         "**Budget rule**: per-worker wall-clock on this 2-core machine, turned into optimizer steps with step "
         f"times measured alone first (block {runs['deployed']['per_step_s']:.3f} s, {ar_total.upper()} "
@@ -435,7 +545,7 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
              runs[ar_total]["steps"], cmd(ar_total)),
             (f"AR, {L} layers (L)", "T", "teacher-forced CE", f"{r['ar_block_ce_deployed']:.4f}", runs[ar_block]["steps"],
              cmd(ar_block)),
-            ("unigram entropy of wiki.test.raw", "", "", f"{r['unigram']:.4f}", "", "")], "lllrrl"),
+            ("unigram entropy of the test split", "", "", f"{r['unigram']:.4f}", "", "")], "lllrrl"),
         "",
         f"Gap to the {B * L}-layer AR: **{r['sce8_k1_deployed'] - r['ar_total_ce_deployed']:+.4f}** nats/byte (aim ≤ +0.10); "
         f"to the {L}-layer AR: {r['sce8_k1_deployed'] - r['ar_block_ce_deployed']:+.4f}. Composition: "
@@ -479,6 +589,7 @@ def render_default(r: dict, runs: dict, plot: Path | None) -> str:
                     for m in models])
     if plot is not None:
         lines += ["", f"![learning curves](bench/results/{plot.name})"]
+    lines += ["", *baselines.render(r["baselines"], baselines_png)]
     lines += [
         "",
         *table(["peak RSS (wait4)", "MB", "command"], [

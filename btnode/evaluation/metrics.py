@@ -130,17 +130,26 @@ def blocks_alone(blocks: Sequence[DiffusionBlock], windows: torch.Tensor, *, see
 
 
 @torch.no_grad()
-def ar_ce(model: ByteTransformer, windows: torch.Tensor, *, device: torch.device, batch: int = 64) -> float:
-    """Teacher-forced CE (nats/byte) at the rows eval_layout scores: t ∈ [N/2, N)."""
-    model.eval()
-    n = model.cfg.context
+def ar_ce(model: ByteTransformer | Sequence[ByteTransformer], windows: torch.Tensor, *, device: torch.device,
+          batch: int = 64) -> float:
+    """Teacher-forced CE (nats/byte) at the rows eval_layout scores: t ∈ [N/2, N). Given several models,
+    the CE of their ensemble: the mean of their predicted probabilities, as SCE-S averages over seeds."""
+    models = [model] if isinstance(model, ByteTransformer) else list(model)
+    for m in models:
+        m.eval()
+    n = models[0].cfg.context
     rows = eval_layout(n, 1).positions.to(device)
     total, count = 0.0, 0
     for lo in range(0, len(windows), batch):
         w = windows[lo:lo + batch].to(device)
-        logits = model(w[:, :-1])[:, rows]
         tgt = w[:, 1:][:, rows]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tgt.reshape(-1), reduction="sum").item()
+        if len(models) == 1:
+            logits = models[0](w[:, :-1])[:, rows]
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tgt.reshape(-1), reduction="sum").item()
+        else:
+            logp = torch.stack([F.log_softmax(m(w[:, :-1])[:, rows].double(), dim=-1) for m in models])
+            mean = logp.logsumexp(0) - math.log(len(models))  # (B, R, 256): ln of the mean probability
+            total -= mean.gather(-1, tgt.unsqueeze(-1)).sum().item()
         count += tgt.numel()
     return total / count
 

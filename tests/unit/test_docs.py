@@ -256,7 +256,7 @@ def test_every_relative_link_points_to_a_file_that_exists(doc):
 # BENCHMARKS.md and what was tried in docs/research.md. Raise a budget only for new manual text.
 BUDGETS = {
     "architecture.md": 1_500,
-    "data.md": 1_150,
+    "data.md": 1_300,
     "design.md": 3_700,
     "identities.md": 1_000,
     "judge.md": 750,
