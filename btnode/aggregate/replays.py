@@ -207,6 +207,8 @@ class ReplayDesk:
         verdicts += [v for v in self.verifier.verdicts() if not self.identities.is_revoked(v.header.worker_id)]
         for v in verdicts:
             self._verdict(v)
+        for b in {v.header.block for v in verdicts if v.passed}:
+            self._block(b).tick()  # the batch is in: a round due to close closes now, with all of it
         offenders, credits = self.verifier.outcomes()
         for name, n in credits.items():
             self.audits.credit(name, n)
@@ -222,7 +224,7 @@ class ReplayDesk:
         if v.passed:
             log.info("audit of %s's update on version %d passed (%s%s)", v.header.worker_id, v.header.base_version,
                      v.detail, ", probation" if v.probation else "")
-            self._block(v.header.block).admit_held(v.header.update_id)  # held until now (probation, or drawn)
+            self._block(v.header.block).admit_held(v.header.update_id, close=False)  # held until now (probation, drawn)
         else:
             rounds = self._attacked(v.header.block, v.header.worker_id)
             self.punish(v.header.worker_id, v.reason, v.detail)

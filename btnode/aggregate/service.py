@@ -212,7 +212,8 @@ class SwarmAggregator:
         if agg is None:
             return 0
         with agg.lock:
-            return len(agg.registered)
+            names = list(agg.registered)
+        return sum(not self.identities.is_revoked(n) for n in names)
 
     def _delegation(self) -> DelegatedReplays:
         if self.delegated is None:
@@ -244,6 +245,8 @@ class SwarmAggregator:
 
     def leave(self, worker_id: str, block: int) -> None:
         self.block(block).unregister(worker_id)  # at a relay, the block tells the parent (Forwarder.member)
+        if self.delegated is not None:
+            self.delegated.released(worker_id)  # its unattested verification tasks go to the aggregator
         if self.upstream is not None:
             self.upstream.left(worker_id, block)
         log.info("worker %s left %s", worker_id, self.cfg.unit_name(block))

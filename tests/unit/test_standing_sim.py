@@ -37,4 +37,9 @@ def test_three_fresh_identities_pushing_one_update_never_outweigh_two_establishe
     included = {i for s in agg.recent for i in s.info.included}
     assert not included & SleeperSybil.sent  # no version holds a forged update
     assert all(s.info.accepted >= 2 for s in agg.recent)
-    assert sim.agg.standing.factor("b0r0") == 1.0 and sim.agg.standing.verified("b0r2") <= 3 / 8
+    # its verified work: its own audits passed, and (delegated verification) the honest replays it did for
+    # others that upheld verdicts agreed with, each worth p of an audit; still under full standing
+    audits = sim.agg.audits
+    passed, total = audits.passed("b0r2")
+    assert sim.agg.standing.factor("b0r0") == 1.0 and sim.agg.standing.verified("b0r2") == min(1.0, total / 8) < 1.0
+    assert total - audits.records["b0r2"].verified <= 3

@@ -231,10 +231,12 @@ class BlockAggregator:
         log.warning("%s: %s update from %s: %s", self.name, outcome.value,
                     header.worker_id if header else "?", exc)
 
-    def admit_held(self, update_id: str, *, amends: frozenset[str] = frozenset()) -> bool:
+    def admit_held(self, update_id: str, *, amends: frozenset[str] = frozenset(), close: bool = True) -> bool:
         """A held update passed its audit: into the round, if the round it was based on is still open.
         A relay's combined update held while it amends one already accepted (`amends`: that one's child
-        updates, as when it was judged) takes its place, unless the round changed meanwhile. True if it got in."""
+        updates, as when it was judged) takes its place, unless the round changed meanwhile. True if it got in.
+        `close` False: the caller admits a batch of verdicts and closes the round after (`tick`), so that a
+        round past its deadline takes every verdict of the batch, not only the first."""
         with self.lock:
             update = self.held.pop(update_id, None)
             if update is None:
@@ -252,7 +254,8 @@ class BlockAggregator:
             self.counters[(Outcome.PENDING.value, "admitted")] += 1
             log.info("%s round %d: took the audited update of %s into the round", self.name, self.round.version,
                      update.worker_id)
-            self._maybe_close()
+            if close:
+                self._maybe_close()
             return True
 
     def drop(self, worker_id: str, reason: str) -> bool:

@@ -281,7 +281,7 @@ class ChainEnd:
 class AuditRecord:
     passed: int = 0  # since its last abandoned audit (probation counts these)
     failed: int = 0
-    verified: int = 0  # others' rounds it replayed that an upheld verdict agreed with (trust/delegate.py)
+    verified: float = 0.0  # others' rounds it replayed that upheld verdicts agreed with, × p (`Audits.credit`)
     abandoned: int = 0  # audits it left waiting for a state when it rejoined
     passed_total: int = 0
 
@@ -378,7 +378,7 @@ class Audits:
         with self.lock:
             return self.records.get(worker_id, AuditRecord()).passed < self.cfg.probation
 
-    def passed(self, worker_id: str) -> tuple[int, int]:
+    def passed(self, worker_id: str) -> tuple[int, float]:
         """(audits passed since its probation last began, audits passed all told plus the replays it did
         as a verifier that verdicts upheld): its verified work (aggregate/trust/standing.py)."""
         with self.lock:
@@ -386,9 +386,13 @@ class Audits:
             return rec.passed, rec.passed_total + rec.verified
 
     def credit(self, worker_id: str, n: int) -> None:
-        """`n` replays of others' rounds by `worker_id` that upheld verdicts agreed with (trust/delegate.py)."""
+        """`n` replays of others' rounds by `worker_id` that upheld verdicts agreed with (trust/delegate.py):
+        verified work, each worth p of a passed audit. Why p: a passed audit stands for 1/p rounds of
+        training on average (only p of them are drawn), a replay for one round of compute; weighed so, the
+        Sybil bound (docs/security.md, "Standing and the Sybil bound") is the same whichever way an
+        identity earns its standing."""
         with self.lock:
-            self.records.setdefault(worker_id, AuditRecord()).verified += n
+            self.records.setdefault(worker_id, AuditRecord()).verified += n * self.cfg.share
 
     def force(self, worker_id: str) -> None:
         """Put `worker_id` on probation again (trust/standing.py, after repeated drops at close): every update

@@ -223,6 +223,7 @@ class DelegatedReplays:
         """`worker_id` was revoked: its open tasks go, and the updates of its that verifiers passed are
         replayed here (a cheat is rarely caught on its first lie: whoever vouched for one lied too)."""
         self.local.forget(worker_id)
+        self.released(worker_id)
         with self.lock:
             self.waiting = [j for j in self.waiting if j.header.worker_id != worker_id]
             for tid in [t for t, task in self.tasks.items() if task.author == worker_id]:
@@ -234,6 +235,17 @@ class DelegatedReplays:
         for job, _ in kept:
             self._count("rechecks")
             self.local.submit(job)  # (after local.forget above: the queue keeps it)
+
+    def released(self, worker_id: str) -> None:
+        """`worker_id` will not verify any more (revoked, or it left its block): the tasks it has not
+        attested go to the aggregator's own replay at once, rather than waiting out `timeout_s` while the
+        rounds of their updates close without them."""
+        with self.lock:
+            self.duties.pop(worker_id, None)
+            stuck = [t for t in self.tasks.values() if worker_id in t.verifiers and worker_id not in t.attests
+                     and t.dispute is None and not t.spot]
+            for t in stuck:
+                self._to_local(t, "reassigned")
 
     # -- what workers ask and answer ----------------------------------------------------------------------
     def duties_of(self, worker_id: str) -> Duties:
@@ -396,11 +408,11 @@ class DelegatedReplays:
         for n in names:
             self._credits[n] = self._credits.get(n, 0) + 1
 
-    def _to_local(self, t: _Task) -> None:
+    def _to_local(self, t: _Task, why: str = "local_after_dispute") -> None:
         """The aggregator replays the task's round itself, and its verdict decides (as a spot check's)."""
         t.spot = True
         self.spots[t.task.task_id] = t.task.task_id
-        self._count("local_after_dispute")
+        self._count(why)
         self.local.submit(t.job)
 
     def _rechecked(self, v: Verdict, digests: dict[str, str]) -> None:
