@@ -299,6 +299,9 @@ class Upstream(Protocol):
         (dropped at close, or in a round a failed audit found attacked): from the watch stream's versions,
         else asked for with a RoundReceipt call. The worker sends each with `submit_state`."""
 
+    def duties_waiting(self, block: int, worker_id: str) -> bool:
+        """Whether duties wait for `worker_id`, as its version stream said (no call): it asks for them then."""
+
     def duties(self, block: int, worker_id: str) -> Duties:
         """The verification work (delegated replays, and traces or states for disputes) handed to
         `worker_id` since it last asked (aggregate/trust/delegate.py)."""

@@ -117,7 +117,8 @@ class SwarmAggregator:
             local = LocalReplays(self.replayers, clock, error=functools.partial(self.count, "audit_errors"))
             # the block's other workers replay drawn updates, the aggregator referees (aggregate/trust/delegate.py)
             self.delegated = (DelegatedReplays(acfg.delegation, local, {b: r.replay for b, r in self.replayers.items()},
-                                               secret, clock, self._verifiers, self._replicas)
+                                               secret, clock, self._verifiers, self._replicas,
+                                               lambda b: self.blocks[b].wake())
                               if acfg.delegation.on else None)
             verifier = self.delegated or local
             self.commits = Commits(secret)
@@ -219,6 +220,10 @@ class SwarmAggregator:
         if self.delegated is None:
             raise Refused("no_delegation", "this aggregator does not delegate its replay audits")
         return self.delegated
+
+    def duties_handed(self, worker_id: str) -> int:
+        """How many verification duties `worker_id` was ever handed (its Watch says when this grows)."""
+        return self.delegated.handed(worker_id) if self.delegated is not None else 0
 
     def duties(self, worker_id: str) -> Duties:
         """`worker_id`'s verification duties since it last asked (none without delegation, or once revoked)."""

@@ -89,6 +89,7 @@ class SwarmClient:
         self._watches: list[tuple[str, grpc.Future]] = []  # (worker id, call)
         self._receipts: OrderedDict[str, RoundReceipt] = OrderedDict()  # update id → its receipt, from Watch
         self._wanted: dict[str, tuple[str, ...]] = {}  # worker id → the start states its last Watch reply asked for
+        self._duties_told: set[str] = set()  # worker ids whose Watch said verification duties wait
         self._configs: dict[int, str] = {}  # block → the model settings (JSON) joined with: a task's tensors' shapes
         self._tasks: OrderedDict[str, VerifyTask] = OrderedDict()  # task id → the verification task Duties gave
         self.verify_stub = pb_grpc.VerificationStub(self.channel)
@@ -247,9 +248,15 @@ class SwarmClient:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""
         call = self.stub.Watch(pb.WatchRequest(block=block, worker_id=worker_id))
         self._watches.append((worker_id, call))
+        last = -1
         try:
             for msg in call:
                 info = convert.info_from_pb(msg.version)
+                if msg.duties:
+                    self._duties_told.add(worker_id)  # `duties_waiting` says so once
+                if info.version == last:
+                    continue  # the same version again: it came only to say that duties wait
+                last = info.version
                 for r in msg.receipts:  # before the version is handed on: its reader may ask for them at once
                     self._keep_receipt(convert.round_receipt_from_pb(r))
                 self._wanted[worker_id] = tuple(msg.states_wanted)
@@ -278,6 +285,13 @@ class SwarmClient:
                 return None
             raise error_from_rpc(err, f"round receipt at {self.address}") from None
         return convert.round_receipt_from_pb(reply.receipt) if reply.HasField("receipt") else None
+
+    def duties_waiting(self, block: int, worker_id: str) -> bool:
+        """Whether the version stream said duties wait for `worker_id` since the last call (no call made)."""
+        if worker_id in self._duties_told:
+            self._duties_told.discard(worker_id)
+            return True
+        return False
 
     def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
         """The start states the last version's Watch reply asked for (taken once), else asked for with a

@@ -128,6 +128,9 @@ class FailoverLink:
         (another, after a failover, never saw the update: None)."""
         return self._run(lambda c: c.receipt(block, worker_id, update_id))
 
+    def duties_waiting(self, block: int, worker_id: str) -> bool:
+        return self.clients[self.index].duties_waiting(block, worker_id)
+
     def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
         return self._run(lambda c: c.states_wanted(block, worker_id))
 

@@ -355,14 +355,22 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         def ended() -> bool:
             return worker in revoked or (who is not None and who.name in revoked)
 
+        def handed() -> int:  # verification duties handed to the watcher so far (delegated verification)
+            return self.agg.duties_handed(worker) if worker else 0
+
+        told = 0  # duties handed before it watched are told at once too (a reconnect: one extra Duties call)
         while context.is_active() and not self.stop.is_set() and not ended():
-            info = block.wait_for(last, timeout=0.5, cancelled=ended)
+            info = block.wait_for(last, timeout=0.5, cancelled=lambda: ended() or handed() > told)
+            n = handed()
             if info is not None:
                 last = info.version
                 receipts = block.receipts_for(worker, info.version) if worker else ()
                 yield pb.WatchReply(version=convert.info_to_pb(info),
                                     receipts=[convert.round_receipt_to_pb(r) for r in receipts],
-                                    states_wanted=self.agg.replays.wanted(worker) if worker else ())
+                                    states_wanted=self.agg.replays.wanted(worker) if worker else (), duties=n > told)
+            elif n > told:  # the current version again, only to say that duties wait
+                yield pb.WatchReply(version=convert.info_to_pb(block.current()[0]), duties=True)
+            told = n
 
     @_guard
     def RoundReceipt(self, request: pb.RoundReceiptRequest, context: grpc.ServicerContext) -> pb.RoundReceiptReply:

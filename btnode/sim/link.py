@@ -75,6 +75,9 @@ class LocalLink:
     def states_wanted(self, block: int, worker_id: str) -> tuple[str, ...]:
         return self.agg.replays.wanted(worker_id)
 
+    def duties_waiting(self, block: int, worker_id: str) -> bool:
+        return self.agg.delegated is not None and bool(self.agg.delegated.duties.get(self._me(worker_id)))
+
     def duties(self, block: int, worker_id: str) -> Duties:
         return self.agg.duties(self._me(worker_id))
 

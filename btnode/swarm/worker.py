@@ -75,7 +75,7 @@ T = TypeVar("T")
 # (AuditConfig.window = 4 closed rounds), a round after it: 4 + 2 covers both. Each is the optimizer state
 # and the residual: about 3 × the block's parameters.
 STATES_KEPT = 6
-DUTIES_POLL_S = 1.0  # while waiting for a version, how often a worker asks for verification duties
+DUTIES_POLL_S = 5.0  # while waiting for a version, how often a worker asks for duties its stream did not announce
 
 
 @dataclass(frozen=True)
@@ -477,8 +477,10 @@ class BlockWorker:
             else:
                 self.heartbeat()
                 thread.join(0.05)
-                if self.verification is not None and time.monotonic() - asked >= DUTIES_POLL_S:
-                    # while it waits for the round to close: the rounds of others that wait for its replay
+                # while it waits for the round to close: the rounds of others wait for its replays. The version
+                # stream says when duties wait; it asks anyway every DUTIES_POLL_S (an older aggregator)
+                if self.verification is not None and (time.monotonic() - asked >= DUTIES_POLL_S or
+                                                      self.link.duties_waiting(self.wcfg.block, self.wcfg.worker_id)):
                     self.verify()
                     asked = time.monotonic()
         got = result.result(timeout=0)

@@ -382,14 +382,16 @@ class WatchRequest(_message.Message):
     def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WatchReply(_message.Message):
-    __slots__ = ("version", "receipts", "states_wanted")
+    __slots__ = ("version", "receipts", "states_wanted", "duties")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     STATES_WANTED_FIELD_NUMBER: _ClassVar[int]
+    DUTIES_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
     receipts: _containers.RepeatedCompositeFieldContainer[RoundReceipt]
     states_wanted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[RoundReceipt, _Mapping]]] = ..., states_wanted: _Optional[_Iterable[str]] = ...) -> None: ...
+    duties: bool
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., receipts: _Optional[_Iterable[_Union[RoundReceipt, _Mapping]]] = ..., states_wanted: _Optional[_Iterable[str]] = ..., duties: _Optional[bool] = ...) -> None: ...
 
 class RoundReceipt(_message.Message):
     __slots__ = ("update_id", "outcome", "version", "reason")

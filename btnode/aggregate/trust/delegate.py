@@ -119,16 +119,18 @@ class DelegatedReplays:
     """The `Verifier` of a swarm whose workers verify each other (see the module doc). `candidates(block,
     author)`: the block's replicas that may verify the author's update (live, not revoked, with its
     recipe), those behind the author's relay last; `replicas(block)`: how many the block has, known recipe
-    or not; `local`: the aggregator's own replays (small blocks, spot checks). Thread-safe."""
+    or not; `wake(block)`: new duties for the block's workers (their version streams say so at once);
+    `local`: the aggregator's own replays (small blocks, spot checks). Thread-safe."""
 
     def __init__(self, cfg: DelegationConfig, local: LocalReplays, replays: Mapping[int, RoundReplay], secret: bytes,
                  clock: Callable[[], float], candidates: Callable[[int, str], list[str]],
-                 replicas: Callable[[int], int] = lambda block: 0):
+                 replicas: Callable[[int], int] = lambda block: 0, wake: Callable[[int], None] = lambda block: None):
         self.cfg, self.local, self.replays, self.secret, self.clock = cfg, local, dict(replays), secret, clock
-        self.candidates, self.replicas = candidates, replicas
+        self.candidates, self.replicas, self.wake = candidates, replicas, wake
         self.lock = threading.Lock()
         self.tasks: dict[str, _Task] = {}
         self.duties: dict[str, Duties] = {}
+        self.handed_out: dict[str, int] = {}  # worker → duties ever handed to it (`handed`)
         self.spots: dict[str, str] = {}  # update id → task id, of jobs the aggregator replays too
         self._verdicts: list[Verdict] = []
         self._offenders: list[tuple[str, str, str]] = []  # (verifier, reason, detail) to revoke
@@ -174,9 +176,10 @@ class DelegatedReplays:
         with self.lock:
             self.tasks[task.task_id] = _Task(task, job, chosen, self.clock(), spot=spot)
             for v in chosen:
-                self.duties.setdefault(v, Duties()).tasks.append(task)
+                self._hand(v).tasks.append(task)
             if spot:
                 self.spots[h.update_id] = task.task_id
+        self.wake(h.block)
         self._count("tasks")
         self._count("redundant") if n == 2 else None
         if spot:
@@ -248,6 +251,15 @@ class DelegatedReplays:
                 self._to_local(t, "reassigned")
 
     # -- what workers ask and answer ----------------------------------------------------------------------
+    def handed(self, worker_id: str) -> int:
+        """How many duties `worker_id` was ever handed: its version stream says so when this grows, so that
+        the worker asks at once rather than poll. A read of one dict entry, no lock (streams check it often)."""
+        return self.handed_out.get(worker_id, 0)
+
+    def _hand(self, worker_id: str) -> Duties:
+        self.handed_out[worker_id] = self.handed_out.get(worker_id, 0) + 1
+        return self.duties.setdefault(worker_id, Duties())
+
     def duties_of(self, worker_id: str) -> Duties:
         """The verification work handed to `worker_id` since it last asked (each item once), less what
         closed meanwhile (decided, or its author revoked)."""
@@ -335,7 +347,8 @@ class DelegatedReplays:
         claims = {t.author: expected, **{v: a.digest for v, a in t.attests.items()}}
         t.dispute = _Dispute(claims=claims, asked_at=self.clock())
         for party in claims:
-            self.duties.setdefault(party, Duties()).traces.append(TraceWanted(t.task))
+            self._hand(party).traces.append(TraceWanted(t.task))
+        self.wake(t.task.header.block)
         log.warning("audit of %s's update %s: disputed (%s); asking for traces", t.author, t.task.task_id[:8],
                     ", ".join(f"{v} {'agrees' if a.digest == expected else 'differs'}" for v, a in t.attests.items()))
 
@@ -354,7 +367,8 @@ class DelegatedReplays:
             self._referee_step(t, None)
             return
         d.state_from, d.asked_at = other, self.clock()  # a party that does not send it loses (`_expire`)
-        self.duties.setdefault(other, Duties()).states.append(StateWanted(t.task, d.step))
+        self._hand(other).states.append(StateWanted(t.task, d.step))
+        self.wake(t.task.header.block)
 
     def _referee_step(self, t: _Task, state: Mapping[str, torch.Tensor] | None) -> None:
         """Train the one disputed step and see whose trace it matches (lock held)."""
