@@ -25,7 +25,6 @@ class Verification:
         self.block, self.link, self.worker_id = block, link, worker_id
         self.replay = RoundReplay(cfg, block, corpus)
         self.seconds = 0.0  # compute spent verifying (replays, traces, dispute states)
-        self.attested = 0
 
     def run(self) -> int:
         """Do every duty handed out since the last call; returns how many. A duty that fails here (the
@@ -58,7 +57,6 @@ class Verification:
     def _attest(self, task: VerifyTask) -> None:
         t0 = time.perf_counter()
         result = self._replayed(task)
-        self.attested += 1
         self.link.attest(self.block, Attestation(task.task_id, self.worker_id, self.digest(task, result),
                                                  time.perf_counter() - t0))
 

@@ -2,9 +2,9 @@
 on other workers of the block, while the aggregator only referees.
 
 A drawn update (aggregate/trust/audit.py) becomes a `VerifyTask` for one verifier, or two for a
-`redundancy` share, drawn by HMAC(secret, update id, name) among the block's other replicas with the
+`redundancy` share, drawn by HMAC(secret, update id, i) among the block's other direct replicas with the
 author's recipe (bit-for-bit replays need it): the author cannot predict the draw (the secret is the
-aggregator's), never draws itself, and a verifier behind the author's relay is drawn last. The verifier
+aggregator's) and never draws itself (workers behind relays do not verify yet: docs/verification.md). The verifier
 fetches θ^base and the author's committed start state (`inputs`), replays the claimed steps
 (train/replay.py) and attests the `result_digest` of what it got. The aggregator compares it with the
 digest of the push (its bytes, its claim's end hashes): all equal, the update passes.
@@ -118,7 +118,7 @@ def share_draw(secret: bytes, what: str, update_id: str) -> float:
 class DelegatedReplays:
     """The `Verifier` of a swarm whose workers verify each other (see the module doc). `candidates(block,
     author)`: the block's replicas that may verify the author's update (live, not revoked, with its
-    recipe), those behind the author's relay last; `replicas(block)`: how many the block has, known recipe
+    recipe); `replicas(block)`: how many the block has, known recipe
     or not; `wake(block)`: new duties for the block's workers (their version streams say so at once);
     `local`: the aggregator's own replays (small blocks, spot checks). Thread-safe."""
 
@@ -162,8 +162,9 @@ class DelegatedReplays:
         other replicas' recipes are not known yet: tried again for up to WAIT_S, `verdicts`)."""
         h = job.header
         pool = [n for n in self.candidates(h.block, h.worker_id) if n != h.worker_id]
-        if not self.cfg.on or len(pool) + 1 < self.cfg.min_workers or not self._exact(job):
-            if self.cfg.on and self._exact(job) and not waited and self.replicas(h.block) >= self.cfg.min_workers:
+        exact = self._exact(job)
+        if not self.cfg.on or len(pool) + 1 < self.cfg.min_workers or not exact:
+            if self.cfg.on and exact and not waited and self.replicas(h.block) >= self.cfg.min_workers:
                 return False  # enough replicas, whose recipes are not all known yet
             self._count("local")
             self.local.submit(job)
