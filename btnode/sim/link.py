@@ -15,9 +15,9 @@ from dataclasses import replace
 import torch
 
 from btnode.aggregate.service import SwarmAggregator
-from btnode.aggregate.trust.identities import Identity
-from btnode.codec.codecs import decode
-from btnode.codec.frames import Frame, iter_chunks
+from btnode.aggregate.trust.identities import Identity, Role
+from btnode.codec.codecs import Codec, decode
+from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
 from btnode.protocol import (Attestation, Duties, JoinInfo, Judgement, Pulled, PushHeader, RoundReceipt, Transfer,
                              VersionInfo)
 
@@ -82,22 +82,33 @@ class LocalLink:
         return self.agg.duties(self._me(worker_id))
 
     def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], Tensors]:
-        base, start = self.agg.verify_inputs(task_id, self._me(worker_id))
-        return base, {n: t.clone() for n, t in start.items()}
+        base, start = self.agg.verify_inputs(block, task_id, self._me(worker_id))
+        return dict(base), {n: t.clone() for n, t in start.items()}
 
     def attest(self, block: int, attestation: Attestation) -> None:
-        self.agg.attest(replace(attestation, verifier=self._me(attestation.verifier)))
+        self.agg.attest(block, replace(attestation, verifier=self._me(attestation.verifier)))
 
-    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
-        self.agg.submit_trace(task_id, self._me(worker_id), trace)
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...], *,
+                     proof: tuple[bytes, bytes] | None = None) -> None:
+        self.agg.submit_trace(block, task_id, self._me(worker_id), trace)
 
     def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
-                             state: Mapping[str, torch.Tensor]) -> None:
+                             state: Mapping[str, torch.Tensor] | Iterable[ChunkData]) -> None:
+        if not isinstance(state, Mapping):  # a relay passing a child's on, as it came
+            asm = FrameAssembler.for_spec(self.agg.replayers[block].replay.state_spec(), [Codec.FP32])
+            for chunk in state:
+                asm.add(chunk)
+            state = asm.finish()  # type: ignore[assignment] - fp32 frames: dense tensors
         self.agg.submit_dispute_state(task_id, self._me(worker_id), k, state)
 
     def _me(self, worker_id: str) -> str:
-        """The caller's name: its proven identity's when it has one (as under mutual TLS), else what it says."""
-        return self.who.name if self.who is not None else worker_id
+        """The caller's name: its proven identity's when it has one (as under mutual TLS), else what it says;
+        a relay's child's when a relay calls for a child that pushes through it (as rpc/verification.py admits)."""
+        if self.who is None:
+            return worker_id
+        if self.who.role is Role.RELAY and self.agg.relays_for(worker_id) == self.who.name:
+            return worker_id
+        return self.who.name
 
     def cancel_watches(self, worker_id: str) -> None:
         self._ended.add(worker_id)  # its watch loop returns within a second

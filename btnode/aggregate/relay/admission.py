@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from btnode.aggregate.relay.duties import ChildDuties
 from btnode.aggregate.relay.forward import Combined, RelayBlock
 from btnode.aggregate.relay.roundlog import Receipt
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.evidence import noting_digest
 from btnode.codec.frames import ChunkData, ReplayableFrames, frame_from_raw
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, Refused
-from btnode.protocol import JoinInfo, Judgement, PushHeader, Upstream, claim_digest
+from btnode.protocol import Duties, JoinInfo, Judgement, PushHeader, Upstream, claim_digest
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class UpstreamAdmission:
         # over all its peers (rpc/limits.py), which a relay passing on a swarm's joins at once would fill
         self._joining = threading.BoundedSemaphore(UPSTREAM_JOINS)
         self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
+        self.duties = ChildDuties(self._children_duties, told=self._wake)  # the children's verification duties
         threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
 
     def config(self, acfg: AggregatorConfig) -> AggregatorConfig:
@@ -117,6 +119,18 @@ class UpstreamAdmission:
 
     def left(self, worker_id: str, block: int) -> None:
         self._joins.pop((block, worker_id), None)  # the block told the parent (Forwarder.member)
+        self.duties.forget(worker_id)
+
+    # -- verification duties (relay/duties.py) ------------------------------------------------------
+    def _children_duties(self) -> dict[str, Duties]:
+        """The children's duties, asked of the parent under this relay's own name."""
+        if not self.blocks:
+            return {}
+        return self.upstream.duties(min(self.blocks), self.name).children
+
+    def _wake(self) -> None:
+        for b in self.blocks.values():
+            b.wake()  # the children's version streams say that duties wait
 
     def _member(self, block: int, child_relay: Callable[[str], bool], worker_id: str, here: bool) -> None:
         if not child_relay(worker_id):  # a child relay is no member at the parent
@@ -151,7 +165,7 @@ class UpstreamAdmission:
                 self.check_receipt(header, digest)
             token = b""
             if self.parent_replays and not header.manifest:
-                drawn = self.upstream.draw(header, digest)  # a refusal (chain, claim, revoked) is the child's answer
+                drawn = self.upstream.draw(header, digest, self.name)  # a refusal (chain, claim, revoked) is the child's answer
                 if drawn.drawn:
                     _remember(self._drawn, header.update_id)
                 token = drawn.token
