@@ -104,6 +104,7 @@ class SwarmAggregator:
         self.replayers: dict[int, Replayer] = {}
         self.delegated: DelegatedReplays | None = None
         self.recipes: dict[str, str] = {}  # worker id → the recipe its last direct push claimed (who may verify whom)
+        self.relayed: set[str] = set()  # workers a relay committed updates of (Draw): no duties reach them yet
         self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
         verifier = None
         if acfg.audit.on and corpus is None and upstream is None:
@@ -205,8 +206,9 @@ class SwarmAggregator:
         with agg.lock:
             names = sorted(agg.registered)
         mine = recipe_of(theirs)
-        return [n for n in names if n != author and n in self.recipes and not self.identities.is_revoked(n)
-                and self.training(n) is not None and compatible(recipe_of(self.recipes[n]), mine)]
+        return [n for n in names if n != author and n in self.recipes and n not in self.relayed
+                and not self.identities.is_revoked(n) and self.training(n) is not None
+                and compatible(recipe_of(self.recipes[n]), mine)]
 
     def _replicas(self, block: int) -> int:
         agg = self.blocks.get(block)
@@ -214,7 +216,7 @@ class SwarmAggregator:
             return 0
         with agg.lock:
             names = list(agg.registered)
-        return sum(not self.identities.is_revoked(n) for n in names)
+        return sum(n not in self.relayed and not self.identities.is_revoked(n) for n in names)
 
     def _delegation(self) -> DelegatedReplays:
         if self.delegated is None:
@@ -422,7 +424,9 @@ class SwarmAggregator:
 
     # -- replay audits (replays.py) -------------------------------------------------------------
     def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
-        """A relay commits a child's update before it counts it (ReplayDesk.draw)."""
+        """A relay commits a child's update before it counts it (ReplayDesk.draw). Its worker is behind a
+        relay, which answers it no verification duties: it is no verifier here (`_verifiers`)."""
+        self.relayed.add(header.worker_id)
         return self.replays.draw(header, digest, relay)
 
     def check_passed_on(self, header: PushHeader) -> None:
