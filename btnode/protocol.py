@@ -298,9 +298,10 @@ class Upstream(Protocol):
         """Send the inner state an update drawn for audit started from (its optimizer state and residual,
         whose hashes its claim commits to); PeerInputError when the aggregator refuses it."""
 
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         """A relay commits a child's update (its header and frames digest) before it counts it; `relay`:
-        its name, which a root without mutual TLS hands the child's verification duties to."""
+        its name, which a root without mutual TLS hands the child's verification duties to; `refused`:
+        one the relay answered LATE or STALE without counting it (its claim moves the chain on only)."""
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 

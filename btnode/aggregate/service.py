@@ -409,6 +409,8 @@ class SwarmAggregator:
             if early is not None:
                 if audits is not None:
                     audits.advance(header)
+                elif self.upstream is not None and not header.manifest:
+                    self.upstream.refused(header, chunks)  # the root's chain of the child's claims moves on too
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -463,10 +465,11 @@ class SwarmAggregator:
                                              f"key {header.data_key!r}, but its key here is {ours!r}")
 
     # -- replay audits (replays.py) -------------------------------------------------------------
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         """A relay commits a child's update before it counts it (ReplayDesk.draw). `relay`: its name
-        (under mutual TLS its certificate's), to which the child's verification duties go from now on."""
-        drawn = self.replays.draw(header, digest, relay)
+        (under mutual TLS its certificate's), to which the child's verification duties go from now on;
+        `refused`: one it answered LATE or STALE, whose claim only moves the worker's chain on."""
+        drawn = self.replays.draw(header, digest, relay, refused=refused)
         self._note_recipe(header)
         if relay:
             with self._duty_lock:

@@ -213,12 +213,14 @@ class SwarmClient:
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
         return convert.judgement_from_pb(reply)
 
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         """A relay's commit of a child's update (`header`, its frames' `digest`) to a root that replays
-        audits (aggregate/trust/commits.py); `relay`: its name (read by a root without mutual TLS only).
+        audits (aggregate/trust/commits.py); `relay`: its name (read by a root without mutual TLS only);
+        `refused`: one it answered LATE or STALE, whose claim only moves the worker's chain on.
         A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
         reply = self._call("draw", self.relay_stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
-                                                                  digest=bytes.fromhex(digest), relay=relay))
+                                                                  digest=bytes.fromhex(digest), relay=relay,
+                                                                  refused=refused))
         return Drawn(drawn=reply.drawn, token=bytes(reply.token))
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:

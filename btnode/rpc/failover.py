@@ -103,8 +103,8 @@ class FailoverLink:
         frames = list(frames)  # a retry on the next upstream sends them again
         return self._run(lambda c: c.push(header, frames))
 
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
-        return self._run(lambda c: c.draw(header, digest, relay))
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
+        return self._run(lambda c: c.draw(header, digest, relay, refused=refused))
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
         frames = list(frames)

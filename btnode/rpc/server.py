@@ -273,7 +273,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         if who is not None and who.name != header.worker_id:
             self._proven(who, header.worker_id, (header.cert, header.signature), receipt_statement(header, digest))
         relay = who.name if who is not None else (convert.name_from_pb(request.relay, "relay") if request.relay else "")
-        drawn = self.agg.draw(header, digest, relay=relay)
+        drawn = self.agg.draw(header, digest, relay=relay, refused=request.refused)
         return pb.DrawReply(drawn=drawn.drawn, token=drawn.token)
 
     @_guard

@@ -324,14 +324,16 @@ class SubmitStateReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DrawRequest(_message.Message):
-    __slots__ = ("header", "digest", "relay")
+    __slots__ = ("header", "digest", "relay", "refused")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     digest: bytes
     relay: str
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., digest: _Optional[bytes] = ..., relay: _Optional[str] = ...) -> None: ...
+    refused: bool
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., digest: _Optional[bytes] = ..., relay: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class DrawReply(_message.Message):
     __slots__ = ("drawn", "token")

@@ -69,6 +69,7 @@ class UpstreamAdmission:
         self.last_forward: dict[int, tuple[PushHeader, Combined]] = {}  # block → the last one pushed (node/relay.py)
         self._drawn: OrderedDict[str, None] = OrderedDict()  # child updates the parent drew, not passed on yet
         self._passed_on: OrderedDict[str, None] = OrderedDict()  # ... passed on: their start state goes up too
+        self._refusing: set[str] = set()  # child updates answered LATE or STALE, their frames read for the digest
         self._joins: dict[tuple[int, str], tuple] = {}  # a child's join (and its proof), to send again
         # children's joins passed on at once: a parent's calls (Join, Leave, Status) share one small budget
         # over all its peers (rpc/limits.py), which a relay passing on a swarm's joins at once would fill
@@ -163,6 +164,10 @@ class UpstreamAdmission:
         def noted(digest: str) -> None:
             if self.check_receipt is not None:  # under mutual TLS: the child's signed receipt, before it is judged
                 self.check_receipt(header, digest)
+            if header.update_id in self._refusing:  # answered LATE or STALE here (`refused`): not counted
+                if self.parent_replays and not header.manifest:
+                    self.upstream.draw(header, digest, self.name, refused=True)
+                return
             token = b""
             if self.parent_replays and not header.manifest:
                 drawn = self.upstream.draw(header, digest, self.name)  # a refusal (chain, claim, revoked) is the child's answer
@@ -174,6 +179,20 @@ class UpstreamAdmission:
                                                                  claim_digest(header.claim), token))
 
         return noting_digest(chunks, noted)
+
+    def refused(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """A child's update answered LATE or STALE here before its frames were read (`chunks`, as `noting`
+        gave them): under a parent that replays audits its claim still goes up (Draw, `refused`), once its
+        frames are read for the digest its receipt signs, so that the parent's chain of the worker's claims
+        moves on as the worker's optimizer did; else the worker's next update would read as a broken chain."""
+        if not self.parent_replays:
+            return
+        self._refusing.add(header.update_id)
+        try:
+            for _ in chunks:
+                pass
+        finally:
+            self._refusing.discard(header.update_id)
 
     def routed(self, header: PushHeader, raw: dict[str, bytes], count: Callable[[str, str], None]) -> Judgement | None:
         """A child's update the parent drew for a replay audit: pushed up as it came (its frames rebuilt
