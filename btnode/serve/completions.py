@@ -22,6 +22,7 @@ MAX_BYTES = 4096  # max_tokens ceiling per request: a request's bytes, not a BPE
 MAX_STOPS = 4  # as OpenAI
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat without max_tokens runs to the context's end
 MAX_SEED = 2**63 - 1
+DRAWN_SEEDS = 2**53  # a drawn seed below 2^53: every JSON client (the page's JavaScript too) can send it back exactly
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (btnode generate's is 0: greedy)
 CHAT_STOP = "\nUser:"  # chat requests without `stop` end where the model starts the next user turn
 
@@ -126,7 +127,7 @@ def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str 
     seed = _int(body, "seed", None, 0, MAX_SEED)
     seed_given = seed is not None
     if seed is None:  # OpenAI: no seed, no reproducibility: each request its own draw
-        seed = secrets.randbelow(MAX_SEED + 1)
+        seed = secrets.randbelow(DRAWN_SEEDS)
     request = GenerationRequest(prompt, n_bytes, seed=seed,
                                 temperature=float(temperature), k=_int(body, "k", None, 1, 4096),
                                 n_steps=_int(body, "steps", None, 1, 4096),
