@@ -93,9 +93,12 @@ class Browser:
             self.send("Input.dispatchKeyEvent", {"type": "keyDown", "text": ch, "key": ch})
             self.send("Input.dispatchKeyEvent", {"type": "keyUp", "key": ch})
 
-    def key(self, key: str, code: str, *, vk: int = 0, modifiers: int = 0, commands: tuple[str, ...] = ()) -> None:
-        """One key pressed and released (`commands`: the editing command it triggers, e.g. selectAll)."""
-        down = {"type": "rawKeyDown", "key": key, "code": code, "windowsVirtualKeyCode": vk, "modifiers": modifiers}
+    def key(self, key: str, code: str, *, vk: int = 0, modifiers: int = 0, commands: tuple[str, ...] = (),
+            text: str = "") -> None:
+        """One key pressed and released (`commands`: the editing command it triggers, e.g. selectAll;
+        `text`: the character it types)."""
+        down = {"type": "keyDown" if text else "rawKeyDown", "key": key, "code": code, "windowsVirtualKeyCode": vk,
+                "modifiers": modifiers, **({"text": text} if text else {})}
         if commands:
             down["commands"] = list(commands)
         self.send("Input.dispatchKeyEvent", down)

@@ -319,7 +319,7 @@ def test_the_page_works_with_a_key_typed_into_a_real_browser(lab, tmp_path):
         browser.type("#seed", "5")
         browser.click("#k")
         browser.key("Tab", "Tab", vk=9, modifiers=8)  # Shift+Tab: back to the readout list
-        browser.key("c", "KeyC", vk=67)  # picks "commit" as a keyboard user does
+        browser.key("c", "KeyC", vk=67, text="c")  # picks "commit" as a keyboard user does
         assert browser.eval("document.getElementById('readout').value") == "commit"
         browser.eval("window.lengths = []; new MutationObserver(() => lengths.push("
                      "document.getElementById('out').textContent.length)).observe(document.getElementById('out'), "
