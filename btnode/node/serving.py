@@ -110,7 +110,7 @@ def run_serve(config: ServeConfig, api: ApiConfig, device: torch.device) -> None
 
     def ready(url: str) -> None:
         body = json.dumps({"model": identity.id, "prompt": "The history of", "max_tokens": 64})
-        print(f"serving {identity.id} at {url}/v1 (the page: {url}/ ; gRPC entry {entry})\n"
+        print(f"serving {identity.id} at {url}/v1 (the page: {url}/; gRPC entry {entry})\n"
               f"curl -s {url}/v1/completions -H 'Content-Type: application/json'"
               + (" -H \"Authorization: Bearer $KEY\"" if api.api_key else "") + f" -d '{body}'", flush=True)
 
