@@ -25,6 +25,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -165,11 +166,11 @@ def front(workdir: Path, blocks: Path) -> dict:
                             port_file=workdir / "serve.port", log=workdir / "serve.log", timeout_s=180, name="serve")
         procs.append(served.proc)
         deadline = time.monotonic() + 60
-        while "; gRPC entry " not in (text := (workdir / "serve.log").read_text()):
+        while not (found := re.search(r"gRPC entry (\S+)\)", text := (workdir / "serve.log").read_text())):
             if time.monotonic() > deadline:
                 raise SystemExit(f"btnode serve printed no entry:\n{text[-2000:]}")
             time.sleep(0.1)
-        entry = text.split("; gRPC entry ", 1)[1].split(")", 1)[0]  # its printed line: "… (the page: …; gRPC entry E)"
+        entry = found.group(1)  # its printed line: "serving ID at URL (the page: …; gRPC entry E)"
         res = {"conformance": conformance("127.0.0.1", served.port)}
         proxy = start_node(["api", "--entry", entry, "--listen", "127.0.0.1:0"], port_file=workdir / "proxy.port",
                            log=workdir / "proxy.log", name="proxy")
