@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BTNODE := $(VENV)/bin/btnode
 DEMO_DIR ?= runs/demo
 
-.PHONY: venv tools test test-fast demo proto bench-quality bench-transport bench-serving bench-async bench-wan bench-judge clean
+.PHONY: venv tools test test-fast demo serve proto bench-quality bench-transport bench-serving bench-async bench-wan bench-judge clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,14 @@ demo: venv
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 64 --segment 16 --readout pool "The history of the"
 	@echo "--- one sweep per byte (K=1):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
+	@echo "--- serve it as an OpenAI-compatible endpoint, with a page at /, from one process: make serve, then"
+	@echo "curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"The history of the\", \"max_tokens\": 64}'"
+
+# The demo's checkpoint (or SERVE_DIR) as an OpenAI-compatible endpoint on 127.0.0.1:8000 until Ctrl-C;
+# it prints the URL and a curl line (docs/serving.md, "One process").
+SERVE_DIR ?= $(DEMO_DIR)
+serve: venv
+	$(BTNODE) serve --checkpoint $(SERVE_DIR) --listen 127.0.0.1:8000
 
 proto: venv
 	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v2/*.proto

@@ -10,6 +10,11 @@ stages hold two layers each). Every client streams requests one after another fo
 time; in all: bytes ÷ the phase's wall time. ttfb: request sent → first segment's chunk (median);
 per-segment latency: the gap between successive chunks of a stream (p50, p99 over all streams).
 
+Before the load: `conformance` (bench/api_conformance.py: OpenAI request cases against `btnode serve
+--checkpoint BLOCKS`, `failed` counting those that do not behave as OpenAI's reference says) and
+`proxy_rss_mb` (a `btnode api` in front of that process's gRPC entry, after serving requests: no torch).
+Both run on loopback; --no-load stops there (no root needed) and keeps the last run's load rows.
+
     .venv/bin/python -m bench.api                 # trains two small models (~1 min), then ~6 min
     .venv/bin/python -m bench.api --blocks runs/served2 --ar runs/ar6
 """
@@ -20,6 +25,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,8 +35,9 @@ import time
 from functools import partial
 from pathlib import Path
 
+from bench.api_conformance import conformance, proxy_rss_mb
 from bench.flags import BenchParser
-from bench.report import invoked, module_command, publish, shown, table
+from bench.report import invoked, module_command, previous, publish, shown, table
 from bench.runs import Metric
 from btnode.node.launch import CLI, start_node, stop_processes
 
@@ -150,12 +157,41 @@ def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.P
     return procs, {"block": f"{entry}:{API_PORT}", "ar": f"{entry}:{API_PORT + 1}"}
 
 
+def front(workdir: Path, blocks: Path) -> dict:
+    """`btnode serve --checkpoint BLOCKS` on loopback: the conformance cases against it, then a `btnode
+    api` in front of its gRPC entry, whose resident memory is read after 20 requests through it."""
+    procs: list[subprocess.Popen] = []
+    try:
+        served = start_node(["serve", "--checkpoint", str(blocks), "--listen", "127.0.0.1:0"],
+                            port_file=workdir / "serve.port", log=workdir / "serve.log", timeout_s=180, name="serve")
+        procs.append(served.proc)
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"gRPC entry (\S+)\)", text := (workdir / "serve.log").read_text())):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"btnode serve printed no entry:\n{text[-2000:]}")
+            time.sleep(0.1)
+        entry = found.group(1)  # its printed line: "serving ID at URL (the page: …; gRPC entry E)"
+        res = {"conformance": conformance("127.0.0.1", served.port)}
+        proxy = start_node(["api", "--entry", entry, "--listen", "127.0.0.1:0"], port_file=workdir / "proxy.port",
+                           log=workdir / "proxy.log", name="proxy")
+        procs.append(proxy.proc)
+        for i in range(20):
+            got = stream_one("127.0.0.1", proxy.port, {"prompt": PROMPT, "max_tokens": 64, "stream": True, "seed": i})
+            if got["error"]:
+                raise SystemExit(f"the proxy failed a request: {got['error']}")
+        rss, torch = proxy_rss_mb(proxy.proc.pid)
+        return {**res, "proxy_rss_mb": round(rss, 1), "proxy_imports_torch": torch}
+    finally:
+        stop_processes(procs)
+
+
 def metrics(res: dict) -> dict[str, Metric]:
     """Bytes/s per client for each chain at the fewest and most clients, and the errors across all rows."""
-    ns = sorted({r["clients"] for r in res["rows"]})
+    ns = sorted({r["clients"] for r in res["rows"]}) or [0]
     out: dict[str, Metric] = {f"{r['model']}, {r['clients']} clients: bytes/s per client": r["bytes_per_s"]
                               for r in res["rows"] if r["clients"] in (ns[0], ns[-1])}
-    return {**out, "errors": sum(r["errors"] for r in res["rows"])}
+    return {**out, "errors": sum(r["errors"] for r in res["rows"]), "conformance failed": res["conformance"]["failed"],
+            "proxy RSS (MB)": res["proxy_rss_mb"]}
 
 
 def render(res: dict) -> str:
@@ -174,7 +210,12 @@ def render(res: dict) -> str:
         "", "bytes/s per client: a client's bytes ÷ the time its requests took; in all: every byte ÷ the "
         "phase's wall time. Load: the machine's 1-minute load average at the phase's end (other jobs ran "
         "beside it on its 2 cores). Segment latency: the gap between two chunks of one stream (one traversal of the "
-        "chain: K bytes for the block chain, one byte for the AR chain)."])
+        "chain: K bytes for the block chain, one byte for the AR chain).", "",
+        f"OpenAI conformance (`btnode serve`, bench/api_conformance.py): {len(res['conformance']['cases'])} request "
+        f"cases, {res['conformance']['failed']} failed"
+        + "".join(f"; {c['name']} (got {c['got']})" for c in res["conformance"]["cases"] if not c["ok"])
+        + f". `btnode api` in front of its entry after 20 requests: {res['proxy_rss_mb']:.1f} MB resident"
+        + (" (torch loaded)." if res["proxy_imports_torch"] else " (no torch).")])
 
 
 def main() -> None:
@@ -185,6 +226,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="each phase's duration")
     ap.add_argument("--bytes", type=int, default=256, help="bytes per block-chain request")
     ap.add_argument("--ar-bytes", type=int, default=32, help="bytes per AR request (one traversal each)")
+    ap.add_argument("--no-load", action="store_true", help="conformance and proxy memory only (no netlab, no root); "
+                                                           "the last run's load rows are kept")
     ap.result("api")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
@@ -198,10 +241,20 @@ def main() -> None:
     from btnode.store.models import load_blocks
 
     reason = Chain.why_unavailable()
-    if reason:
-        raise SystemExit(f"cannot emulate the WAN here: {reason}")
+    if reason and not args.no_load:
+        raise SystemExit(f"cannot emulate the WAN here: {reason} (--no-load measures the rest)")
     workdir = Path(tempfile.mkdtemp(prefix="btnode-api-bench-"))
     blocks, ar = (args.blocks, args.ar) if args.blocks and args.ar else train(workdir)
+    checks = front(workdir, blocks)
+    print(f"[api] conformance: {checks['conformance']['failed']} of {len(checks['conformance']['cases'])} failed; "
+          f"proxy {checks['proxy_rss_mb']} MB", file=sys.stderr, flush=True)
+    if args.no_load:
+        last = previous(args.results)  # its load rows, kept
+        res = {"seconds": args.seconds, "n_bytes": "–", "models": f"blocks {shown([str(blocks)])}", "rows": [], **last,
+               **checks, "command": invoked(), "date": time.strftime("%Y-%m-%d"),
+               "rows_from": last.get("rows_from", last.get("date"))}
+        publish("api", res, metrics(res), render, out=args.results)
+        return
     cfg, _ = load_blocks(blocks)
     k = max(cfg.segments)
     bodies = {"block": {"prompt": PROMPT, "max_tokens": args.bytes, "temperature": 1.0, "stream": True,
@@ -232,7 +285,7 @@ def main() -> None:
            "n_bytes": f"{args.bytes} (block chain) and {args.ar_bytes} (AR chain)",
            "models": f"blocks {shown([str(blocks)])}, AR {shown([str(ar)])}"
                      + ("" if args.blocks else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
-           "rows": rows}
+           "rows": rows, **checks}
     publish("api", res, metrics(res), render, out=args.results)
     print(json.dumps(rows, indent=1))
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -17,6 +15,7 @@ import torch
 
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import ChunkData, Frame
+from btnode.meter import Meter  # noqa: F401 - re-exported: the swarm's vocabulary
 from btnode.settings import flag
 
 MAX_NAME = 256  # characters of a worker id, update id, tensor name or data id a peer may send
@@ -353,30 +352,6 @@ def format_steps(steps: Iterable[int]) -> str:
         else:
             runs.append([s, s])
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
-
-
-class Meter:
-    """Running totals a node exposes as metrics (node/metrics.py reads them at scrape time):
-    counts keyed by a tuple of label values, and durations as (count, sum) per name. Thread-safe,
-    and free of any metrics library, so the domain code does not depend on one."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts: Counter = Counter()
-        self.durations: dict[str, tuple[int, float]] = {}
-
-    def count(self, key: tuple[str, ...], n: float = 1) -> None:
-        with self._lock:
-            self.counts[key] += n
-
-    def observe(self, name: str, seconds: float) -> None:
-        with self._lock:
-            c, s = self.durations.get(name, (0, 0.0))
-            self.durations[name] = (c + 1, s + seconds)
-
-    def snapshot(self) -> tuple[dict[tuple[str, ...], float], dict[str, tuple[int, float]]]:
-        with self._lock:
-            return dict(self.counts), dict(self.durations)
 
 
 def join_statement(worker_id: str, block: int, fingerprint: str, data_id: str, training_json: str) -> bytes:

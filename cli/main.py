@@ -66,16 +66,41 @@ def root(ctx: typer.Context,
                                 tls_ca=tls_ca, tls_client_auth=tls_client_auth, tls_server_name=tls_server_name, identity=identity, join_code=join_code)
 
 
-def _register() -> None:
-    from btnode_cli import api, config, data, evaluate, generate, identity, join, judge, ops, simulate, train
+# the root's options that take a value: the word after one of them is not the command
+_ROOT_VALUES = frozenset(("--config", "--log-format", "--token-file", "--tls-cert", "--tls-key", "--tls-ca",
+                          "--tls-server-name", "--identity", "--join-code"))
 
-    for module in (train, evaluate, judge, generate, api, join, simulate, ops, data, identity, config):
+
+def command_word(argv: list[str]) -> str | None:
+    """The command named on the command line (`btnode -v api …` → "api"), None for none."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word.startswith("-"):
+            skip = word in _ROOT_VALUES
+        else:
+            return word
+    return None
+
+
+def _register(argv: list[str] | None = None) -> None:
+    """Every command, except for `btnode api`: the HTTP proxy registers only itself, so that it never
+    imports torch (a light process in front of a remote chain, docs/serving.md)."""
+    from btnode_cli import api
+
+    if argv is not None and command_word(argv) == "api":
+        api.register(app)
+        return
+    from btnode_cli import config, data, evaluate, generate, identity, join, judge, ops, serve, simulate, train
+
+    for module in (train, evaluate, judge, generate, api, serve, join, simulate, ops, data, identity, config):
         module.register(app)
 
 
 def main() -> None:
     """Entry point: domain errors become one line on stderr and their exit code, never a traceback."""
-    _register()
+    _register(sys.argv[1:])
     try:
         app()
     except BtnodeError as exc:

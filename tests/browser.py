@@ -93,6 +93,25 @@ class Browser:
             self.send("Input.dispatchKeyEvent", {"type": "keyDown", "text": ch, "key": ch})
             self.send("Input.dispatchKeyEvent", {"type": "keyUp", "key": ch})
 
+    def key(self, key: str, code: str, *, vk: int = 0, modifiers: int = 0, commands: tuple[str, ...] = (),
+            text: str = "") -> None:
+        """One key pressed and released (`commands`: the editing command it triggers, e.g. selectAll;
+        `text`: the character it types)."""
+        down = {"type": "keyDown" if text else "rawKeyDown", "key": key, "code": code, "windowsVirtualKeyCode": vk,
+                "modifiers": modifiers, **({"text": text} if text else {})}
+        if commands:
+            down["commands"] = list(commands)
+        self.send("Input.dispatchKeyEvent", down)
+        self.send("Input.dispatchKeyEvent", {"type": "keyUp", "key": key, "code": code, "windowsVirtualKeyCode": vk,
+                                             "modifiers": modifiers})
+
+    def retype(self, selector: str, text: str) -> None:
+        """Click into a field, select all that is in it (Ctrl+A), delete it and type `text`."""
+        self.click(selector)
+        self.key("a", "KeyA", vk=65, modifiers=2, commands=("selectAll",))
+        self.key("Backspace", "Backspace", vk=8)
+        self.type(selector, text)
+
     def click(self, selector: str) -> None:
         box = self.eval(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
                         " return [r.x + r.width / 2, r.y + r.height / 2]; })()")

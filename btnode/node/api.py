@@ -1,11 +1,14 @@
 """`btnode api`: an OpenAI-compatible HTTP server (Starlette on uvicorn) in front of a served chain.
 Requests become the shared `GenerationRequest` (serve/completions.py), go to the chain's entry over
 gRPC (rpc/entry.py) and come back as one JSON reply or as server-sent events, one per segment. Also
-serves a page to try the model at `/` and the HTTP layer's Prometheus metrics at `/metrics`."""
+serves a page to try the model at `/` and the HTTP layer's Prometheus metrics at `/metrics`. Free of
+torch, so that a proxy in front of a remote chain stays light; `btnode serve` (node/serving.py) runs
+it in the process that holds the chain."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -19,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,10 +30,11 @@ from starlette.routing import Route
 from btnode.durable import atomic_write
 from btnode.errors import BtnodeError, ConfigError, InputError, Overloaded, PeerUnavailable, StageTimeout
 from btnode.model.readout import Readout, default_readout
-from btnode.node.metrics import ApiCollector
-from btnode.protocol import Meter
+from btnode.meter import Meter
+from btnode.node.api_metrics import ApiCollector
 from btnode.rpc.entry import ChainInfo, EntryClient, Segment
-from btnode.serve.completions import Completion, ReplyShape, StopCutter, parse_chat, parse_completion, usage
+from btnode.serve.completions import (Completion, ReplyShape, StopCutter, chat_budget, parse_chat, parse_completion,
+                                      usage)
 from btnode.settings import flag
 
 log = logging.getLogger(__name__)
@@ -58,12 +63,38 @@ class ApiConfig:
     max_body_bytes: int = flag("--max-body-bytes", "Largest request body accepted (413 above).", default=1 << 20,
                                min=1)
     port_file: Path | None = flag("--port-file", "Write the bound port here once listening.", default=None)
+    model_name: str = flag("--model-name", "The model's name, first in its id (default: the checkpoint folder's name "
+                                           "under `btnode serve`, else btnode-KIND).", default="")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which weights are served: the id clients send as `model` is NAME-vVERSION-HASH8, so a new
+    version of the weights is a new id (OpenAI's ids name weights, not shapes)."""
+
+    name: str
+    version: int  # the checkpoint's version (an aggregator's round) or training step
+    weights_sha256: str  # over every unit's canonical state hash, in chain order (store.files.state_sha256)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-v{self.version}-{self.weights_sha256[:8]}"
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint` of a reply: the version and the weights' hash."""
+        return f"v{self.version}-{self.weights_sha256[:12]}"
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
           param: str | None = None) -> JSONResponse:
     """OpenAI's error shape."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "requests", 500: "api_error",
+          503: "service_unavailable", 504: "timeout"}
 
 
 def error_for(exc: BtnodeError) -> JSONResponse:
@@ -83,20 +114,23 @@ class ApiServer:
     """The app and what it keeps between requests: the entry client, the chain's info once read,
     the in-flight count (the concurrency limit) and the meter the metrics read."""
 
-    def __init__(self, config: ApiConfig):
+    def __init__(self, config: ApiConfig, identity: ModelIdentity | None = None):
         if not config.entries:
             raise ConfigError("give --entry HOST:PORT (the chain's first stage; spares after commas)")
         self.config = config
+        self.identity = identity
         self.client = EntryClient(config.entries, segment_timeout_s=config.segment_timeout_s)
         self.chain: ChainInfo | None = None
         self.in_flight = 0
         self.meter = Meter()
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(ApiCollector(self.meter, lambda: self.in_flight))
+        self.registry.register(ApiCollector(self.meter, lambda: self.in_flight, self.served))
         routes = [Route("/", self.page), Route("/health", self.health), Route("/metrics", self.metrics),
-                  Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
-        self.app = Starlette(routes=routes)
+        # every error an OpenAI error object, unknown routes and wrong methods included
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal})
         self.app.add_middleware(_Counted, server=self)
 
     # what the chain serves
@@ -104,24 +138,42 @@ class ApiServer:
     async def info(self) -> ChainInfo:
         if self.chain is None:
             self.chain = await self.client.info()
-            log.info("serving the %s chain at %s (model %s)", self.chain.kind, self.chain.entry, self.model_id)
+            version = f"version {self.identity.version}, weights {self.identity.weights_sha256[:12]}" \
+                if self.identity else "weights not known to this proxy: name them with --model-name"
+            log.info("serving the %s chain at %s: model %s (%s)", self.chain.kind, self.chain.entry, self.model_id,
+                     version)
         return self.chain
 
     @property
     def model_id(self) -> str:
+        if self.identity is not None:
+            return self.identity.id
         assert self.chain is not None
-        return f"btnode-{self.chain.kind}-{self.chain.fingerprint[:12]}"
+        return f"{self.config.model_name or f'btnode-{self.chain.kind}'}-{self.chain.fingerprint[:12]}"
+
+    def served(self) -> dict[str, str] | None:
+        """The model's labels for btnode_api_model_info, once the chain has been read."""
+        if self.chain is None:
+            return None
+        i = self.identity
+        return {"model": self.model_id, "version": str(i.version) if i else "",
+                "weights_sha256": i.weights_sha256 if i else ""}
 
     def model_card(self) -> dict[str, Any]:
         c = self.chain
         assert c is not None
+        i = self.identity
         card: dict[str, Any] = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "btnode",
-                                "kind": c.kind, "context": c.cfg.context, "byte_level": True}
+                                "kind": c.kind, "context": c.cfg.context, "byte_level": True,
+                                "version": i.version if i else None, "weights_sha256": i.weights_sha256 if i else None}
         if c.kind == "ar":
-            card.update(readout=None, k=1, layers=c.cfg.ar_layers)
+            card.update(readout=None, k=1, layers=c.cfg.ar_layers, prompt_bytes={"1": c.cfg.context})
         else:
+            # the prompt a segment of K may see: N − K + 1 bytes (serve/stages.max_prompt); drafting readouts
+            # (spec, spec-fill) take any K in 1 … N/2 with the same budget
             card.update(readout=default_readout().value, k=max(c.cfg.segments), segments=list(c.cfg.segments),
-                        readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks)
+                        readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks,
+                        prompt_bytes={str(k): c.cfg.context - k + 1 for k in c.cfg.segments})
         return card
 
     # routes
@@ -148,6 +200,23 @@ class ApiServer:
         except BtnodeError as exc:
             return error_for(exc)
         return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the card of the model served, 404 for any other id."""
+        if (denied := self.check_key(request)) is not None:
+            return denied
+        try:
+            await self.info()
+        except BtnodeError as exc:
+            return error_for(exc)
+        wanted = request.path_params["model"]
+        if wanted != self.model_id:
+            return self.no_such_model(wanted)
+        return JSONResponse(self.model_card())
+
+    def no_such_model(self, name: str) -> JSONResponse:
+        return error(404, f"The model {name!r} does not exist; this server serves {self.model_id!r} (GET /v1/models)",
+                     code="model_not_found", param="model")
 
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, parse_completion)
@@ -198,10 +267,13 @@ class ApiServer:
         try:
             chain = await self.info()
             if completion.model not in (None, self.model_id):
-                return error(404, f"the model {completion.model!r} does not exist; this server serves "
-                                  f"{self.model_id!r} (GET /v1/models)", code="model_not_found", param="model")
-            req = completion.request.checked(chain.cfg, chain.n_blocks)
-            shape = ReplyShape(model=self.model_id, chat=completion.chat)
+                return self.no_such_model(completion.model)  # type: ignore[arg-type]
+            if completion.chat and not completion.max_given:  # OpenAI: up to the context's end
+                completion = dataclasses.replace(completion, request=dataclasses.replace(
+                    completion.request, n_bytes=chat_budget(chain.cfg.context, len(completion.request.prompt))))
+            req = completion.request  # checked by the entry (GenerationRequest.checked needs torch): 400 all the same
+            shape = ReplyShape(model=self.model_id, chat=completion.chat,
+                               system_fingerprint=self.identity.fingerprint if self.identity else None)
             t0 = time.perf_counter()
             segments = self.client.stream(req)
             try:
@@ -223,6 +295,12 @@ class ApiServer:
     def release(self) -> None:
         self.in_flight -= 1
 
+    def about(self, completion: Completion) -> dict[str, Any]:
+        """What a reply says of how it was made: the seed (drawn when none was sent: send it back to
+        get the same text) and the served version."""
+        return {"seed": completion.request.seed, "seed_drawn": not completion.seed_given,
+                "version": self.identity.version if self.identity else None}
+
     async def whole(self, request: Request, completion: Completion, shape: ReplyShape, first: Segment | None,
                     segments: AsyncIterator[Segment]) -> Response:
         cutter = StopCutter(completion.stops)
@@ -236,7 +314,8 @@ class ApiServer:
                     break
                 seg = await anext(segments, None)
         text.append(cutter.finish())
-        extra = {"traversals": last.traversals if last else 0, "route": last.route if last else []}
+        extra = {"traversals": last.traversals if last else 0, "route": last.route if last else [],
+                 **self.about(completion)}
         return JSONResponse(shape.reply("".join(text), "stop" if cutter.stopped else "length",
                                         usage(completion.request.prompt, cutter.released), extra))
 
@@ -254,7 +333,8 @@ class ApiServer:
                 try:
                     while seg is not None:
                         text = cutter.feed(seg.new_bytes)
-                        yield _sse(shape.chunk(text, None, {"traversals": seg.traversals, "bytes": cutter.released}))
+                        yield _sse(shape.chunk(text, None, {"traversals": seg.traversals, "bytes": cutter.released,
+                                                            **self.about(completion)}))
                         if cutter.stopped:
                             break
                         seg = await anext(segments, None)
@@ -295,6 +375,27 @@ class _Stream(StreamingResponse):
                 self.release()
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own answers (no such route, a wrong method) as OpenAI error objects."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path}): no such route"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    headers = dict(exc.headers or {})
+    reply = error(exc.status_code, message, _KINDS.get(exc.status_code, "invalid_request_error"),
+                  code={404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code))
+    reply.headers.update(headers)  # 405's Allow
+    return reply
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    return error(500, f"internal error: {type(exc).__name__}", "api_error", "internal_error")
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -317,7 +418,8 @@ class _Counted:
             return
         path = scope["path"]
         route = path if path in ("/", "/health", "/metrics", "/v1/models", "/v1/completions",
-                                 "/v1/chat/completions") else "other"
+                                 "/v1/chat/completions") else "/v1/models/{id}" if path.startswith("/v1/models/") \
+            else "other"
 
         async def counted(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -327,11 +429,13 @@ class _Counted:
         await self.app(scope, receive, counted)
 
 
-def run_api(config: ApiConfig) -> None:
-    """Serve until SIGINT or SIGTERM (uvicorn handles both, finishing the requests in flight)."""
+def run_api(config: ApiConfig, identity: ModelIdentity | None = None,
+            on_listening: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (uvicorn handles both, finishing the requests in flight).
+    `on_listening` gets the base URL once the socket is bound (`btnode serve` prints its curl line)."""
     import uvicorn
 
-    server = ApiServer(config)
+    server = ApiServer(config, identity)
     host, _, port = config.listen.rpartition(":")
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
@@ -345,6 +449,8 @@ def run_api(config: ApiConfig) -> None:
         atomic_write(config.port_file, f"{bound}\n".encode())
     log.info("OpenAI-compatible API on http://%s:%d/v1 (entries %s)", host or "0.0.0.0", bound,
              ",".join(config.entries))
+    if on_listening is not None:
+        on_listening(f"http://{host if host not in ('', '0.0.0.0', '[::]') else '127.0.0.1'}:{bound}")
     uv = uvicorn.Server(uvicorn.Config(server.app, loop="asyncio", log_level="warning", access_log=False,
                                        timeout_graceful_shutdown=5))
     uv.run(sockets=[sock])

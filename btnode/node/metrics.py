@@ -13,36 +13,23 @@ mean over the window. Histograms would give quantiles too; they are not needed y
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from collections.abc import Callable, Iterator
 
-import torch
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from btnode import __version__
 from btnode.aggregate.trust.audit import AuditTotals
 from btnode.aggregate.trust.delegate import DelegatedReplays
 from btnode.aggregate.service import SwarmAggregator
 from btnode.aggregate.trust.identities import IdentityRecord
 from btnode.errors import ConfigError
+from btnode.node.api_metrics import ApiCollector, Family, build_info  # noqa: F401 - re-exported
 from btnode.protocol import Meter, Outcome
 from btnode.swarm.worker import WorkerStats
 
 log = logging.getLogger(__name__)
-Family = CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily | InfoMetricFamily
-
-
-def build_info(role: str) -> Family:
-    """`btnode_build_info{version,role,python,torch} 1`, first in every role's scrape: which build a node
-    runs is the first question about a swarm of mixed hosts, and a label is where a dashboard can
-    group by it (`count by (version) (btnode_build_info)`)."""
-    info = InfoMetricFamily("btnode_build", "Version of btnode and of what it runs on.")
-    info.add_metric([], {"version": __version__, "role": role, "python": platform.python_version(),
-                         "torch": torch.__version__})
-    return info
 
 
 def transfer_families(counts: dict[tuple[str, ...], float]) -> Family:
@@ -243,39 +230,6 @@ class StageCollector(Collector):
         yield from (requests, generated)
         yield duration_family("btnode_serve_duration_seconds", "Latency of whole requests (entry stage) and of "
                               "one stage's forward step.", durations, "call", ("request", "forward"))
-
-
-class ApiCollector(Collector):
-    """The HTTP API in front of a chain (node/api.py): answers by route and status code, requests in
-    flight, time to the first segment, streams cancelled by their client."""
-
-    ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/", "/metrics", "other")
-
-    def __init__(self, meter: Meter, in_flight: Callable[[], int]):
-        self.meter = meter
-        self.in_flight = in_flight
-
-    def collect(self) -> Iterator[Family]:
-        yield build_info("api")
-        counts, durations = self.meter.snapshot()
-        requests = CounterMetricFamily("btnode_api_requests", "HTTP answers by route and status code.",
-                                       labels=["route", "code"])
-        for route in self.ROUTES[:2]:  # present from the start, at 0
-            if not any(k[0] == "http" and k[1] == route for k in counts):
-                requests.add_metric([route, "200"], 0)
-        for key, n in sorted(counts.items()):
-            if key[0] == "http":
-                requests.add_metric([key[1], key[2]], n)
-        yield requests
-        yield GaugeMetricFamily("btnode_api_in_flight", "Generation requests being served now.",
-                                value=self.in_flight())
-        cancelled = CounterMetricFamily("btnode_api_cancelled", "Streams whose client went away before the end "
-                                        "(cancelled down the chain).")
-        cancelled.add_metric([], counts.get(("cancelled",), 0))
-        yield cancelled
-        count, total = durations.get("ttfb", (0, 0.0))
-        yield SummaryMetricFamily("btnode_api_ttfb_seconds", "Time from a request's arrival to its first segment "
-                                  "from the chain.", count_value=count, sum_value=total)
 
 
 def serve_metrics(address: str, collector: Collector) -> int:

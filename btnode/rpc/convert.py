@@ -1,18 +1,15 @@
 """Protobuf ⇄ domain objects. Every field coming from a peer is checked here before it becomes a
 domain value; a bad enum, a negative dimension or a missing header is MalformedInput. Each wire enum
-is matched to its domain enum by name here (`WireEnum`), and the import fails if the two drift apart;
-settings travel as typed messages that mirror their frozen dataclasses field for field."""
+is matched to its domain enum by name (`WireEnum`, rpc/wire.py, which holds what a light client of a
+chain needs), and the import fails if the two drift apart; settings travel as typed messages that
+mirror their frozen dataclasses field for field."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import re
-from enum import Enum
-from typing import Any, Generic, TypeVar
-
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+from typing import Any
 
 from btnode import __version__
 from btnode.aggregate.trust.identities import Role
@@ -20,70 +17,28 @@ from btnode.aggregate.service import SwarmStatus
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
-from btnode.model.config import ModelConfig, UnitKind
-from btnode.model.readout import Readout, default_readout
+from btnode.model.config import ModelConfig
 from btnode.protocol import (MAX_NAME, Attestation, ClosedBy, Duties, EvidenceChild, Judgement, JoinInfo, ManifestEntry,
                              Outcome, PushHeader, RoundReceipt, StateWanted, TraceWanted, VerifyTask, VersionInfo,
                              WorkClaim)
 from btnode.train.config import Precision, TrainConfig
 from btnode.train.terms import H, TrainingTerms
-from btnode.v2 import serve_pb2 as serve_pb
 from btnode.v2 import settings_pb2 as settings_pb
 from btnode.v2 import swarm_pb2 as pb
-
-E = TypeVar("E", bound=Enum)
-
-
-class WireEnum(Generic[E]):
-    """A wire enum and the domain enum it carries, matched by name: the wire's `PREFIX_NAME` for each
-    member NAME (PREFIX: the wire enum's name in upper snake case, so values never collide in the
-    package's one scope). Both ways: a member without a wire value, or a wire value (other than
-    UNSPECIFIED) without a member, fails the import. `unspecified`: the member UNSPECIFIED stands
-    for, if any (otherwise a reader gets None and decides by the rule docs/wire.md states)."""
-
-    def __init__(self, wire: EnumTypeWrapper, domain: type[E], *, unspecified: E | None = None):
-        self.name = wire.DESCRIPTOR.full_name
-        self.prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", wire.DESCRIPTOR.name).upper() + "_"
-        self.unspecified = unspecified
-        members = [m for m in domain if m is not unspecified]
-        names = {self.prefix + m.name for m in members} | {self.prefix + "UNSPECIFIED"}
-        if names != set(wire.keys()):
-            raise ImportError(f"{self.name} {sorted(wire.keys())} and {domain.__module__}.{domain.__qualname__} "
-                              f"{[m.name for m in domain]} disagree")
-        self._to = {m: wire.Value(self.prefix + m.name) for m in members}
-        if unspecified is not None:
-            self._to[unspecified] = 0
-        self._from = {n: m for m, n in self._to.items()}
-
-    def to_pb(self, member: E) -> int:
-        return self._to[member]
-
-    def member(self, number: int) -> E | None:
-        """The member a peer sent; None for UNSPECIFIED without a member, or a value this build does not know."""
-        return self._from.get(number)
-
-    def from_pb(self, number: int, what: str) -> E | None:
-        """The member a peer sent; None for UNSPECIFIED without a member; MalformedInput(`what`) for a
-        value this build does not know."""
-        if number in self._from or number == 0:
-            return self._from.get(number)
-        raise MalformedInput(what, f"unknown {self.name} value {number}")
-
+from btnode.rpc.wire import (_MODEL_FIELDS, READOUTS, UNIT_KINDS, WireEnum, model_dict_from_pb,  # noqa: F401 - re-exported
+                             model_from_pb, model_to_pb, readout_from_pb)
 
 CODECS = WireEnum(pb.Codec, Codec)
 OUTCOMES = WireEnum(pb.PushOutcome, Outcome)
 CLOSED_BY = WireEnum(pb.ClosedBy, ClosedBy, unspecified=ClosedBy.NONE)
 ROLES = WireEnum(pb.IdentityRole, Role)
-UNIT_KINDS = WireEnum(settings_pb.UnitKind, UnitKind)
 PRECISIONS = WireEnum(settings_pb.Precision, Precision)
-READOUTS = WireEnum(serve_pb.Readout, Readout)
 WIRE_ENUMS = (CODECS, OUTCOMES, CLOSED_BY, ROLES, UNIT_KINDS, PRECISIONS, READOUTS)
 # The codec registry is keyed by the wire number too: refuse to start if the numbers ever differ.
 if any(CODECS.to_pb(c) != c.value for c in Codec):
     raise ImportError(f"btnode.v2.Codec's numbers and btnode.codec.Codec {[(c.name, c.value) for c in Codec]} disagree")
 
 # Settings messages mirror their dataclasses field for field (TrainingSettings adds H).
-_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 _TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 for _message, _fields in ((settings_pb.ModelSettings, _MODEL_FIELDS), (settings_pb.TrainingSettings, _TRAIN_FIELDS + (H,))):
     if set(_message.DESCRIPTOR.fields_by_name) != set(_fields):
@@ -93,30 +48,6 @@ for _message, _fields in ((settings_pb.ModelSettings, _MODEL_FIELDS), (settings_
 MAX_DIMS = 8
 MAX_RECIPE = 1024  # characters of a claim's recipe (Recipe.to_json(): a few short fields)
 _CLAIM_HASHES = ("base_sha256", "optimizer_start", "optimizer_end", "residual_start", "residual_end")
-
-
-def readout_from_pb(number: int, n_tail: int) -> Readout:
-    """A segment's or request's readout; UNSPECIFIED is the one default the library and the CLI share
-    (readout.default_readout), never a default of the wire's own."""
-    return READOUTS.from_pb(number, "readout") or default_readout(n_tail)
-
-
-def model_to_pb(cfg: ModelConfig) -> settings_pb.ModelSettings:
-    fields = {n: getattr(cfg, n) for n in _MODEL_FIELDS}
-    return settings_pb.ModelSettings(**{**fields, "segments": list(cfg.segments),
-                                        "kind": UNIT_KINDS.to_pb(UnitKind(cfg.kind))})
-
-
-def model_dict_from_pb(m: settings_pb.ModelSettings) -> dict[str, Any]:
-    """ModelConfig's fields as a peer sent them, for ModelConfig.from_dict to judge (ConfigError); a kind
-    this build does not know becomes a string that ModelConfig refuses."""
-    kind = UNIT_KINDS.member(m.kind)
-    return {**{n: getattr(m, n) for n in _MODEL_FIELDS}, "segments": list(m.segments),
-            "kind": kind.value if kind is not None else f"kind#{m.kind}"}
-
-
-def model_from_pb(m: settings_pb.ModelSettings) -> ModelConfig:
-    return ModelConfig.from_dict(model_dict_from_pb(m))
 
 
 def model_text_to_pb(config_json: str) -> settings_pb.ModelSettings | None:

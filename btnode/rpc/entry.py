@@ -1,7 +1,8 @@
 """An asyncio client of a chain's entry, for servers that talk to many clients at once (the HTTP
 API, node/api.py): what the chain serves (`chain_info`) and one request's segments as they come
 (`EntryClient.stream`), over spare entries tried in order, each segment awaited with a deadline.
-Closing the stream early cancels the gRPC call, and the entry then stops the request."""
+Closing the stream early cancels the gRPC call, and the entry then stops the request. Free of torch
+(rpc/wire.py): the HTTP proxy in front of a remote chain stays light."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import grpc
 
 from btnode.errors import PeerUnavailable, StageTimeout
 from btnode.model.config import ModelConfig, UnitKind
-from btnode.rpc import convert, security
-from btnode.rpc.server import CHANNEL_OPTIONS
-from btnode.rpc.stages import request_to_pb
+from btnode.rpc import security
 from btnode.rpc.status import error_from_rpc
+from btnode.rpc.wire import CHANNEL_OPTIONS, UNIT_KINDS, model_from_pb, request_to_pb
 from btnode.serve.request import GenerationRequest
 from btnode.v2 import serve_pb2 as pb
 from btnode.v2 import serve_pb2_grpc as pb_grpc
@@ -70,8 +70,8 @@ class EntryClient:
             try:
                 m = await pb_grpc.ServingStub(channel).Info(pb.StageInfoRequest(), timeout=self.info_timeout_s,
                                                           metadata=metadata)
-                cfg = convert.model_from_pb(m.config)
-                kind = convert.UNIT_KINDS.from_pb(m.kind, "kind") or UnitKind(cfg.kind)  # UNSPECIFIED: the config's
+                cfg = model_from_pb(m.config)
+                kind = UNIT_KINDS.from_pb(m.kind, "kind") or UnitKind(cfg.kind)  # UNSPECIFIED: the config's
                 return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry)
             except grpc.aio.AioRpcError as err:
                 exc = error_from_rpc(err, f"entry {entry}")

@@ -31,25 +31,12 @@ from btnode.rpc.certs import peer_identity, verify_signed
 from btnode.rpc.security import Security, bind, current, interceptors
 from btnode.rpc.status import _abort, _guard, streaming
 from btnode.rpc.verification import VerificationServicer
+from btnode.rpc.wire import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 - re-exported
 from btnode.v2 import swarm_pb2 as pb
 from btnode.v2 import swarm_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 4 << 20  # a 1 MiB chunk plus headers fits with room to spare
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # gRPC's reconnect backoff grows to 120 s by default, and while it waits every call fails at once with
-    # the last error: a relay or worker whose parent restarted kept "Connection refused" for half a minute
-    # after the parent was back (bench/soak.py --relays). A parent comes back within seconds; so does this.
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5_000),
-]
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/trust/evidence.py)
 SERVER_OPTIONS = CHANNEL_OPTIONS + [

@@ -23,6 +23,7 @@ from btnode.rpc.health import NodeHealth
 from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import error_from_rpc
+from btnode.rpc.wire import request_from_pb, request_to_pb  # noqa: F401 - re-exported
 from btnode.serve import driver
 from btnode.serve.ar import ARResult, ARState, LocalARStage
 from btnode.serve.readouts import Carry
@@ -75,22 +76,6 @@ def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
     if s.carry.draft_logp is not None:
         req.draft_logp.CopyFrom(tensor_to_pb(s.carry.draft_logp))
     return req
-
-
-def request_to_pb(r: GenerationRequest) -> pb.GenerateRequest:
-    """Defaults travel as the wire's zero values: k, n_steps 0 and READOUT_UNSPECIFIED."""
-    return pb.GenerateRequest(prompt=r.prompt, n_bytes=r.n_bytes, k=r.k or 0, n_steps=r.n_steps or 0, seed=r.seed,
-                              temperature=r.temperature, want_logits=r.want_logits,
-                              readout=convert.READOUTS.to_pb(r.readout) if r.readout else pb.READOUT_UNSPECIFIED,
-                              no_cache=not r.use_cache,
-                              draft=r.draft_len, n_tail=r.n_tail)
-
-
-def request_from_pb(m: pb.GenerateRequest) -> GenerationRequest:
-    return GenerationRequest(prompt=bytes(m.prompt), n_bytes=m.n_bytes, seed=m.seed, temperature=m.temperature,
-                             k=m.k or None, n_steps=m.n_steps or None, n_tail=m.n_tail,
-                             readout=convert.READOUTS.from_pb(m.readout, "readout"),  # None: the library's default
-                             want_logits=m.want_logits, use_cache=not m.no_cache, draft_len=m.draft)
 
 
 def _result_to_pb(r: SegmentResult) -> pb.SegmentReply:

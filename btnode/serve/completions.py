@@ -6,7 +6,9 @@ from the byte stream (`StopCutter`), and the reply and stream-chunk shapes. No H
 from __future__ import annotations
 
 import codecs
+import json
 import math
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,21 +20,36 @@ from btnode.serve.request import GenerationRequest
 
 MAX_BYTES = 4096  # max_tokens ceiling per request: a request's bytes, not a BPE token count
 MAX_STOPS = 4  # as OpenAI
-DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat without max_tokens runs to the context's end
+MAX_SEED = 2**63 - 1
+DRAWN_SEEDS = 2**53  # a drawn seed below 2^53: every JSON client (the page's JavaScript too) can send it back exactly
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (btnode generate's is 0: greedy)
 CHAT_STOP = "\nUser:"  # chat requests without `stop` end where the model starts the next user turn
 
-# fields the OpenAI clients send that a byte chain serves only at their neutral value
-_NEUTRAL: dict[str, Any] = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False,
-                            "logprobs": None, "logit_bias": None, "suffix": None, "top_logprobs": None,
-                            "parallel_tool_calls": None, "tools": None, "tool_choice": None, "response_format": None}
-_IGNORED = ("user", "metadata", "store", "service_tier")  # accepted, no effect on the bytes
+# fields the OpenAI clients send that a byte chain serves only at a neutral value: the values OpenAI
+# documents as meaning "nothing" (their defaults, an empty list or map, "none"/"auto" without tools)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,), "echo": (False,),
+    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "suffix": ("",),
+    "parallel_tool_calls": (True, False), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "response_format": ({"type": "text"},), "modalities": (["text"],),
+    "audio": (), "prediction": (), "web_search_options": (), "reasoning_effort": ()}
+_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")  # no effect on the bytes
 # btnode's own settings, beside OpenAI's (extra_body in the openai client): the request type's fields
 _EXTENSIONS = ("readout", "k", "steps", "tail_steps", "draft_len")
 _COMMON = ("model", "max_tokens", "temperature", "seed", "stop", "n", "stream", "stream_options", *_EXTENSIONS,
            *_NEUTRAL, *_IGNORED)
 COMPLETION_FIELDS = frozenset(("prompt", *_COMMON))
 CHAT_FIELDS = frozenset(("messages", "max_completion_tokens", *_COMMON))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1, 1.0 is 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,8 @@ class Completion:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     chat: bool = False
     model: str | None = None
+    max_given: bool = True  # False: no max_tokens was sent (chat then runs to the context's end: node/api.py)
+    seed_given: bool = True  # False: the seed was drawn for this request (the reply says which)
 
 
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -69,14 +88,18 @@ def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str 
     if unknown:
         raise InputError(f"unrecognized request argument(s): {', '.join(unknown)}")
     for name, neutral in _NEUTRAL.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise InputError(f"{name}={body[name]!r} is not supported by a byte-level chain (only {neutral!r})")
+        value = body.get(name)
+        if value is not None and not any(_same(value, v) for v in neutral):
+            only = " or ".join(json.dumps(v) for v in (None, *neutral))
+            raise InputError(f"{name}={value!r} is not supported by a byte-level chain (only {only})")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InputError(f"model must be a string, got {model!r}")
     n_bytes = _int(body, max_name, None, 1, MAX_BYTES)
     if n_bytes is None:
-        n_bytes = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_BYTES)
+        n_bytes = _int(body, "max_tokens", None, 1, MAX_BYTES)
+    max_given = n_bytes is not None
+    n_bytes = n_bytes or DEFAULT_MAX_TOKENS
     temperature = body.get("temperature", DEFAULT_TEMPERATURE)
     if temperature is None:
         temperature = DEFAULT_TEMPERATURE
@@ -91,8 +114,9 @@ def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str 
     if not isinstance(stream, bool):
         raise InputError(f"stream must be true or false, got {stream!r}")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise InputError(f"stream_options takes only include_usage, got {options!r}")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"} \
+            or any(not isinstance(v, bool) for v in options.values()):
+        raise InputError(f"stream_options takes include_usage (and include_obfuscation, ignored), got {options!r}")
     stop = body.get("stop", default_stop)
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or any(not isinstance(s, str) or not s for s in stops):
@@ -100,20 +124,28 @@ def _common(body: Any, allowed: frozenset[str], prompt: bytes, *, max_name: str 
     readout = body.get("readout")
     if readout is not None and not isinstance(readout, str):
         raise InputError(f"readout must be a string, got {readout!r}")
-    request = GenerationRequest(prompt, n_bytes, seed=_int(body, "seed", 0, 0, 2**63 - 1) or 0,
+    seed = _int(body, "seed", None, 0, MAX_SEED)
+    seed_given = seed is not None
+    if seed is None:  # OpenAI: no seed, no reproducibility: each request its own draw
+        seed = secrets.randbelow(DRAWN_SEEDS)
+    request = GenerationRequest(prompt, n_bytes, seed=seed,
                                 temperature=float(temperature), k=_int(body, "k", None, 1, 4096),
                                 n_steps=_int(body, "steps", None, 1, 4096),
                                 readout=Readout.parse(readout) if readout else None,
                                 n_tail=_int(body, "tail_steps", 0, 0, 4096) or 0,
                                 draft_len=_int(body, "draft_len", 0, 0, 4096) or 0)
     return Completion(request=request, stops=tuple(s.encode() for s in stops), stream=stream,
-                      include_usage=bool(options.get("include_usage")), chat=chat, model=model)
+                      include_usage=bool(options.get("include_usage")), chat=chat, model=model, max_given=max_given,
+                      seed_given=seed_given)
 
 
 def parse_completion(body: Any) -> Completion:
-    """POST /v1/completions. `prompt` is a string (or a list of one string: n = 1)."""
+    """POST /v1/completions. `prompt` is a string (or a list of one string: n = 1); required, as OpenAI
+    requires it (an empty string is a prompt: the text starts after a newline)."""
     _object(body)
-    prompt = body.get("prompt", "")
+    if "prompt" not in body or body["prompt"] is None:
+        raise InputError("prompt is required (a string; \"\" starts the text after a newline)")
+    prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
@@ -154,6 +186,8 @@ def parse_chat(body: Any) -> Completion:
     """POST /v1/chat/completions: the messages rendered by `render_chat`; `max_completion_tokens`
     is read as max_tokens; without `stop` the reply ends at the next "\\nUser:"."""
     _object(body)
+    if "messages" not in body or body["messages"] is None:
+        raise InputError("messages is required (a non-empty list of {role, content})")
     messages = body.get("messages")
     return _common(body, CHAT_FIELDS, render_chat(messages).encode(), max_name="max_completion_tokens",
                    default_stop=CHAT_STOP, chat=True)
@@ -201,11 +235,16 @@ class ReplyShape:
 
     model: str
     chat: bool
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    system_fingerprint: str | None = None  # the served weights' version and hash (OpenAI's field for the backend)
+    id: str = ""  # chatcmpl-… for chat, cmpl-… otherwise, as OpenAI's
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint}
 
     def reply(self, text: str, finish: str, usage: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
@@ -234,6 +273,12 @@ class ReplyShape:
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage}
+
+
+def chat_budget(context: int, prompt_bytes: int) -> int:
+    """The bytes a chat reply without max_tokens runs to: up to the context's end (N − prompt), at
+    least 1 and at most MAX_BYTES; its finish_reason is then "length" unless a stop came first."""
+    return max(1, min(MAX_BYTES, context - prompt_bytes))
 
 
 def usage(prompt: bytes, completion_bytes: int) -> dict[str, int]:

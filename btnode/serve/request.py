@@ -9,11 +9,7 @@ from dataclasses import dataclass
 
 from btnode.errors import InputError
 from btnode.model.config import ModelConfig
-from btnode.model.noise import default_steps
 from btnode.model.readout import Readout, default_readout
-from btnode.serve.ar import MAX_DRAFT, max_draft
-from btnode.serve.context_cache import MAX_REQUEST_ID
-from btnode.serve.stages import check_request, check_temperature
 
 
 @dataclass(frozen=True)
@@ -42,6 +38,12 @@ class GenerationRequest:
     def checked(self, cfg: ModelConfig, n_blocks: int | None = None) -> GenerationRequest:
         """This request as a chain of this model serves it, defaults filled in; InputError for a
         setting it cannot serve. n_blocks: the block chain's B scoring blocks; None: the AR chain."""
+        # imported here: the request value itself stays free of torch (the HTTP proxy, node/api.py)
+        from btnode.model.noise import default_steps
+        from btnode.serve.ar import MAX_DRAFT, max_draft
+        from btnode.serve.context_cache import MAX_REQUEST_ID
+        from btnode.serve.stages import check_request, check_temperature
+
         if n_blocks is None:
             if len(self.prompt) > cfg.context:
                 raise InputError(f"prompt is {len(self.prompt)} bytes; the context is {cfg.context} bytes")

@@ -289,33 +289,54 @@ def test_no_route_is_503_a_stalled_stage_504_and_the_concurrency_limit_429(lab):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (make tools installs it)")
-def test_the_page_streams_text_typed_into_a_real_browser(lab, tmp_path):
+def test_the_page_works_with_a_key_typed_into_a_real_browser(lab, tmp_path):
+    """As a person does it: the page opens without the key (401 in its header), the key is typed, the
+    model card comes back by itself, the settings are typed and picked with the keyboard and the
+    mouse, and what was picked is what the request carries and what the text is made with."""
     port = lab["block"]
-    code, ref = post(port, "/v1/completions", json.dumps({"prompt": "Hello there", "max_tokens": 24, "k": 1,
-                                                          "temperature": 0, "seed": 0}).encode())
+    want = {"prompt": "Hello there", "max_tokens": 24, "temperature": 0, "seed": 5, "readout": "commit", "k": 1}
+    code, ref = post(port, "/v1/completions", json.dumps(want).encode())
     assert code == 200
     browser = Browser()
     try:
         browser.open(f"http://127.0.0.1:{port}/")
-        browser.wait_for("document.body && document.body.dataset.ready === '1'")  # loaded (its model list: 401)
+        browser.wait_for("document.body && document.body.dataset.ready === '1'")
+        assert "missing or wrong API key" in browser.eval("document.getElementById('model').textContent")
+        # observe (not drive) what the page sends
+        browser.eval("window.sent = []; const f = window.fetch; window.fetch = (u, o) => {"
+                     " if (o && o.body) sent.push(JSON.parse(o.body)); return f(u, o); }; true")
         browser.type("#key", KEY)
-        browser.eval("loadModel().then(() => document.body.dataset.keyed = '1')")
-        browser.wait_for("document.body.dataset.keyed === '1' && document.getElementById('k').value === '8'")
-        browser.eval("document.getElementById('k').value = '1'; document.getElementById('temperature').value = '0';"
-                     "document.getElementById('bytes').value = '24';"
-                     "window.lengths = []; new MutationObserver(() => lengths.push("
+        header = browser.wait_for("document.getElementById('model').textContent.startsWith('Model ') && "
+                                  "document.getElementById('model').textContent")
+        model_id = client(port).models.list().data[0].id
+        assert model_id in header and "API key" not in header
+        assert browser.eval("document.getElementById('k').value") == "8"
+        assert "up to 25 bytes at K = 8" in browser.eval("document.getElementById('budget').textContent")
+        browser.retype("#k", "1")
+        assert "up to 32 bytes at K = 1" in browser.eval("document.getElementById('budget').textContent")
+        browser.retype("#temperature", "0")
+        browser.retype("#bytes", "24")
+        browser.type("#seed", "5")
+        browser.click("#k")
+        browser.key("Tab", "Tab", vk=9, modifiers=8)  # Shift+Tab: back to the readout list
+        browser.key("c", "KeyC", vk=67, text="c")  # picks "commit" as a keyboard user does
+        assert browser.eval("document.getElementById('readout').value") == "commit"
+        browser.eval("window.lengths = []; new MutationObserver(() => lengths.push("
                      "document.getElementById('out').textContent.length)).observe(document.getElementById('out'), "
-                     "{childList: true, characterData: true, subtree: true});")
+                     "{childList: true, characterData: true, subtree: true}); true")
         browser.type("#prompt", "Hello there")
         browser.click("#go")
         assert browser.wait_for("['done', 'error'].includes(document.body.dataset.state) && "
-                                "document.body.dataset.state", timeout=60) == "done", browser.eval("document.getElementById('stats').textContent")
+                                "document.body.dataset.state", timeout=60) == "done", \
+            browser.eval("document.getElementById('stats').textContent")
+        sent = browser.eval("sent")
+        assert sent == [{**want, "model": model_id, "stream": True}]
         out = browser.eval("document.getElementById('out').textContent")
         assert out == "Hello there" + ref["choices"][0]["text"]
         partial = [n for n in browser.eval("lengths") if len("Hello there") < n < len(out)]
         assert partial, "the text arrived all at once, not streamed"
         stats = browser.eval("document.getElementById('stats').textContent")
-        assert "24 bytes" in stats and "24 traversals: 1.00 bytes per traversal" in stats
+        assert "24 bytes" in stats and "24 traversals: 1.00 bytes per traversal" in stats and "seed 5" in stats
         browser.screenshot(tmp_path / "page.png")
         assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:

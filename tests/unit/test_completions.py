@@ -8,7 +8,8 @@ import pytest
 
 from btnode.errors import InputError, PeerUnavailable, StageTimeout
 from btnode.model.readout import Readout
-from btnode.serve.completions import CHAT_STOP, StopCutter, parse_chat, parse_completion, render_chat
+from btnode.serve.completions import (CHAT_STOP, ReplyShape, StopCutter, chat_budget, parse_chat, parse_completion,
+                                      render_chat)
 from btnode.serve.stages import FailoverStage
 
 
@@ -20,8 +21,42 @@ def test_a_completion_body_becomes_the_shared_request():
     assert (r.prompt, r.n_bytes, r.temperature, r.seed, r.readout, r.k) == ("héllo".encode(), 40, 0.5, 7,
                                                                             Readout.SPEC, 16)
     assert c.stream and c.include_usage and c.stops == (b"\n\n",) and c.model == "m" and not c.chat
-    d = parse_completion({"prompt": "x"}).request  # OpenAI's defaults, but the seed
-    assert (d.n_bytes, d.temperature, d.seed, d.readout, d.k) == (16, 1.0, 0, None, None)
+    d = parse_completion({"prompt": "x"})  # OpenAI's defaults; no seed: a fresh one each time
+    assert (d.request.n_bytes, d.request.temperature, d.request.readout, d.request.k) == (16, 1.0, None, None)
+    assert not d.seed_given and not d.max_given and c.seed_given and c.max_given
+    seeds = {parse_completion({"prompt": "x"}).request.seed for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**53 for s in seeds)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", False), ("logprobs", None), ("top_logprobs", 0), ("logit_bias", {}), ("response_format", {"type": "text"}),
+    ("parallel_tool_calls", False), ("parallel_tool_calls", True), ("tools", []), ("tool_choice", "none"),
+    ("tool_choice", "auto"), ("modalities", ["text"]), ("top_p", 1.0), ("frequency_penalty", 0), ("suffix", ""),
+    ("echo", False), ("best_of", 1), ("stream_options", {"include_obfuscation": False}), ("prompt_cache_key", "k"),
+])
+def test_openai_neutral_values_are_accepted(field, value):
+    parse_chat({"messages": [{"role": "user", "content": "x"}], field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", True), ("logprobs", 0), ("top_logprobs", 2), ("logit_bias", {"65": 1}), ("echo", 0),
+    ("response_format", {"type": "json_object"}), ("tool_choice", "required"), ("modalities", ["audio"]),
+    ("top_p", True), ("audio", {"voice": "x"}), ("reasoning_effort", "low"),
+])
+def test_values_a_byte_chain_cannot_serve_are_refused(field, value):
+    with pytest.raises(InputError, match=field):
+        parse_chat({"messages": [{"role": "user", "content": "x"}], field: value})
+
+
+def test_a_missing_prompt_or_messages_is_refused_and_chat_ids_are_chatcmpl():
+    for body in ({}, {"prompt": None}, {"max_tokens": 3}):
+        with pytest.raises(InputError, match="prompt is required"):
+            parse_completion(body)
+    with pytest.raises(InputError, match="messages is required"):
+        parse_chat({"max_tokens": 3})
+    assert ReplyShape(model="m", chat=True).id.startswith("chatcmpl-")
+    assert ReplyShape(model="m", chat=False).id.startswith("cmpl-")
+    assert chat_budget(32, 19) == 13 and chat_budget(32, 32) == 1 and chat_budget(1 << 20, 3) == 4096
 
 
 @pytest.mark.parametrize("body,match", [

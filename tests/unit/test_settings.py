@@ -122,3 +122,14 @@ def test_btnode_swarm_hands_run_swarm_its_configs_in_order(cli):
     hints = typing.get_type_hints(run_swarm)
     takes = [hints[p] for p in list(inspect.signature(run_swarm).parameters)[:len(SWARM_SECTIONS)]]
     assert takes == [section(s).cls for s in SWARM_SECTIONS]
+
+
+def test_btnode_api_is_found_behind_the_root_options():
+    """`btnode api` registers only itself (it must not import torch): the command word is found past
+    the root's options and their values."""
+    from btnode_cli.main import command_word
+
+    assert command_word(["api", "--entry", "x"]) == "api"
+    assert command_word(["-v", "--config", "api", "--log-format", "json", "api"]) == "api"
+    assert command_word(["--token-file", "f", "serve", "--checkpoint", "api"]) == "serve"
+    assert command_word(["--verbose"]) is None
