@@ -25,10 +25,11 @@ from starlette.routing import Route
 
 from btnode.durable import atomic_write
 from btnode.errors import BtnodeError, ConfigError, InputError, Overloaded, PeerUnavailable, StageTimeout
-from btnode.model.readout import Readout, default_readout
+from btnode.model.readout import Readout
 from btnode.node.metrics import ApiCollector
 from btnode.protocol import Meter
 from btnode.rpc.entry import ChainInfo, EntryClient, Segment
+from btnode.serve.defaults import describe_settings, serving_defaults
 from btnode.serve.completions import Completion, ReplyShape, StopCutter, parse_chat, parse_completion, usage
 from btnode.settings import flag
 
@@ -120,8 +121,10 @@ class ApiServer:
         if c.kind == "ar":
             card.update(readout=None, k=1, layers=c.cfg.ar_layers)
         else:
-            card.update(readout=default_readout().value, k=max(c.cfg.segments), segments=list(c.cfg.segments),
-                        readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks)
+            d = c.defaults or serving_defaults(c.cfg)
+            card.update(readout=d.readout.value, k=d.k, segments=list(c.cfg.segments),
+                        readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks,
+                        settings=describe_settings(c.cfg, d))
         return card
 
     # routes
@@ -200,7 +203,7 @@ class ApiServer:
             if completion.model not in (None, self.model_id):
                 return error(404, f"the model {completion.model!r} does not exist; this server serves "
                                   f"{self.model_id!r} (GET /v1/models)", code="model_not_found", param="model")
-            req = completion.request.checked(chain.cfg, chain.n_blocks)
+            req = completion.request.checked(chain.cfg, chain.n_blocks, chain.defaults)
             shape = ReplyShape(model=self.model_id, chat=completion.chat)
             t0 = time.perf_counter()
             segments = self.client.stream(req)

@@ -17,19 +17,22 @@ from btnode.errors import InputError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.model.readout import Readout
 from btnode.serve.ar import ARResult, ARState, ARStage
+from btnode.serve.defaults import ServingDefaults
 from btnode.serve.draft import ARDrafter
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, initial_state, max_prompt
 from btnode.serve.window import keep_bytes, window_start
 
 
-def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationRequest) -> Iterator[SegmentResult]:
-    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. The default
-    readout, POOL, costs no extra traversal, only (K, V) more per hop. use_cache=False makes every
+def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationRequest,
+             defaults: ServingDefaults | None = None) -> Iterator[SegmentResult]:
+    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. POOL costs no
+    extra traversal, only (K, V) more per hop. use_cache=False makes every
     stage rebuild its clean stream (the same bytes, slower). n_tail > 0 continues each sweep below
     σ_lo through the tail stages (readout LAST), still one traversal. SPEC is the exception to
-    "k bytes per traversal": 1 … k (serve/readouts.py)."""
-    r = request.checked(cfg, n_blocks)
+    "k bytes per traversal": 1 … k (serve/readouts.py). Settings the request leaves unset come from
+    `defaults` (None: the measured ones, serve/defaults.py)."""
+    r = request.checked(cfg, n_blocks, defaults)
     assert r.k is not None and r.n_steps is not None and r.readout is not None
     k = r.k
     rid = r.request_id or uuid.uuid4().hex

@@ -1,0 +1,221 @@
+"""Continuous batching across the chain: `BatchingStage` sits at the entry and sends the segments
+of every request waiting at that moment through the chain in one traversal; a request that arrives
+while a traversal runs joins the next one. Each request keeps its own driver loop (serve/driver.py),
+so its K, seed, temperature, readout and stop stay its own. `spec_steps` is a block's batched part:
+the spec readout's drafting and scoring run as one (R, …) batch over requests of different context
+lengths (`DiffusionBlock.extend_rows`, `RowLayout`); other readouts run request by request.
+
+What limits a batch: max_batch (64 segments per traversal), the stage's threads (one per open
+request), the CPU time of a batch (it grows with R · K once the matrices stop being tiny), and the
+memory of a batch's caches, R · N · d · 2L floats per block (about 1 MiB at R = 64, N = 128, d = 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from btnode.errors import BtnodeError
+from btnode.model.block import ContextCache, DiffusionBlock
+from btnode.model.layout import row_layouts
+from btnode.model.readout import Readout
+from btnode.model.sampler import context_logits, log_probs
+from btnode.seeding import generator
+from btnode.serve.readouts import Carry, Evaluation, sample_bytes
+from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, Stage
+
+log = logging.getLogger(__name__)
+MAX_BATCH = 64  # segments per traversal
+GATHER_S = 0.002  # how long a traversal waits for the requests of the last one to send their next segment
+_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch-hop")  # a batch to a stage without forward_batch
+
+Outcome = SegmentResult | BtnodeError
+
+
+def _one(stage: Stage, state: SegmentState) -> Outcome:
+    try:
+        return stage.forward(state)
+    except BtnodeError as exc:
+        return exc
+
+
+def forward_batch(stage: Stage, states: Sequence[SegmentState]) -> list[Outcome]:
+    """One traversal for all `states` from `stage` on: its own forward_batch when it has one, else
+    (a remote stage, a failover set) one call per state, concurrently."""
+    batched = getattr(stage, "forward_batch", None)
+    if batched is not None:
+        return batched(states)
+    if len(states) == 1:
+        return [_one(stage, states[0])]
+    return list(_POOL.map(lambda s: _one(stage, s), states))
+
+
+# the spec readout, batched over requests
+
+def encode_rows(block: DiffusionBlock, windows: Sequence[bytes], device: torch.device) -> tuple[ContextCache, torch.Tensor]:
+    """The clean streams of windows of different lengths in one call: right-padded, so that the
+    causal stream leaves each row's valid positions as they would be alone. (cache, lengths (R,))."""
+    lens = torch.tensor([len(w) for w in windows], device=device)
+    ids = torch.zeros(len(windows), int(lens.max()), dtype=torch.long, device=device)
+    for i, w in enumerate(windows):
+        ids[i, :len(w)] = torch.tensor(list(w), dtype=torch.long, device=device)
+    return block.encode_context(ids), lens
+
+
+def draft_rows(block: DiffusionBlock, cache: ContextCache, lens: torch.Tensor, k: int,
+               states: Sequence[SegmentState]) -> list[Carry]:
+    """`readouts.draft` for R requests at once: K bytes each, one byte per step for all rows, each
+    row sampled with its own temperature and its own ("spec-draft", seed, segment) stream."""
+    gens = [generator("spec-draft", s.seed, s.segment) for s in states]
+    drafted: list[list[int]] = [[] for _ in states]
+    rows: list[torch.Tensor] = []
+    for j in range(k):
+        if j:
+            last = torch.tensor([[d[-1]] for d in drafted], device=lens.device)
+            cache = block.extend_rows(cache, last, lens + j - 1)
+        lp = log_probs(context_logits(block, cache, row_layouts(lens + j, 1)))[:, 0]  # (R, V)
+        rows.append(lp)
+        for i, s in enumerate(states):
+            drafted[i].append(int(sample_bytes(lp[i:i + 1], s.temperature, gens[i])[0]))
+    q = torch.stack(rows, dim=1)  # (R, K, V)
+    return [Carry(pool=q[i], draft=bytes(d), draft_logp=q[i]) for i, d in enumerate(drafted)]
+
+
+def score_rows(block: DiffusionBlock, cache: ContextCache, lens: torch.Tensor, carries: Sequence[Carry]) -> list[Carry]:
+    """`readouts.score_draft` for R requests at once (drafts of one length K)."""
+    k = len(carries[0].draft)
+    drafts = torch.tensor([list(c.draft) for c in carries], device=lens.device)  # (R, K)
+    if k > 1:
+        cache = block.extend_rows(cache, drafts[:, :-1], lens)
+    lp = log_probs(context_logits(block, cache, row_layouts(lens, k, own_segments=True)))  # (R, K, V)
+    out = []
+    for i, c in enumerate(carries):
+        assert c.pool is not None and c.draft_logp is not None
+        out.append(Carry(pool=c.pool.to(lp.device) + lp[i], draft=c.draft, draft_logp=c.draft_logp.to(lp.device)))
+    return out
+
+
+def spec_steps(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[SegmentState | Outcome]:
+    """`stage.step` for every state: spec segments of one K batched (two or more of them), every
+    other one alone. A state the stage refuses gets its error."""
+    outs: list[SegmentState | Outcome | None] = [None] * len(states)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(states):
+        if s.readout is Readout.SPEC:
+            try:
+                stage.validate(s)
+            except BtnodeError as exc:
+                outs[i] = exc
+                continue
+            groups.setdefault(s.k, []).append(i)
+        else:
+            outs[i] = _step(stage, s)
+    for idx in groups.values():
+        if len(idx) == 1:  # alone: the unbatched path, bit for bit
+            outs[idx[0]] = _step(stage, states[idx[0]])
+            continue
+        with torch.no_grad():
+            done = _spec_batch(stage, [states[i] for i in idx])
+        for i, o in zip(idx, done):
+            outs[i] = o
+    return outs  # type: ignore[return-value]
+
+
+def _step(stage: LocalBlockStage, s: SegmentState) -> SegmentState | Outcome:
+    try:
+        return stage.step(s)
+    except BtnodeError as exc:
+        return exc
+
+
+def _spec_batch(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[SegmentState | Outcome]:
+    cache, lens = encode_rows(stage.block, [s.context for s in states], stage.device)
+    if stage.index == 0:
+        carries = draft_rows(stage.block, cache, lens, states[0].k, states)
+    else:
+        carries = score_rows(stage.block, cache, lens, [s.carry for s in states])
+    if stage.passes_drafts_on:
+        return [dataclasses.replace(s, carry=c.cpu()) for s, c in zip(states, carries)]
+    out: list[SegmentState | Outcome] = []
+    for s, c in zip(states, carries):
+        ev = Evaluation(block=stage.block, cache=cache, k=s.k, n_blocks=stage.n_blocks, carry=c)
+        try:
+            out.append(stage.read(s, ev))
+        except BtnodeError as exc:
+            out.append(exc)
+    return out
+
+
+class BatchingStage:
+    """The entry's first stage seen through a traversal scheduler: `forward` (one request's
+    segment, from its driver loop's thread) waits for the next traversal, which carries every
+    segment waiting when it starts (up to max_batch). One scheduler thread runs the traversals."""
+
+    def __init__(self, first: Stage, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S):
+        self.first = first
+        self.name = first.name
+        self.max_batch = max_batch
+        self.gather_s = gather_s
+        self.pending: deque[tuple[SegmentState, Future]] = deque()
+        self.cond = threading.Condition()
+        self.last_batch = 0
+        self.traversals = 0  # traversals run, and the segments they carried: their mean batch size
+        self.segments = 0
+        self.largest = 0
+        self.thread: threading.Thread | None = None
+
+    def forward(self, state: SegmentState) -> SegmentResult:
+        done: Future = Future()
+        with self.cond:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="traversals", daemon=True)
+                self.thread.start()
+            self.pending.append((state, done))
+            self.cond.notify()
+        return done.result()
+
+    def stats(self) -> dict[str, Any]:
+        with self.cond:
+            return {"traversals": self.traversals, "segments": self.segments, "largest": self.largest,
+                    "mean_batch": self.segments / self.traversals if self.traversals else 0.0}
+
+    def _take(self) -> list[tuple[SegmentState, Future]]:
+        with self.cond:
+            while not self.pending:
+                self.cond.wait()
+            # the requests of the last traversal send their next segment at once: wait for them briefly
+            deadline = time.monotonic() + self.gather_s
+            while len(self.pending) < min(self.last_batch, self.max_batch):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            n = min(len(self.pending), self.max_batch)
+            return [self.pending.popleft() for _ in range(n)]
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            try:
+                results: list[Any] = forward_batch(self.first, [s for s, _ in batch])
+            except BaseException as exc:  # a bug, not a refusal: every request of the batch fails with it
+                log.exception("a batched traversal of %d segments failed", len(batch))
+                results = [exc] * len(batch)
+            with self.cond:
+                self.last_batch = len(batch)
+                self.traversals += 1
+                self.segments += len(batch)
+                self.largest = max(self.largest, len(batch))
+            for (_, done), r in zip(batch, results):
+                if isinstance(r, BaseException):
+                    done.set_exception(r)
+                else:
+                    done.set_result(r)
