@@ -153,19 +153,23 @@ class DiffusionBlock(nn.Module):
         """`extend_context` for rows of different lengths: row b's new bytes (B, Tn) go to clean
         positions starts[b] … starts[b] + Tn − 1, row b of `cache` being valid below starts[b] and
         padding above (overwritten here, or masked: every row attends only to positions ≤ its own).
-        The result holds max(starts) + Tn positions (or the cache's, if more)."""
+        The result holds at least N positions; unlike extend_context, a cache that already does is
+        written in place (each step of a batched draft then copies nothing). A row with fewer new
+        bytes than Tn pads them: padding lands past the row's bytes, where no row reads before it
+        writes (positions past N − 1 only hold padding)."""
         b, tn = new.shape
-        cap = max(int(starts.max()) + tn, cache.n_clean)
-        assert b == cache.batch and cap <= self.cfg.context, (b, cache.batch, cap)
+        n = self.cfg.context
+        assert b == cache.batch and int(starts.max()) < n, (b, cache.batch, int(starts.max()))
         pos = starts[:, None] + torch.arange(tn, device=new.device)[None, :]  # (B, Tn)
-        hc = self.byte_emb(new) + self.clean_pos(pos)  # (B, Tn, C)
+        cap = max(n, int(pos.max()) + 1, cache.n_clean)
+        hc = self.byte_emb(new) + self.clean_pos(pos.clamp(max=n - 1))  # (B, Tn, C)
         mask = (torch.arange(cap, device=new.device)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, Tn, cap)
 
         def put(t: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:  # rows into t at pos, padded to cap
             if t.shape[dim] < cap:
                 t = torch.cat([t, t.new_zeros(*t.shape[:dim], cap - t.shape[dim], *t.shape[dim + 1:])], dim=dim)
             index = pos[:, None, :, None] if dim == 2 else pos[:, :, None]
-            return t.scatter(dim, index.expand_as(rows), rows)
+            return t.scatter_(dim, index.expand_as(rows), rows)
 
         kv = []
         for layer, (kp, vp) in zip(self.layers, cache.kv):

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -136,8 +136,112 @@ def _step(stage: LocalBlockStage, s: SegmentState) -> SegmentState | Outcome:
         return exc
 
 
+class SpecContexts:
+    """Per request, a block's clean stream of its last spec window, so that the next traversal
+    encodes only the bytes the last one added (spec's windows grow by 1 … K bytes, not whole
+    segments, so the canonical chunk caches of serve/context_cache.py do not hold them). Equal to
+    encoding the window afresh up to float rounding; least recently used dropped past the bounds."""
+
+    def __init__(self, max_bytes: int = 64 << 20, max_entries: int = 512):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.entries: OrderedDict[str, tuple[bytes, list[torch.Tensor], int]] = OrderedDict()
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, rid: str, window: bytes) -> list[torch.Tensor] | None:
+        """The stored tensors [k₀, v₀, k₁, v₁, …, out] of a prefix of `window`, or None."""
+        with self.lock:
+            hit = self.entries.get(rid)
+            if hit is None or not window.startswith(hit[0]):
+                return None
+            self.entries.move_to_end(rid)
+            return hit[1]
+
+    def put(self, rid: str, window: bytes, tensors: list[torch.Tensor]) -> None:
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        with self.lock:
+            self.drop_locked(rid)
+            if n > self.max_bytes or not self.max_entries:
+                return
+            self.entries[rid] = (window, tensors, n)
+            self.nbytes += n
+            while self.nbytes > self.max_bytes or len(self.entries) > self.max_entries:
+                self.drop_locked(next(iter(self.entries)))
+
+    def drop(self, rid: str) -> None:
+        with self.lock:
+            self.drop_locked(rid)
+
+    def drop_locked(self, rid: str) -> None:
+        old = self.entries.pop(rid, None)
+        if old is not None:
+            self.nbytes -= old[2]
+
+
+_SPEC_CONTEXTS: dict[int, SpecContexts] = {}  # per stage (by id), made on its first batched spec traversal
+_SPEC_LOCK = threading.Lock()
+
+
+def spec_contexts(stage: LocalBlockStage) -> SpecContexts | None:
+    if not stage.contexts.enabled:
+        return None
+    with _SPEC_LOCK:
+        return _SPEC_CONTEXTS.setdefault(id(stage), SpecContexts())
+
+
+def encode_cached(stage: LocalBlockStage, states: Sequence[SegmentState]) -> tuple[ContextCache, torch.Tensor]:
+    """The batch's clean streams: each row from its stored prefix extended by its new bytes (one
+    ragged extend_rows for all), rows without one encoded afresh; then each row's stream stored
+    for the next traversal (dropped after the request's last segment)."""
+    store = spec_contexts(stage)
+    block, device = stage.block, stage.device
+    lens = torch.tensor([len(s.context) for s in states], device=device)
+    stored = [store.get(s.request_id, s.context) if store is not None and s.use_cache else None for s in states]
+    fresh = [i for i, t in enumerate(stored) if t is None]
+    if len(fresh) == len(states):
+        cache, _ = encode_rows(block, [s.context for s in states], device)
+    else:
+        n_layers, cap = len(block.layers), block.cfg.context
+        ref = next(t for t in stored if t is not None)
+        kv = [[ref[2 * j + h].new_zeros(len(states), *ref[2 * j + h].shape[:-2], cap, ref[2 * j + h].shape[-1])
+               for h in (0, 1)] for j in range(n_layers)]
+        out = ref[-1].new_zeros(len(states), cap, ref[-1].shape[-1])
+        if fresh:
+            enc, _ = encode_rows(block, [states[i].context for i in fresh], device)
+        starts, new = [], []
+        for i, s in enumerate(states):
+            t = stored[i]
+            if t is None:
+                row, n = fresh.index(i), len(s.context)
+                tensors = [enc.kv[j][h][row, :, :n] for j in range(n_layers) for h in (0, 1)] + [enc.out[row, :n]]
+            else:
+                tensors, n = t, t[-1].shape[0]
+            for j in range(n_layers):
+                for h in (0, 1):
+                    kv[j][h][i, :, :n] = tensors[2 * j + h]
+            out[i, :n] = tensors[-1]
+            starts.append(n)
+            new.append(s.context[n:])
+        cache = ContextCache(kv=[(k, v) for k, v in kv], out=out, n_clean=cap)
+        width = max(len(b) for b in new)
+        if width:
+            ids = torch.zeros(len(states), width, dtype=torch.long, device=device)
+            for i, b in enumerate(new):
+                ids[i, :len(b)] = torch.tensor(list(b), dtype=torch.long, device=device)
+            cache = block.extend_rows(cache, ids, torch.tensor(starts, device=device))
+    if store is not None:
+        for i, s in enumerate(states):
+            n = len(s.context)
+            if s.final or not s.use_cache:
+                store.drop(s.request_id)
+                continue
+            store.put(s.request_id, s.context, [x[i, :, :n].clone() for kv in cache.kv for x in kv]
+                      + [cache.out[i, :n].clone()])
+    return cache, lens
+
+
 def _spec_batch(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[SegmentState | Outcome]:
-    cache, lens = encode_rows(stage.block, [s.context for s in states], stage.device)
+    cache, lens = encode_cached(stage, states)
     if stage.index == 0:
         carries = draft_rows(stage.block, cache, lens, states[0].k, states)
     else:

@@ -41,7 +41,8 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationR
     keep = keep_bytes(limit, cfg.context)
     start, chunk = 0, len(text)  # the window is text[start:]; its first chunk text[start:start + chunk]
     # SPEC commits 1 … K bytes per traversal, so its windows are not whole segments of K after a first
-    # chunk: each traversal's window is one chunk, encoded afresh by every stage (no cache to keep)
+    # chunk: each traversal's window is one chunk, encoded afresh by a stage serving it alone (a batched
+    # traversal extends the window it saw last: serve/batching.py)
     variable = r.readout is Readout.SPEC
     produced, segment = 0, 0
     while produced < r.n_bytes:
@@ -52,7 +53,7 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationR
                              n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
                              z=initial_state(cfg, r.seed, segment, k, r.n_steps), readout=r.readout,
                              want_logits=r.want_logits, first_chunk=chunk, final=produced + k >= r.n_bytes,
-                             use_cache=r.use_cache and not variable, n_tail=r.n_tail)
+                             use_cache=r.use_cache, n_tail=r.n_tail)
         result = first.forward(state)
         if not (1 <= len(result.new_bytes) <= k if variable else len(result.new_bytes) == k):
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")

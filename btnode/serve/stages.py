@@ -167,7 +167,7 @@ class LocalBlockStage:
         """The clean stream of s.context in its canonical chunks: the cached prefix extended by the
         chunks it lacks (normally the previous segment's bytes), or every chunk replayed."""
         first = s.first_chunk or len(s.context)
-        keep = self.contexts.enabled and s.use_cache and bool(s.request_id)
+        keep = self.contexts.enabled and s.use_cache and bool(s.request_id) and not s.readout.drafts  # canonical chunks only
         prefix = self.contexts.lookup(s.request_id, s.context, first, s.k) if keep else None
         cache = encode_window(self.block, s.context, first, s.k, self.device, prefix)
         if keep and s.final:

@@ -153,3 +153,27 @@ def test_the_same_block_thrice_keeps_every_draft_byte_batched(tiny_cfg):
     first = local_chain([one, copy.deepcopy(one), copy.deepcopy(one)], torch.device("cpu"))
     out = forward_batch(first, [state(tiny_cfg, i, p) for i, p in enumerate([b"ab", b"a prompt", b"q"])])
     assert [r.accepted for r in out] == [8, 8, 8]
+
+
+def test_a_batched_traversal_extends_the_windows_it_saw_last(tiny_cfg):
+    """Spec windows grow by 1 … K bytes a traversal: the second batched traversal extends each row's
+    stored stream by its own new bytes (one row already near the N − K + 1 limit, one with many new
+    bytes, one never seen), and every row still gets what it gets alone."""
+    first = local_chain(blocks_of(tiny_cfg), torch.device("cpu"))
+    text = b"The quick brown fox jumps over the lazy dog again"
+
+    def at(i, n, seg):
+        s = state(tiny_cfg, i, text[:n], k=8)
+        return dataclasses.replace(s, segment=seg, use_cache=True, z=initial_state(tiny_cfg, i, seg, 8, 7))
+
+    one = [at(0, 3, 0), at(1, 20, 0), at(2, 10, 0)]
+    assert all(isinstance(r, SegmentResult) for r in forward_batch(first, one))
+    two = [at(0, 11, 1), at(1, 25, 1), at(2, 12, 1), at(3, 5, 1)]  # +8, +5 (at the limit), +2, unseen
+    got = forward_batch(first, two)
+    for s, r in zip(two, got):
+        alone = first.forward(dataclasses.replace(s, use_cache=False))
+        assert r.new_bytes == alone.new_bytes and torch.allclose(r.logits, alone.logits, atol=1e-5)
+    final = [dataclasses.replace(s, final=True) for s in two]
+    forward_batch(first, final)
+    from btnode.serve.batching import spec_contexts
+    assert len(spec_contexts(first).entries) == 0  # dropped after each request's last segment
