@@ -28,6 +28,7 @@ from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.layout import row_layouts
 from btnode.model.readout import Readout
 from btnode.model.sampler import context_logits, log_probs
+from btnode.protocol import Meter
 from btnode.seeding import generator
 from btnode.serve.readouts import Carry, Evaluation, sample_bytes
 from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, Stage
@@ -263,8 +264,10 @@ class BatchingStage:
     segment, from its driver loop's thread) waits for the next traversal, which carries every
     segment waiting when it starts (up to max_batch). One scheduler thread runs the traversals."""
 
-    def __init__(self, first: Stage, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S):
+    def __init__(self, first: Stage, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S,
+                 meter: Meter | None = None):
         self.first = first
+        self.meter = meter  # ("traversals", "block") and ("batched_segments", "block"): their ratio, the mean batch
         self.name = first.name
         self.max_batch = max_batch
         self.gather_s = gather_s
@@ -318,6 +321,9 @@ class BatchingStage:
                 self.traversals += 1
                 self.segments += len(batch)
                 self.largest = max(self.largest, len(batch))
+            if self.meter is not None:
+                self.meter.count(("traversals", "block"))
+                self.meter.count(("batched_segments", "block"), len(batch))
             for (_, done), r in zip(batch, results):
                 if isinstance(r, BaseException):
                     done.set_exception(r)

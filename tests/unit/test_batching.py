@@ -14,6 +14,8 @@ from btnode.errors import InputError
 from btnode.model.block import DiffusionBlock
 from btnode.model.layout import generation_layout, row_layouts
 from btnode.model.sampler import context_logits
+from btnode.node.metrics import StageCollector
+from btnode.protocol import Meter
 from btnode.serve.batching import BatchingStage, encode_rows, forward_batch
 from btnode.serve.driver import generate
 from btnode.serve.request import GenerationRequest
@@ -108,7 +110,8 @@ def test_requests_arriving_during_a_traversal_join_the_next_and_keep_their_setti
     it gets alone."""
     first = local_chain(blocks_of(tiny_cfg), torch.device("cpu"))
     gate = Gate(first, 4)
-    batcher = gate.batcher = BatchingStage(gate, gather_s=0.05)
+    meter = Meter()
+    batcher = gate.batcher = BatchingStage(gate, gather_s=0.05, meter=meter)
     asks = [GenerationRequest(b"The history", 6, seed=1), GenerationRequest(b"Once", 12, seed=2, k=4),
             GenerationRequest(b"A", 10, seed=3, temperature=0.0, k=2), GenerationRequest(b"In the", 8, seed=4, k=4),
             GenerationRequest(b"Then", 16, seed=5, readout="pool")]
@@ -130,6 +133,9 @@ def test_requests_arriving_during_a_traversal_join_the_next_and_keep_their_setti
     assert gate.sizes[0] == 1 and gate.sizes[1] == 4, gate.sizes  # the four waited and went together
     stats = batcher.stats()
     assert stats["largest"] == 4 and stats["segments"] == sum(gate.sizes)
+    families = {f.name: f.samples[0].value for f in StageCollector("block", meter).collect() if f.samples}
+    assert families["btnode_serve_traversals"] == len(gate.sizes) == stats["traversals"]
+    assert families["btnode_serve_batched_segments"] == sum(gate.sizes)
 
 
 def test_a_failed_traversal_fails_only_its_requests(tiny_cfg):
