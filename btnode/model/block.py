@@ -159,7 +159,7 @@ class DiffusionBlock(nn.Module):
         writes (positions past N − 1 only hold padding)."""
         b, tn = new.shape
         n = self.cfg.context
-        assert b == cache.batch and int(starts.max()) < n, (b, cache.batch, int(starts.max()))
+        assert b == cache.batch and int(starts.max()) <= n, (b, cache.batch, int(starts.max()))  # N: a full row, padding
         pos = starts[:, None] + torch.arange(tn, device=new.device)[None, :]  # (B, Tn)
         cap = max(n, int(pos.max()) + 1, cache.n_clean)
         hc = self.byte_emb(new) + self.clean_pos(pos.clamp(max=n - 1))  # (B, Tn, C)

@@ -123,8 +123,12 @@ def spec_steps(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[S
         if len(idx) == 1:  # alone: the unbatched path, bit for bit
             outs[idx[0]] = _step(stage, states[idx[0]])
             continue
-        with torch.no_grad():
-            done = _spec_batch(stage, [states[i] for i in idx])
+        try:
+            with torch.no_grad():
+                done = _spec_batch(stage, [states[i] for i in idx])
+        except Exception:  # noqa: BLE001 - a bug in the batched path must not fail its requests: serve them alone
+            log.exception("a batched spec step of %d segments failed; serving them one by one", len(idx))
+            done = [_step(stage, states[i]) for i in idx]
         for i, o in zip(idx, done):
             outs[i] = o
     return outs  # type: ignore[return-value]

@@ -179,7 +179,15 @@ def test_a_batched_traversal_extends_the_windows_it_saw_last(tiny_cfg):
     for s, r in zip(two, got):
         alone = first.forward(dataclasses.replace(s, use_cache=False))
         assert r.new_bytes == alone.new_bytes and torch.allclose(r.logits, alone.logits, atol=1e-5)
-    final = [dataclasses.replace(s, final=True) for s in two]
+    # K = 1 lets a window fill all N = 32 bytes: such a row (7, unseen) has nothing to extend while others do
+    full = [dataclasses.replace(at(i, n, 0), k=1, z=initial_state(tiny_cfg, i, 0, 1, 7)) for i, n in ((5, 12), (6, 30))]
+    forward_batch(first, full)
+    text = text[:40]
+    full = [dataclasses.replace(at(i, n, 1), k=1, z=initial_state(tiny_cfg, i, 1, 1, 7)) for i, n in ((5, 20), (6, 32), (7, 32))]
+    for s, r in zip(full, forward_batch(first, full)):
+        assert isinstance(r, SegmentResult), r
+        assert r.new_bytes == first.forward(dataclasses.replace(s, use_cache=False)).new_bytes
+    final = [dataclasses.replace(s, final=True) for s in two + full]
     forward_batch(first, final)
     from btnode.serve.batching import spec_contexts
     assert len(spec_contexts(first).entries) == 0  # dropped after each request's last segment
