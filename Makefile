@@ -66,7 +66,7 @@ demo: venv
 	@echo "--- one sweep per 16 bytes (K=16, all 16 rows sampled independently: what commit fixes):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 64 --segment 16 --readout pool "The history of the"
 	@echo "--- one sweep per byte (K=1):"
-	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 --readout pool "The history of the"
 
 proto: venv
 	cd proto && ../$(PY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. btnode/v2/*.proto
