@@ -66,7 +66,7 @@ demo: venv
 	@echo "--- one sweep per 16 bytes (K=16, all 16 rows sampled independently: what commit fixes):"
 	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 64 --segment 16 --readout pool "The history of the"
 	@echo "--- one sweep per byte (K=1):"
-	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 "The history of the"
+	$(BTNODE) generate --checkpoint $(DEMO_DIR) --bytes 128 --segment 1 --readout pool "The history of the"
 	@echo "--- serve it as an OpenAI-compatible endpoint, with a page at /, from one process: make serve, then"
 	@echo "curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"The history of the\", \"max_tokens\": 64}'"
 

@@ -1,22 +1,24 @@
-"""The OpenAI-compatible API under load (issue #26): C ∈ {1, 4, 16} concurrent streaming clients
-against `btnode api` in front of a chain over the emulated WAN, for the block chain at its best
-readout (spec-fill at the largest trained K: "blockwise K=64 spec-fill", the serving section's
-best blockwise mode at AR quality) and for the AR chain (one traversal per byte).
+"""The OpenAI-compatible API under load (issues #26, #41): C ∈ {1, 4, 16, 64} concurrent streaming
+clients against `btnode api` in front of a chain over the emulated WAN, for the block chain at the
+default settings (the request names no readout, K or steps: serve/defaults.py, readout spec at
+K = 16; rows marked "default": true) and for the AR chain (one traversal per byte). The block
+chain's entry batches concurrent requests into shared traversals (serve/batching.py).
 
 Layout: four hosts in a row, 20 ms one way per hop at 100 Mbit/s (lab.netlab); the clients on
 h0, `btnode api` and the entry stage on h1, the next stages on h2 and h3 (the AR chain's three
 stages hold two layers each). Every client streams requests one after another for --seconds
 (the last one finishes), each from its own seed. Per client: bytes/s = bytes received ÷ its wall
-time; in all: bytes ÷ the phase's wall time. ttfb: request sent → first segment's chunk (median);
-per-segment latency: the gap between successive chunks of a stream (p50, p99 over all streams).
+time; in all: bytes ÷ the phase's wall time. ttfb: request sent → first segment's chunk (median
+and p99 over all requests); per-segment latency: the gap between successive chunks of a stream
+(p50, p99 over all streams).
 
 Before the load: `conformance` (bench/api_conformance.py: OpenAI request cases against `btnode serve
 --checkpoint BLOCKS`, `failed` counting those that do not behave as OpenAI's reference says) and
 `proxy_rss_mb` (a `btnode api` in front of that process's gRPC entry, after serving requests: no torch).
 Both run on loopback; --no-load stops there (no root needed) and keeps the last run's load rows.
 
-    .venv/bin/python -m bench.api                 # trains two small models (~1 min), then ~6 min
-    .venv/bin/python -m bench.api --blocks runs/served2 --ar runs/ar6
+    .venv/bin/python -m bench.api                 # trains two small models (~1 min), then ~8 min
+    .venv/bin/python -m bench.api --blocks runs/demo --ar runs/ar6 --models block
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ API_PORT, BLOCK_PORT, AR_PORT = 8000, 7100, 7200
 SHAPE = ["--d-model", "128", "--heads", "4", "--layers", "2", "--blocks", "3", "--context", "128", "--segments",
          "1,4,16,64"]
 PROMPT = "The history of the"
+MAX_CONCURRENT = 128  # the API's --max-concurrent: above the most clients a phase runs
 
 
 def stream_one(host: str, port: int, body: dict) -> dict:
@@ -111,28 +114,29 @@ def load(host: str, port: int, clients: int, seconds: float, body: dict) -> dict
                 ttfb.append(r["times"][0] - r["t0"])
                 gaps += [b - a for a, b in zip(r["times"], r["times"][1:])]
     gaps.sort()
+    ttfb.sort()
 
-    def q(p: float) -> float | None:
-        return gaps[min(len(gaps) - 1, int(p * len(gaps)))] if gaps else None
+    def q(p: float, xs: list[float] = gaps) -> float | None:
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
 
     return {"clients": clients, "requests": sum(len(r) for r in results), "errors": errors,
             "bytes_per_s": statistics.mean(per_client), "bytes_per_s_min": min(per_client),
             "bytes_per_s_total": total / wall, "ttfb_s": statistics.median(ttfb) if ttfb else None,
-            "p50_s": q(0.50), "p99_s": q(0.99), "wall_s": wall,
+            "ttfb_p99_s": q(0.99, ttfb), "p50_s": q(0.50), "p99_s": q(0.99), "wall_s": wall,
             "first_error": next((r["error"] for reqs in results for r in reqs if r["error"]), None)}
 
 
-def train(workdir: Path) -> tuple[Path, Path]:
-    """Small checkpoints when none are given: serving speed, not quality, is measured here (spec-fill
-    serves K bytes per traversal whatever it accepts)."""
-    blocks, ar = workdir / "blocks", workdir / "ar"
-    for cmd, out, extra in (("train-local", blocks, []), ("train-ar", ar, ["--ar-layers", "6"])):
-        subprocess.run([*CLI, cmd, "--out", str(out), "--steps", "20", "--batch", "4", "--warmup", "1", *SHAPE,
-                        *extra], check=True, capture_output=True)
-    return blocks, ar
+def train(workdir: Path, kind: str) -> Path:
+    """A small checkpoint when none is given: serving speed, not quality, is measured here (though
+    spec serves fewer bytes per traversal from a model this young: give --blocks for real rows)."""
+    out = workdir / kind
+    cmd, extra = ("train-local", []) if kind == "blocks" else ("train-ar", ["--ar-layers", "6"])
+    subprocess.run([*CLI, cmd, "--out", str(out), "--steps", "20", "--batch", "4", "--warmup", "1", *SHAPE, *extra],
+                   check=True, capture_output=True)
+    return out
 
 
-def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.Popen], dict[str, str]]:
+def start(lab, workdir: Path, blocks: Path, ar: Path | None) -> tuple[list[subprocess.Popen], dict[str, str]]:
     procs: list[subprocess.Popen] = []
 
     def node(pos: int, name: str, args: list[str]) -> None:
@@ -145,12 +149,16 @@ def start(lab, workdir: Path, blocks: Path, ar: Path) -> tuple[list[subprocess.P
             na = [] if pos == 2 else ["--next", f"{lab.address(pos + 2)}:{AR_PORT + pos + 1}"]
             node(pos, f"block{pos}", ["join", "--role", "stage", "--listen", f"0.0.0.0:{BLOCK_PORT + pos}",
                                       "--worker-id", f"block{pos}", "--block", str(pos), "--checkpoint", str(blocks), *nb])
+            if ar is None:
+                continue
             node(pos, f"ar{pos}", ["join", "--role", "stage", "--listen", f"0.0.0.0:{AR_PORT + pos}", "--worker-id",
                                    f"ar{pos}", "--model", "ar", "--checkpoint", str(ar), "--layers-range",
                                    f"{2 * pos}:{2 * pos + 2}", *na])
         entry = lab.address(1)
-        node(0, "api-block", ["api", "--entry", f"{entry}:{BLOCK_PORT}", "--listen", f"0.0.0.0:{API_PORT}"])
-        node(0, "api-ar", ["api", "--entry", f"{entry}:{AR_PORT}", "--listen", f"0.0.0.0:{API_PORT + 1}"])
+        limit = ["--max-concurrent", str(MAX_CONCURRENT)]
+        node(0, "api-block", ["api", "--entry", f"{entry}:{BLOCK_PORT}", "--listen", f"0.0.0.0:{API_PORT}", *limit])
+        if ar is not None:
+            node(0, "api-ar", ["api", "--entry", f"{entry}:{AR_PORT}", "--listen", f"0.0.0.0:{API_PORT + 1}", *limit])
     except BaseException:
         stop_processes(procs)
         raise
@@ -190,13 +198,21 @@ def metrics(res: dict) -> dict[str, Metric]:
     ns = sorted({r["clients"] for r in res["rows"]}) or [0]
     out: dict[str, Metric] = {f"{r['model']}, {r['clients']} clients: bytes/s per client": r["bytes_per_s"]
                               for r in res["rows"] if r["clients"] in (ns[0], ns[-1])}
+    default = {r["clients"]: r for r in res["rows"] if r.get("default")}
+    if 1 in default and 16 in default and default[1]["bytes_per_s_total"]:
+        out["default, 16 clients: bytes/s in all ÷ 1 client's"] = (default[16]["bytes_per_s_total"]
+                                                                    / default[1]["bytes_per_s_total"])
+        out["default, 16 clients: ttfb p99 (s)"] = default[16]["ttfb_p99_s"]
     return {**out, "errors": sum(r["errors"] for r in res["rows"]), "conformance failed": res["conformance"]["failed"],
             "proxy RSS (MB)": res["proxy_rss_mb"]}
 
 
 def render(res: dict) -> str:
+    def s(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "–"
+
     rows = [(r["model"], r["clients"], f"{r['load_1m']:.1f}", f"{r['bytes_per_s']:.1f}", f"{r['bytes_per_s_min']:.1f}",
-             f"{r['bytes_per_s_total']:.1f}", f"{r['ttfb_s']:.3f}" if r["ttfb_s"] is not None else "–",
+             f"{r['bytes_per_s_total']:.1f}", s(r["ttfb_s"]), s(r.get("ttfb_p99_s")),
              f"{r['p50_s']:.3f}" if r["p50_s"] is not None else "–",
              f"{r['p99_s']:.3f}" if r["p99_s"] is not None else "–", r["requests"], r["errors"]) for r in res["rows"]]
     return "\n".join([
@@ -206,9 +222,11 @@ def render(res: dict) -> str:
         "`btnode api` with the entry stage on h1, the next stages on h2, h3. C clients stream requests of "
         f"{res['n_bytes']} bytes back to back for {res['seconds']:g} s. Models: {res['models']}.", "",
         *table(["model", "C", "load (1 min)", "bytes/s per client (mean)", "(slowest)", "bytes/s in all", "ttfb p50 (s)",
-                "segment p50 (s)", "segment p99 (s)", "requests", "errors"], rows, "llrrrrrrrrr"),
+                "ttfb p99 (s)", "segment p50 (s)", "segment p99 (s)", "requests", "errors"], rows, "llrrrrrrrrrr"),
         "", "bytes/s per client: a client's bytes ÷ the time its requests took; in all: every byte ÷ the "
-        "phase's wall time. Load: the machine's 1-minute load average at the phase's end (other jobs ran "
+        "phase's wall time. \"default\": the request names no readout, K or steps (the chain's serving defaults); the "
+        "block chain's entry batches the segments of concurrent requests into shared traversals. Load: the machine's "
+        "1-minute load average at the phase's end (other jobs ran "
         "beside it on its 2 cores). Segment latency: the gap between two chunks of one stream (one traversal of the "
         "chain: K bytes for the block chain, one byte for the AR chain).", "",
         f"OpenAI conformance (`btnode serve`, bench/api_conformance.py): {len(res['conformance']['cases'])} request "
@@ -222,7 +240,8 @@ def main() -> None:
     ap = BenchParser(__doc__)
     ap.add_argument("--blocks", type=Path, help="block checkpoint (default: a small one trained here)")
     ap.add_argument("--ar", type=Path, help="6-layer AR checkpoint (default: a small one trained here)")
-    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--clients", default="1,4,16,64")
+    ap.add_argument("--models", default="block,ar", help="which chains to load: block (default settings), ar")
     ap.add_argument("--seconds", type=float, default=20.0, help="each phase's duration")
     ap.add_argument("--bytes", type=int, default=256, help="bytes per block-chain request")
     ap.add_argument("--ar-bytes", type=int, default=32, help="bytes per AR request (one traversal each)")
@@ -238,13 +257,14 @@ def main() -> None:
         print(json.dumps(load(host, int(port), int(args.clients), args.seconds, json.loads(args.body))))
         return
     from lab.netlab.topology import Chain
+    from btnode.serve.defaults import serving_defaults
     from btnode.store.models import load_blocks
 
     reason = Chain.why_unavailable()
     if reason and not args.no_load:
         raise SystemExit(f"cannot emulate the WAN here: {reason} (--no-load measures the rest)")
     workdir = Path(tempfile.mkdtemp(prefix="btnode-api-bench-"))
-    blocks, ar = (args.blocks, args.ar) if args.blocks and args.ar else train(workdir)
+    blocks = args.blocks or train(workdir, "blocks")
     checks = front(workdir, blocks)
     print(f"[api] conformance: {checks['conformance']['failed']} of {len(checks['conformance']['cases'])} failed; "
           f"proxy {checks['proxy_rss_mb']} MB", file=sys.stderr, flush=True)
@@ -255,17 +275,17 @@ def main() -> None:
                "rows_from": last.get("rows_from", last.get("date"))}
         publish("api", res, metrics(res), render, out=args.results)
         return
+    ar = args.ar or (train(workdir, "ar") if "ar" in args.models.split(",") else None)
     cfg, _ = load_blocks(blocks)
-    k = max(cfg.segments)
-    bodies = {"block": {"prompt": PROMPT, "max_tokens": args.bytes, "temperature": 1.0, "stream": True,
-                        "readout": "spec-fill", "k": k},
+    d = serving_defaults(cfg, blocks)
+    bodies = {"block": {"prompt": PROMPT, "max_tokens": args.bytes, "temperature": 1.0, "stream": True},
               "ar": {"prompt": PROMPT, "max_tokens": args.ar_bytes, "temperature": 1.0, "stream": True}}
-    names = {"block": f"block K={k} spec-fill", "ar": "ar"}
+    names = {"block": f"block, default ({d.readout.value} K={d.k})", "ar": "ar"}
     rows = []
     with Chain(4, delay_ms=20, rate_mbit=100) as lab:
         procs, targets = start(lab, workdir, blocks, ar)
         try:
-            for model in ("block", "ar"):
+            for model in args.models.split(","):
                 for c in (int(x) for x in args.clients.split(",")):
                     cmd = ["ip", "netns", "exec", lab.host(0), *module_command(
                         "bench.api", "--client", "--target", targets[model], "--clients", str(c), "--seconds",
@@ -273,19 +293,21 @@ def main() -> None:
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 600)
                     if done.returncode != 0:
                         raise SystemExit(f"the client failed:\n{done.stderr[-3000:]}")
-                    row = {"model": names[model], **json.loads(done.stdout.strip().splitlines()[-1]),
+                    row = {"model": names[model], "default": model == "block",
+                           **json.loads(done.stdout.strip().splitlines()[-1]),
                            "load_1m": os.getloadavg()[0]}  # the shared machine's load at the phase's end
                     rows.append(row)
                     print(f"[api] {row['model']} C={c}: {row['bytes_per_s']:.1f} bytes/s per client, "
-                          f"{row['bytes_per_s_total']:.1f} in all, ttfb {row['ttfb_s']}, p99 {row['p99_s']}, "
+                          f"{row['bytes_per_s_total']:.1f} in all, ttfb {row['ttfb_s']} (p99 {row['ttfb_p99_s']}), "
                           f"{row['errors']} errors", file=sys.stderr, flush=True)
         finally:
             stop_processes(procs)
     res = {"command": invoked(), "date": time.strftime("%Y-%m-%d"), "seconds": args.seconds,
            "n_bytes": f"{args.bytes} (block chain) and {args.ar_bytes} (AR chain)",
-           "models": f"blocks {shown([str(blocks)])}, AR {shown([str(ar)])}"
-                     + ("" if args.blocks else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
-           "rows": rows, **checks}
+           "models": f"blocks {shown([str(blocks)])}" + (f", AR {shown([str(ar)])}" if ar else "")
+                     + ("" if args.blocks and args.ar else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
+           "defaults": d.as_dict(),
+           "rows": rows}
     publish("api", res, metrics(res), render, out=args.results)
     print(json.dumps(rows, indent=1))
 

@@ -20,11 +20,11 @@ def generate(prompt: Annotated[str, typer.Argument(help="Prompt text (UTF-8). Em
              checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Block or AR checkpoint folder (runs the chain here).")] = None,
              entry: Annotated[Optional[str], typer.Option("--entry", help="HOST:PORT of a serving chain's first stage.")] = None,
              n_bytes: Annotated[int, typer.Option("--bytes", help="New bytes to generate.")] = 256,
-             segment: Annotated[Optional[int], typer.Option("--segment", help="K: bytes per sweep (default: largest trained).")] = None,
+             segment: Annotated[Optional[int], typer.Option("--segment", help="K: bytes per sweep, or spec's draft length (default: the serving default, 16).")] = None,
              steps: Annotated[Optional[int], typer.Option("--steps", help="Sampler grid points N_s (default 2B+1).")] = None,
              seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler noise.")] = 0,
              temperature: Annotated[float, typer.Option("--temperature", help="0 = argmax.")] = 0.0,
-             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone; commit: the last stage commits the segment byte by byte, each byte read with the bytes before it as context, still one traversal; spec: block 0 drafts the segment, every block scores the draft in the same traversal, the last stage keeps the prefix the pooled blocks accept (1…K bytes per traversal, distributed as the pooled blocks'); spec-fill: the same, the rest of the segment filled by the last block alone (K bytes per traversal); neither runs the sweep (default: pool, or last with --tail-steps).")] = None,
+             readout: Annotated[Optional[str], typer.Option("--readout", help="pool: the sweep's last evaluation pooled with every block's context readout; last: the last evaluation alone; commit: the last stage commits the segment byte by byte, each byte read with the bytes before it as context, still one traversal; spec: block 0 drafts the segment, every block scores the draft in the same traversal, the last stage keeps the prefix the pooled blocks accept (1…K bytes per traversal, distributed as the pooled blocks'); spec-fill: the same, the rest of the segment filled by the last block alone (K bytes per traversal); neither runs the sweep (default: the checkpoint's serving.json, else spec, the best measured; last with --tail-steps).")] = None,
              tail_steps: Annotated[int, typer.Option("--tail-steps", help="Grid points below σ_lo run by the tail blocks (a model trained with --tail-blocks): joint multi-byte segments, still one sweep each.")] = 0,
              draft: Annotated[Optional[Path], typer.Option("--draft", help="[AR --checkpoint] Checkpoint of a small AR draft model: speculative decoding.")] = None,
              draft_len: Annotated[Optional[int], typer.Option("--draft-len", help="[AR] G: draft bytes verified per traversal (default 8 with --draft; with --entry, asks the entry's draft).")] = None,
@@ -68,6 +68,7 @@ def _generate_remote(entry: str, request: GenerationRequest) -> None:
 
 
 def _generate_blocks(checkpoint: Path, request: GenerationRequest, dev) -> None:
+    from btnode.serve.defaults import serving_defaults
     from btnode.serve.driver import generate
     from btnode.serve.stages import local_chain
     from btnode.store.models import load_blocks
@@ -75,7 +76,7 @@ def _generate_blocks(checkpoint: Path, request: GenerationRequest, dev) -> None:
     cfg, blocks = load_blocks(checkpoint)
     if not request.n_tail:
         blocks = blocks[:cfg.n_blocks]  # a sweep that ends at σ_lo never reaches the tail
-    request = request.checked(cfg, cfg.n_blocks)  # its defaults filled: K counts the draft bytes below
+    request = request.checked(cfg, cfg.n_blocks, serving_defaults(cfg, checkpoint))  # its defaults filled: K counts the draft bytes below
     out = sys.stdout.buffer
     traversals = accepted = 0
     for piece in generate(local_chain(blocks, dev), cfg, cfg.n_blocks, request):

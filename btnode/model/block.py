@@ -19,7 +19,7 @@ from torch import nn
 
 from btnode.model.config import ModelConfig
 from btnode.model.layers import MLP, Attention, init_weights, modulate
-from btnode.model.layout import Layout
+from btnode.model.layout import Layout, RowLayout
 from btnode.model.noise import c_in, c_noise
 
 SIGMA_FEATURES = 128  # sinusoidal features of c_noise(σ) fed to the σ-embedder
@@ -149,13 +149,48 @@ class DiffusionBlock(nn.Module):
             hc = layer.clean_advance(hc, q, k, v, mask)
         return ContextCache(kv=kv, out=torch.cat([cache.out, hc], dim=1), n_clean=t0 + tn)
 
-    def denoise(self, z: torch.Tensor, sigma: torch.Tensor, cache: ContextCache, layout: Layout) -> torch.Tensor:
-        """z: (B, Tn, C) noisy states at layout.positions; sigma: (B,) → logits (B, Tn, V)."""
-        assert z.shape[0] == cache.batch and z.shape[1] == layout.positions.numel(), (z.shape, cache.batch)
+    def extend_rows(self, cache: ContextCache, new: torch.Tensor, starts: torch.Tensor) -> ContextCache:
+        """`extend_context` for rows of different lengths: row b's new bytes (B, Tn) go to clean
+        positions starts[b] … starts[b] + Tn − 1, row b of `cache` being valid below starts[b] and
+        padding above (overwritten here, or masked: every row attends only to positions ≤ its own).
+        The result holds at least N positions; unlike extend_context, a cache that already does is
+        written in place (each step of a batched draft then copies nothing). A row with fewer new
+        bytes than Tn pads them: padding lands past the row's bytes, where no row reads before it
+        writes (positions past N − 1 only hold padding)."""
+        b, tn = new.shape
+        n = self.cfg.context
+        assert b == cache.batch and int(starts.max()) <= n, (b, cache.batch, int(starts.max()))  # N: a full row, padding
+        pos = starts[:, None] + torch.arange(tn, device=new.device)[None, :]  # (B, Tn)
+        cap = max(n, int(pos.max()) + 1, cache.n_clean)
+        hc = self.byte_emb(new) + self.clean_pos(pos.clamp(max=n - 1))  # (B, Tn, C)
+        mask = (torch.arange(cap, device=new.device)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, Tn, cap)
+
+        def put(t: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:  # rows into t at pos, padded to cap
+            if t.shape[dim] < cap:
+                t = torch.cat([t, t.new_zeros(*t.shape[:dim], cap - t.shape[dim], *t.shape[dim + 1:])], dim=dim)
+            index = pos[:, None, :, None] if dim == 2 else pos[:, :, None]
+            return t.scatter_(dim, index.expand_as(rows), rows)
+
+        kv = []
+        for layer, (kp, vp) in zip(self.layers, cache.kv):
+            q, k, v = layer.clean_qkv(hc)
+            k, v = put(kp, k, 2), put(vp, v, 2)  # (B, H, cap, hd)
+            kv.append((k, v))
+            hc = layer.clean_advance(hc, q, k, v, mask)
+        return ContextCache(kv=kv, out=put(cache.out, hc, 1), n_clean=cap)
+
+    def denoise(self, z: torch.Tensor, sigma: torch.Tensor, cache: ContextCache,
+                layout: Layout | RowLayout) -> torch.Tensor:
+        """z: (B, Tn, C) noisy states at layout.positions; sigma: (B,) → logits (B, Tn, V). A RowLayout
+        gives each row its own positions (contexts of different lengths in one batch)."""
+        assert z.shape[0] == cache.batch and z.shape[1] == layout.positions.shape[-1], (z.shape, cache.batch)
         s = F.silu(self.sigma_emb(sigma))  # (B, d or ada_rank)
         hn = self.in_proj(c_in(self.cfg, sigma)[:, None, None] * z)
         hn = hn + self.noisy_pos(layout.positions) + self.offset_emb(layout.offsets)
-        hn = hn + cache.out[:, layout.context_end]  # row t starts from the context summary at c(t)
+        if isinstance(layout, RowLayout):  # row (b, t) starts from row b's context summary at c(b, t)
+            hn = hn + cache.out.gather(1, layout.context_end[..., None].expand(-1, -1, cache.out.shape[-1]))
+        else:
+            hn = hn + cache.out[:, layout.context_end]  # row t starts from the context summary at c(t)
         mask = layout.mask(cache.n_clean)
         for layer, (kc, vc) in zip(self.layers, cache.kv):
             hn = layer.noisy(hn, s, kc, vc, mask)

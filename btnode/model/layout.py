@@ -71,3 +71,35 @@ def generation_layout(n_context: int, k: int) -> Layout:
     """One segment of k new bytes after n_context clean bytes: rows t = n_context−1 … +k−1."""
     t = torch.arange(n_context - 1, n_context - 1 + k)
     return Layout(positions=t, context_end=torch.full_like(t, n_context - 1), segment=torch.zeros_like(t))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A Layout per batch row, for requests batched at different context lengths (serve/batching.py):
+    positions, context_end and segment are (B, T); the cache's row b is valid below its own length
+    and padded above it, which context_end keeps every row from seeing."""
+
+    positions: torch.Tensor
+    context_end: torch.Tensor
+    segment: torch.Tensor
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self.positions - self.context_end
+
+    def mask(self, n_clean: int) -> torch.Tensor:
+        """(B, 1, T, n_clean + T) bool, True = may attend (broadcast over heads)."""
+        clean = torch.arange(n_clean, device=self.context_end.device)
+        sees_clean = clean[None, None, :] <= self.context_end[:, :, None]  # (B, T, n_clean)
+        sees_noisy = self.segment[:, None, :] == self.segment[:, :, None]  # (B, T, T)
+        return torch.cat([sees_clean, sees_noisy], dim=2)[:, None]
+
+
+def row_layouts(n_context: torch.Tensor, k: int, *, own_segments: bool = False) -> RowLayout:
+    """Per row b, `generation_layout(n_context[b], k)`: rows n_context[b] − 1 … + k − 1 after the
+    row's context. own_segments: every row its own segment, seeing the clean context up to its own
+    position (the draft scoring of serve/readouts.py, `window_layout(…, 1, 0, start=n − 1)`)."""
+    t = n_context[:, None] - 1 + torch.arange(k, device=n_context.device)[None, :]  # (B, k)
+    if own_segments:
+        return RowLayout(positions=t, context_end=t, segment=torch.arange(k, device=t.device).expand_as(t))
+    return RowLayout(positions=t, context_end=(n_context[:, None] - 1).expand_as(t), segment=torch.zeros_like(t))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from btnode.model.block import ContextCache, DiffusionBlock
-from btnode.model.layout import Layout
+from btnode.model.layout import Layout, RowLayout
 from btnode.model.config import ModelConfig
 from btnode.model.noise import generation_grid, generation_route, route
 from btnode.model.readout import DEFAULT_READOUT, Readout, check_sweep_readout
@@ -83,11 +83,11 @@ def sweep_trace(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache]
     return trace
 
 
-def context_logits(block: DiffusionBlock, cache: ContextCache, layout: Layout) -> torch.Tensor:
+def context_logits(block: DiffusionBlock, cache: ContextCache, layout: Layout | RowLayout) -> torch.Tensor:
     """The block's own reading of the context: its prediction from the null state (z = 0) at σ_hi,
     what a block trained with `TrainConfig.ctx_share` learns. Deterministic: no noise enters."""
     sigma = torch.full((cache.batch,), block.cfg.sigma_hi, device=cache.out.device)
-    z = torch.zeros(cache.batch, layout.positions.numel(), block.cfg.d_model, device=cache.out.device)
+    z = torch.zeros(cache.batch, layout.positions.shape[-1], block.cfg.d_model, device=cache.out.device)
     return block.denoise(z, sigma, cache, layout)
 
 

@@ -29,10 +29,11 @@ from starlette.routing import Route
 
 from btnode.durable import atomic_write
 from btnode.errors import BtnodeError, ConfigError, InputError, Overloaded, PeerUnavailable, StageTimeout
-from btnode.model.readout import Readout, default_readout
+from btnode.model.readout import Readout
 from btnode.meter import Meter
 from btnode.node.api_metrics import ApiCollector
 from btnode.rpc.entry import ChainInfo, EntryClient, Segment
+from btnode.serve.defaults import describe_settings, serving_defaults
 from btnode.serve.completions import (Completion, ReplyShape, StopCutter, chat_budget, parse_chat, parse_completion,
                                       usage)
 from btnode.settings import flag
@@ -171,9 +172,11 @@ class ApiServer:
         else:
             # the prompt a segment of K may see: N − K + 1 bytes (serve/stages.max_prompt); drafting readouts
             # (spec, spec-fill) take any K in 1 … N/2 with the same budget
-            card.update(readout=default_readout().value, k=max(c.cfg.segments), segments=list(c.cfg.segments),
+            d = c.defaults or serving_defaults(c.cfg)
+            card.update(readout=d.readout.value, k=d.k, segments=list(c.cfg.segments),
                         readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks,
-                        prompt_bytes={str(k): c.cfg.context - k + 1 for k in c.cfg.segments})
+                        prompt_bytes={str(k): c.cfg.context - k + 1 for k in c.cfg.segments},
+                        settings=describe_settings(c.cfg, d))
         return card
 
     # routes

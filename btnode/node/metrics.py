@@ -227,7 +227,13 @@ class StageCollector(Collector):
         generated = CounterMetricFamily("btnode_serve_generated_bytes", "Bytes generated for requests that "
                                         "entered here (rate() of it is the served bytes/s).", labels=["chain"])
         generated.add_metric([c], counts.get(("generated_bytes", c), 0))
-        yield from (requests, generated)
+        traversals = CounterMetricFamily("btnode_serve_traversals", "Traversals the block chain's entry sent "
+                                         "(each carrying the segments of every request waiting).", labels=["chain"])
+        batched = CounterMetricFamily("btnode_serve_batched_segments", "Segments those traversals carried "
+                                      "(÷ traversals: the mean batch).", labels=["chain"])
+        traversals.add_metric([c], counts.get(("traversals", c), 0))
+        batched.add_metric([c], counts.get(("batched_segments", c), 0))
+        yield from (requests, generated, traversals, batched)
         yield duration_family("btnode_serve_duration_seconds", "Latency of whole requests (entry stage) and of "
                               "one stage's forward step.", durations, "call", ("request", "forward"))
 

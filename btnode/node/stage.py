@@ -28,6 +28,7 @@ from btnode.serve.ar import LocalARStage
 from btnode.serve.context_cache import ContextCacheConfig
 from btnode.serve.draft import ARDrafter
 from btnode.serve.kvcache import KV_BUDGET_BYTES
+from btnode.serve.defaults import serving_defaults
 from btnode.serve.stages import FailoverStage, LocalBlockStage
 from btnode.settings import flag, parse_ints, same_flag
 from btnode.durable import atomic_write
@@ -124,7 +125,8 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
     if not may_end and not next_stages:
         raise ConfigError(f"block {block} needs --next (the stage, or stages, of block {block + 1})")
     nxt = FailoverStage([RemoteBlockStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
-    return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name, context_cache=context_cache)
+    return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name, context_cache=context_cache,
+                           defaults=serving_defaults(cfg, checkpoint))  # a checkpoint's serving.json, if any
 
 
 def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,

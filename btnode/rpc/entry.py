@@ -17,7 +17,8 @@ from btnode.errors import PeerUnavailable, StageTimeout
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.rpc import security
 from btnode.rpc.status import error_from_rpc
-from btnode.rpc.wire import CHANNEL_OPTIONS, UNIT_KINDS, model_from_pb, request_to_pb
+from btnode.rpc.wire import CHANNEL_OPTIONS, READOUTS, UNIT_KINDS, model_from_pb, request_to_pb
+from btnode.serve.defaults import MEASURED_READOUT, ServingDefaults
 from btnode.serve.request import GenerationRequest
 from btnode.v2 import serve_pb2 as pb
 from btnode.v2 import serve_pb2_grpc as pb_grpc
@@ -33,6 +34,7 @@ class ChainInfo:
     cfg: ModelConfig
     fingerprint: str
     entry: str  # the entry that answered
+    defaults: ServingDefaults | None = None  # a block chain's serving defaults (None: AR, or an older entry)
 
     @property
     def n_blocks(self) -> int | None:
@@ -72,7 +74,12 @@ class EntryClient:
                                                           metadata=metadata)
                 cfg = model_from_pb(m.config)
                 kind = UNIT_KINDS.from_pb(m.kind, "kind") or UnitKind(cfg.kind)  # UNSPECIFIED: the config's
-                return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry)
+                defaults = None
+                if kind is UnitKind.BLOCK and m.default_k:
+                    defaults = ServingDefaults(readout=READOUTS.from_pb(m.default_readout, "readout")
+                                               or MEASURED_READOUT, k=m.default_k, n_steps=m.default_steps or None,
+                                               source="entry")
+                return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry, defaults=defaults)
             except grpc.aio.AioRpcError as err:
                 exc = error_from_rpc(err, f"entry {entry}")
                 if not isinstance(exc, PeerUnavailable):

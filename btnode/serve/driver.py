@@ -17,19 +17,22 @@ from btnode.errors import InputError, MalformedInput
 from btnode.model.config import ModelConfig
 from btnode.model.readout import Readout
 from btnode.serve.ar import ARResult, ARState, ARStage
+from btnode.serve.defaults import ServingDefaults
 from btnode.serve.draft import ARDrafter
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import EMPTY_PROMPT_CONTEXT, SegmentResult, SegmentState, Stage, initial_state, max_prompt
 from btnode.serve.window import keep_bytes, window_start
 
 
-def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationRequest) -> Iterator[SegmentResult]:
-    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. The default
-    readout, POOL, costs no extra traversal, only (K, V) more per hop. use_cache=False makes every
+def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationRequest,
+             defaults: ServingDefaults | None = None) -> Iterator[SegmentResult]:
+    """One chain traversal per segment of k bytes; the last segment is cut to n_bytes. POOL costs no
+    extra traversal, only (K, V) more per hop. use_cache=False makes every
     stage rebuild its clean stream (the same bytes, slower). n_tail > 0 continues each sweep below
     σ_lo through the tail stages (readout LAST), still one traversal. SPEC is the exception to
-    "k bytes per traversal": 1 … k (serve/readouts.py)."""
-    r = request.checked(cfg, n_blocks)
+    "k bytes per traversal": 1 … k (serve/readouts.py). Settings the request leaves unset come from
+    `defaults` (None: the measured ones, serve/defaults.py)."""
+    r = request.checked(cfg, n_blocks, defaults)
     assert r.k is not None and r.n_steps is not None and r.readout is not None
     k = r.k
     rid = r.request_id or uuid.uuid4().hex
@@ -38,7 +41,8 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationR
     keep = keep_bytes(limit, cfg.context)
     start, chunk = 0, len(text)  # the window is text[start:]; its first chunk text[start:start + chunk]
     # SPEC commits 1 … K bytes per traversal, so its windows are not whole segments of K after a first
-    # chunk: each traversal's window is one chunk, encoded afresh by every stage (no cache to keep)
+    # chunk: each traversal's window is one chunk, encoded afresh by a stage serving it alone (a batched
+    # traversal extends the window it saw last: serve/batching.py)
     variable = r.readout is Readout.SPEC
     produced, segment = 0, 0
     while produced < r.n_bytes:
@@ -49,7 +53,7 @@ def generate(first: Stage, cfg: ModelConfig, n_blocks: int, request: GenerationR
                              n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
                              z=initial_state(cfg, r.seed, segment, k, r.n_steps), readout=r.readout,
                              want_logits=r.want_logits, first_chunk=chunk, final=produced + k >= r.n_bytes,
-                             use_cache=r.use_cache and not variable, n_tail=r.n_tail)
+                             use_cache=r.use_cache, n_tail=r.n_tail)
         result = first.forward(state)
         if not (1 <= len(result.new_bytes) <= k if variable else len(result.new_bytes) == k):
             raise MalformedInput("result", f"the chain returned {len(result.new_bytes)} bytes for a segment of {k}")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from btnode.errors import InputError
 from btnode.model.config import ModelConfig
-from btnode.model.readout import Readout, default_readout
+from btnode.model.readout import Readout
+from btnode.serve.defaults import ServingDefaults, serving_defaults
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,9 @@ class GenerationRequest:
     n_bytes: int  # new bytes to generate
     seed: int = 0  # keys the noise and sampling streams: the same request gives the same bytes anywhere
     temperature: float = 0.0  # 0 = argmax
-    k: int | None = None  # block chain: bytes per segment, or for SPEC… the draft length (None: the largest trained K)
-    n_steps: int | None = None  # block chain: sampler grid points per segment (None: 2B + 1)
-    readout: Readout | None = None  # block chain (None: default_readout(n_tail), the library's and CLI's default)
+    k: int | None = None  # block chain: bytes per segment, or for SPEC… the draft length (None: the serving default)
+    n_steps: int | None = None  # block chain: sampler grid points per segment (None: the serving default, 2B + 1)
+    readout: Readout | None = None  # block chain (None: the serving default, serve/defaults.py; LAST with n_tail)
     n_tail: int = 0  # block chain: grid points below σ_lo, run by the tail blocks
     want_logits: bool = False  # block chain: return the (K, V) log-probs each segment was sampled from
     use_cache: bool = True  # block chain: False makes every stage rebuild its clean stream (same bytes, slower)
@@ -35,9 +36,11 @@ class GenerationRequest:
         if self.readout is not None:
             object.__setattr__(self, "readout", Readout.parse(self.readout))
 
-    def checked(self, cfg: ModelConfig, n_blocks: int | None = None) -> GenerationRequest:
+    def checked(self, cfg: ModelConfig, n_blocks: int | None = None,
+                defaults: ServingDefaults | None = None) -> GenerationRequest:
         """This request as a chain of this model serves it, defaults filled in; InputError for a
-        setting it cannot serve. n_blocks: the block chain's B scoring blocks; None: the AR chain."""
+        setting it cannot serve. n_blocks: the block chain's B scoring blocks; None: the AR chain.
+        defaults: the chain's serving defaults (None: `serving_defaults(cfg)`, the measured ones)."""
         # imported here: the request value itself stays free of torch (the HTTP proxy, node/api.py)
         from btnode.model.noise import default_steps
         from btnode.serve.ar import MAX_DRAFT, max_draft
@@ -54,9 +57,14 @@ class GenerationRequest:
             check_temperature(self.temperature)  # before a draft samples with it
             out = self
         else:
-            out = dataclasses.replace(self, k=max(cfg.segments) if self.k is None else self.k,
-                                      n_steps=default_steps(cfg) if self.n_steps is None else self.n_steps,
-                                      readout=self.readout or default_readout(self.n_tail))
+            d = defaults or serving_defaults(cfg)
+            readout = self.readout or (Readout.LAST if self.n_tail else d.readout)
+            k = self.k
+            if k is None:  # the default K where the readout can serve it, else the largest trained K
+                k = d.k if (1 <= d.k <= cfg.context // 2 if readout.drafts else d.k in cfg.segments) \
+                    else max(cfg.segments)
+            steps = self.n_steps or (d.n_steps if readout is d.readout else None) or default_steps(cfg)
+            out = dataclasses.replace(self, k=k, n_steps=steps, readout=readout)
             check_request(cfg, n_blocks, out.prompt, out.k, out.n_steps, out.readout, out.n_tail)  # type: ignore[arg-type]
         if self.n_bytes < 1:
             raise InputError(f"asked for {self.n_bytes} bytes")

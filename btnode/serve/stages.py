@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from btnode.errors import InputError, MalformedInput, PeerUnavailable, StageTimeout
+from btnode.errors import BtnodeError, InputError, MalformedInput, PeerUnavailable, StageTimeout
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.config import ModelConfig
 from btnode.model.layout import generation_layout
@@ -27,6 +27,7 @@ from btnode.model.targets import target_table
 from btnode.seeding import generator
 from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, ContextCacheStore, check_chunks,
                                         encode_window)
+from btnode.serve.defaults import ServingDefaults, serving_defaults
 from btnode.serve.readouts import (NO_CARRY, READERS, Carry, Evaluation, add_context_readout, check_carry, draft,
                                    score_draft)
 
@@ -127,7 +128,7 @@ class LocalBlockStage:
 
     def __init__(self, block: DiffusionBlock, index: int, n_blocks: int, *, next: Stage | None = None,
                  device: torch.device = torch.device("cpu"), name: str | None = None,
-                 context_cache: ContextCacheConfig = ContextCacheConfig()):
+                 context_cache: ContextCacheConfig = ContextCacheConfig(), defaults: ServingDefaults | None = None):
         self.block = block.to(device).eval()
         self.cfg: ModelConfig = block.cfg
         self.index, self.n_blocks = index, n_blocks
@@ -136,6 +137,7 @@ class LocalBlockStage:
         self.table = target_table(self.cfg).to(device)
         self.name = name or f"block-{index}"
         self.contexts = ContextCacheStore(context_cache)  # per request: this block's clean stream of its window
+        self.defaults = defaults or serving_defaults(self.cfg)  # what the entry fills into a request's unset fields
         last = self.cfg.total_blocks - 1 if index >= n_blocks - 1 else n_blocks - 1
         if next is None and index != n_blocks - 1 and index != last or next is not None and index == last:
             raise ValueError(f"block {index} of {n_blocks} (+{self.cfg.tail_blocks} tail): only the last block "
@@ -165,7 +167,7 @@ class LocalBlockStage:
         """The clean stream of s.context in its canonical chunks: the cached prefix extended by the
         chunks it lacks (normally the previous segment's bytes), or every chunk replayed."""
         first = s.first_chunk or len(s.context)
-        keep = self.contexts.enabled and s.use_cache and bool(s.request_id)
+        keep = self.contexts.enabled and s.use_cache and bool(s.request_id) and not s.readout.drafts  # canonical chunks only
         prefix = self.contexts.lookup(s.request_id, s.context, first, s.k) if keep else None
         cache = encode_window(self.block, s.context, first, s.k, self.device, prefix)
         if keep and s.final:
@@ -174,15 +176,36 @@ class LocalBlockStage:
             self.contexts.store(s.request_id, s.context, first, s.k, cache)
         return cache
 
-    @torch.no_grad()
     def forward(self, s: SegmentState) -> SegmentResult:
+        out = self.step(s)
+        return out if isinstance(out, SegmentResult) else self.pass_on(out)
+
+    def forward_batch(self, states: Sequence[SegmentState]) -> list[SegmentResult | BtnodeError]:
+        """Several requests' segments in one traversal (serve/batching.py): this block's part for all
+        of them (the spec readout's batched, the rest one by one), then one batch to the next stage.
+        A request refused or failed here or further down gets its error; the others go on."""
+        from btnode.serve.batching import forward_batch, spec_steps  # batching builds on this module
+
+        outs: list[SegmentState | SegmentResult | BtnodeError] = spec_steps(self, states)
+        onward = [i for i, o in enumerate(outs) if isinstance(o, SegmentState)]
+        if onward:
+            assert self.next is not None
+            for i, r in zip(onward, forward_batch(self.next, [outs[i] for i in onward])):  # type: ignore[misc]
+                if isinstance(r, SegmentResult):
+                    r.route.insert(0, self.name)
+                outs[i] = r
+        return outs  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def step(self, s: SegmentState) -> SegmentState | SegmentResult:
+        """This block's part of one segment: the state for the next stage, or the segment's result."""
         self.validate(s)
         cache = self.context(s)  # reused by every step of the span
         if s.readout.drafts:  # no sweep: block 0 drafts the segment, every later block scores the draft
             carry = (draft(self.block, cache, s.k, s.temperature, generator("spec-draft", s.seed, s.segment))
                      if self.index == 0 else score_draft(self.block, cache, s.carry))
-            if self.next is not None and self.index < self.n_blocks - 1:
-                return self.pass_on(dataclasses.replace(s, carry=carry.cpu()))
+            if self.passes_drafts_on:
+                return dataclasses.replace(s, carry=carry.cpu())
             ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry)
         else:
             grid = generation_grid(self.cfg, s.n_steps, s.n_tail)
@@ -192,9 +215,18 @@ class LocalBlockStage:
                                  self.table)
             carry = add_context_readout(self.block, cache, layout, s.carry) if s.readout is Readout.POOL else NO_CARRY
             if logits is None:
-                return self.pass_on(dataclasses.replace(s, z=z[0].cpu(), carry=carry.cpu()))
+                return dataclasses.replace(s, z=z[0].cpu(), carry=carry.cpu())
             ev = Evaluation(block=self.block, cache=cache, k=s.k, n_blocks=self.n_blocks, carry=carry, z=z,
                             logits=logits, sigma=grid[span[-1]])
+        return self.read(s, ev)
+
+    @property
+    def passes_drafts_on(self) -> bool:
+        """A spec segment goes on from here (every scoring block but the last scores the draft)."""
+        return self.next is not None and self.index < self.n_blocks - 1
+
+    def read(self, s: SegmentState, ev: Evaluation) -> SegmentResult:
+        """The last stage: the segment's bytes, read as its readout says."""
         reading = READERS[s.readout](ev, s.temperature, generator("gen-sample", s.seed, s.segment))
         return SegmentResult(new_bytes=reading.new_bytes, logits=reading.logits.cpu() if s.want_logits else None,
                              route=[self.name], accepted=reading.accepted)
@@ -233,6 +265,38 @@ class FailoverStage:
             return result
         message = "no stage for the next block answered: " + "; ".join(errors)
         raise StageTimeout(message) if timeouts == len(errors) else PeerUnavailable(message)
+
+    def forward_batch(self, states: Sequence[SegmentState]) -> list[SegmentResult | BtnodeError]:
+        """The batch to the first candidate that answers; segments it answers unavailable (a stage
+        further down gone) go on to the next candidate, as one segment would."""
+        from btnode.serve.batching import forward_batch
+
+        out: list[SegmentResult | BtnodeError | None] = [None] * len(states)
+        errors: list[list[PeerUnavailable]] = [[] for _ in states]
+        todo = list(range(len(states)))
+        for i, stage in enumerate(self.candidates):
+            try:
+                results: list[SegmentResult | BtnodeError] = forward_batch(stage, [states[j] for j in todo])
+            except PeerUnavailable as exc:
+                log.warning("stage %s unavailable (%s) for a batch of %d", stage.name, exc, len(todo))
+                results = [exc] * len(todo)
+            retry = []
+            for j, r in zip(todo, results):
+                if isinstance(r, PeerUnavailable):
+                    errors[j].append(r)
+                    retry.append(j)
+                else:
+                    out[j] = r
+            if i and len(retry) < len(todo):  # keep using the one that answered
+                self.candidates.insert(0, self.candidates.pop(i))
+            todo = retry
+            if not todo:
+                break
+        for j in todo:
+            message = "no stage for the next block answered: " + "; ".join(str(e) for e in errors[j])
+            timeouts = all(isinstance(e, StageTimeout) for e in errors[j])
+            out[j] = StageTimeout(message) if timeouts else PeerUnavailable(message)
+        return out  # type: ignore[return-value]
 
 
 def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device,

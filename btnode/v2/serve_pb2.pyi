@@ -81,6 +81,30 @@ class SegmentReply(_message.Message):
     accepted: int
     def __init__(self, new_bytes: _Optional[bytes] = ..., logits: _Optional[_Union[StateTensor, _Mapping]] = ..., route: _Optional[_Iterable[str]] = ..., accepted: _Optional[int] = ...) -> None: ...
 
+class SegmentBatch(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentRequest]
+    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentRequest, _Mapping]]] = ...) -> None: ...
+
+class SegmentOutcome(_message.Message):
+    __slots__ = ("reply", "code", "reason", "message")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reply: SegmentReply
+    code: int
+    reason: str
+    message: str
+    def __init__(self, reply: _Optional[_Union[SegmentReply, _Mapping]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SegmentBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SegmentOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SegmentOutcome, _Mapping]]] = ...) -> None: ...
+
 class ARRequest(_message.Message):
     __slots__ = ("request_id", "tokens", "step", "seed", "temperature", "start", "hidden", "reset", "draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -158,7 +182,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config", "name", "node_version")
+    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config", "name", "node_version", "default_readout", "default_k", "default_steps")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +192,9 @@ class StageInfo(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NODE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_READOUT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_K_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
     kind: _settings_pb2.UnitKind
     block: int
     first_layer: int
@@ -177,4 +204,7 @@ class StageInfo(_message.Message):
     config: _settings_pb2.ModelSettings
     name: str
     node_version: str
-    def __init__(self, kind: _Optional[_Union[_settings_pb2.UnitKind, str]] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., name: _Optional[str] = ..., node_version: _Optional[str] = ...) -> None: ...
+    default_readout: Readout
+    default_k: int
+    default_steps: int
+    def __init__(self, kind: _Optional[_Union[_settings_pb2.UnitKind, str]] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., name: _Optional[str] = ..., node_version: _Optional[str] = ..., default_readout: _Optional[_Union[Readout, str]] = ..., default_k: _Optional[int] = ..., default_steps: _Optional[int] = ...) -> None: ...

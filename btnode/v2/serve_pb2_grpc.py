@@ -46,6 +46,11 @@ class ServingStub:
                 request_serializer=btnode_dot_v2_dot_serve__pb2.SegmentRequest.SerializeToString,
                 response_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentReply.FromString,
                 _registered_method=True)
+        self.ForwardBatch = channel.unary_unary(
+                '/btnode.v2.Serving/ForwardBatch',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.SegmentBatch.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentBatchReply.FromString,
+                _registered_method=True)
         self.ForwardAR = channel.unary_unary(
                 '/btnode.v2.Serving/ForwardAR',
                 request_serializer=btnode_dot_v2_dot_serve__pb2.ARRequest.SerializeToString,
@@ -75,6 +80,12 @@ class ServingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForwardAR(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +110,11 @@ def add_ServingServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentRequest.FromString,
                     response_serializer=btnode_dot_v2_dot_serve__pb2.SegmentReply.SerializeToString,
+            ),
+            'ForwardBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardBatch,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.SegmentBatch.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.SegmentBatchReply.SerializeToString,
             ),
             'ForwardAR': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardAR,
@@ -167,6 +183,33 @@ class Serving:
             '/btnode.v2.Serving/Forward',
             btnode_dot_v2_dot_serve__pb2.SegmentRequest.SerializeToString,
             btnode_dot_v2_dot_serve__pb2.SegmentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Serving/ForwardBatch',
+            btnode_dot_v2_dot_serve__pb2.SegmentBatch.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.SegmentBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,7 +138,8 @@ def test_bad_data_files(tmp_path):
 
 def test_bad_requests(trained):
     fails("generate", "--checkpoint", str(trained), "--segment", "8", "x" * 26, match="at most 25 bytes")
-    fails("generate", "--checkpoint", str(trained), "--segment", "4", "hi", match="K=4 was not trained")
+    fails("generate", "--checkpoint", str(trained), "--segment", "4", "--readout", "pool", "hi",
+          match="K=4 was not trained")  # spec, the default, drafts any K up to N/2
     fails("generate", "--checkpoint", str(trained), "--steps", "2", "hi", match="cannot visit all 3 blocks")
     fails("eval", "--checkpoint", str(trained), "--segments", "16", match="[16] were not trained")
     fails("train-local", "--out", "/tmp/x", "--segments", "8,16", match="must include K=1")

@@ -59,7 +59,7 @@ def chain(trained, tmp_path, processes, spare_for: int | None = None,
 def local(trained, prompt, **kw):
     torch.set_num_threads(1)  # the stages run with one thread too: same kernels, same bits
     cfg, blocks = load_blocks(trained / "blocks")
-    return list(generate(local_chain(blocks, torch.device("cpu")), cfg, 3, GenerationRequest(prompt, **kw)))
+    return list(generate(local_chain(blocks, torch.device("cpu")), cfg, 3, GenerationRequest(prompt, **{"readout": None if kw.get("n_tail") else "pool", **kw})))
 
 
 @pytest.mark.parametrize("k,temperature,readout", [(8, 0.0, "pool"), (1, 0.9, "pool"), (8, 0.9, "last"), (8, 0.9, "commit"),
@@ -67,7 +67,7 @@ def local(trained, prompt, **kw):
 def test_remote_chain_matches_the_local_sampler(trained, tmp_path, processes, k, temperature, readout):
     c = chain(trained, tmp_path, processes)
     kw = dict(n_bytes=20, k=k, n_steps=7, seed=4, temperature=temperature, want_logits=True, readout=readout)
-    remote = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", **kw)))
+    remote = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", **{"readout": "pool", **kw})))
     ref = local(trained, b"Hello there", **kw)
     assert b"".join(r.new_bytes for r in remote) == b"".join(r.new_bytes for r in ref)  # bit-identical bytes
     if readout != "spec":  # "spec" commits 1 … K bytes per traversal
@@ -87,8 +87,8 @@ def test_context_caches_change_no_bit_across_window_restarts(trained, tmp_path, 
     c = chain(trained, tmp_path, processes, stage_args={1: ["--context-cache-mb", "0"]})
     for k, readout in ((1, "pool"), (8, "pool"), (8, "commit"), (8, "spec"), (8, "spec-fill")):
         kw = dict(n_bytes=48, k=k, n_steps=7, seed=3, temperature=1.0, want_logits=True, readout=readout)
-        cached = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", **kw)))
-        rebuilt = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", use_cache=False, **kw)))
+        cached = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", **{"readout": "pool", **kw})))
+        rebuilt = list(generate_remote(c["entry"], GenerationRequest(b"Hello there", use_cache=False, **{"readout": "pool", **kw})))
         ref = local(trained, b"Hello there", **kw)
         assert len(b"Hello there") + 48 - k > 32 - k + 1  # the window restarts at least once
         for r in (rebuilt, cached):
@@ -105,11 +105,11 @@ def test_the_autoregressive_chain_is_served_by_the_same_daemon(trained, tmp_path
     p1, a1 = start_stage(tmp_path, "ar1", "--model", "ar", "--checkpoint", ck, "--layers-range", "1:2", "--next", a2)
     p0, a0 = start_stage(tmp_path, "ar0", "--model", "ar", "--checkpoint", ck, "--layers-range", "0:1", "--next", a1)
     processes.extend([p0, p1, p2])
-    remote = list(generate_remote(a0, GenerationRequest(b"Hello there", n_bytes=30, seed=1, temperature=0.0)))
+    remote = list(generate_remote(a0, GenerationRequest(b"Hello there", n_bytes=30, seed=1, temperature=0.0, readout="pool")))
     torch.set_num_threads(1)
     model = load_ar(trained / "ar").model
     ref = list(generate_ar(local_ar_chain(model, 3, torch.device("cpu")), model.cfg,
-                           GenerationRequest(b"Hello there", n_bytes=30, seed=1, temperature=0.0)))
+                           GenerationRequest(b"Hello there", n_bytes=30, seed=1, temperature=0.0, readout="pool")))
     assert b"".join(r.new_bytes for r in remote) == b"".join(r.new_bytes for r in ref)
     assert len(remote) == 30 and remote[-1].traversals == 30  # one traversal per byte
     assert list(remote[0].route) == ["ar0", "ar1", "ar2"]
@@ -117,7 +117,7 @@ def test_the_autoregressive_chain_is_served_by_the_same_daemon(trained, tmp_path
 
 def test_a_dead_stage_ends_the_request_with_unavailable_not_a_hang(trained, tmp_path, processes):
     c = chain(trained, tmp_path, processes)
-    stream = generate_remote(c["entry"], GenerationRequest(b"Hello", n_bytes=300, k=1, seed=0))
+    stream = generate_remote(c["entry"], GenerationRequest(b"Hello", n_bytes=300, k=1, seed=0, readout="pool"))
     next(stream)
     c["b1-main"].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -133,7 +133,7 @@ def test_a_spare_takes_over_from_the_failed_block_and_the_request_completes(trai
     c = chain(trained, tmp_path, processes, spare_for=1)
     replies = []
     for i, r in enumerate(generate_remote(c["entry"], GenerationRequest(b"Hello", n_bytes=40, k=1, seed=2,
-                                                                          temperature=0.7))):
+                                                                          temperature=0.7, readout="pool"))):
         replies.append(r)
         if i == 5:
             c["b1-main"].send_signal(signal.SIGKILL)
@@ -147,7 +147,7 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
     with pytest.raises(InputError, match="at most 25 bytes"):
         list(generate_remote(c["entry"], GenerationRequest(b"x" * 26, n_bytes=8, k=8)))
     with pytest.raises(InputError, match="K=4 was not trained"):
-        list(generate_remote(c["entry"], GenerationRequest(b"hi", n_bytes=8, k=4)))
+        list(generate_remote(c["entry"], GenerationRequest(b"hi", n_bytes=8, k=4, readout="pool")))
     with pytest.raises(InputError, match="2 sampler steps cannot visit all 3 blocks"):
         list(generate_remote(c["entry"], GenerationRequest(b"hi", n_bytes=8, k=8, n_steps=2)))
     with pytest.raises(InputError, match="readout must be one of"):

@@ -43,7 +43,7 @@ class Recorder:
 
 def run(first, cfg, prompt=b"Hello", **kw):
     kw = {"n_bytes": 60, "k": 8, "n_steps": 7, "seed": 1, "temperature": 1.0, "want_logits": True, **kw}
-    return list(generate(first, cfg, cfg.n_blocks, GenerationRequest(prompt, **kw)))
+    return list(generate(first, cfg, cfg.n_blocks, GenerationRequest(prompt, **{"readout": None if kw.get("n_tail") else "pool", **kw})))  # a sweep
 
 
 def same(a, b) -> bool:

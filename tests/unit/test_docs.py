@@ -266,7 +266,7 @@ BUDGETS = {
     "research.md": 4_500,
     "scale.md": 2_250,
     "security.md": 5_000,
-    "serving.md": 3_400,
+    "serving.md": 3_500,
     "swarm.md": 3_600,
     "tuning.md": 1_600,
     "verification.md": 1_500,

@@ -42,11 +42,15 @@ def test_one_default_for_the_library_and_the_cli():
 def test_a_request_fills_its_defaults_and_is_checked_once(tiny_cfg):
     r = GenerationRequest(b"hi", 8, readout="commit")
     assert r.readout is Readout.COMMIT
-    full = GenerationRequest(b"hi", 8).checked(tiny_cfg, 3)
-    assert (full.k, full.n_steps, full.readout) == (max(tiny_cfg.segments), default_steps(tiny_cfg), Readout.POOL)
-    assert GenerationRequest(b"hi", 8, k=8, n_tail=0).checked(tiny_cfg, 3).readout is DEFAULT_READOUT
+    full = GenerationRequest(b"hi", 8).checked(tiny_cfg, 3)  # the serving default: spec, K = min(16, N/2)
+    assert (full.k, full.n_steps, full.readout) == (16, default_steps(tiny_cfg), Readout.SPEC)
+    assert GenerationRequest(b"hi", 8, k=8, n_tail=0).checked(tiny_cfg, 3).readout is Readout.SPEC
+    tailed = dataclasses.replace(tiny_cfg, tail_blocks=1)
+    assert GenerationRequest(b"hi", 8, n_tail=4).checked(tailed, 3).readout is Readout.LAST
+    swept = GenerationRequest(b"hi", 8, readout="pool").checked(tiny_cfg, 3)  # a sweep keeps a trained K
+    assert (swept.k, swept.readout) == (16, Readout.POOL)
     assert GenerationRequest(b"hi", 8).checked(tiny_cfg) == GenerationRequest(b"hi", 8)  # the AR chain fills nothing
-    for bad, match in ((dict(n_bytes=0), "asked for 0 bytes"), (dict(k=4), "K=4 was not trained"),
+    for bad, match in ((dict(n_bytes=0), "asked for 0 bytes"), (dict(k=4, readout="pool"), "K=4 was not trained"),
                        (dict(request_id="r" * 129), "request id of 129"), (dict(prompt=b"x" * 26, k=8), "at most 25")):
         with pytest.raises(InputError, match=match):
             dataclasses.replace(GenerationRequest(b"hi", 8), **bad).checked(tiny_cfg, 3)

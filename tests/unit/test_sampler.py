@@ -63,7 +63,7 @@ def test_sweep_calls_every_block_on_its_own_grid_points(tiny_cfg, n_steps):
 
 
 def drive(first, cfg, n_blocks, prompt, **kw):
-    return generate(first, cfg, n_blocks, GenerationRequest(prompt, **kw))
+    return generate(first, cfg, n_blocks, GenerationRequest(prompt, **{"readout": None if kw.get("n_tail") else "pool", **kw}))  # a sweep
 
 
 def generate_bytes(blocks, prompt, **kw):
