@@ -175,7 +175,7 @@ class ApiServer:
             d = c.defaults or serving_defaults(c.cfg)
             card.update(readout=d.readout.value, k=d.k, segments=list(c.cfg.segments),
                         readouts=[r.value for r in Readout], blocks=c.cfg.n_blocks,
-                        prompt_bytes={str(k): c.cfg.context - k + 1 for k in c.cfg.segments},
+                        prompt_bytes={str(k): c.cfg.context - k + 1 for k in sorted({*c.cfg.segments, d.k})},
                         settings=describe_settings(c.cfg, d))
         return card
 

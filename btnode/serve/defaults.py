@@ -38,11 +38,12 @@ class ServingDefaults:
 
 def serving_defaults(cfg: ModelConfig, checkpoint: Path | None = None) -> ServingDefaults:
     """The defaults for a block chain of this model: a checkpoint's serving.json when it has one
-    (ConfigError when it is malformed), else the measured best, K cut to what the readout can serve
-    (spec drafts any 1 … N/2 bytes; a sweep needs a trained K)."""
+    (ConfigError when it is malformed), else the measured best, K at most an eighth of the context as
+    measured (K = 16 at N = 128), so that a prompt keeps 7/8 of the window (N − K + 1 bytes): at N = 32
+    a K of 16 left 17 bytes, less than a short chat prompt."""
     if checkpoint is not None and (checkpoint / SERVING_FILE).is_file():
         return _from_file(cfg, checkpoint / SERVING_FILE)
-    k = min(MEASURED_K, cfg.context // 2)
+    k = min(MEASURED_K, cfg.context // 8)
     return ServingDefaults(readout=MEASURED_READOUT, k=max(1, k))
 
 

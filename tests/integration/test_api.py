@@ -100,9 +100,9 @@ def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tupl
 def test_the_openai_client_gets_what_btnode_generate_gets_from_the_block_chain(lab):
     c = client(lab["block"])
     model = c.models.list().data[0]
-    assert model.id.startswith("btnode-block-") and model.model_extra["k"] == 16  # the serving default: N/2 here
+    assert model.id.startswith("btnode-block-") and model.model_extra["k"] == 4  # the serving default: N/8 here
     assert model.model_extra["readout"] == "spec" and model.model_extra["context"] == 32
-    assert model.model_extra["settings"]["prompt_bytes"] == {"1": 32, "8": 25, "16": 17}
+    assert model.model_extra["settings"]["prompt_bytes"] == {"1": 32, "4": 29, "8": 25}
     ref = btnode_generate(lab["block_entry"], "Hello there", 20, 4, 0.9, "--segment", "8", "--readout", "commit")
     kw = dict(model=model.id, prompt="Hello there", max_tokens=20, temperature=0.9, seed=4,
               extra_body={"k": 8, "readout": "commit"})
@@ -164,7 +164,7 @@ def test_stop_sequences_cut_the_text_and_end_the_request(lab):
     (json.dumps({"prompt": "x", "max_tokens": 10**12}).encode(), 400, "max_tokens must be in"),
     (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens must be an integer"),
     (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "does not exist"),
-    (json.dumps({"prompt": "x" * 100, "max_tokens": 4}).encode(), 400, "may be at most 17 bytes"),  # default K=16
+    (json.dumps({"prompt": "x" * 100, "max_tokens": 4}).encode(), 400, "may be at most 29 bytes"),  # default K=4 (N/8)
     (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n must be in"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "x", "k": 5, "readout": "pool"}).encode(), 400, "K=5 was not trained"),
@@ -312,8 +312,8 @@ def test_the_page_works_with_a_key_typed_into_a_real_browser(lab, tmp_path):
                                   "document.getElementById('model').textContent")
         model_id = client(port).models.list().data[0].id
         assert model_id in header and "API key" not in header
-        assert browser.eval("document.getElementById('k').value") == "16"  # the serving default (spec, K = 16)
-        assert "up to 17 bytes at K = 16" in browser.eval("document.getElementById('budget').textContent")
+        assert browser.eval("document.getElementById('k').value") == "4"  # the serving default (spec, K = N/8)
+        assert "up to 29 bytes at K = 4" in browser.eval("document.getElementById('budget').textContent")
         browser.retype("#k", "1")
         assert "up to 32 bytes at K = 1" in browser.eval("document.getElementById('budget').textContent")
         browser.retype("#temperature", "0")

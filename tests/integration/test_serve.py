@@ -62,7 +62,7 @@ def test_one_process_serves_the_checkpoint_under_an_id_that_names_its_weights(se
     c = client(served["port"])
     card = c.models.retrieve(model_id)
     assert card.id == model_id and card.model_extra["version"] == 3
-    assert card.model_extra["prompt_bytes"] == {"1": 32, "8": 25}  # N − K + 1
+    assert card.model_extra["prompt_bytes"] == {"1": 32, "4": 29, "8": 25}  # N − K + 1, the default K (4) too
     ref = generate("--checkpoint", str(served["root"] / "tiny"), "--bytes", "20", "--seed", "4", "--temperature", "0.9",
                    "--segment", "8", "--readout", "commit", "Hello there")
     r = c.completions.create(model=model_id, prompt="Hello there", max_tokens=20, temperature=0.9, seed=4,
@@ -92,7 +92,7 @@ def test_chat_runs_to_the_context_end_and_a_missing_seed_is_drawn_and_reported(s
 def test_every_openai_conformance_case_behaves_as_documented(served):
     res = conformance("127.0.0.1", served["port"])
     assert len(res["cases"]) >= 40
-    assert res["failed"] == 0, [c for c in res["cases"] if not c["ok"]]
+    assert res["failed"] == 0, [(c["name"], c["expected"], c["got"], c.get("detail")) for c in res["cases"] if not c["ok"]]
 
 
 def test_the_proxy_in_front_of_a_remote_chain_stays_light(served, tmp_path):

@@ -30,8 +30,8 @@ def test_the_default_is_the_serving_benchs_best_at_ar_quality():
     assert wan["blockwise K=16 N_s=7"]["judge_ce"] > best["judge_ce"] + 3  # pool at K = 16: letter soup
     d = serving_defaults(SERVED)
     assert (d.readout, d.k, d.n_steps, d.source) == (Readout.SPEC, 16, None, "measured")
-    assert serving_defaults(ModelConfig(d_model=32, n_heads=2, n_layers=2, n_blocks=3, context=16,
-                                        segments=(1, 4))).k == 8  # spec drafts at most N/2
+    assert serving_defaults(ModelConfig(d_model=32, n_heads=2, n_layers=2, n_blocks=3, context=32,
+                                        segments=(1, 4))).k == 4  # at most N/8: a prompt keeps 7/8 of the window
 
 
 def test_a_checkpoints_serving_json_is_its_default(tmp_path):
