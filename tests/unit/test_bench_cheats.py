@@ -54,7 +54,7 @@ def test_differences_names_the_leaves_that_changed():
 def test_mode_open_turns_the_config_s_open_switch_on_or_fails_loudly_without_one():
     # the daemon's defaults: a fresh AggregatorConfig with the wan link's publish codec (codec/profiles.py)
     assert config("default") == replace(AggregatorConfig(), link="wan", publish_codec=Codec.SPARSE8,
-                                        publish_density=0.009) and MODES == ("default", "open")
+                                        publish_density=0.09) and MODES == ("default", "open")
     assert config("default", "lan") == AggregatorConfig()
     if "open" in AggregatorConfig.__dataclass_fields__:
         assert config("open").open is True  # type: ignore[attr-defined]
