@@ -180,7 +180,7 @@ def test_a_restarted_aggregator_resumes_the_same_versions_and_hashes(aggregator,
 
 def test_a_new_version_is_exactly_base_plus_eta_times_the_weighted_mean(aggregator):
     """Recomputed here from the updates we sent, against an aggregator process with η = 0.7."""
-    agg = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "30", "--outer-lr", "0.7")
+    agg = aggregator(BELIEVE, *NO_AUDIT, "--deadline", "30", "--outer-lr", "0.7", "--link", "lan")  # fp32 deltas: exact
     c = client_for(agg)
     join(c, "r1", "r2", block=2)
     base = c.pull(2, "r1", spec(c, 2))
