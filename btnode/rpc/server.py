@@ -215,8 +215,8 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         meter = self.agg.meter
         yield reply(info=convert.info_to_pb(info))
         for frame in frames:
-            meter.count(("sent", "raw"), frame.header.raw_bytes)
-            meter.count(("sent", "wire"), frame.header.payload_bytes)
+            meter.count(("sent", "raw"), frame.raw_bytes)
+            meter.count(("sent", "wire"), frame.payload_bytes)
             for chunk in frame.chunks():
                 yield reply(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)

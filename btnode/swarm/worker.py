@@ -45,11 +45,10 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
-import zstandard
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
 from btnode.codec.sparse import keep_of
-from btnode.codec.frames import ZSTD_LEVEL, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
+from btnode.codec.frames import Bundle, ReplayableFrames, encode_update, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
@@ -355,14 +354,12 @@ class BlockWorker:
         self.residual = residual
         return raw
 
-    def _frames(self, raw: dict[str, bytes]) -> Iterator[Frame]:
-        """Compressed lazily, as gRPC sends: counted as they go (a re-push counts again)."""
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        for n in self.spec:
-            frame = frame_from_raw(n, self.spec[n], self.wcfg.codec, raw[n], compressor)
-            self.stats.bytes_pushed_raw += frame.header.raw_bytes
-            self.stats.bytes_pushed_wire += frame.header.payload_bytes
-            yield frame
+    def _frames(self, raw: dict[str, bytes]) -> Iterator[Bundle]:
+        """One bundle, compressed lazily as gRPC sends: counted once sent (a re-push counts again)."""
+        b = Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec])
+        yield b
+        self.stats.bytes_pushed_raw += b.raw_bytes
+        self.stats.bytes_pushed_wire += b.payload_bytes
 
     def _through_outage(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), retried with backoff while the aggregator is unreachable, for up to outage_s (a

@@ -97,13 +97,27 @@ class FrameHeader(_message.Message):
     sha256: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
+class BundleHeader(_message.Message):
+    __slots__ = ("codec", "tensors", "raw_bytes", "digest")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    tensors: int
+    raw_bytes: _containers.RepeatedScalarFieldContainer[int]
+    digest: bytes
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., tensors: _Optional[int] = ..., raw_bytes: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
 class Chunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "bundle")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bundle: BundleHeader
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., bundle: _Optional[_Union[BundleHeader, _Mapping]] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("block", "version", "base_version", "sha256", "delta_codec", "accepted", "late", "stale", "rejected", "mean_loss", "closed_by", "included")
