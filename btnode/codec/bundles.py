@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import zstandard
@@ -20,6 +20,12 @@ from btnode.codec.codecs import Codec, raw_size
 from btnode.errors import MalformedInput, TooLarge
 
 FRAME_HEADER_MAX = 18  # bytes of a zstd frame header at most: enough to read its declared content size
+# A tensor of at least this many raw bytes starts and ends its own zstd blocks, so that it gets its own
+# entropy tables (tensors' value statistics differ: int8 deltas of a small block came out 3.8 % larger as one
+# run of blocks than frame by frame, 0.02 % with this); smaller ones share blocks (a sparse tensor is a
+# few bytes, and a block of its own would cost more than it saves)
+BLOCK_ALONE = 4096
+SLICE = 1 << 20  # raw bytes handed to the compressor at a time: compressed output comes as it is made
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,23 @@ def frames_digest(frame_sha256: Mapping[str, bytes]) -> str:
         h.update(name.encode())
         h.update(frame_sha256[name])
     return h.hexdigest()
+
+
+def compressed(pieces: Iterable[bytes], total: int, level: int) -> Iterator[bytes]:
+    """One zstd frame of `pieces` one after another, declaring `total` (their summed size), as it is made."""
+    cobj = zstandard.ZstdCompressor(level=level).compressobj(size=total)
+    shared = False  # bytes in the open block from small pieces
+    for raw in pieces:
+        alone = len(raw) >= BLOCK_ALONE
+        if alone and shared:
+            yield cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        view = memoryview(raw)
+        for lo in range(0, len(raw), SLICE):
+            yield cobj.compress(view[lo:lo + SLICE])
+        shared = not alone and (shared or len(raw) > 0)
+        if alone:
+            yield cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    yield cobj.flush()
 
 
 def bundle_sizes(h: BundleHeader, spec: Mapping[str, tuple[int, ...]]) -> list[int]:

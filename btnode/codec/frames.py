@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import zstandard
 
-from btnode.codec.bundles import BundleHeader, BundleReader, frames_digest
+from btnode.codec.bundles import BundleHeader, BundleReader, compressed, frames_digest
 from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.codec.sparse import CHUNK, SparseTensor
 from btnode.errors import MalformedInput, TooLarge
@@ -85,17 +85,13 @@ class Bundle:
         self.payload_bytes = 0
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
-        cobj = zstandard.ZstdCompressor(level=self.level).compressobj(size=self.raw_bytes)
         pending, header, sent = bytearray(), self.header, 0
-        for _, r in self.raw:
-            view = memoryview(r)
-            for lo in range(0, len(r), chunk_bytes):
-                pending += cobj.compress(view[lo:lo + chunk_bytes])
-                while len(pending) >= chunk_bytes:
-                    yield ChunkData(header, bytes(pending[:chunk_bytes]))
-                    del pending[:chunk_bytes]
-                    header, sent = None, sent + chunk_bytes
-        pending += cobj.flush()
+        for out in compressed((r for _, r in self.raw), self.raw_bytes, self.level):
+            pending += out
+            while len(pending) >= chunk_bytes:
+                yield ChunkData(header, bytes(pending[:chunk_bytes]))
+                del pending[:chunk_bytes]
+                header, sent = None, sent + chunk_bytes
         for lo in range(0, len(pending), chunk_bytes) if pending else ():
             yield ChunkData(header, bytes(pending[lo:lo + chunk_bytes]))
             header = None

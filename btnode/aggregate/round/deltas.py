@@ -13,9 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import zstandard
-
-from btnode.codec.bundles import BundleHeader, frames_digest
+from btnode.codec.bundles import BundleHeader, compressed, frames_digest
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import CHUNK_BYTES, ZSTD_LEVEL, ChunkData
 from btnode.errors import UnknownBlock
@@ -47,13 +45,10 @@ class DeltaFrames:
                  spec: Mapping[str, tuple[int, ...]], folder: Path):
         self.info = info
         self._file = tempfile.TemporaryFile(dir=folder)
-        names, early, sha, sizes = list(spec), {}, {}, {}
-        total = sum(raw_size(codec, math.prod(s)) for s in spec.values()) if not codec.sparse else None
-        # the zstd frame declares its size: a dense delta's is the spec's, streamed to the file as it is read;
-        # a sparse one's is known only once read, so its raw bytes (a few % of θ) wait and go in at the end
-        cobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=total if total is not None else -1)
-        held: list[bytes] = []
-        try:
+        names, early, sha = list(spec), {}, {}
+
+        def ordered() -> Iterator[bytes]:
+            """The pieces in the spec's order, each hashed (one that comes early waits for its turn)."""
             for name, raw in pieces:
                 if name not in spec or name in sha or name in early:
                     raise UnknownBlock("version", f"the stored delta of version {info.version} holds {name!r} "
@@ -61,29 +56,30 @@ class DeltaFrames:
                 early[name] = raw
                 del raw
                 while len(sha) < len(names) and names[len(sha)] in early:
-                    n = names[len(sha)]
-                    r = early.pop(n)
-                    sha[n], sizes[n] = hashlib.sha256(r).digest(), len(r)
-                    if total is None:
-                        held.append(r)
-                    else:
-                        self._file.write(cobj.compress(r))
+                    r = early.pop(names[len(sha)])
+                    sha[names[len(sha)]] = hashlib.sha256(r).digest()
+                    yield r
             if len(sha) != len(names):
                 raise UnknownBlock("version", f"the stored delta of version {info.version} lacks "
                                               f"{sorted(set(spec) - set(sha))[:3]}")
-            if total is None:
-                raw_all = b"".join(held)
-                self._file.write(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw_all))
-                total = len(raw_all)
-            else:
-                self._file.write(cobj.flush())
+
+        try:
+            if codec.sparse:  # its size is known only once read: its raw bytes (a few % of θ) wait, then go in
+                raw = list(ordered())
+                sizes, total = tuple(map(len, raw)), sum(map(len, raw))
+                stream: Iterable[bytes] = raw
+            else:  # the spec fixes its size: streamed to the file as it is read
+                sizes, total = (), sum(raw_size(codec, math.prod(s)) for s in spec.values())
+                stream = ordered()
+            for out in compressed(stream, total, ZSTD_LEVEL):
+                self._file.write(out)
             self._file.flush()
         except BaseException:
             self._file.close()
             raise
-        header = BundleHeader(codec, len(names), tuple(sizes[n] for n in names) if codec.sparse else (),
-                              bytes.fromhex(frames_digest(sha)))
+        header = BundleHeader(codec, len(names), sizes, bytes.fromhex(frames_digest(sha)))
         self.frames = [StoredFrame(header, self, 0, total, self._file.tell())]
+
     def read(self, offset: int, size: int) -> bytes:
         return os.pread(self._file.fileno(), size, offset)  # no shared file position: safe across threads
 
