@@ -183,12 +183,12 @@ class SwarmClient:
                                                                   seconds=time.perf_counter() - t0), raw=asm.raw)
 
     def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        request = pb.PullRequest(block=block, worker_id=worker_id)
+        request = pb.PullRequest(block=block, worker_id=worker_id, bundles=True)
         return self._retrying("pull", lambda: self._tensor_stream(
             "pull", self.stub.Pull(request, timeout=self.timeout_s), spec, [Codec.FP32]))
 
     def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        request = pb.FetchDeltaRequest(block=block, version=version)
+        request = pb.FetchDeltaRequest(block=block, version=version, bundles=True)
         return self._retrying("fetch delta", lambda: self._tensor_stream(
             "fetch delta", self.stub.FetchDelta(request, timeout=self.timeout_s), spec, list(Codec)))
 

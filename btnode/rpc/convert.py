@@ -329,13 +329,13 @@ def round_receipt_from_pb(m: pb.RoundReceipt) -> RoundReceipt:
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[CODECS.to_pb(c) for c in j.codecs],
                         max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits,
-                        relay_audits=j.relay_audits)
+                        relay_audits=j.relay_audits, bundles=j.bundles)
 
 
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
                     codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness,
-                    data_key=m.data_key, audits=m.audits, relay_audits=m.relay_audits)
+                    data_key=m.data_key, audits=m.audits, relay_audits=m.relay_audits, bundles=m.bundles)
 
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:

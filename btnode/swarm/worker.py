@@ -48,7 +48,7 @@ import torch
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
 from btnode.codec.sparse import keep_of
-from btnode.codec.frames import Bundle, ReplayableFrames, encode_update, lazy_frames
+from btnode.codec.frames import Bundle, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
@@ -172,6 +172,7 @@ class BlockWorker:
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self.recipe = Recipe.here(device, tc.precision.value, error_feedback=wcfg.error_feedback)
         self.audits = False  # set at Join: the swarm replays updates, so keep each round's start state
+        self.bundles = True  # set at Join: the aggregator reads a bundle (an older one: frames)
         self._start: tuple[str, Tensors | None] = (EMPTY_STATE, None)  # the round's optimizer start: hash, state
         # update id → (its header, the state its round started from), for an audit: asked for with the push's
         # answer (drawn), or later (dropped at close, or in a round found attacked: `send_wanted`)
@@ -354,12 +355,15 @@ class BlockWorker:
         self.residual = residual
         return raw
 
-    def _frames(self, raw: dict[str, bytes]) -> Iterator[Bundle]:
-        """One bundle, compressed lazily as gRPC sends: counted once sent (a re-push counts again)."""
-        b = Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec])
-        yield b
-        self.stats.bytes_pushed_raw += b.raw_bytes
-        self.stats.bytes_pushed_wire += b.payload_bytes
+    def _frames(self, raw: dict[str, bytes]) -> Iterator[Bundle | Frame]:
+        """One bundle (to an aggregator older than bundles, a frame a tensor), compressed lazily as gRPC
+        sends: counted once sent (a re-push counts again)."""
+        frames = ([Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec])] if self.bundles else
+                  (frame_from_raw(n, s, self.wcfg.codec, raw[n]) for n, s in self.spec.items()))
+        for f in frames:
+            yield f
+            self.stats.bytes_pushed_raw += f.raw_bytes
+            self.stats.bytes_pushed_wire += f.payload_bytes
 
     def _through_outage(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), retried with backoff while the aggregator is unreachable, for up to outage_s (a
@@ -528,6 +532,7 @@ class BlockWorker:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id
         self.audits = joined.audits
+        self.bundles = joined.bundles
         if joined.audits:  # its workers may be drawn to verify each other's rounds (aggregate/trust/delegate.py)
             self.verification = self.make_verification()
         if joined.audits and w.train_while_waiting:
