@@ -165,19 +165,32 @@ def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: Mod
     def plain() -> None:
         assert int.from_bytes(sink(iter(parts), timeout=600), "little") == sum(map(len, parts))
 
-    print("ready", flush=True)
+    import btnode
+
+    print(f"ready {btnode.__file__}", flush=True)
     for line in sys.stdin:
         t0 = time.perf_counter()
         (push if line.strip() == "push" else plain)()
         print(f"{time.perf_counter() - t0:.6f}", flush=True)
 
 
+TREE = "BENCH_BTNODE_TREE"  # in a child's environment: the folder holding the btnode it must import
+
+
 def tree_env(ref: str, workdir: Path) -> dict[str, str]:
-    """An environment whose PYTHONPATH puts git ref `ref`'s btnode package first (bench/ stays this one)."""
+    """An environment for children that import git ref `ref`'s btnode package (bench/ stays this one): they
+    must also run in `tree_cwd(env)`, since `python -m` puts the working folder before PYTHONPATH (run from
+    this repository, a child imported this tree's btnode whatever PYTHONPATH said)."""
     dest = Path(tempfile.mkdtemp(prefix="btnode-", dir=workdir))
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "btnode"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+    return {**os.environ, TREE: str(dest),
+            "PYTHONPATH": os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+
+
+def tree_cwd(env: dict[str, str] | None) -> str | None:
+    """Where a child of `env` runs: its tree's folder (tree_env), or this one's."""
+    return (env or {}).get(TREE)
 
 
 def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[str, dict[str, str]],
@@ -201,10 +214,14 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
                 cmd = module_command("bench.codec_speed", "--push-client", f"127.0.0.1:{port}",
                                      f"127.0.0.1:{raw_port}", codec, str(reps + 2), "--h", str(h),
                                      *(["--quick"] if quick else []))
-                clients[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                clients[name] = subprocess.Popen(cmd, env=env, cwd=tree_cwd(env), stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True)
                 procs.append(clients[name])
-            for c in clients.values():
-                assert c.stdout is not None and c.stdout.readline().strip() == "ready", "a push client failed"
+            for name, c in clients.items():
+                assert c.stdout is not None
+                ready = c.stdout.readline().split()
+                assert ready[:1] == ["ready"], f"the push client of {name} failed"
+                assert Path(ready[1]).is_relative_to(tree_cwd(trees[name]) or ROOT), f"{name}: imported {ready[1]}"
             os.sync()  # the aggregators' version-0 checkpoints on disk, not written back during the pushes
             first = next(iter(clients.values()))
             times: dict[str, list[float]] = {name: [] for name in [*trees, "plain gRPC"]}

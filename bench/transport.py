@@ -15,6 +15,7 @@ block's fp32 size (10^6 bytes), medians of `--reps` after one warm-up, measured 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -82,15 +83,16 @@ def child(kind: str, workdir: Path, *args: str, shape=SHAPE, env: dict[str, str]
     their port the same way. `env`: the child's environment (another PYTHONPATH: another btnode)."""
     port_file = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.port"
     log = workdir / f"{port_file.stem}.log"
+    cwd = (env or {}).get("BENCH_BTNODE_TREE")  # another tree's btnode (codec_speed.tree_env): `-m` imports the cwd's first
     if kind == "aggregator":
         node = start_node([*(["-v"] if os.environ.get("BENCH_VERBOSE") else []), "join", "--role", "aggregator",
                            "--listen", "127.0.0.1:0", "--state-dir", str(workdir / f"state-{port_file.stem}"),
                            *shape_flags(shape), *args, "--no-identities", "--audit", "0"],  # as measured before #38's defaults (identities, audits); docs/security.md for the defaults' costs
-                          port_file=port_file, log=log, env=env,
+                          port_file=port_file, log=log, env=env, popen=functools.partial(subprocess.Popen, cwd=cwd),
                           name=f"{kind} server", timeout_s=600.0)
         return node.proc, node.port
     proc = subprocess.Popen(module_command("bench.transport", f"--serve-{kind}", str(port_file)),
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=cwd)
     try:
         return proc, wait_port(port_file, proc, name=f"{kind} server")
     except BaseException:
