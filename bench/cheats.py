@@ -44,6 +44,7 @@ from bench.report import publish, table
 from bench.runs import Metric
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.codec.frames import Frame
+from btnode.codec.profiles import CLI_LINK, LINKS, link_codecs
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
 from btnode.evaluation.metrics import swarm_ce
@@ -78,14 +79,18 @@ EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"watch":
 ROW_FIELDS = ("cheat", "mode", "delta_ce", "peak_delta_ce", "caught_round", "revoked")
 
 
-def config(mode: str) -> AggregatorConfig:
-    """The aggregator's configuration in `mode`, as a fresh aggregator holds it."""
+def config(mode: str, link: str = CLI_LINK) -> AggregatorConfig:
+    """The aggregator's configuration in `mode`, as a fresh aggregator holds it, with `link`'s publish codec
+    (the daemon's defaults: `btnode join` builds its AggregatorConfig from flags, and the link fills it)."""
+    codecs = link_codecs(link, SHAPE.kind)
+    shipped = replace(AggregatorConfig(), link=link, publish_codec=codecs.publish_codec,
+                      publish_density=codecs.publish_density)
     if mode == "default":
-        return AggregatorConfig()
+        return shipped
     if OPEN_FIELD not in {f.name for f in dataclasses.fields(AggregatorConfig)}:
         raise SystemExit(f"mode open needs AggregatorConfig.{OPEN_FIELD} (issue #38's open mode); this tree has "
                          "none: run --modes default")
-    return replace(AggregatorConfig(), **{OPEN_FIELD: True})
+    return replace(shipped, **{OPEN_FIELD: True})
 
 
 def cheaters(cheat: str) -> tuple[str, ...]:
@@ -108,6 +113,7 @@ class Settings:
     h: int
     batch: int
     windows: int
+    link: str = CLI_LINK  # the codecs (codec/profiles.py): the daemon's default, wan
 
     @property
     def tc(self) -> TrainConfig:
@@ -183,8 +189,10 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
         makers = verifier_workers(cheat, ids)
     else:
         makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
-    scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed)
-    acfg = config(mode)
+    codecs = link_codecs(s.link, SHAPE.kind)
+    scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed,
+                     codec=codecs.codec, density=codecs.density)
+    acfg = config(mode, s.link)
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp), device=cpu,
                          workers={wid: tapped(make, answers) for wid, make in makers.items()}, on_publish=score)
@@ -253,7 +261,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
-    s = Settings(args.rounds, args.h, args.batch, args.windows)
+    s = Settings(args.rounds, args.h, args.batch, args.windows, args.link)
     seeds = range(args.seeds)
     rows_planned = plan(args)
     honest_f = {(m, seed): pool.submit(run_swarm, None, seed, m, s) for m in args.modes for seed in seeds}
@@ -282,7 +290,7 @@ def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
                                          "audit_s": sum(honest[(m, seed)]["audit_s"] for seed in seeds),
                                          "train_s": sum(honest[(m, seed)]["train_s"] for seed in seeds)}
                                      for m in args.modes},
-            "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0]))), default),
+            "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0], args.link))), default),
             "swarm_s": max(r for x in rows for r in x["wall_s"]) if rows else None}
 
 
@@ -307,6 +315,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
                     help="default (a fresh AggregatorConfig), open (its open mode; the Sybil attacks only)")
     ap.add_argument("--jobs", type=int, default=2, help="swarms simulated at once (one process and one thread each)")
+    ap.add_argument("--link", choices=LINKS, default=CLI_LINK,
+                    help="the codecs of the swarms (codec/profiles.py; default the daemon's, wan)")
     args = ap.parse_args()
     for mode in args.modes:
         config(mode)  # a mode this tree lacks fails now, not after the first swarms
@@ -319,7 +329,8 @@ def main() -> None:
 
 def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: float) -> dict:
     """What a run publishes: the configuration the rows ran under, the rows, and the false positives."""
-    return {"default_config": jsonable(dataclasses.asdict(AggregatorConfig())), "sim_sets": res["sim_sets"],
+    return {"default_config": jsonable(dataclasses.asdict(config("default", args.link))), "sim_sets": res["sim_sets"],
+            "link": args.link, "codecs": jsonable(dataclasses.asdict(link_codecs(args.link, SHAPE.kind))),
             "identities": "each replica joins and pushes as its own proven identity (SimConfig.identities)",
             "rows": rows, "false_positives": sum(r.get("honest_flagged", 0) for r in rows) +
             sum(h["flagged"] for h in res["honest"].values()), "honest": res["honest"],

@@ -16,14 +16,23 @@ aggregator's verification work per round (one core) against a worker's training 
 verifier's replay of a held update adds one replay (≈ one worker round) to its round in the delegated
 mode; the aggregator-only mode adds its whole queue.
 
+With `--relays R` the replicas push through R relays (the daemon's relay aggregators in the simulator:
+btnode/sim/relays.py), recorded as the setting `relays`: the same columns, plus `relay_cpu_s` (the
+relays' own time: their children's calls and their forwarding, less their calls to the root) and each
+run's `virtual_round_s` (virtual time per published version, whose waits are the rounds' and the
+audits', not the replays' compute). Workers behind relays verify as direct ones do: the root keeps
+their duties for their relay, which fetches them and passes their calls on (aggregate/relay/duties.py).
+
     .venv/bin/python -m bench.verification                 # N = 64 and 256, 6 rounds (~10 min on 2 cores)
     .venv/bin/python -m bench.verification --quick         # N = 8 and 16
+    .venv/bin/python -m bench.verification --workers 256 --relays 8
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 import tempfile
 import time
 from dataclasses import replace
@@ -32,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.flags import BenchParser
-from bench.report import publish, table
+from bench.report import publish, result_path, table
 from bench.runs import Metric
 from btnode.aggregate.replays import ReplayDesk
 from btnode.aggregate.round.block import BlockAggregator
@@ -55,15 +64,18 @@ TIMED = ((ReplayDesk, "run_audits"), (DelegatedReplays, "attest"), (DelegatedRep
          (DelegatedReplays, "submit_state"), (DelegatedReplays, "inputs"))
 ADMITS = ((BlockAggregator, "admit_held"),)  # a verdict's admission of its update into the round's sum (and a
 #   close it may trigger): every update pays that once, audited or not, so it is taken out of verification's time
+#   (timed only inside verification's calls: a relay audit's admission of a combined push is none of its time)
 POLLS = ((DelegatedReplays, "duties_of"),)  # workers asking for duties: timed apart (the simulator asks after
 #   every event, where a worker process asks once a second while it waits)
 
 
 class Stopwatch:
-    """Sums the wall time of every call of `methods`, re-entrant calls once; counts the outer calls."""
+    """Sums the wall time of every call of `methods`, re-entrant calls once; counts the outer calls.
+    `within`: only the calls made inside one that another stopwatch times."""
 
-    def __init__(self, methods=TIMED) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, methods=TIMED, within: Stopwatch | None = None) -> None:  # type: ignore[no-untyped-def]
         self.methods, self.seconds, self.depth, self.calls, self.saved = methods, 0.0, 0, 0, []
+        self.within = within
 
     def __enter__(self) -> Stopwatch:
         for cls, name in self.methods:
@@ -79,6 +91,8 @@ class Stopwatch:
     def _timed(self, fn):  # type: ignore[no-untyped-def]
         @functools.wraps(fn)
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.within is not None and not self.within.depth:
+                return fn(*args, **kwargs)
             self.depth += 1
             t0 = time.perf_counter()
             try:
@@ -91,17 +105,17 @@ class Stopwatch:
         return timed
 
 
-def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
+def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int, relays: int = 0) -> dict:
     torch.set_num_threads(1)
     logging.getLogger("btnode").setLevel(logging.ERROR)
     tc = TrainConfig(batch=batch, steps=rounds * h, warmup=h, seed=seed)
     acfg = MODES[mode](AggregatorConfig(claims=ClaimConfig.of(tc, h)))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="btnode-verification-") as tmp, Stopwatch() as watch, \
-            Stopwatch(POLLS) as polls, Stopwatch(ADMITS) as admits:
-        sim = Simulation(SHAPE, tc, acfg, SimConfig(rounds=rounds, replicas=n, steps_per_round=h, seed=seed),
-                         bundled().train, Path(tmp), device=torch.device("cpu"))
-        sim.run()
+            Stopwatch(POLLS) as polls, Stopwatch(ADMITS, within=watch) as admits:
+        sim = Simulation(SHAPE, tc, acfg, SimConfig(rounds=rounds, replicas=n, steps_per_round=h, seed=seed,
+                                                    relays=relays), bundled().train, Path(tmp), device=torch.device("cpu"))
+        result = sim.run()
     d = sim.agg.delegated
     stats = [r.worker.stats for r in sim.replicas]
     train = sum(s.train_seconds for s in stats)
@@ -118,6 +132,11 @@ def run(n: int, mode: str, rounds: int, h: int, batch: int, seed: int) -> dict:
                                                                       "local_after_dispute")) if d is not None
                                      else len(sim.verdicts))
     out["aggregator_per_round_s"] = out["aggregator_cpu_s"] / max(1, out["versions"])
+    out["virtual_round_s"] = result.virtual_seconds / max(1, out["versions"])
+    out["relays"] = relays
+    out["relay_cpu_s"] = sum(hop.relay.cpu_s() for hop in sim.relays)
+    out["relay_lost"] = sum(hop.relay.lost() for hop in sim.relays)  # accepted child updates never forwarded
+    out["relay_pushes"] = dict(sum((Counter(hop.relay.judged) for hop in sim.relays), Counter()))
     return out
 
 
@@ -156,17 +175,22 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="*", default=[64, 256], help="swarm sizes N")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--relays", type=int, default=0, help="relays the replicas push through (0: all to the root); "
+                                                          "recorded as the setting `relays` unless --setting says")
     args = ap.parse_args()
+    if args.relays and args.setting == "default":
+        args.results = result_path("verification", "relays", quick=args.quick, results=args.results_dir)
     sizes = [8, 16] if args.quick else args.workers
     runs = []
     for n in sizes:
         for mode in args.modes:
-            r = run(n, mode, args.rounds, args.h, args.batch, args.seed)
+            r = run(n, mode, args.rounds, args.h, args.batch, args.seed, relays=args.relays)
             runs.append(r)
-            print(f"N={n:4d} {mode:16s} aggregator {r['aggregator_cpu_s']:7.2f} s ({100 * r['aggregator_share']:5.2f} % "
-                  f"of training {r['swarm_train_cpu_s']:7.1f} s), verifiers {r['verifier_cpu_s']:7.1f} s, "
-                  f"audits {r['audits']}, disputes {r['disputes']}, revoked {r['revoked']}", flush=True)
-    out = {"runs": runs, "detection": detection(trials=1000 if args.quick else 4000), "model": SHAPE.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
+            print(f"N={n:4d} R={args.relays} {mode:16s} aggregator {r['aggregator_cpu_s']:7.2f} s "
+                  f"({100 * r['aggregator_share']:5.2f} % of training {r['swarm_train_cpu_s']:7.1f} s), verifiers "
+                  f"{r['verifier_cpu_s']:7.1f} s, relays {r['relay_cpu_s']:6.2f} s, audits {r['audits']}, disputes "
+                  f"{r['disputes']}, round {r['virtual_round_s']:.2f} s (virtual), revoked {r['revoked']}", flush=True)
+    out = {"runs": runs, "relays": args.relays, "detection": detection(trials=1000 if args.quick else 4000), "model": SHAPE.to_dict(), "h": args.h, "batch": args.batch, "rounds": args.rounds,
            "seed": args.seed, "quick": args.quick, "config": {"audit": AuditConfig().share,
                                                               "delegation": DelegationConfig().__dict__}}
     publish("verification", out, metrics(out), render, out=args.results)
@@ -175,31 +199,38 @@ def main() -> None:
 def metrics(out: dict) -> dict[str, Metric]:
     by = {(r["n_workers"], r["mode"]): r for r in out["runs"]}
     m: dict[str, Metric] = {}
+    through = f", R={out['relays']}" if out.get("relays") else ""
     for (n, mode), r in sorted(by.items()):
         if mode != "no_audits":
-            m[f"aggregator verification / training, N={n}, {mode}"] = r["aggregator_share"]
+            m[f"aggregator verification / training, N={n}{through}, {mode}"] = r["aggregator_share"]
+        if through and mode != "no_audits" and (n, "no_audits") in by:
+            m[f"round time / without audits, N={n}{through}, {mode}"] = (
+                r["virtual_round_s"] / max(1e-9, by[(n, "no_audits")]["virtual_round_s"]))
     m["honest revoked"] = sum(len(r["revoked"]) for r in out["runs"])
     return m
 
 
 def render(out: dict) -> str:
-    rows = [(r["n_workers"], r["mode"], f"{r['swarm_train_cpu_s']:.1f}", f"{r['verifier_cpu_s']:.1f}",
+    rows = [(r["n_workers"], r.get("relays", 0), r["mode"], f"{r['swarm_train_cpu_s']:.1f}", f"{r['verifier_cpu_s']:.1f}",
              f"{r['aggregator_cpu_s']:.2f}", f"{100 * r['aggregator_share']:.2f} %", f"{r['aggregator_per_round_s']:.2f}",
-             f"{r['worker_round_s']:.3f}", r["audits"], r["disputes"], r["replayed_at_aggregator"],
+             f"{r['worker_round_s']:.3f}", f"{r.get('relay_cpu_s', 0.0):.2f}", f"{r.get('virtual_round_s', 0.0):.2f}",
+             r["audits"], r["disputes"], r["replayed_at_aggregator"],
              f"{1e6 * r['duty_polls_s'] / max(1, r['duty_polls']):.0f}", len(r["revoked"]))
             for r in out["runs"]]
     return "\n".join([
         "## What verification costs the aggregator (`bench/verification.py`)", "",
         f"Command: `.venv/bin/python -m bench.verification`. One block (d={out['model']['d_model']}, "
-        f"L={out['model']['n_layers']}) × N replicas in the simulator, {out['rounds']} rounds of H = {out['h']} "
+        f"L={out['model']['n_layers']}) × N replicas in the simulator"
+        f"{f' through {r} relays (their children verify through them)' if (r := out.get('relays')) else ''}"
+        f", {out['rounds']} rounds of H = {out['h']} "
         f"(batch {out['batch']}), the shipped configuration (`delegated`) against the aggregator replaying every "
         "audit itself (`aggregator_only`, before issue #39) and no audits. Aggregator: its time in every call of "
         "verification (replays, draws, digests, referee steps). Per round: the aggregator's verification time per "
         "published version (on one core) against one worker's training time per round: above it, held updates "
         "wait on the aggregator's queue.", "",
-        *table(["N", "mode", "training (s)", "verifiers (s)", "aggregator (s)", "aggregator / training",
-                "aggregator per round (s)", "worker round (s)", "audits", "disputes", "replayed at aggregator",
-                "µs per duty poll", "revoked"], rows, "rlrrrrrrrrrrr"), "",
+        *table(["N", "relays", "mode", "training (s)", "verifiers (s)", "aggregator (s)", "aggregator / training",
+                "aggregator per round (s)", "worker round (s)", "relays (s)", "round, virtual (s)", "audits", "disputes",
+                "replayed at aggregator", "µs per duty poll", "revoked"], rows, "rrlrrrrrrrrrrrrr"), "",
         "A cheating update drawn for audit passes when every verifier drawn is the attacker's and no spot check "
         "falls on it: (1 − s)·[(1 − r)·a/P + r·a(a − 1)/(P(P − 1))] for a of the author's P others the attacker's. "
         "Measured: the real draws (`draw`, `share_draw`) over update ids, P = 63.", "",

@@ -152,6 +152,8 @@ class Attestation:
     verifier: str  # its identity (under mutual TLS, the caller's own name)
     digest: str
     seconds: float
+    cert: bytes = b""  # the verifier's certificate and signature over attest_statement: what a relay passes on
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -176,9 +178,20 @@ class Duties:
     tasks: list[VerifyTask] = field(default_factory=list)
     traces: list[TraceWanted] = field(default_factory=list)
     states: list[StateWanted] = field(default_factory=list)
+    children: dict[str, Duties] = field(default_factory=dict)  # to a relay: its children's, by worker id
 
     def __bool__(self) -> bool:
-        return bool(self.tasks or self.traces or self.states)
+        return bool(self.tasks or self.traces or self.states or self.children)
+
+    def __len__(self) -> int:
+        """Items handed (a relay's children's included)."""
+        return len(self.tasks) + len(self.traces) + len(self.states) + sum(len(d) for d in self.children.values())
+
+    def add(self, more: Duties) -> None:
+        """Keep `more` too (a relay's mailbox for one child: aggregate/relay/duties.py)."""
+        self.tasks.extend(more.tasks)
+        self.traces.extend(more.traces)
+        self.states.extend(more.states)
 
 
 @dataclass(frozen=True)
@@ -286,8 +299,10 @@ class Upstream(Protocol):
         """Send the inner state an update drawn for audit started from (its optimizer state and residual,
         whose hashes its claim commits to); PeerInputError when the aggregator refuses it."""
 
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
-        """A relay commits a child's update (its header and frames digest) before it counts it."""
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
+        """A relay commits a child's update (its header and frames digest) before it counts it; `relay`:
+        its name, which a root without mutual TLS hands the child's verification duties to; `refused`:
+        one the relay answered LATE or STALE without counting it (its claim moves the chain on only)."""
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]: ...
 
@@ -305,7 +320,8 @@ class Upstream(Protocol):
 
     def duties(self, block: int, worker_id: str) -> Duties:
         """The verification work (delegated replays, and traces or states for disputes) handed to
-        `worker_id` since it last asked (aggregate/trust/delegate.py)."""
+        `worker_id` since it last asked (aggregate/trust/delegate.py); asked by a relay under its own
+        name, its children's (`Duties.children`)."""
 
     def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(θ^base, the author's start state) of a verification task `worker_id` has a part in."""
@@ -313,12 +329,15 @@ class Upstream(Protocol):
     def attest(self, block: int, attestation: Attestation) -> None:
         """A verifier's result for its task; PeerInputError when the task is not its own, or closed."""
 
-    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
-        """The trace a dispute asked `worker_id` for."""
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...], *,
+                     proof: tuple[bytes, bytes] | None = None) -> None:
+        """The trace a dispute asked `worker_id` for; `proof`: its certificate and signature over
+        trace_statement, which a relay passes on (a worker's own link signs it)."""
 
     def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
-                             state: Mapping[str, torch.Tensor]) -> None:
-        """The whole state after `k` steps that a dispute asked `worker_id` for."""
+                             state: Mapping[str, torch.Tensor] | Iterable[ChunkData]) -> None:
+        """The whole state after `k` steps that a dispute asked `worker_id` for (a relay passes a
+        child's on as the chunks it came in)."""
 
     def cancel_watches(self, worker_id: str) -> None:
         """End the watch streams this link holds for `worker_id`, so that the thread reading them returns."""
@@ -383,6 +402,17 @@ def push_statement(worker_id: str, block: int, base_version: int, update_id: str
     its work claim's claim_digest."""
     return b"btnode-push\0" + json.dumps([worker_id, block, base_version, update_id, float(samples).hex(),
                                            digest, claim_sha256]).encode()
+
+
+def attest_statement(block: int, a: Attestation) -> bytes:
+    """What a verifier signs with its attestation (docs/verification.md, "Through relays"): a relay
+    passing it on can neither forge one nor change its digest or the work it claims."""
+    return b"btnode-attest\0" + json.dumps([a.verifier, block, a.task_id, a.digest, float(a.seconds).hex()]).encode()
+
+
+def trace_statement(block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> bytes:
+    """What a party to a dispute signs with its trace: a relay cannot make an honest party lose a bisection."""
+    return b"btnode-trace\0" + json.dumps([worker_id, block, task_id, list(trace)]).encode()
 
 
 def receipt_statement(header: PushHeader, digest: str) -> bytes:

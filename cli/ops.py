@@ -72,7 +72,8 @@ def status(peer: Peer, rounds: Annotated[int, typer.Option("--rounds", help="Rec
         dropped_by = ", ".join(f"{k} {v}" for k, v in r.get("dropped", {}).items()) or "none"
         typer.echo(f"identity {r['name']} ({r['role']}, {r['fingerprint'][:12]}): {state}; joined "
                    f"{r['joined'] or 'nothing'}; {r['accepted']} taken into rounds, {r.get('applied', 0)} applied, "
-                   f"dropped: {dropped_by}; refused: {refused_by}; {r['audited']} audited, {r['failed']} failed")
+                   f"dropped: {dropped_by}; refused: {refused_by}; {r['audited']} audited, {r['failed']} failed; "
+                   f"verified {r.get('verified', 0)} of others' rounds ({r.get('verify_seconds', 0.0):.1f} s)")
     refused = [c for c in st["counters"]
                if c["labels"].get("outcome") in ("rejected", "stale", "dropped") and c["value"]]
     for c in refused:

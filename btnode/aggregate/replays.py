@@ -60,7 +60,7 @@ class ReplayDesk:
         self.attacked: dict[int, set[int]] = {}  # block → rounds open when an audit failed: verified in full at close
 
     # -- replay audits through relays (aggregate/trust/commits.py) ------------------------------------
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         """A relay commits a child's update before it counts it: `header` is the child's own push
         header, `digest` its frames' digest. Its claim is checked as a direct push's; then, drawn (always
         on probation, never when it could not be replayed), the relay pushes it as it came and it is judged
@@ -68,7 +68,9 @@ class ReplayDesk:
         the answer carries the token its manifest entry must bring. Refusals are a direct push's, except
         that a broken chain does not revoke the worker: a relay could replay an old claim the worker
         signed, so the claim's order is not the worker's word here. `relay`: the caller's name under
-        mutual TLS (its uncounted commits are counted by it: `settle_commits`)."""
+        mutual TLS (its uncounted commits are counted by it: `settle_commits`). `refused`: the relay
+        answered the update LATE or STALE without counting it: its claim is checked and the chain moves on,
+        as for a direct push answered so (else the worker's next claim would read as a broken chain)."""
         audits, commits, block = self.audits, self.commits, self._block(header.block)
         if audits is None or commits is None:
             raise Refused("no_audit", "this aggregator replays no audits: a relay counts its children without Draw")
@@ -78,6 +80,16 @@ class ReplayDesk:
             raise Forbidden("revoked", f"worker {header.worker_id!r} was revoked")
         if (token := commits.known(header.update_id)) is not None:
             return Drawn(False, token)  # committed before (the relay failed over, or the child re-pushed)
+        if refused:
+            try:
+                audits.check_chain(header)
+                self.check_claim(block, header)
+            except PeerInputError as exc:
+                self._count("draws_refused", exc.reason)
+                raise
+            audits.advance(header)
+            self._count("draws", "refused_at_relay")
+            return Drawn(False)
         if block.answered(header.update_id) is not None:
             return Drawn(True)  # drawn and pushed here before: pushed again, it gets the same answer
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -103,7 +104,11 @@ class SwarmAggregator:
         self.audits: Audits | None = None
         self.replayers: dict[int, Replayer] = {}
         self.delegated: DelegatedReplays | None = None
-        self.recipes: dict[str, str] = {}  # worker id → the recipe its last direct push claimed (who may verify whom)
+        self.recipes: dict[str, str] = {}  # worker id → the recipe its last claim named (who may verify whom)
+        # a relay's child → that relay's name (from its commits, `draw`), and back: its duties go through the relay
+        self.behind: dict[str, str] = {}
+        self._children: dict[str, set[str]] = {}
+        self._duty_lock = threading.Lock()
         self.commits: Commits | None = None  # relays' child updates, committed before they are counted (Draw)
         verifier = None
         if acfg.audit.on and corpus is None and upstream is None:
@@ -118,7 +123,7 @@ class SwarmAggregator:
             # the block's other workers replay drawn updates, the aggregator referees (aggregate/trust/delegate.py)
             self.delegated = (DelegatedReplays(acfg.delegation, local, {b: r.replay for b, r in self.replayers.items()},
                                                secret, clock, self._verifiers, self._replicas,
-                                               lambda b: self.blocks[b].wake())
+                                               lambda b: self.blocks[b].wake(), near=self.behind.get)
                               if acfg.delegation.on else None)
             verifier = self.delegated or local
             self.commits = Commits(secret)
@@ -179,8 +184,12 @@ class SwarmAggregator:
     def status(self) -> SwarmStatus:
         blocks = tuple(replace(self.blocks[b].status(), data_keys=self.keys.of(b), relays=self.relays.records(b))
                        for b in sorted(self.blocks))
+        records = self.identities.records()
+        if (d := self.delegated) is not None:  # each identity's verifier work (delegated verification)
+            records = tuple(replace(r, verified=d.upheld.get(r.name, 0), verify_s=d.work.get(r.name, 0.0))
+                            for r in records)
         return SwarmStatus(fingerprint=self.fingerprint, config=self.cfg, blocks=blocks, events=dict(self.counters),
-                           data_id=self.keys.data_id, identities=self.identities.records())
+                           data_id=self.keys.data_id, identities=records)
 
     def block(self, b: int) -> BlockAggregator:
         agg = self.blocks.get(b)
@@ -222,26 +231,61 @@ class SwarmAggregator:
         return self.delegated
 
     def duties_handed(self, worker_id: str) -> int:
-        """How many verification duties `worker_id` was ever handed (its Watch says when this grows)."""
-        return self.delegated.handed(worker_id) if self.delegated is not None else 0
+        """How many verification duties `worker_id` was ever handed (its Watch says when this grows); a
+        relay's: its children's, whose duties it fetches for them. At a relay: what it fetched for its child."""
+        if self.upstream is not None:
+            return self.upstream.duties.handed(worker_id)
+        if self.delegated is None:
+            return 0
+        children = self._children.get(worker_id, ())
+        return self.delegated.handed(worker_id) + sum(self.delegated.handed(c) for c in list(children))
 
     def duties(self, worker_id: str) -> Duties:
-        """`worker_id`'s verification duties since it last asked (none without delegation, or once revoked)."""
+        """`worker_id`'s verification duties since it last asked (none without delegation, or once revoked);
+        a relay's children's, when a relay asks under its own name (`Duties.children`). At a relay: the
+        child's, fetched from the parent (aggregate/relay/duties.py)."""
+        if self.upstream is not None:
+            return self.upstream.duties.take(worker_id)
         if self.delegated is None or self.identities.is_revoked(worker_id):
             return Duties()
-        return self.delegated.duties_of(worker_id)
+        own = self.delegated.duties_of(worker_id)
+        for child in sorted(self._children.get(worker_id, ())):
+            if (theirs := self.duties(child)):
+                own.children[child] = theirs
+        return own
 
-    def verify_inputs(self, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def relays_for(self, worker_id: str) -> str | None:
+        """The relay `worker_id`'s verification calls come through (None: it pushes here directly)."""
+        return self.behind.get(worker_id)
+
+    def verify_inputs(self, block: int, task_id: str, worker_id: str) -> tuple[Mapping[str, torch.Tensor],
+                                                                                 Mapping[str, torch.Tensor]]:
+        if self.upstream is not None:  # a relay passes its child's call on
+            return self.upstream.upstream.verify_inputs(block, task_id, worker_id)
         return self._delegation().inputs(task_id, worker_id)
 
-    def attest(self, attestation: Attestation) -> None:
-        self._delegation().attest(attestation)
+    def attest(self, block: int, attestation: Attestation) -> None:
+        if self.upstream is not None:
+            self.upstream.upstream.attest(block, attestation)  # signed by the child: the relay cannot change it
+        else:
+            self._delegation().attest(attestation)
 
-    def submit_trace(self, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
-        self._delegation().submit_trace(task_id, worker_id, trace)
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...], *,
+                     proof: tuple[bytes, bytes] | None = None) -> None:
+        if self.upstream is not None:
+            self.upstream.upstream.submit_trace(block, task_id, worker_id, trace, proof=proof)
+        else:
+            self._delegation().submit_trace(task_id, worker_id, trace)
 
     def submit_dispute_state(self, task_id: str, worker_id: str, k: int, state: Mapping[str, torch.Tensor]) -> None:
         self._delegation().submit_state(task_id, worker_id, k, state)
+
+    def pass_dispute_state(self, block: int, task_id: str, worker_id: str, k: int, chunks: Iterable[ChunkData]) -> None:
+        """At a relay: a child's dispute state, passed on to the parent as it came (the root checks it
+        against the child's signed trace)."""
+        if self.upstream is None:
+            raise Refused("no_delegation", "only a relay passes a dispute state on")
+        self.upstream.upstream.submit_dispute_state(block, task_id, worker_id, k, chunks)
 
     def training(self, worker_id: str) -> TrainingTerms | None:
         """The training terms `worker_id` stated at its last admitted Join (None: none stated): what
@@ -355,10 +399,8 @@ class SwarmAggregator:
                           for a in (self.audits, self.relay_audits))
             return replace(answered, audit=waiting)
         audits = None if header.manifest else self.audits  # a relay's children were committed one by one (`draw`)
-        if audits is not None and header.claim is not None:
-            with contextlib.suppress(MalformedInput):  # (an unreadable one fails the claims check below)
-                recipe_of(header.claim.recipe)
-                self.recipes[header.worker_id] = header.claim.recipe  # who may verify whom (`_verifiers`)
+        if audits is not None:
+            self._note_recipe(header)
         try:
             if audits is not None:
                 audits.check_chain(header)
@@ -367,6 +409,8 @@ class SwarmAggregator:
             if early is not None:
                 if audits is not None:
                     audits.advance(header)
+                elif self.upstream is not None and not header.manifest:
+                    self.upstream.refused(header, chunks)  # the root's chain of the child's claims moves on too
                 return early
             if header.codec not in self.acfg.update_codecs:
                 raise MalformedInput("codec", f"codec {header.codec.name} is not accepted here")
@@ -421,9 +465,34 @@ class SwarmAggregator:
                                              f"key {header.data_key!r}, but its key here is {ours!r}")
 
     # -- replay audits (replays.py) -------------------------------------------------------------
-    def draw(self, header: PushHeader, digest: str, relay: str = "") -> Drawn:
-        """A relay commits a child's update before it counts it (ReplayDesk.draw)."""
-        return self.replays.draw(header, digest, relay)
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
+        """A relay commits a child's update before it counts it (ReplayDesk.draw). `relay`: its name
+        (under mutual TLS its certificate's), to which the child's verification duties go from now on;
+        `refused`: one it answered LATE or STALE, whose claim only moves the worker's chain on."""
+        drawn = self.replays.draw(header, digest, relay, refused=refused)
+        self._note_recipe(header)
+        if relay:
+            with self._duty_lock:
+                if (before := self.behind.get(header.worker_id)) != relay:
+                    if before is not None:
+                        self._children[before].discard(header.worker_id)
+                    self.behind[header.worker_id] = relay
+                    self._children.setdefault(relay, set()).add(header.worker_id)
+        return drawn
+
+    def _note_recipe(self, header: PushHeader) -> None:
+        """Who may verify whom (`_verifiers`): the recipe of `header`'s claim, once it reads."""
+        if header.claim is not None and not header.manifest:
+            with contextlib.suppress(MalformedInput):  # (an unreadable one fails the claims check)
+                recipe_of(header.claim.recipe)
+                self.recipes[header.worker_id] = header.claim.recipe
+
+    def came_direct(self, worker_id: str) -> None:
+        """`worker_id` watches this aggregator itself (no relay between): its duties are its own to ask for."""
+        if worker_id in self.behind:
+            with self._duty_lock:
+                if (relay := self.behind.pop(worker_id, None)) is not None:
+                    self._children[relay].discard(worker_id)
 
     def check_passed_on(self, header: PushHeader) -> None:
         """Refused unless a relay pushes a child's update this root drew (ReplayDesk.check_passed_on)."""

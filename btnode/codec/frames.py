@@ -74,10 +74,13 @@ class ChunkData:
 class Bundle:
     """Every tensor of a stream in one zstd frame behind one BundleHeader, compressed as its chunks are
     asked for (the compression of chunk k+1 overlaps the sending of chunk k). `raw`: (name, raw codec
-    bytes) in the spec's order. `payload_bytes` is known once the chunks have all been made."""
+    bytes) in the spec's order. `payload_bytes` is known once the chunks have all been made (`on_sent`
+    hears it then: a caller that lists its frames before sending them has not sent them yet)."""
 
-    def __init__(self, codec: Codec, raw: Sequence[tuple[str, bytes]], *, level: int = ZSTD_LEVEL):
+    def __init__(self, codec: Codec, raw: Sequence[tuple[str, bytes]], *, level: int = ZSTD_LEVEL,
+                 on_sent: Callable[[int, int], None] | None = None):
         self.codec, self.raw, self.level = codec, list(raw), level
+        self.on_sent = on_sent  # called with (raw bytes, payload bytes) each time its last chunk has been made
         digest = frames_digest({n: hashlib.sha256(r).digest() for n, r in self.raw})
         self.header = BundleHeader(codec, len(self.raw), tuple(len(r) for _, r in self.raw) if codec.sparse else (),
                                    bytes.fromhex(digest))
@@ -96,6 +99,8 @@ class Bundle:
             yield ChunkData(header, bytes(pending[lo:lo + chunk_bytes]))
             header = None
         self.payload_bytes = sent + len(pending)
+        if self.on_sent is not None:
+            self.on_sent(self.raw_bytes, self.payload_bytes)
 
 
 def bundle(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> Bundle:

@@ -45,6 +45,7 @@ from btnode.settings import flag, same_flag
 from btnode.store.files import state_sha256
 
 log = logging.getLogger(__name__)
+DUTIES_POLL_S = 2.0  # the children's verification duties fetched at least this often (`_duties`)
 AMEND_SAFETY_S = 2.0  # an amendment goes up at least this long before the parent's deadline (or 2 × the last upload)
 
 
@@ -105,6 +106,17 @@ def _follow(parent: FailoverLink, relay: UpstreamAdmission, block: RelayBlock, s
             log.warning("%s: following the parent: %s; again in 1 s", block.name, exc)
         streams += 1
         stop.wait(1.0)
+
+
+def _duties(parent: FailoverLink, relay: UpstreamAdmission, stop: threading.Event) -> None:
+    """Fetch the children's verification duties (aggregate/relay/duties.py) as soon as the parent's version
+    stream says some wait, and every DUTIES_POLL_S besides (a parent without mutual TLS cannot tell this
+    relay's stream apart)."""
+    blocks = sorted(relay.blocks)
+    while not stop.wait(0.05):
+        if any([parent.duties_waiting(b, "") for b in blocks]) or \
+                time.monotonic() - relay.duties.fetched > DUTIES_POLL_S:
+            relay.duties.refresh()
 
 
 def _reforward(parent: FailoverLink, relay: UpstreamAdmission, block: int, info: VersionInfo,
@@ -246,6 +258,8 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     threads = [threading.Thread(target=_follow, args=(parent, relay, b, stop, agg.count), daemon=True, name=f"follow-{b.block}")
                for b in relay.blocks.values()]
     threads.append(threading.Thread(target=expire_relay_audits, args=(agg, stop), daemon=True, name="relay-audits"))
+    if relay.parent_replays:
+        threads.append(threading.Thread(target=_duties, args=(parent, relay, stop), daemon=True, name="relay-duties"))
     threads.append(threading.Thread(target=_forwarder, args=(parent, relay, parent_deadline, stop), daemon=True,
                                     name="forwarder"))
     for t in threads:

@@ -40,8 +40,10 @@ from btnode.protocol import (
     Transfer,
     VerifyTask,
     VersionInfo,
+    attest_statement,
     join_statement,
     receipt_statement,
+    trace_statement,
 )
 from btnode.rpc import convert
 from btnode.rpc.certs import sign
@@ -210,11 +212,14 @@ class SwarmClient:
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
         return convert.judgement_from_pb(reply)
 
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         """A relay's commit of a child's update (`header`, its frames' `digest`) to a root that replays
-        audits (aggregate/trust/commits.py). A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
+        audits (aggregate/trust/commits.py); `relay`: its name (read by a root without mutual TLS only);
+        `refused`: one it answered LATE or STALE, whose claim only moves the worker's chain on.
+        A refusal raises its PeerInputError (chain, claim, revoked, ...)."""
         reply = self._call("draw", self.relay_stub.Draw, pb.DrawRequest(header=convert.push_header_to_pb(header),
-                                                                  digest=bytes.fromhex(digest)))
+                                                                  digest=bytes.fromhex(digest), relay=relay,
+                                                                  refused=refused))
         return Drawn(drawn=reply.drawn, token=bytes(reply.token))
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
@@ -317,10 +322,11 @@ class SwarmClient:
                 return Duties()
             raise error_from_rpc(err, f"duties at {self.address}") from None
         duties = convert.duties_from_pb(reply)
-        for task in [*duties.tasks, *(t.task for t in duties.traces), *(s.task for s in duties.states)]:
-            self._tasks[task.task_id] = task
-            self._tasks.move_to_end(task.task_id)
-        while len(self._tasks) > 256:
+        for d in (duties, *duties.children.values()):  # a relay fetches its children's inputs through here too
+            for task in [*d.tasks, *(t.task for t in d.traces), *(s.task for s in d.states)]:
+                self._tasks[task.task_id] = task
+                self._tasks.move_to_end(task.task_id)
+        while len(self._tasks) > 4096:
             self._tasks.popitem(last=False)
         return duties
 
@@ -363,26 +369,39 @@ class SwarmClient:
         return dict(shapes), start
 
     def attest(self, block: int, attestation: Attestation) -> None:
-        """A verifier's result; MalformedInput(no_task) when the task is not its own, or closed."""
+        """A verifier's result, signed with this node's key when it has one and the attestation is not
+        signed yet (one a relay passes on is); MalformedInput(no_task) when the task is not its own, or closed."""
+        mine = self._credentials()
+        if mine is not None and not attestation.signature:
+            attestation = replace(attestation, cert=mine[0],
+                                  signature=sign(mine[1], attest_statement(block, attestation)))
         self._call("attest", self.verify_stub.Attest, convert.attestation_to_pb(block, attestation))
 
-    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...], *,
+                     proof: tuple[bytes, bytes] | None = None) -> None:
+        """A dispute's trace, signed as an attestation is; `proof`: a child's, which a relay passes on."""
+        mine = self._credentials() if proof is None else None
+        if mine is not None:
+            proof = mine[0], sign(mine[1], trace_statement(block, task_id, worker_id, trace))
+        cert, signature = proof or (b"", b"")
         self._call("trace upload", self.verify_stub.SubmitTrace,
                    pb.SubmitTraceRequest(block=block, task_id=task_id, worker_id=worker_id,
-                                         trace=convert.trace_to_pb(trace)))
+                                         trace=convert.trace_to_pb(trace), cert=cert, signature=signature))
 
     def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
-                             state: Mapping[str, torch.Tensor]) -> None:
-        """The whole state after `k` steps that a dispute asked for: a header, then its fp32 frames."""
+                             state: Mapping[str, torch.Tensor] | Iterable[ChunkData]) -> None:
+        """The whole state after `k` steps that a dispute asked for: a header, then its fp32 frames.
+        `state`: the tensors, or the chunks of a child's as they came (a relay passing it on, once)."""
         header = pb.DisputeStateHeader(block=block, task_id=task_id, worker_id=worker_id, k=k)
+        whole = isinstance(state, Mapping)
 
         def messages() -> Iterator[pb.SubmitDisputeStateRequest]:
             yield pb.SubmitDisputeStateRequest(header=header)
-            for chunk in iter_chunks(lazy_frames(state, Codec.FP32)):
+            for chunk in iter_chunks(lazy_frames(state, Codec.FP32)) if whole else state:
                 yield pb.SubmitDisputeStateRequest(chunk=convert.chunk_to_pb(chunk))
 
         self._call("dispute state upload",
-                   lambda timeout: self.verify_stub.SubmitDisputeState(messages(), timeout=timeout))
+                   lambda timeout: self.verify_stub.SubmitDisputeState(messages(), timeout=timeout), replayable=whole)
 
     def revoke(self, name: str) -> float:
         """Revoke the identity `name` (this client must hold an operator's certificate); returns
@@ -427,7 +446,8 @@ class SwarmClient:
             "identities": [{"name": r.name, "role": _role_name(r.role), "fingerprint": r.fingerprint, "joined": list(r.joined),
                             "accepted": r.accepted, "refused": dict(sorted(r.refused.items())), "audited": r.audited,
                             "failed": r.failed, "revoked_at_unix": r.revoked_at_unix or None, "applied": r.applied,
-                            "dropped": dict(sorted(r.dropped.items()))}
+                            "dropped": dict(sorted(r.dropped.items())), "verified": r.verified,
+                            "verify_seconds": r.verify_seconds}
                            for r in st.identities],
         }
 

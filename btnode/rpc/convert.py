@@ -359,7 +359,8 @@ def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:
     for r in s.identities:
         reply.identities.add(name=r.name, role=ROLES.to_pb(Role(r.role)) if r.role else 0, fingerprint=r.fingerprint, joined=sorted(r.joined),
                              accepted=r.accepted, refused=dict(r.refused), audited=r.audited, failed=r.failed,
-                             revoked_at_unix=r.revoked_at or 0.0, applied=r.applied, dropped=dict(r.dropped))
+                             revoked_at_unix=r.revoked_at or 0.0, applied=r.applied, dropped=dict(r.dropped),
+                             verified=r.verified, verify_seconds=r.verify_s)
     return reply
 
 
@@ -412,29 +413,40 @@ def task_from_pb(m: pb.VerifyTask) -> VerifyTask:
 
 def duties_to_pb(d: Duties) -> pb.DutiesReply:
     return pb.DutiesReply(tasks=[task_to_pb(t) for t in d.tasks], traces=[task_to_pb(t.task) for t in d.traces],
-                          states=[pb.StateWanted(task=task_to_pb(s.task), k=s.k) for s in d.states])
+                          states=[pb.StateWanted(task=task_to_pb(s.task), k=s.k) for s in d.states],
+                          children=[pb.ChildDuties(worker_id=w, duties=duties_to_pb(c)) for w, c in d.children.items()])
 
 
-def duties_from_pb(m: pb.DutiesReply) -> Duties:
+def duties_from_pb(m: pb.DutiesReply, *, nested: bool = False) -> Duties:
     states = []
     for s in m.states:
         if not s.HasField("task") or s.k < 1:
             raise MalformedInput("task", "a state wanted names its task and a step count of at least 1")
         states.append(StateWanted(task_from_pb(s.task), int(s.k)))
+    if nested and m.children:
+        raise MalformedInput("children", "a child's duties carry no children of their own")
+    children: dict[str, Duties] = {}
+    for c in m.children:
+        worker = name_from_pb(c.worker_id, "worker_id")
+        if worker in children:
+            raise MalformedInput("children", f"duties name child {worker!r} twice")
+        children[worker] = duties_from_pb(c.duties, nested=True)
     return Duties(tasks=[task_from_pb(t) for t in m.tasks], traces=[TraceWanted(task_from_pb(t)) for t in m.traces],
-                  states=states)
+                  states=states, children=children)
 
 
 def attestation_to_pb(block: int, a: Attestation) -> pb.AttestRequest:
     return pb.AttestRequest(block=block, task_id=a.task_id, verifier=a.verifier,
-                            digest=_digest_to_pb(a.digest, "digest"), seconds=a.seconds)
+                            digest=_digest_to_pb(a.digest, "digest"), seconds=a.seconds, cert=a.cert,
+                            signature=a.signature)
 
 
 def attestation_from_pb(m: pb.AttestRequest) -> Attestation:
     if not (math.isfinite(m.seconds) and m.seconds >= 0):
         raise MalformedInput("seconds", f"an attestation's seconds are finite and at least 0, not {m.seconds}")
     return Attestation(task_id=name_from_pb(m.task_id, "task_id"), verifier=name_from_pb(m.verifier, "verifier"),
-                       digest=_digest_from_pb(m.digest, "digest"), seconds=m.seconds)
+                       digest=_digest_from_pb(m.digest, "digest"), seconds=m.seconds,
+                       **dict(zip(("cert", "signature"), proof_from_pb(m.cert, m.signature, "attest"))))
 
 
 def trace_to_pb(trace: tuple[str, ...]) -> list[bytes]:

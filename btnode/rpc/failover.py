@@ -103,8 +103,8 @@ class FailoverLink:
         frames = list(frames)  # a retry on the next upstream sends them again
         return self._run(lambda c: c.push(header, frames))
 
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
-        return self._run(lambda c: c.draw(header, digest))
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
+        return self._run(lambda c: c.draw(header, digest, relay, refused=refused))
 
     def submit_state(self, header: PushHeader, frames: Iterable[Frame | ChunkData]) -> None:
         frames = list(frames)
@@ -145,11 +145,12 @@ class FailoverLink:
     def attest(self, block: int, attestation: Attestation) -> None:
         self._run(lambda c: c.attest(block, attestation))
 
-    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...]) -> None:
-        self._run(lambda c: c.submit_trace(block, task_id, worker_id, trace))
+    def submit_trace(self, block: int, task_id: str, worker_id: str, trace: tuple[str, ...], *,
+                     proof: tuple[bytes, bytes] | None = None) -> None:
+        self._run(lambda c: c.submit_trace(block, task_id, worker_id, trace, proof=proof))
 
     def submit_dispute_state(self, block: int, task_id: str, worker_id: str, k: int,
-                             state: Mapping[str, torch.Tensor]) -> None:
+                             state: Mapping[str, torch.Tensor] | Iterable[ChunkData]) -> None:
         self._run(lambda c: c.submit_dispute_state(block, task_id, worker_id, k, state))
 
     def status(self):  # noqa: ANN201 - pb.StatusReply, as SwarmClient.status

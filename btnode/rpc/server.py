@@ -281,7 +281,8 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         digest = request.digest.hex()
         if who is not None and who.name != header.worker_id:
             self._proven(who, header.worker_id, (header.cert, header.signature), receipt_statement(header, digest))
-        drawn = self.agg.draw(header, digest, relay=who.name if who is not None else "")
+        relay = who.name if who is not None else (convert.name_from_pb(request.relay, "relay") if request.relay else "")
+        drawn = self.agg.draw(header, digest, relay=relay, refused=request.refused)
         return pb.DrawReply(drawn=drawn.drawn, token=drawn.token)
 
     @_guard
@@ -359,13 +360,16 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         if worker:
             block.stream_opened(worker)
             context.add_callback(lambda: block.stream_closed(worker))
+            self.agg.came_direct(worker)  # its verification duties are its own to ask for, not a relay's
         last = -1
+        # a relay watches under no worker id; under mutual TLS its name says whose duties it fetches
+        watcher = worker or (who.name if who is not None and who.role is Role.RELAY else "")
 
         def ended() -> bool:
             return worker in revoked or (who is not None and who.name in revoked)
 
         def handed() -> int:  # verification duties handed to the watcher so far (delegated verification)
-            return self.agg.duties_handed(worker) if worker else 0
+            return self.agg.duties_handed(watcher) if watcher else 0
 
         told = 0  # duties handed before it watched are told at once too (a reconnect: one extra Duties call)
         while context.is_active() and not self.stop.is_set() and not ended():
@@ -434,7 +438,7 @@ def serve(agg: SwarmAggregator, address: str, *, security: Security | None = Non
     pb_grpc.add_RelayServicer_to_server(servicer, server)
     pb_grpc.add_OperatorServicer_to_server(servicer, server)
     # delegated verification, bound to the callers' identities as the other calls are (rpc/verification.py)
-    pb_grpc.add_VerificationServicer_to_server(VerificationServicer(agg, servicer._who), server)
+    pb_grpc.add_VerificationServicer_to_server(VerificationServicer(agg, servicer._who, servicer._proven), server)
     (health or NodeHealth(serving=True)).add_to(server, SERVICES)
     port = bind(server, address, sec)
     server.start()

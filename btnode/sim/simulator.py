@@ -16,6 +16,11 @@ misses at p = 0.9 are a subset of those it misses at p = 0.42, so runs compare l
 
 With ModelConfig.kind "ar" (DiLoCo) the same code runs a swarm of one unit, the whole AR model,
 with `replicas` full-replica workers: nothing here depends on what a unit is.
+
+With `relays` R > 0, each block's replicas are split evenly over R relays (sim/relays.py: the
+daemon's relay aggregator, in process), which push their combined updates to the root: a worker's
+update reaches its relay after its delay, a relay's combined update the root after the relay's
+own, a relay hears of a root version after its delay and its waiting children after theirs.
 """
 
 from __future__ import annotations
@@ -35,19 +40,21 @@ import torch
 from btnode.aggregate.trust.audit import Verdict
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.claims import ClaimConfig
-from btnode.aggregate.trust.identities import Identity, Role
+from btnode.aggregate.trust.delegate import WAIT_S
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import SPARSE_DENSITY, Codec
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, VersionInfo
-from btnode.sim.link import LocalLink
+from btnode.sim.link import ChildLink, LocalCA, LocalLink, identity
+from btnode.sim.relays import SimRelay
 from btnode.store.models import init_unit
 from btnode.swarm.worker import BlockWorker, WorkerConfig
 from btnode.train.config import TrainConfig
 
 DISTRIBUTIONS = ("fixed", "exp", "lognormal")
+AUDITOR_S = 0.2  # with relays: how soon after it may go on the aggregator's auditor takes up a job that waited (node/aggregator.py)
 # Builds a replica's worker from BlockWorker's constructor arguments (BlockWorker itself, or a
 # subclass: the cheats of lab/cheats.py)
 WorkerFactory = Callable[..., BlockWorker]
@@ -70,6 +77,7 @@ class SimConfig:
     audit: float | None = None  # share p of updates replayed (0: no audits; None: the AggregatorConfig's); the draw's key follows `seed`
     probation: int | None = None  # with audits: audits a new worker must pass first (None: the AggregatorConfig's)
     identities: bool = True  # each replica joins and pushes as its own proven identity (as under mutual TLS)
+    relays: int = 0  # relays each block's replicas are split over, evenly (0: every replica pushes to the root)
 
     def __post_init__(self) -> None:
         if not 0 <= self.participation <= 1:
@@ -80,6 +88,8 @@ class SimConfig:
             raise ConfigError(f"delays must be finite and ≥ 0, got {self.delays_s}")
         if self.delay_dist not in DISTRIBUTIONS:
             raise ConfigError(f"delay distribution must be one of {DISTRIBUTIONS}, got {self.delay_dist!r}")
+        if not 0 <= self.relays <= self.replicas:
+            raise ConfigError(f"relays must be in [0, replicas], got {self.relays} for {self.replicas} replicas")
 
 
 @dataclass
@@ -96,6 +106,17 @@ class Replica:
     waiting_for: int | None = None  # base version of the update it waits on
     waiting_since: float = 0.0
     busy_s: float = 0.0  # virtual seconds spent training
+    relay: SimRelay | None = None  # the relay it pushes to (None: the root)
+
+
+@dataclass
+class Hop:
+    """A relay's link to the root, as the event queue sees it: a mean one-way delay and its draws."""
+
+    relay: SimRelay
+    mean_delay_s: float
+    jitter: random.Random
+    sending: bool = False  # a push of its pending combined updates is on its way
 
 
 @dataclass
@@ -132,6 +153,14 @@ class Simulation:
         self.agg = SwarmAggregator(cfg, acfg, state_dir, seed=tc.seed, clock=lambda: self.now, corpus=corpus,
                                    audit_secret=hashlib.sha256(f"audit/{scfg.seed}".encode()).digest())
         self.link = LocalLink(self.agg)
+        self.ca = LocalCA(hashlib.sha256(f"ca/{scfg.seed}".encode()).digest()) if scfg.identities else None
+        self.relays: list[Hop] = []
+        self._auditor_at: float | None = None  # with relays: when the auditor looks at waiting jobs again
+        for i in range(scfg.relays):
+            name = f"relay{i}"
+            relay = SimRelay(name, self.agg, cfg, acfg, state_dir / "relays" / name, seed=tc.seed, clock=lambda: self.now,
+                             ca=self.ca, amend_safety_s=2 * scfg.delays_s[i % len(scfg.delays_s)])
+            self.relays.append(Hop(relay, scfg.delays_s[i % len(scfg.delays_s)], random.Random(f"delay/{scfg.seed}/{name}")))
         self.replicas: list[Replica] = []
         for b, r in itertools.product(range(cfg.total_blocks), range(scfg.replicas)):
             wid = f"b{b}r{r}"
@@ -141,12 +170,17 @@ class Simulation:
                                 schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]
             make = (workers or {}).get(wid, BlockWorker)
-            link = LocalLink(self.agg, identity(wid)) if scfg.identities else self.link
+            relay = self.relays[r % scfg.relays].relay if scfg.relays else None
+            if relay is not None:
+                link: LocalLink = ChildLink(relay.agg, identity(wid) if scfg.identities else None, self.ca)
+                relay.children.append(link)
+            else:
+                link = LocalLink(self.agg, identity(wid)) if scfg.identities else self.link
             worker = make(cfg, tc, wcfg, link, corpus, device=device)
             ids = random.Random(f"update-ids/{scfg.seed}/{wid}")  # the audit draw reads them: one seed, one run
             worker.new_update_id = lambda ids=ids: f"{ids.getrandbits(128):032x}"
             self.replicas.append(Replica(worker, mean, random.Random(f"turnout/{scfg.seed}/{wid}"),
-                                         random.Random(f"delay/{scfg.seed}/{wid}")))
+                                         random.Random(f"delay/{scfg.seed}/{wid}"), relay=relay))
         self._published = {b: agg.info.version for b, agg in self.agg.blocks.items()}
         self.verdicts: list[Verdict] = []  # every audit's, in order
 
@@ -157,7 +191,11 @@ class Simulation:
     def _at(self, t: float, fn: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._queue, (t, next(self._seq), fn, args))
 
-    def _delay(self, rep: Replica) -> float:
+    def _parent(self, rep: Replica) -> SwarmAggregator:
+        """Where the replica pushes and hears versions from: its relay, or the root."""
+        return rep.relay.agg if rep.relay is not None else self.agg
+
+    def _delay(self, rep: Replica | Hop) -> float:
         m, rng = rep.mean_delay_s, rep.jitter
         if m == 0 or self.scfg.delay_dist == "fixed":
             return m
@@ -166,8 +204,14 @@ class Simulation:
         return m * math.exp(0.5 * rng.gauss(0, 1) - 0.125)  # lognormal with mean m
 
     def _after_aggregator(self) -> None:
-        """Announce newly published versions (each waiting replica hears after its own delay) and
-        schedule the new round's deadline tick."""
+        """Announce newly published versions (each waiting replica hears after its own delay, each relay
+        after its own) and schedule the new round's deadline tick; send relays' closed rounds up."""
+        for hop in self.relays:
+            if hop.relay.collect() and not hop.sending:
+                hop.sending = True
+                self._at(self.now + self._delay(hop), self._relay_push, hop)
+        if self.relays:
+            self._wake_auditor()
         for b, agg in self.agg.blocks.items():
             if agg.info.version == self._published[b]:
                 continue
@@ -176,8 +220,10 @@ class Simulation:
                 self.on_publish(b, agg.info)
             self._at(agg.round.deadline(), self._tick, b)
             for rep in self.replicas:
-                if rep.worker.wcfg.block == b and rep.waiting_for is not None:
+                if rep.worker.wcfg.block == b and rep.waiting_for is not None and rep.relay is None:
                     self._at(self.now + self._delay(rep), self._hear, rep, rep.waiting_for)
+            for hop in self.relays:
+                self._at(self.now + self._delay(hop), self._relay_hears, hop, agg.info)
 
     # -- events ------------------------------------------------------------------------------
     def _tick(self, b: int) -> None:
@@ -189,6 +235,55 @@ class Simulation:
         if agg.info.version == version and agg.round.deadline() > self.now and active:  # clock restarted
             self._at(agg.round.deadline(), self._tick, b)
         self._after_aggregator()
+
+    # -- relays (sim/relays.py) ------------------------------------------------------------------
+    def _relay_tick(self, hop: Hop, b: int) -> None:
+        block = hop.relay.blocks[b]
+        hop.relay.tick(b)
+        active = any(r.relay is hop.relay and r.worker.wcfg.block == b and not r.finished for r in self.replicas)
+        if block.round.deadline() > self.now and active:  # its round's clock restarted
+            self._at(block.round.deadline(), self._relay_tick, hop, b)
+        self._after_aggregator()
+
+    def _relay_push(self, hop: Hop) -> None:
+        """The relay's pending combined updates reach the root."""
+        hop.sending = False
+        hop.relay.forward()
+        self._audit()
+        self._after_aggregator()
+
+    def _relay_hears(self, hop: Hop, info: VersionInfo) -> None:
+        """The relay adopts the root's version, opens its next round, and its waiting children hear of it."""
+        if hop.relay.hear(info):
+            block = hop.relay.blocks[info.block]
+            if block.round.deadline() > self.now:
+                self._at(block.round.deadline(), self._relay_tick, hop, info.block)
+            for rep in self.replicas:
+                if rep.relay is hop.relay and rep.worker.wcfg.block == info.block and rep.waiting_for is not None:
+                    self._at(self.now + self._delay(rep), self._hear, rep, rep.waiting_for)
+        self._after_aggregator()
+
+    def _wake_auditor(self) -> None:
+        """Jobs that wait for verifiers (a swarm's first audits: trust/delegate.py WAIT_S) go on once they
+        waited long enough, as the daemon's auditor finds them on its next pass, not at the next event:
+        behind relays, every worker may be waiting for the version those jobs hold back."""
+        d = self.agg.delegated
+        if d is None or self._auditor_at is not None:
+            return
+        with d.lock:
+            first = min((j.arrived for j in d.waiting), default=None)
+        if first is not None:
+            self._auditor_at = max(self.now, first + WAIT_S) + AUDITOR_S
+            self._at(self._auditor_at, self._auditor)
+
+    def _auditor(self) -> None:
+        self._auditor_at = None
+        self._audit()
+        self._after_aggregator()
+
+    def _heard(self, rep: Replica, b: int) -> int:
+        """The newest version of block `b` announced where the replica listens (its relay, or the root)."""
+        return rep.relay.blocks[b].info.version if rep.relay is not None else self._published[b]
 
     def _attempt(self, rep: Replica) -> None:
         if rep.attempts >= self.scfg.rounds:
@@ -218,7 +313,7 @@ class Simulation:
             return
         self._audit()
         rep.waiting_for, rep.waiting_since = header.base_version, sent  # it has waited since it sent
-        before = self._published[header.block]
+        before = self._heard(rep, header.block)
         self._after_aggregator()
         if before > header.base_version:  # it was late: a newer version was already out
             self._at(self.now + self._delay(rep), self._hear, rep, header.base_version)
@@ -236,12 +331,12 @@ class Simulation:
         rep.waiting_for = None
         w.send_wanted()  # start states asked for after their pushes (as a worker does with each version)
         self._audit()
-        w.advance(self.agg.block(w.wcfg.block).info)
+        w.advance(self._parent(rep).block(w.wcfg.block).info)
         self._attempt(rep)
 
     def _come_back(self, rep: Replica) -> None:
         w = rep.worker
-        newest = self.agg.block(w.wcfg.block).info
+        newest = self._parent(rep).block(w.wcfg.block).info
         assert w.info is not None
         if newest.version > w.info.version:
             w.advance(newest)
@@ -254,6 +349,8 @@ class Simulation:
         is not simulated."""
         self.verdicts.extend(self.agg.run_audits())
         for _ in range(8):
+            for hop in self.relays:  # a relay fetches its children's duties when its stream says so (at once here)
+                hop.relay.admission.duties.refresh()
             if not sum(r.worker.verify() for r in self.replicas):
                 break
             self.verdicts.extend(self.agg.run_audits())
@@ -264,6 +361,9 @@ class Simulation:
             rep.worker.start()
         for b, agg in self.agg.blocks.items():
             self._at(agg.round.deadline(), self._tick, b)
+        for hop in self.relays:
+            for b, block in hop.relay.blocks.items():
+                self._at(block.round.deadline(), self._relay_tick, hop, b)
         for rep in self.replicas:
             self._at(0.0, self._attempt, rep)
         while self._queue:
@@ -293,7 +393,3 @@ class Simulation:
             out.append(blk)
         return out
 
-
-def identity(worker_id: str) -> Identity:
-    """The identity a replica's certificate would prove: its worker id, a worker's role."""
-    return Identity(worker_id, Role.WORKER, hashlib.sha256(worker_id.encode()).hexdigest())

@@ -39,14 +39,15 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
+from btnode.codec.profiles import CLI_LINK, LINKS, Link, link_codecs
 from btnode.codec.sparse import keep_of
 from btnode.codec.frames import Bundle, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
@@ -55,7 +56,7 @@ from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, P
 from btnode.model.config import ModelConfig
 from btnode.protocol import (EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, Upstream, Judgement, Outcome,
                              PushHeader, RoundReceipt, RoundSize, Transfer, VersionInfo, WorkClaim)
-from btnode.settings import flag, same_flag
+from btnode.settings import fill, flag, same_flag
 from btnode.store.files import optimizer_tensors, state_sha256
 from btnode.store.models import init_unit
 from btnode.swarm.announcements import Announcements
@@ -84,10 +85,15 @@ class WorkerConfig:
     worker_id: str = flag("--worker-id", "Unique name (default host-pid; a stage: block-B).")
     block: int = flag("--block", "The block to train or serve (a --model ar worker: 0, the default).")
     steps_per_round: int = same_flag(RoundSize, "steps_per_round")  # H: local steps between pushes
-    codec: Codec = flag("--codec", "Update codec: fp32, bf16, int8, sparse8 or sparse2 (docs/tuning.md).",
-                        default=Codec.INT8, value=str, parse=parse, format=lambda c: c.name.lower())
-    density: float = flag("--density", "Share of values a sparse codec sends (0, 1].",
-                          default=SPARSE_DENSITY)  # sparse codecs: top-k per 4,096-value chunk at this share
+    codec: Codec = flag("--codec", "Update codec: fp32, bf16, int8, sparse8 or sparse2 (default: --link's; "
+                                   "docs/tuning.md).",
+                        default=Codec.INT8, value=str, parse=parse, format=lambda c: c.name.lower(), optional=True)
+    density: float = flag("--density", "Share of values a sparse codec sends (0, 1]; default: --link's.",
+                          default=SPARSE_DENSITY, optional=True)  # sparse codecs: top-k per 4,096-value chunk at this share
+    link: str = same_flag(Link, "link")  # the profile the CLI filled the codec from (codec/profiles.py)
+    # a codec the link profile chose, not the user: where the aggregator does not take it (a relay takes
+    # dense updates only), the worker sends this one instead
+    fallback: Codec | None = None
     error_feedback: bool = flag("--no-error-feedback", "Drop the codec's rounding error.", default=True,
                                 parse=operator.not_, format=operator.not_)  # carry the rounding error into the next update
     rounds: int | None = flag("--rounds", "Stop after this many pushes.",
@@ -104,6 +110,22 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.density <= 1:
             raise ConfigError(f"--density must be in (0, 1], got {self.density}")
+        if self.link not in LINKS:
+            raise ConfigError(f"--link must be one of {LINKS}, got {self.link!r}")
+
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> WorkerConfig:
+        """The flags' settings; a codec and density no flag gives come from --link (the CLI's default:
+        wan) for the swarm's model (codec/profiles.py), with int8 to fall back on where the aggregator
+        does not take the profile's codec."""
+        made = fill(cls, values)
+        link = link_codecs(values.get("link"), values.get("model"))
+        made = replace(made, link=values.get("link") or CLI_LINK)
+        if values.get("codec") is None:
+            made = replace(made, codec=link.codec, fallback=Codec.INT8 if link.codec is not Codec.INT8 else None)
+        if values.get("density") is None:
+            made = replace(made, density=link.density)
+        return made
 
 
 @dataclass
@@ -358,12 +380,17 @@ class BlockWorker:
     def _frames(self, raw: dict[str, bytes]) -> Iterator[Bundle | Frame]:
         """One bundle (to an aggregator older than bundles, a frame a tensor), compressed lazily as gRPC
         sends: counted once sent (a re-push counts again)."""
-        frames = ([Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec])] if self.bundles else
-                  (frame_from_raw(n, s, self.wcfg.codec, raw[n]) for n, s in self.spec.items()))
-        for f in frames:
+        if self.bundles:
+            yield Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec], on_sent=self._sent)
+            return
+        for n, s in self.spec.items():
+            f = frame_from_raw(n, s, self.wcfg.codec, raw[n])
+            self._sent(f.raw_bytes, f.payload_bytes)
             yield f
-            self.stats.bytes_pushed_raw += f.raw_bytes
-            self.stats.bytes_pushed_wire += f.payload_bytes
+
+    def _sent(self, raw: int, wire: int) -> None:
+        self.stats.bytes_pushed_raw += raw
+        self.stats.bytes_pushed_wire += wire
 
     def _through_outage(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), retried with backoff while the aggregator is unreachable, for up to outage_s (a
@@ -528,6 +555,10 @@ class BlockWorker:
         w = self.wcfg
         joined = self.link.join(w.worker_id, w.block, self.cfg.fingerprint(), json.dumps(self.cfg.to_dict()),
                                 self.data_id, training_json=TrainingTerms(self.tc, w.steps_per_round).to_json())
+        if w.codec not in joined.codecs and w.fallback in joined.codecs:
+            log.info("worker %s: the aggregator does not take %s updates (a relay takes dense ones only): sending %s",
+                     w.worker_id, w.codec.name.lower(), w.fallback.name.lower())  # type: ignore[union-attr]
+            self.wcfg = w = replace(w, codec=w.fallback, fallback=None)  # type: ignore[arg-type]
         if w.codec not in joined.codecs:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id

@@ -344,12 +344,16 @@ class SubmitStateReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DrawRequest(_message.Message):
-    __slots__ = ("header", "digest")
+    __slots__ = ("header", "digest", "relay", "refused")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     digest: bytes
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    relay: str
+    refused: bool
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., digest: _Optional[bytes] = ..., relay: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class DrawReply(_message.Message):
     __slots__ = ("drawn", "token")
@@ -516,7 +520,7 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class IdentityRecord(_message.Message):
-    __slots__ = ("name", "role", "fingerprint", "joined", "accepted", "refused", "audited", "failed", "revoked_at_unix", "dropped", "applied")
+    __slots__ = ("name", "role", "fingerprint", "joined", "accepted", "refused", "audited", "failed", "revoked_at_unix", "dropped", "applied", "verified", "verify_seconds")
     class RefusedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +546,8 @@ class IdentityRecord(_message.Message):
     REVOKED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: IdentityRole
     fingerprint: str
@@ -553,7 +559,9 @@ class IdentityRecord(_message.Message):
     revoked_at_unix: float
     dropped: _containers.ScalarMap[str, int]
     applied: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[IdentityRole, str]] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ..., dropped: _Optional[_Mapping[str, int]] = ..., applied: _Optional[int] = ...) -> None: ...
+    verified: int
+    verify_seconds: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[IdentityRole, str]] = ..., fingerprint: _Optional[str] = ..., joined: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ..., audited: _Optional[int] = ..., failed: _Optional[int] = ..., revoked_at_unix: _Optional[float] = ..., dropped: _Optional[_Mapping[str, int]] = ..., applied: _Optional[int] = ..., verified: _Optional[int] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("fingerprint", "config", "blocks", "counters", "server_time_unix", "data_id", "identities", "node_version")
@@ -616,14 +624,24 @@ class StateWanted(_message.Message):
     def __init__(self, task: _Optional[_Union[VerifyTask, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class DutiesReply(_message.Message):
-    __slots__ = ("tasks", "traces", "states")
+    __slots__ = ("tasks", "traces", "states", "children")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     TRACES_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[VerifyTask]
     traces: _containers.RepeatedCompositeFieldContainer[VerifyTask]
     states: _containers.RepeatedCompositeFieldContainer[StateWanted]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateWanted, _Mapping]]] = ...) -> None: ...
+    children: _containers.RepeatedCompositeFieldContainer[ChildDuties]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., traces: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateWanted, _Mapping]]] = ..., children: _Optional[_Iterable[_Union[ChildDuties, _Mapping]]] = ...) -> None: ...
+
+class ChildDuties(_message.Message):
+    __slots__ = ("worker_id", "duties")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DUTIES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    duties: DutiesReply
+    def __init__(self, worker_id: _Optional[str] = ..., duties: _Optional[_Union[DutiesReply, _Mapping]] = ...) -> None: ...
 
 class VerifyInputsRequest(_message.Message):
     __slots__ = ("block", "task_id", "worker_id")
@@ -644,34 +662,42 @@ class VerifyInputsReply(_message.Message):
     def __init__(self, base: _Optional[_Union[Chunk, _Mapping]] = ..., start: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class AttestRequest(_message.Message):
-    __slots__ = ("block", "task_id", "verifier", "digest", "seconds")
+    __slots__ = ("block", "task_id", "verifier", "digest", "seconds", "cert", "signature")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CERT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     block: int
     task_id: str
     verifier: str
     digest: bytes
     seconds: float
-    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., verifier: _Optional[str] = ..., digest: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
+    cert: bytes
+    signature: bytes
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., verifier: _Optional[str] = ..., digest: _Optional[bytes] = ..., seconds: _Optional[float] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class AttestReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SubmitTraceRequest(_message.Message):
-    __slots__ = ("block", "task_id", "worker_id", "trace")
+    __slots__ = ("block", "task_id", "worker_id", "trace", "cert", "signature")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    CERT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     block: int
     task_id: str
     worker_id: str
     trace: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., trace: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    cert: bytes
+    signature: bytes
+    def __init__(self, block: _Optional[int] = ..., task_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., trace: _Optional[_Iterable[bytes]] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitTraceReply(_message.Message):
     __slots__ = ()

@@ -526,8 +526,9 @@ class Relay:
 
 
 class VerificationStub:
-    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
-    without delegating: Duties answers empty there.
+    """What a worker calls as a verifier of others' rounds (delegated verification). A relay serves it to its
+    children: their duties from its mailbox (fetched from its parent under its own name), the other calls
+    passed on to its parent in the child's name (attestations and traces signed by the child).
     """
 
     def __init__(self, channel):
@@ -564,8 +565,9 @@ class VerificationStub:
 
 
 class VerificationServicer:
-    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
-    without delegating: Duties answers empty there.
+    """What a worker calls as a verifier of others' rounds (delegated verification). A relay serves it to its
+    children: their duties from its mailbox (fetched from its parent under its own name), the other calls
+    passed on to its parent in the child's name (attestations and traces signed by the child).
     """
 
     def Duties(self, request, context):
@@ -636,8 +638,9 @@ def add_VerificationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Verification:
-    """What a worker calls as a verifier of others' rounds (delegated verification); a relay serves it
-    without delegating: Duties answers empty there.
+    """What a worker calls as a verifier of others' rounds (delegated verification). A relay serves it to its
+    children: their duties from its mailbox (fetched from its parent under its own name), the other calls
+    passed on to its parent in the child's name (attestations and traces signed by the child).
     """
 
     @staticmethod

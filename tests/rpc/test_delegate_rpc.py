@@ -24,7 +24,11 @@ from btnode.codec.codecs import Codec
 from btnode.data.corpus import bundled
 from btnode.errors import Forbidden, MalformedInput, Refused
 from btnode.model.config import ModelConfig
-from btnode.protocol import Attestation
+from btnode.aggregate.trust.identities import Role
+from btnode.node.relay import run_relay
+from btnode.protocol import Attestation, attest_statement
+from btnode.rpc import security
+from btnode.rpc.certs import sign
 from btnode.rpc.client import SwarmClient
 from btnode.rpc.enroll import SwarmAuthority, enroll, identity_security, serve_enrollment
 from btnode.rpc.server import serve
@@ -35,7 +39,7 @@ from btnode.swarm.worker import BlockWorker, WorkerConfig, WorkerStats
 from btnode.train.config import TrainConfig
 from btnode.v2 import swarm_pb2 as pb
 from btnode.v2 import swarm_pb2_grpc as pb_grpc
-from test_relay_replays import CFG as relay_cfg, CORPUS as relay_corpus, TRAIN as relay_train, _tree as relay_tree
+from lab.cheats import AccusingWorker
 
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=1, context=32, segments=(1,))
 TRAIN = TrainConfig(batch=4, warmup=1, steps=100)
@@ -102,11 +106,14 @@ class Idle(BlockWorker):
 
 
 def start_workers(s: Swarm, rounds: int, kind: type[BlockWorker] = BlockWorker,
-                  stop: threading.Event | None = None) -> tuple[list[BlockWorker], Callable[[], None]]:
-    """The four workers, each over its own client, run() in threads until each made `rounds` pushes (or
-    `stop` is set); returns them and a function that waits for them and checks that each ended cleanly."""
-    workers = [kind(CFG, TRAIN, WorkerConfig(worker_id=n, block=0, steps_per_round=H, codec=Codec.INT8, rounds=rounds,
-                                             wait_timeout_s=60.0), s.client(n), CORPUS, device=torch.device("cpu"))
+                  stop: threading.Event | None = None,
+                  kinds: dict[str, type[BlockWorker]] | None = None) -> tuple[list[BlockWorker], Callable[[], None]]:
+    """The four workers (of `kind`, or as `kinds` names them), each over its own client, run() in threads until
+    each made `rounds` pushes (or `stop` is set); returns them and a function that waits for them and checks
+    that each ended cleanly."""
+    workers = [(kinds or {}).get(n, kind)(CFG, TRAIN, WorkerConfig(worker_id=n, block=0, steps_per_round=H,
+                                                                   codec=Codec.INT8, rounds=rounds, wait_timeout_s=60.0),
+                                          s.client(n), CORPUS, device=torch.device("cpu"))
                for n in NAMES]
     results: dict[str, WorkerStats | BaseException] = {}
 
@@ -210,28 +217,132 @@ def test_verification_calls_not_the_callers_to_make_are_refused_and_change_nothi
     joined()
 
 
-def test_a_relay_hands_out_no_duties_and_its_children_train_on(tmp_path):
-    """A relay serves Verification without delegating (its aggregator replays nothing): a child behind it
-    asks it for duties between rounds and gets none; the other calls are refused (no_delegation)."""
-    tree = relay_tree(tmp_path, share=1.0, probation=1)
-    root, relay = next(tree)
+@pytest.fixture
+def relayed(tmp_path) -> Iterator[Swarm]:
+    """The `swarm` fixture's root (every update drawn, replays delegated) with its four workers behind one
+    relay (the daemon's own, run_relay, under its enrolled relay identity): the root sees the children only
+    through the relay, and hands their duties to it."""
+    acfg = AggregatorConfig(round=RoundConfig(deadline_s=60.0), claims=ClaimConfig.of(TRAIN, steps_per_round=H))
+    acfg = dataclasses.replace(acfg, audit=dataclasses.replace(acfg.audit, share=1.0, probation=0))
+    authority = SwarmAuthority.create(tmp_path / "state")
+    agg = SwarmAggregator(CFG, acfg, tmp_path / "state", corpus=CORPUS)
+    enrollment, _ = serve_enrollment(authority, "127.0.0.1:0")
+    server, port, stop = serve(agg, "127.0.0.1:0", security=authority.security())
+    for name in NAMES:
+        enroll(authority.mint(name=name, host="127.0.0.1")[0], tmp_path / name)
+    enroll(authority.mint(name="r1", role=Role.RELAY, host="127.0.0.1")[0], tmp_path / "r1")
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(0.02):
+            agg.tick()
+            agg.run_audits()
+
+    before = security.current()
+    security.configure(identity_security(tmp_path / "r1"))  # run_relay serves and dials as the process's identity
+    port_file = tmp_path / "relay.port"
+    threads = [threading.Thread(target=tick, daemon=True),
+               threading.Thread(target=run_relay, args=(CFG, AggregatorConfig(round=RoundConfig(deadline_s=60.0),
+                                                                             claims=acfg.claims)), daemon=True,
+                                kwargs={"peers": [f"127.0.0.1:{port}"], "listen": "127.0.0.1:0", "blocks": [0],
+                                        "state_dir": tmp_path / "relay", "name": "r1", "port_file": port_file,
+                                        "stop": done})]
+    for t in threads:
+        t.start()
     try:
-        link = SwarmClient(relay, timeout_s=20)
-        worker = BlockWorker(relay_cfg, relay_train, WorkerConfig(worker_id="w", block=0, steps_per_round=2,
-                                                                 codec=Codec.INT8, rounds=2, wait_timeout_s=60.0),
-                             link, relay_corpus, device=torch.device("cpu"))
-        try:
-            stats = worker.run()
-            assert worker.verification is not None  # the swarm audits: it asked the relay for duties each round
-            assert stats.outcomes == {"probation": 2} and stats.verified == 0
-            assert not link.duties(0, "w")
-            with pytest.raises(Refused, match="does not delegate") as exc:
-                link.attest(0, Attestation("u", "w", "0" * 64, 1.0))
-            assert exc.value.reason == "no_delegation"
-            with pytest.raises(Refused, match="does not delegate"):
-                link.submit_dispute_state(0, "u", "w", 1, {"x": torch.zeros(1)})
-        finally:
-            link.close()
-        until(lambda: root.audits is not None and root.audits.totals().counts == {("passed", ""): 2})
+        until(lambda: port_file.exists() and port_file.read_text().strip() != "")
+        s = Swarm(agg, f"127.0.0.1:{int(port_file.read_text())}", tmp_path, {})
+        s.root = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
+        yield s
+        for c in s.clients.values():
+            c.close()
     finally:
-        next(tree, None)
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+        security.configure(before)
+        stop.set()
+        server.stop(0).wait()
+        enrollment.stop(0).wait()
+
+
+def test_children_behind_a_relay_verify_each_other_through_it(relayed):
+    """Four workers behind a relay: the root hands their duties to the relay, which keeps them for each child
+    and tells it on its version stream; the children fetch the inputs, replay and attest through the relay
+    (each attestation signed by its verifier, checked at the root), and every verdict passes."""
+    workers, joined = start_workers(relayed, rounds=3)
+    joined()
+    agg, delegated = relayed.agg, relayed.agg.delegated
+    assert delegated is not None and delegated.counts.get("tasks", 0) > 0, delegated.counts if delegated else None
+    assert {agg.relays_for(n) for n in NAMES} == {"r1"}  # from its commits (Draw)
+    done = {w.wcfg.worker_id: w.stats.verified for w in workers}
+    assert sum(done.values()) > 0, done
+    assert delegated.work and set(delegated.work) <= set(NAMES), delegated.work  # the children's work, not the relay's
+    assert agg.audits is not None
+    until(lambda: agg.audits.totals().counts.get(("passed", ""), 0) >= delegated.counts["tasks"] - 4)
+    assert set(agg.audits.totals().counts) == {("passed", "")}, agg.audits.totals().counts
+    assert not delegated.counts.get("disputes") and not agg.identities.revoked
+    assert not [k for k in agg.counters if k[0] in (VERIFY_REFUSED, "revoked", "identity_refused")], agg.counters
+    assert all(w.stats.pushes == 3 and not w.stats.dropped for w in workers), [w.stats for w in workers]
+    # each identity's verifier work, as `btnode status` shows it
+    records = {r.name: r for r in agg.status().identities}
+    assert sum(records[n].verified for n in NAMES) == sum(delegated.upheld.values()) > 0
+    assert all(records[n].verify_s == delegated.work.get(n, 0.0) for n in NAMES) and records["r1"].verified == 0
+
+
+def test_a_dispute_behind_a_relay_is_refereed_through_it(relayed):
+    """A child that accuses every round it verifies: the traces (signed by each party) and the accuser's
+    final state reach the root through the relay, the referee encodes that state once, and the accuser
+    alone is revoked; the authors' updates stand."""
+    stop = threading.Event()
+    _, joined = start_workers(relayed, rounds=2, kinds={"w3": AccusingWorker}, stop=stop)
+    agg, delegated = relayed.agg, relayed.agg.delegated
+    assert delegated is not None
+    until(lambda: agg.identities.is_revoked("w3"), timeout_s=90)
+    stop.set()
+    joined()
+    assert set(agg.identities.revoked) == {"w3"} and delegated.counts.get("disputes", 0) >= 1, delegated.counts
+    assert "local_after_dispute" not in delegated.counts  # decided by the traces and one encode, not a replay
+    assert agg.counters[("revoked", "verifier")] == 1
+    assert not [k for k in agg.counters if k[0] in (VERIFY_REFUSED, "identity_refused")], agg.counters
+
+
+def test_a_relay_cannot_forge_its_childrens_verdicts(relayed):
+    """The relay's own identity, calling the root: an attestation or a trace in a child's name without the
+    child's signature (or with one over something else) is refused (`signature`) and changes nothing; a call
+    for a worker that does not push through it is another's name: refused, and the relay revoked."""
+    stop = threading.Event()
+    _, joined = start_workers(relayed, rounds=1, kind=Idle, stop=stop)
+    agg, delegated = relayed.agg, relayed.agg.delegated
+    assert delegated is not None
+    until(lambda: len(delegated.tasks) >= 1 and all(agg.relays_for(n) == "r1" for n in NAMES))
+    with delegated.lock:
+        task_id, open_task = next(iter(delegated.tasks.items()))
+        verifier = open_task.verifiers[0]
+    relay = SwarmClient(relayed.root, timeout_s=20, security=identity_security(relayed.folder / "r1"))
+    child = identity_security(relayed.folder / verifier)
+    try:
+        forged = Attestation(task_id, verifier, "0" * 64, 1.0, cert=child.cert.read_bytes(), signature=b"\x30\x06")
+        with pytest.raises(Forbidden) as exc:
+            relay.attest(0, forged)  # signed by nobody: the relay's own client signs only what is unsigned
+        assert exc.value.reason == "signature"
+        honest = Attestation(task_id, verifier, "1" * 64, 1.0)
+        signed = dataclasses.replace(honest, cert=child.cert.read_bytes(),
+                                     signature=sign(child.key.read_bytes(), attest_statement(0, honest)))
+        with pytest.raises(Forbidden) as exc:  # the child's signature, over another digest
+            relay.attest(0, dataclasses.replace(signed, digest="0" * 64))
+        assert exc.value.reason == "signature"
+        with pytest.raises(Forbidden) as exc:
+            relay.submit_trace(0, task_id, verifier, ("0" * 64,), proof=(child.cert.read_bytes(), signed.signature))
+        assert exc.value.reason == "signature"
+        assert not delegated.tasks[task_id].attests and not agg.identities.revoked
+        stub = pb_grpc.VerificationStub(relay.channel)  # (the client itself reads only tasks that came to it)
+        with pytest.raises(grpc.RpcError) as err:  # a name that does not push through r1
+            next(stub.VerifyInputs(pb.VerifyInputsRequest(block=0, task_id=task_id, worker_id="w-elsewhere"),
+                                   timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert agg.identities.is_revoked("r1")
+    finally:
+        relay.close()
+        stop.set()
+        joined()

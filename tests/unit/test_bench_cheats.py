@@ -5,10 +5,13 @@ stopped is the bench's to say, not this test's."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import math
 from concurrent.futures import Future
 
 import pytest
+
+from btnode.codec.codecs import Codec
 
 from bench.cheats import MODES, ROW_FIELDS, config, differences, measure, metrics, record, render
 from btnode.aggregate.round.config import AggregatorConfig
@@ -25,7 +28,7 @@ class Inline:
 
 def test_a_quick_sybil_row_has_every_field_computed():
     args = argparse.Namespace(rounds=2, h=3, batch=4, windows=4, seeds=1, cheats=["sybil3"], modes=["default"],
-                              quick=True, jobs=1)
+                              quick=True, jobs=1, link="wan")
     res = measure(args, Inline())  # type: ignore[arg-type]
     out = record(args, res, res["rows"], wall_s=0.0)
     [row] = out["rows"]
@@ -49,7 +52,10 @@ def test_differences_names_the_leaves_that_changed():
 
 
 def test_mode_open_turns_the_config_s_open_switch_on_or_fails_loudly_without_one():
-    assert config("default") == AggregatorConfig() and MODES == ("default", "open")
+    # the daemon's defaults: a fresh AggregatorConfig with the wan link's publish codec (codec/profiles.py)
+    assert config("default") == replace(AggregatorConfig(), link="wan", publish_codec=Codec.SPARSE8,
+                                        publish_density=0.009) and MODES == ("default", "open")
+    assert config("default", "lan") == AggregatorConfig()
     if "open" in AggregatorConfig.__dataclass_fields__:
         assert config("open").open is True  # type: ignore[attr-defined]
     else:

@@ -165,10 +165,15 @@ def test_nan_under_an_honest_digest_is_refused(codec):
 
 
 def test_a_worker_bundle_counts_its_bytes_once_sent():
-    b = Bundle(Codec.INT8, [(n, encode(Codec.INT8, t)) for n, t in TENSORS.items()])
+    heard = []
+    b = Bundle(Codec.INT8, [(n, encode(Codec.INT8, t)) for n, t in TENSORS.items()], on_sent=lambda *x: heard.append(x))
     assert b.payload_bytes == 0 and b.raw_bytes == sum(len(encode(Codec.INT8, t)) for t in TENSORS.values())
-    sent = list(b.chunks())
-    assert b.payload_bytes == sum(len(c.data) for c in sent) > 0
+    frames = list([b])  # as a push that signs its frames' digest lists them first: nothing sent yet
+    assert not heard
+    sent = list(iter_chunks(frames))
+    assert b.payload_bytes == sum(len(c.data) for c in sent) > 0 and heard == [(b.raw_bytes, b.payload_bytes)]
+    list(b.chunks())  # a re-push counts again
+    assert len(heard) == 2
 
 
 @settings(max_examples=200, deadline=None)

@@ -268,7 +268,7 @@ BUDGETS = {
     "security.md": 5_000,
     "serving.md": 2_900,
     "swarm.md": 3_600,
-    "tuning.md": 1_600,
+    "tuning.md": 1_625,
     "verification.md": 1_500,
     "wire.md": 720,
 }

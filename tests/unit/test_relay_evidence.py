@@ -42,7 +42,7 @@ class Parent:
     def leave(self, worker_id, block) -> None:
         pass
 
-    def draw(self, header: PushHeader, digest: str) -> Drawn:
+    def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
         return Drawn(False, f"token-{header.worker_id}".encode())
 
 

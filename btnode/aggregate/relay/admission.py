@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from btnode.aggregate.relay.duties import ChildDuties
 from btnode.aggregate.relay.forward import Combined, RelayBlock
 from btnode.aggregate.relay.roundlog import Receipt
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.trust.evidence import noting_digest
 from btnode.codec.frames import ChunkData, ReplayableFrames, frame_from_raw
 from btnode.errors import BtnodeError, ConfigError, MalformedInput, Refused
-from btnode.protocol import JoinInfo, Judgement, PushHeader, Upstream, claim_digest
+from btnode.protocol import Duties, JoinInfo, Judgement, PushHeader, Upstream, claim_digest
 from btnode.store.versions import VersionStore
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,13 @@ class UpstreamAdmission:
         self.last_forward: dict[int, tuple[PushHeader, Combined]] = {}  # block → the last one pushed (node/relay.py)
         self._drawn: OrderedDict[str, None] = OrderedDict()  # child updates the parent drew, not passed on yet
         self._passed_on: OrderedDict[str, None] = OrderedDict()  # ... passed on: their start state goes up too
+        self._refusing: set[str] = set()  # child updates answered LATE or STALE, their frames read for the digest
         self._joins: dict[tuple[int, str], tuple] = {}  # a child's join (and its proof), to send again
         # children's joins passed on at once: a parent's calls (Join, Leave, Status) share one small budget
         # over all its peers (rpc/limits.py), which a relay passing on a swarm's joins at once would fill
         self._joining = threading.BoundedSemaphore(UPSTREAM_JOINS)
         self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
+        self.duties = ChildDuties(self._children_duties, told=self._wake)  # the children's verification duties
         threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
 
     def config(self, acfg: AggregatorConfig) -> AggregatorConfig:
@@ -117,6 +120,18 @@ class UpstreamAdmission:
 
     def left(self, worker_id: str, block: int) -> None:
         self._joins.pop((block, worker_id), None)  # the block told the parent (Forwarder.member)
+        self.duties.forget(worker_id)
+
+    # -- verification duties (relay/duties.py) ------------------------------------------------------
+    def _children_duties(self) -> dict[str, Duties]:
+        """The children's duties, asked of the parent under this relay's own name."""
+        if not self.blocks:
+            return {}
+        return self.upstream.duties(min(self.blocks), self.name).children
+
+    def _wake(self) -> None:
+        for b in self.blocks.values():
+            b.wake()  # the children's version streams say that duties wait
 
     def _member(self, block: int, child_relay: Callable[[str], bool], worker_id: str, here: bool) -> None:
         if not child_relay(worker_id):  # a child relay is no member at the parent
@@ -149,9 +164,13 @@ class UpstreamAdmission:
         def noted(digest: str) -> None:
             if self.check_receipt is not None:  # under mutual TLS: the child's signed receipt, before it is judged
                 self.check_receipt(header, digest)
+            if header.update_id in self._refusing:  # answered LATE or STALE here (`refused`): not counted
+                if self.parent_replays and not header.manifest:
+                    self.upstream.draw(header, digest, self.name, refused=True)
+                return
             token = b""
             if self.parent_replays and not header.manifest:
-                drawn = self.upstream.draw(header, digest)  # a refusal (chain, claim, revoked) is the child's answer
+                drawn = self.upstream.draw(header, digest, self.name)  # a refusal (chain, claim, revoked) is the child's answer
                 if drawn.drawn:
                     _remember(self._drawn, header.update_id)
                 token = drawn.token
@@ -160,6 +179,20 @@ class UpstreamAdmission:
                                                                  claim_digest(header.claim), token))
 
         return noting_digest(chunks, noted)
+
+    def refused(self, header: PushHeader, chunks: Iterable[ChunkData]) -> None:
+        """A child's update answered LATE or STALE here before its frames were read (`chunks`, as `noting`
+        gave them): under a parent that replays audits its claim still goes up (Draw, `refused`), once its
+        frames are read for the digest its receipt signs, so that the parent's chain of the worker's claims
+        moves on as the worker's optimizer did; else the worker's next update would read as a broken chain."""
+        if not self.parent_replays:
+            return
+        self._refusing.add(header.update_id)
+        try:
+            for _ in chunks:
+                pass
+        finally:
+            self._refusing.discard(header.update_id)
 
     def routed(self, header: PushHeader, raw: dict[str, bytes], count: Callable[[str, str], None]) -> Judgement | None:
         """A child's update the parent drew for a replay audit: pushed up as it came (its frames rebuilt

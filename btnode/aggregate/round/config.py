@@ -4,7 +4,8 @@ reports of itself (`BlockStatus`, `RoundSummary`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from btnode.aggregate.sums.accumulate import SPARSE_MEANS
 from btnode.aggregate.sums.averaging import OuterConfig
@@ -15,9 +16,10 @@ from btnode.aggregate.trust.delegate import DelegationConfig
 from btnode.aggregate.trust.evidence import RelayAuditConfig
 from btnode.aggregate.trust.standing import StandingConfig
 from btnode.codec.codecs import Codec, parse
+from btnode.codec.profiles import CLI_LINK, LINKS, Link, link_codecs
 from btnode.errors import ConfigError
 from btnode.protocol import VersionInfo
-from btnode.settings import flag
+from btnode.settings import fill, flag, same_flag
 from btnode.store.theta import IN_FILE_BYTES
 
 
@@ -35,11 +37,14 @@ class AggregatorConfig:
                                           "audits it passes (--full-standing). Needs --audit. docs/security.md.",
                       default=False)
     update_codecs: tuple[Codec, ...] = tuple(Codec)
-    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2.",
-                                default=Codec.FP32, value=str, parse=parse,
+    link: str = same_flag(Link, "link")  # the profile the CLI filled the publish codec from (codec/profiles.py)
+    publish_codec: Codec = flag("--publish-codec", "Codec of published deltas: fp32, bf16, int8, sparse8, sparse2 "
+                                                   "(default: --link's).",
+                                default=Codec.FP32, value=str, parse=parse, optional=True,
                                 format=lambda c: c.name.lower())  # every replica applies these same bytes, lossy or not
-    publish_density: float = flag("--publish-density", "Share of values a sparse publish codec sends (0, 1].",
-                                  default=0.03)  # a sparse publish codec keeps the top of step + residual
+    publish_density: float = flag("--publish-density", "Share of values a sparse publish codec sends (0, 1]; default: "
+                                                       "--link's.",
+                                  default=0.03, optional=True)  # a sparse publish codec keeps the top of step + residual
     keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
@@ -59,7 +64,20 @@ class AggregatorConfig:
     clip: bool = flag("--clip/--no-clip", "Scale an update larger than the median norm of recent accepted updates "
                                           "down to it before averaging.", default=False)
 
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> AggregatorConfig:
+        """The flags' settings; a publish codec and density no flag gives come from --link (the CLI's
+        default: wan) for the swarm's model (codec/profiles.py)."""
+        made = fill(cls, values)
+        link = link_codecs(values.get("link"), values.get("model"))
+        return replace(made, link=values.get("link") or CLI_LINK,
+                       publish_codec=made.publish_codec if values.get("publish_codec") is not None else link.publish_codec,
+                       publish_density=(made.publish_density if values.get("publish_density") is not None
+                                        else link.publish_density))
+
     def __post_init__(self) -> None:
+        if self.link not in LINKS:
+            raise ConfigError(f"--link must be one of {LINKS}, got {self.link!r}")
         if self.open and not (self.audit.on and self.audit.probation >= 1):
             raise ConfigError("--open needs replay audits with probation (--audit P > 0, --probation ≥ 1): without "
                               "them no identity can earn the standing its updates' weight comes from")

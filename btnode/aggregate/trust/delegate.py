@@ -2,9 +2,9 @@
 on other workers of the block, while the aggregator only referees.
 
 A drawn update (aggregate/trust/audit.py) becomes a `VerifyTask` for one verifier, or two for a
-`redundancy` share, drawn by HMAC(secret, update id, i) among the block's other direct replicas with the
-author's recipe (bit-for-bit replays need it): the author cannot predict the draw (the secret is the
-aggregator's) and never draws itself (workers behind relays do not verify yet: docs/verification.md). The verifier
+`redundancy` share, drawn by HMAC(secret, update id, i) among the block's other replicas with the
+author's recipe (bit-for-bit replays need it), those behind the author's relay last (`near`): the author
+cannot predict the draw (the secret is the aggregator's) and never draws itself. The verifier
 fetches θ^base and the author's committed start state (`inputs`), replays the claimed steps
 (train/replay.py) and attests the `result_digest` of what it got. The aggregator compares it with the
 digest of the push (its bytes, its claim's end hashes): all equal, the update passes.
@@ -124,9 +124,10 @@ class DelegatedReplays:
 
     def __init__(self, cfg: DelegationConfig, local: LocalReplays, replays: Mapping[int, RoundReplay], secret: bytes,
                  clock: Callable[[], float], candidates: Callable[[int, str], list[str]],
-                 replicas: Callable[[int], int] = lambda block: 0, wake: Callable[[int], None] = lambda block: None):
+                 replicas: Callable[[int], int] = lambda block: 0, wake: Callable[[int], None] = lambda block: None,
+                 near: Callable[[str], str | None] = lambda worker: None):
         self.cfg, self.local, self.replays, self.secret, self.clock = cfg, local, dict(replays), secret, clock
-        self.candidates, self.replicas, self.wake = candidates, replicas, wake
+        self.candidates, self.replicas, self.wake, self.near = candidates, replicas, wake, near
         self.lock = threading.Lock()
         self.tasks: dict[str, _Task] = {}
         self.duties: dict[str, Duties] = {}
@@ -135,6 +136,7 @@ class DelegatedReplays:
         self._verdicts: list[Verdict] = []
         self._offenders: list[tuple[str, str, str]] = []  # (verifier, reason, detail) to revoke
         self._credits: dict[str, int] = {}  # verifier → replays of its that upheld verdicts agreed with
+        self.upheld: dict[str, int] = {}  # ... ever (status: IdentityRecord.verified)
         self.work: dict[str, float] = {}  # verifier → seconds of replays it attested (its verified work)
         self.counts: dict[str, int] = {}  # event → count (tasks, redundant, spot, disputes, local, reassigned)
         self.referee_seconds = 0.0  # the aggregator's own compute on disputes
@@ -170,7 +172,7 @@ class DelegatedReplays:
             self.local.submit(job)
             return True
         n = 2 if share_draw(self.secret, "redundant", h.update_id) < self.cfg.redundancy and len(pool) >= 2 else 1
-        chosen = draw(self.secret, h.update_id, pool, n)
+        chosen = self._draw(h.update_id, h.worker_id, pool, n)
         task = VerifyTask(task_id=h.update_id, header=h, terms_json=TrainingTerms(job.train, len(h.steps)).to_json(),
                           keep=keep_in(h.codec, job.raw))
         spot = share_draw(self.secret, "spot", h.update_id) < self.cfg.spot
@@ -187,6 +189,16 @@ class DelegatedReplays:
             self._count("spot")
             self.local.submit(job)
         return True
+
+    def _draw(self, update_id: str, author: str, pool: list[str], n: int) -> list[str]:
+        """`n` verifiers of `pool`: none behind the author's relay while others are left (a relay could
+        otherwise hand its own children's updates to its own children), then from those behind it."""
+        relay = self.near(author)
+        far = [v for v in pool if relay is None or self.near(v) != relay]
+        chosen = draw(self.secret, update_id, far, n)
+        if len(chosen) < n:
+            chosen += draw(self.secret, f"{update_id}\0near", [v for v in pool if v not in far], n - len(chosen))
+        return chosen
 
     def verdicts(self) -> list[Verdict]:
         with self.lock:
@@ -422,6 +434,7 @@ class DelegatedReplays:
     def _credit(self, names) -> None:  # type: ignore[no-untyped-def]
         for n in names:
             self._credits[n] = self._credits.get(n, 0) + 1
+            self.upheld[n] = self.upheld.get(n, 0) + 1
 
     def _to_local(self, t: _Task, why: str = "local_after_dispute") -> None:
         """The aggregator replays the task's round itself, and its verdict decides (as a spot check's)."""

@@ -78,6 +78,8 @@ class IdentityRecord:
     revoked_at: float | None = None  # unix time
     applied: int = 0
     dropped: Counter = field(default_factory=Counter)  # reason → its updates dropped from their round
+    verified: int = 0  # others' rounds it replayed whose verdict its attestation agreed with (delegated verification)
+    verify_s: float = 0.0  # ... and the seconds of all the replays it attested (its metered verifier work)
 
     @property
     def screened_out(self) -> int:

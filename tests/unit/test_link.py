@@ -1,0 +1,41 @@
+"""--link: the codecs a node started from the command line uses when no codec flag sets them
+(btnode/codec/profiles.py, docs/tuning.md): wan by default (sparse8 up at 0.3 % with error feedback,
+sparse8 published at 0.9 %; DiLoCo int8 both ways), lan the old int8 up / fp32 down; a codec flag wins;
+the dataclasses themselves (in-process tools) keep lan."""
+
+from __future__ import annotations
+
+import pytest
+
+from btnode.aggregate.round.config import AggregatorConfig
+from btnode.codec.codecs import Codec
+from btnode.codec.profiles import link_codecs
+from btnode.errors import ConfigError
+from btnode.settings import build
+from btnode.swarm.worker import WorkerConfig
+
+
+def test_the_command_line_default_is_the_wan_frontier_for_blocktrain_and_int8_for_diloco():
+    w, a = build(WorkerConfig, {}), build(AggregatorConfig, {})
+    assert (w.link, w.codec, w.density, w.error_feedback, w.fallback) == ("wan", Codec.SPARSE8, 0.003, True, Codec.INT8)
+    assert (a.link, a.publish_codec, a.publish_density) == ("wan", Codec.SPARSE8, 0.009)
+    w, a = build(WorkerConfig, {"model": "ar"}), build(AggregatorConfig, {"model": "ar"})
+    assert (w.codec, w.fallback, a.publish_codec) == (Codec.INT8, None, Codec.INT8)
+    assert (a.outer.lr, a.outer.momentum) == (0.7, 0.9)  # DiLoCo's outer step is untouched by the link
+
+
+def test_lan_is_the_old_default_and_codec_flags_win_over_the_link():
+    w, a = build(WorkerConfig, {"link": "lan"}), build(AggregatorConfig, {"link": "lan"})
+    assert (w.codec, w.fallback, a.publish_codec) == (Codec.INT8, None, Codec.FP32)
+    w = build(WorkerConfig, {"codec": "sparse2", "density": 0.03})
+    assert (w.codec, w.density, w.fallback) == (Codec.SPARSE2, 0.03, None)  # the user's: never swapped for int8
+    a = build(AggregatorConfig, {"publish_codec": "int8"})
+    assert (a.publish_codec, a.publish_density) == (Codec.INT8, 0.009)  # the density stays the link's
+    assert AggregatorConfig().publish_codec is Codec.FP32 and AggregatorConfig().link == "lan"  # in process: lan
+
+
+def test_an_unknown_link_is_refused():
+    with pytest.raises(ConfigError, match="--link"):
+        build(WorkerConfig, {"link": "satellite"})
+    with pytest.raises(ConfigError, match="--link"):
+        link_codecs("satellite")
