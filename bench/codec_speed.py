@@ -41,7 +41,7 @@ from btnode.node.launch import stop_processes
 SHAPE = ModelConfig(d_model=1792, n_heads=28, n_layers=2, n_blocks=4, context=128)
 QUICK_SHAPE = ModelConfig(d_model=128, n_heads=2, n_layers=2, n_blocks=2, context=32)
 BLOCK, SEED, BATCH = 0, 0, 32
-PUSH_CODECS = ("int8", "fp32")  # today's default, and the lossless one
+PUSH_CODECS = ("int8", "fp32", "sparse8@0.01")  # today's default, the lossless one, and a sparse upload
 
 
 def synthetic_delta(cfg: ModelConfig, h: int, lr: float):
@@ -70,26 +70,29 @@ def variants(densities: list[float]):
 
 
 def codec_speeds(delta, reps: int, densities: list[float]) -> list[dict]:
-    """Per codec: encode and decode alone, then the frames' work on each side (compress + sha256;
-    FrameAssembler: unzstd, sha256, decode and the finite check), single-threaded."""
-    import zstandard
+    """Per codec: encode and decode alone, a worker's encode with error feedback (Δ + β·residual,
+    encoded, decoded again for the next residual: encode_update), then the bundle's work on each side
+    (compress + sha256; FrameAssembler: unzstd, sha256, decode and the finite check), single-threaded."""
+    import torch
 
     from btnode.codec.codecs import decode, encode
-    from btnode.codec.frames import ZSTD_LEVEL, FrameAssembler, frame_from_raw, iter_chunks, spec_of
+    from btnode.codec.frames import Bundle, FrameAssembler, encode_update, spec_of
 
     spec = spec_of(delta)
     mb = 4 * sum(t.numel() for t in delta.values()) / 1e6
+    base = {n: torch.zeros_like(t) for n, t in delta.items()}
+    residual = {n: t * 0.5 for n, t in delta.items()}  # a residual as large as half an update
     rows = []
     for codec, label, kw in variants(densities):
         raw = {n: encode(codec, t, **kw) for n, t in delta.items()}
         enc_s = timed(lambda: [encode(codec, t, **kw) for t in delta.values()], reps)  # noqa: B023
         dec_s = timed(lambda: [decode(codec, raw[n], s) for n, s in spec.items()], reps)  # noqa: B023
+        ef_s = timed(lambda: encode_update(delta, base, residual, codec, error_feedback=True, **kw), reps)  # noqa: B023
 
-        def frames():
-            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-            return [frame_from_raw(n, s, codec, raw[n], compressor) for n, s in spec.items()]  # noqa: B023
+        def bundled():
+            return list(Bundle(codec, [(n, raw[n]) for n in spec]).chunks())  # noqa: B023
 
-        chunks = list(iter_chunks(frames()))
+        chunks = bundled()
 
         def receive():
             asm = FrameAssembler.for_spec(spec, [codec])  # noqa: B023
@@ -97,13 +100,14 @@ def codec_speeds(delta, reps: int, densities: list[float]) -> list[dict]:
                 asm.add(c)
             asm.finish()
 
-        frame_s, recv_s = timed(frames, reps), timed(receive, reps)
+        frame_s, recv_s = timed(bundled, reps), timed(receive, reps)
         rows.append({"codec": label, "raw_bytes": sum(map(len, raw.values())),
                      "wire_bytes": sum(len(c.data) for c in chunks), "encode_s": enc_s, "decode_s": dec_s,
                      "frame_s": frame_s, "receive_s": recv_s, "encode_mbps": mb / enc_s, "decode_mbps": mb / dec_s,
-                     "codec_mbps": mb / (enc_s + dec_s), "frame_mbps": mb / frame_s, "receive_mbps": mb / recv_s})
-        print(f"[codec_speed] {label}: encode {mb / enc_s:.0f} MB/s, decode {mb / dec_s:.0f}, frame "
-              f"{mb / frame_s:.0f}, receive {mb / recv_s:.0f}", flush=True)
+                     "codec_mbps": mb / (enc_s + dec_s), "ef_encode_s": ef_s, "ef_encode_mbps": mb / ef_s,
+                     "frame_mbps": mb / frame_s, "receive_mbps": mb / recv_s})
+        print(f"[codec_speed] {label}: encode {mb / enc_s:.0f} MB/s, decode {mb / dec_s:.0f}, encode with error "
+              f"feedback {mb / ef_s:.0f}, bundle {mb / frame_s:.0f}, receive {mb / recv_s:.0f}", flush=True)
     return rows
 
 
@@ -118,6 +122,7 @@ def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: Mod
 
     from btnode.codec.codecs import encode, parse
     from btnode.codec.frames import ZSTD_LEVEL, frame_from_raw, iter_chunks
+    from btnode.codec.sparse import CHUNK, keep_of
     from btnode.protocol import Outcome, PushHeader
     from btnode.rpc.client import SwarmClient
     from btnode.rpc.server import CHANNEL_OPTIONS
@@ -125,15 +130,23 @@ def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: Mod
     from btnode.train.terms import TrainingTerms
 
     torch.set_num_threads(1)
-    tc, codec = TrainConfig(steps=1000, batch=BATCH), parse(codec_name)
+    tc = TrainConfig(steps=1000, batch=BATCH)
+    codec, _, density = codec_name.partition("@")
+    codec, keep = parse(codec), keep_of(float(density)) if density else CHUNK
     delta = synthetic_delta(cfg, h, tc.lr)
     spec = {n: tuple(t.shape) for n, t in delta.items()}
-    raw = {n: encode(codec, t) for n, t in delta.items()}
+    raw = {n: encode(codec, t, keep=keep) for n, t in delta.items()}
     del delta
 
-    def frames():  # as BlockWorker._frames: compressed and hashed as gRPC asks for them
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        return (frame_from_raw(n, s, codec, raw[n], compressor) for n, s in spec.items())
+    try:  # as BlockWorker._frames: one bundle, compressed as gRPC asks for its chunks
+        from btnode.codec.frames import Bundle
+
+        def frames():
+            return [Bundle(codec, [(n, raw[n]) for n in spec])]
+    except ImportError:  # a tree from before bundles (--against): a frame a tensor, compressed and hashed as gRPC asks
+        def frames():
+            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            return (frame_from_raw(n, s, codec, raw[n], compressor) for n, s in spec.items())
 
     parts = [c.data for c in iter_chunks(frames())]
     client = SwarmClient(agg, timeout_s=600)
@@ -152,19 +165,32 @@ def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: Mod
     def plain() -> None:
         assert int.from_bytes(sink(iter(parts), timeout=600), "little") == sum(map(len, parts))
 
-    print("ready", flush=True)
+    import btnode
+
+    print(f"ready {btnode.__file__}", flush=True)
     for line in sys.stdin:
         t0 = time.perf_counter()
         (push if line.strip() == "push" else plain)()
         print(f"{time.perf_counter() - t0:.6f}", flush=True)
 
 
+TREE = "BENCH_BTNODE_TREE"  # in a child's environment: the folder holding the btnode it must import
+
+
 def tree_env(ref: str, workdir: Path) -> dict[str, str]:
-    """An environment whose PYTHONPATH puts git ref `ref`'s btnode package first (bench/ stays this one)."""
+    """An environment for children that import git ref `ref`'s btnode package (bench/ stays this one): they
+    must also run in `tree_cwd(env)`, since `python -m` puts the working folder before PYTHONPATH (run from
+    this repository, a child imported this tree's btnode whatever PYTHONPATH said)."""
     dest = Path(tempfile.mkdtemp(prefix="btnode-", dir=workdir))
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "btnode"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+    return {**os.environ, TREE: str(dest),
+            "PYTHONPATH": os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+
+
+def tree_cwd(env: dict[str, str] | None) -> str | None:
+    """Where a child of `env` runs: its tree's folder (tree_env), or this one's."""
+    return (env or {}).get(TREE)
 
 
 def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[str, dict[str, str]],
@@ -188,10 +214,14 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
                 cmd = module_command("bench.codec_speed", "--push-client", f"127.0.0.1:{port}",
                                      f"127.0.0.1:{raw_port}", codec, str(reps + 2), "--h", str(h),
                                      *(["--quick"] if quick else []))
-                clients[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                clients[name] = subprocess.Popen(cmd, env=env, cwd=tree_cwd(env), stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True)
                 procs.append(clients[name])
-            for c in clients.values():
-                assert c.stdout is not None and c.stdout.readline().strip() == "ready", "a push client failed"
+            for name, c in clients.items():
+                assert c.stdout is not None
+                ready = c.stdout.readline().split()
+                assert ready[:1] == ["ready"], f"the push client of {name} failed"
+                assert Path(ready[1]).is_relative_to(tree_cwd(trees[name]) or ROOT), f"{name}: imported {ready[1]}"
             os.sync()  # the aggregators' version-0 checkpoints on disk, not written back during the pushes
             first = next(iter(clients.values()))
             times: dict[str, list[float]] = {name: [] for name in [*trees, "plain gRPC"]}
@@ -228,8 +258,8 @@ def main() -> None:
     ap.result("codec-speed")
     ap.quick(help="smoke run: a small block, 2 reps, no report", reps=2)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")], default=[0.01],
-                    help="sparse codecs' densities (values kept / values), comma-separated")
+    ap.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")], default=[0.01, 0.03],
+                    help="sparse codecs' densities (values kept / values), comma-separated: an upload's, a publish's")
     ap.rounds(h=50, h_help="local steps the synthetic update stands for (H)")
     ap.add_argument("--against", metavar="REF", help="also push with git ref REF's btnode, interleaved")
     ap.add_argument("--skip-codecs", action="store_true", help="the push part only")
@@ -260,9 +290,9 @@ def main() -> None:
 
 
 def metrics(res: dict) -> dict[str, Metric]:
-    """Encode + decode MB/s per core for each codec, and an int8 push against plain gRPC."""
+    """Encode + decode MB/s per core for each codec, and each codec's push against plain gRPC."""
     out: dict[str, Metric] = {f"{c['codec']}: encode + decode MB/s": c["codec_mbps"] for c in res["codecs"]}
-    return {**out, "int8 push / plain gRPC": res["push"]["int8"]["trees"]["this tree"]["vs_plain"]}
+    return {**out, **{f"{codec} push / plain gRPC": p["trees"]["this tree"]["vs_plain"] for codec, p in res["push"].items()}}
 
 
 def render(r: dict) -> str:
@@ -270,6 +300,7 @@ def render(r: dict) -> str:
     mb = 4 * r["params"] / 1e6
     cmd = f"`{r['command']}`"
     rows = [(c["codec"], f"{c['encode_mbps']:.0f}", f"{c['decode_mbps']:.0f}", f"**{c['codec_mbps']:.0f}**",
+             f"{c['ef_encode_mbps']:.0f}" if "ef_encode_mbps" in c else "—",
              f"{c['frame_mbps']:.0f}", f"{c['receive_mbps']:.0f}", f"{c['wire_bytes'] / 1e6:.1f} MB", cmd)
             for c in r["codecs"]]
     pushes = [(codec, tree, f"{t['push_mbps']:.0f}", f"{p['plain_grpc_mbps']:.0f}", f"**{t['vs_plain']:.2f}**", cmd)
@@ -281,11 +312,12 @@ def render(r: dict) -> str:
         f"(d = {s['d_model']}, {s['n_heads']} heads, {s['n_layers']} layers per block, {s['n_blocks']} blocks, context "
         f"{s['context']}): {r['params']:,} parameters, {mb:.1f} MB in fp32. The update: every parameter moved "
         f"N(0, σ²), σ = lr·√H / 2 with lr = {r['lr']:g}, H = {r['h']}. MB/s of the block's fp32 size, one thread, "
-        f"medians of {r['reps']} after a warm-up. *frame*: zstd level 1 + sha256 of each tensor (frame_from_raw); "
-        "*receive*: FrameAssembler over the 1 MiB chunks (unzstd, sha256, decode, finite check).",
+        f"medians of {r['reps']} after a warm-up. *with error feedback*: a worker's encode_update (Δ + β·residual, "
+        "encoded, and decoded again for the next residual); *bundle*: zstd level 1 + sha256 of each tensor into one "
+        "bundle's chunks; *receive*: FrameAssembler over the 1 MiB chunks (unzstd, sha256, decode, finite check).",
         "",
-        *table(["codec", "encode MB/s", "decode MB/s", "encode + decode MB/s", "frame MB/s", "receive MB/s",
-                "bytes on the wire", "command"], rows, "lrrrrrrl"),
+        *table(["codec", "encode MB/s", "decode MB/s", "encode + decode MB/s", "encode with error feedback MB/s",
+                "bundle MB/s", "receive MB/s", "bytes on the wire", "command"], rows, "lrrrrrrrl"),
         "",
         f"Error feedback keeps one fp32 residual per parameter: **{r['error_feedback_bytes_per_worker'] / 1e6:.0f} MB "
         "per worker** at this block (4 bytes × parameters), beside its parameters and AdamW state.",

@@ -21,9 +21,9 @@ An interrupted run resumes: the rows it finished are kept in bench/results/comms
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
 (level 1) payload bytes of each published delta, mean over versions and units: in lockstep every
-worker fetches each version of its unit once. Frame headers (the protobuf FrameHeader and chunk
-framing of each tensor, ~60 bytes) are not in either: they are reported apart (header_up,
-header_down), as are gRPC's and HTTP/2's own framing (not counted at all). CE: SCE-1 at K = 1 on
+worker fetches each version of its unit once. Headers (the protobuf BundleHeader and chunk framing
+of each push and fetch, ~50 bytes; ~60 bytes a tensor before bundles) are not in either: they are
+reported apart (header_up, header_down); gRPC's and HTTP/2's own framing is not counted at all. CE: SCE-1 at K = 1 on
 --windows windows of wiki.test.raw for BlockTrain, teacher-forced CE for DiLoCo, the same windows
 and rows for every row (btnode.evaluation.metrics.swarm_ce).
 """
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import zstandard
 
 from bench.comms_wan import load, render_wan, run_wan
 from bench.flags import QUICK_SHAPE, BenchParser
@@ -54,7 +53,7 @@ from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.sums.averaging import OuterConfig
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ZSTD_LEVEL, ChunkData, Frame, FrameHeader
+from btnode.codec.frames import Bundle, ChunkData, Frame, iter_chunks
 from btnode.data.corpus import bundled
 from btnode.evaluation.metrics import swarm_ce
 from btnode.model.config import ModelConfig
@@ -158,8 +157,8 @@ class Settings:
 
 @dataclass
 class HeaderTap:
-    """A worker's link: the shared LocalLink, counting the protobuf bytes of each pushed frame's
-    header and chunk framing (what the payload bytes leave out)."""
+    """A worker's link: the shared LocalLink, counting the protobuf bytes of each push's chunks beyond
+    their payload (the bundle header and the chunk framing: what the payload bytes leave out)."""
 
     link: LocalLink
     header_bytes: int = 0
@@ -168,19 +167,26 @@ class HeaderTap:
     def __getattr__(self, name: str) -> object:
         return getattr(self.link, name)
 
-    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
-        return self.link.push(header, self._counted(frames))
-
-    def _counted(self, frames: Iterable[Frame]) -> Iterator[Frame]:
-        for f in frames:
-            self.header_bytes += framing(f.header, len(f.payload))
-            self.frames += 1
-            yield f
+    def push(self, header: PushHeader, frames: Iterable[Frame | Bundle]) -> Judgement:
+        sent = list(iter_chunks(frames))
+        self.header_bytes += framing(sent)
+        self.frames += sum(c.header is not None for c in sent)
+        return self.link.push(header, [Sent(sent)])
 
 
-def framing(h: FrameHeader, payload: int) -> int:
-    """Protobuf bytes of a one-chunk frame beyond its payload: the header and the chunk's fields."""
-    return chunk_to_pb(ChunkData(h, b"\0" * payload)).ByteSize() - payload
+@dataclass(frozen=True)
+class Sent:
+    """Chunks already made, passed on as a frame list."""
+
+    sent: list[ChunkData]
+
+    def chunks(self, chunk_bytes: int = 0) -> Iterator[ChunkData]:
+        return iter(self.sent)
+
+
+def framing(chunks: Iterable[ChunkData]) -> int:
+    """Protobuf bytes of a stream's chunk messages beyond their payload: headers and the chunks' fields."""
+    return sum(chunk_to_pb(c).ByteSize() - len(c.data) for c in chunks)
 
 
 @dataclass
@@ -195,16 +201,18 @@ class Taps:
 
 
 def downloads(sim: Simulation) -> tuple[float, float, int]:
-    """(zstd payload bytes, framing bytes, versions) of the published deltas per version, mean over units."""
+    """(zstd payload bytes, framing bytes, versions) of the published deltas per version, mean over units:
+    the bundle each FetchDelta sends (BlockAggregator.delta_frames)."""
     payload, header, versions = [], [], 0
     for agg in sim.agg.blocks.values():
-        zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         for v in range(1, agg.info.version + 1):
-            _, codec, raw = agg.delta(v)
-            sizes = {n: len(zc.compress(r)) for n, r in raw.items()}
-            payload.append(sum(sizes.values()))
-            header.append(sum(framing(FrameHeader(n, agg.spec[n], codec, len(raw[n]), sizes[n], b"\0" * 32), sizes[n])
-                              for n in raw))
+            stored = agg.delta_frames(v)
+            try:
+                sent = list(iter_chunks(stored.frames))
+            finally:
+                stored.close()
+            payload.append(sum(len(c.data) for c in sent))
+            header.append(framing(sent))
             versions += 1
     return statistics.mean(payload), statistics.mean(header), versions
 

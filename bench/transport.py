@@ -5,6 +5,8 @@ fp32 versus int8 updates.
 
     .venv/bin/python -m bench.transport          # ~15 min on 2 cores
     .venv/bin/python -m bench.transport --quick  # a smoke run
+    .venv/bin/python -m bench.transport --largest-block --setting largest-block  # push_vs_grpc at bench/memory.py's
+        # largest block (521 MB in fp32) per codec, against plain gRPC in turns (bench/codec_speed.py's push part)
 
 Servers run in their own processes; the client side runs here. Throughputs are in MB/s of the
 block's fp32 size (10^6 bytes), medians of `--reps` after one warm-up, measured in one run.
@@ -13,6 +15,7 @@ block's fp32 size (10^6 bytes), medians of `--reps` after one warm-up, measured 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -80,15 +83,16 @@ def child(kind: str, workdir: Path, *args: str, shape=SHAPE, env: dict[str, str]
     their port the same way. `env`: the child's environment (another PYTHONPATH: another btnode)."""
     port_file = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.port"
     log = workdir / f"{port_file.stem}.log"
+    cwd = (env or {}).get("BENCH_BTNODE_TREE")  # another tree's btnode (codec_speed.tree_env): `-m` imports the cwd's first
     if kind == "aggregator":
         node = start_node([*(["-v"] if os.environ.get("BENCH_VERBOSE") else []), "join", "--role", "aggregator",
                            "--listen", "127.0.0.1:0", "--state-dir", str(workdir / f"state-{port_file.stem}"),
                            *shape_flags(shape), *args, "--no-identities", "--audit", "0"],  # as measured before #38's defaults (identities, audits); docs/security.md for the defaults' costs
-                          port_file=port_file, log=log, env=env,
+                          port_file=port_file, log=log, env=env, popen=functools.partial(subprocess.Popen, cwd=cwd),
                           name=f"{kind} server", timeout_s=600.0)
         return node.proc, node.port
     proc = subprocess.Popen(module_command("bench.transport", f"--serve-{kind}", str(port_file)),
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=cwd)
     try:
         return proc, wait_port(port_file, proc, name=f"{kind} server")
     except BaseException:
@@ -240,6 +244,9 @@ def main() -> None:
     ap.rounds(rounds=4, h=50, h_help="local steps per round (H) for the update and the swarm")
     ap.windows(256)
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-transport")
+    ap.add_argument("--largest-block", action="store_true",
+                    help="only the push of the largest block against plain gRPC, per codec (push_vs_grpc)")
+    ap.add_argument("--against", metavar="REF", help="with --largest-block: also push with git ref REF's btnode")
     ap.add_argument("--serve-raw-grpc", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--serve-tcp", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -248,6 +255,8 @@ def main() -> None:
     if args.serve_tcp:
         return serve_tcp(args.serve_tcp)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.largest_block:
+        return largest_block(args)
 
     cfg, delta, step_s, terms = trained_delta(args.h)
     blocks = block_transfers(args.workdir, cfg, delta, terms, args.reps)
@@ -280,6 +289,40 @@ def main() -> None:
     }
     print(json.dumps(res, indent=1))
     publish("transport", res, metrics(res), render, out=args.results)
+
+
+def largest_block(args: argparse.Namespace) -> None:
+    """A push of bench/codec_speed.py's block (the largest of bench/memory.py) per codec, against a plain
+    gRPC client stream of the same wire bytes, taking turns (codec_speed.push_speeds; H = 50)."""
+    from bench.codec_speed import QUICK_SHAPE, tree_env
+    from bench.codec_speed import SHAPE as LARGEST
+    from bench.codec_speed import push_speeds
+
+    trees = {"this tree": {**os.environ}}
+    if args.against:
+        trees[args.against] = tree_env(args.against, args.workdir)
+    cfg = QUICK_SHAPE if args.quick else LARGEST
+    pushes = push_speeds(args.workdir, cfg, 50, args.reps, trees, args.quick)
+    res = {"shape": cfg.to_dict(), "push": pushes, "reps": args.reps, "date": time.strftime("%Y-%m-%d"),
+           "push_vs_grpc": {codec: p["trees"]["this tree"]["vs_plain"] for codec, p in pushes.items()}}
+    print(json.dumps(res, indent=1))
+    publish("transport", res, {f"{codec} push / plain gRPC": v for codec, v in res["push_vs_grpc"].items()},
+            render_largest, out=args.results)
+
+
+def render_largest(r: dict) -> str:
+    rows = [(codec, tree, f"{t['push_mbps']:.0f}", f"{p['plain_grpc_mbps']:.0f}", f"**{t['vs_plain']:.2f}**")
+            for codec, p in r["push"].items() for tree, t in p["trees"].items()]
+    mb = next(iter(r["push"].values()))["block_fp32_mb"]
+    return "\n".join([
+        "## Transport: a push of the largest block against plain gRPC (`bench/transport.py --largest-block`)",
+        "",
+        f"{r['date']}; 2 cores shared with other work, loopback. A {mb:.0f} MB block (fp32) pushed by a client "
+        "process to an aggregator process, as a worker pushes (codec bytes ready, the bundle compressed as gRPC "
+        "sends), against a plain gRPC client stream of the push's wire bytes, taking turns; MB/s of the block's "
+        f"fp32 size, medians of {r['reps']} after a warm-up round.",
+        "",
+        *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain"], rows, "llrrr")])
 
 
 def metrics(res: dict) -> dict[str, Metric]:

@@ -254,6 +254,7 @@ class JoinInfo:
     data_key: str = ""  # which windows the worker trains (see btnode/aggregate/trust/datakeys.py); empty: an older aggregator
     audits: bool = False  # updates may be replayed: train nothing while waiting, and keep each round's start state
     relay_audits: bool = False  # to a relay: its combined pushes may be audited (aggregate/trust/evidence.py)
+    bundles: bool = True  # the aggregator reads a push's bundle (codec/bundles.py); an older one does not: frames
 
 
 @dataclass

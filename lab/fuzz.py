@@ -37,7 +37,9 @@ from btnode.aggregate.trust.evidence import frames_digest
 from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, encode
-from btnode.codec.frames import ChunkData, FrameAssembler, FrameHeader, encode_frames, frame_from_raw, iter_chunks
+from btnode.codec.bundles import BundleHeader
+from btnode.codec.frames import (ChunkData, FrameAssembler, FrameHeader, bundle, encode_frames, frame_from_raw,
+                                 iter_chunks)
 from btnode.errors import PeerInputError
 from btnode.model.config import ModelConfig
 from btnode.protocol import EMPTY_STATE, OPTIMIZER_PREFIX, RESIDUAL_PREFIX, ManifestEntry, PushHeader, RoundSize, WorkClaim
@@ -73,15 +75,33 @@ def valid_chunks(rng: random.Random, block: int = 0, codec: Codec | None = None,
     codec = codec or rng.choice(list(Codec))
     tensors = {n: torch.randn(s, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * 0.01
                for n, s in _spec(block).items()}
-    return list(iter_chunks(encode_frames(tensors, codec, keep=rng.choice(KEEPS)),
-                            chunk_bytes or rng.choice([64, 512, 4096, 1 << 20])))
+    keep, chunk_bytes = rng.choice(KEEPS), chunk_bytes or rng.choice([64, 512, 4096, 1 << 20])
+    if rng.random() < 0.5:  # a stream of one bundle (what workers push and aggregators publish), or of frames
+        return list(bundle(tensors, codec, keep=keep).chunks(chunk_bytes))
+    return list(iter_chunks(encode_frames(tensors, codec, keep=keep), chunk_bytes))
 
 
 def _junk(rng: random.Random, n: int | None = None) -> bytes:
     return rng.randbytes(rng.choice([0, 1, 7, 64, 1000]) if n is None else n)
 
 
-def mutate_header(rng: random.Random, h: FrameHeader, names: list[str]) -> FrameHeader:
+def mutate_bundle(rng: random.Random, h: BundleHeader) -> BundleHeader:
+    choice = rng.randrange(4)
+    if choice == 0:
+        return replace(h, codec=rng.choice(list(Codec)))
+    if choice == 1:
+        return replace(h, tensors=rng.choice([0, h.tensors - 1, h.tensors + 1, 2**31]))
+    if choice == 2:
+        sizes = list(h.raw_sizes) or [1] * h.tensors
+        i = rng.randrange(len(sizes))
+        sizes[i] = rng.choice([0, 1, sizes[i] - 1, sizes[i] + 1, 2**40])
+        return replace(h, raw_sizes=tuple(rng.choice([sizes, sizes[:-1], []])))
+    return replace(h, digest=rng.choice([b"", _junk(rng, 32), h.digest[:31]]))
+
+
+def mutate_header(rng: random.Random, h: FrameHeader | BundleHeader, names: list[str]) -> FrameHeader | BundleHeader:
+    if isinstance(h, BundleHeader):
+        return mutate_bundle(rng, h)
     choice = rng.randrange(8)
     if choice == 0:
         return replace(h, name=rng.choice([*names, "", "x" * 300, "layers.0.evil", h.name + "\0"]))
@@ -154,7 +174,8 @@ def mutate_chunks(rng: random.Random, chunks: list[ChunkData], names: list[str])
             out[i:i + 1] = list(iter_chunks(encode_frames({name: bad[name]}, rng.choice(list(Codec)))))
         else:  # mutated codec bytes under an honest header and checksum, in place of a frame: they reach its decoder
             spec = _spec()
-            name = c.header.name if c.header is not None and c.header.name in spec else rng.choice(sorted(spec))
+            named = isinstance(c.header, FrameHeader) and c.header.name in spec
+            name = c.header.name if named else rng.choice(sorted(spec))
             shape, codec = spec[name], c.header.codec if c.header is not None else rng.choice(list(Codec))
             raw = encode(codec, 0.01 * torch.randn(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31))),
                          keep=rng.choice(KEEPS))

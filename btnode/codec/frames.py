@@ -1,7 +1,9 @@
 """Frames (design §3.5): one tensor = a header (name, dtype, shape, codec, raw and payload sizes,
-sha256 of the raw bytes) and a zstd payload, sent as chunks of at most CHUNK_BYTES.
+sha256 of the raw bytes) and a zstd payload, sent as chunks of at most CHUNK_BYTES. A bundle (issue
+#40) carries every tensor of a stream in one zstd frame behind one header (codec, count, the raw sizes
+a sparse codec needs, the frames digest): names and shapes are the spec both sides hold, in its order.
 
-`encode_frames` / `iter_chunks` produce the wire sequence; `FrameAssembler` consumes one and
+`encode_frames` / `bundle` / `iter_chunks` produce the wire sequence; `FrameAssembler` consumes one and
 checks every rule against the exact tensor spec the receiver expects, so that nothing partial or
 invalid is ever handed on. This module knows no gRPC: rpc/ converts these to protobuf messages.
 """
@@ -12,13 +14,14 @@ import hashlib
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import zstandard
 
+from btnode.codec.bundles import BundleHeader, BundleReader, compressed, frames_digest
 from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.codec.sparse import CHUNK, SparseTensor
 from btnode.errors import MalformedInput, TooLarge
@@ -47,14 +50,62 @@ class Frame:
     header: FrameHeader
     payload: bytes
 
+    @property
+    def raw_bytes(self) -> int:
+        return self.header.raw_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.header.payload_bytes
+
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
-        return iter_chunks([self], chunk_bytes)
+        payload = self.payload
+        yield ChunkData(self.header, payload[:chunk_bytes])
+        for lo in range(chunk_bytes, len(payload), chunk_bytes):
+            yield ChunkData(None, payload[lo:lo + chunk_bytes])
 
 
 @dataclass(frozen=True)
 class ChunkData:
-    header: FrameHeader | None  # present on the first chunk of each frame
+    header: FrameHeader | BundleHeader | None  # present on the first chunk of each frame or bundle
     data: bytes
+
+
+class Bundle:
+    """Every tensor of a stream in one zstd frame behind one BundleHeader, compressed as its chunks are
+    asked for (the compression of chunk k+1 overlaps the sending of chunk k). `raw`: (name, raw codec
+    bytes) in the spec's order. `payload_bytes` is known once the chunks have all been made (`on_sent`
+    hears it then: a caller that lists its frames before sending them has not sent them yet)."""
+
+    def __init__(self, codec: Codec, raw: Sequence[tuple[str, bytes]], *, level: int = ZSTD_LEVEL,
+                 on_sent: Callable[[int, int], None] | None = None):
+        self.codec, self.raw, self.level = codec, list(raw), level
+        self.on_sent = on_sent  # called with (raw bytes, payload bytes) each time its last chunk has been made
+        digest = frames_digest({n: hashlib.sha256(r).digest() for n, r in self.raw})
+        self.header = BundleHeader(codec, len(self.raw), tuple(len(r) for _, r in self.raw) if codec.sparse else (),
+                                   bytes.fromhex(digest))
+        self.raw_bytes = sum(len(r) for _, r in self.raw)
+        self.payload_bytes = 0
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
+        pending, header, sent = bytearray(), self.header, 0
+        for out in compressed((r for _, r in self.raw), self.raw_bytes, self.level):
+            pending += out
+            while len(pending) >= chunk_bytes:
+                yield ChunkData(header, bytes(pending[:chunk_bytes]))
+                del pending[:chunk_bytes]
+                header, sent = None, sent + chunk_bytes
+        for lo in range(0, len(pending), chunk_bytes) if pending else ():
+            yield ChunkData(header, bytes(pending[lo:lo + chunk_bytes]))
+            header = None
+        self.payload_bytes = sent + len(pending)
+        if self.on_sent is not None:
+            self.on_sent(self.raw_bytes, self.payload_bytes)
+
+
+def bundle(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> Bundle:
+    """A bundle of `tensors` (in the mapping's order, which must be the receiver's spec order)."""
+    return Bundle(codec, [(n, encode(codec, t, keep=keep)) for n, t in tensors.items()])
 
 
 def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -107,6 +158,12 @@ def lazy_frames(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int 
         yield frame_from_raw(name, tuple(t.shape), codec, encode(codec, t, keep=keep), compressor)
 
 
+def bundle_limit(spec: Spec, codec: Codec) -> int:
+    """Compressed bytes a bundle of `spec` in `codec` may take: its largest raw size and zstd's slack."""
+    largest = sum(raw_size(codec, math.prod(s)) for s in spec.values())
+    return largest + largest // 128 + FRAME_SLACK
+
+
 class ReplayableFrames:
     """An update's frames, made anew by `make` each time they are iterated, so that a refused push
     can be sent again (lazily each time: nothing is held between attempts)."""
@@ -118,21 +175,29 @@ class ReplayableFrames:
         return self.make()
 
 
-def iter_chunks(frames: Iterable[Frame], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
+def iter_chunks(frames: Iterable[Frame | Bundle], chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkData]:
     for f in frames:
-        payload = f.payload
-        yield ChunkData(f.header, payload[:chunk_bytes])
-        for lo in range(chunk_bytes, len(payload), chunk_bytes):
-            yield ChunkData(None, payload[lo:lo + chunk_bytes])
+        yield from f.chunks(chunk_bytes)
 
 
-def wire_bytes(frames: Iterable[Frame]) -> tuple[int, int]:
-    """(raw bytes before compression, payload bytes after) of a frame list."""
+def wire_bytes(frames: Iterable[Frame | Bundle]) -> tuple[int, int]:
+    """(raw bytes before compression, payload bytes after) of a frame list (a bundle is compressed to count)."""
     raw = payload = 0
     for f in frames:
-        raw += f.header.raw_bytes
-        payload += f.header.payload_bytes
+        if isinstance(f, Bundle) and not f.payload_bytes:
+            for _ in f.chunks():
+                pass
+        raw += f.raw_bytes
+        payload += f.payload_bytes
     return raw, payload
+
+
+def stream_digest(frames: Iterable[Frame | Bundle]) -> str:
+    """The frames digest of a stream's frames, or of its bundle (the one its header carries)."""
+    frames = list(frames)
+    if len(frames) == 1 and isinstance(frames[0], Bundle):
+        return frames[0].header.digest.hex()
+    return frames_digest({f.header.name: f.header.sha256 for f in frames if isinstance(f, Frame)})
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -211,6 +276,8 @@ class FrameAssembler:
         self._current: FrameHeader | None = None
         self._parts: list[bytes] = []
         self._received = 0
+        self._bundle: BundleReader | None = None  # a stream of one bundle, not of frames
+        self._bundle_parts: list[bytes] = []  # its payload while deferred in memory
         self.wire_bytes = 0  # payload bytes received so far
         self._dctx = zstandard.ZstdDecompressor()
 
@@ -227,7 +294,11 @@ class FrameAssembler:
         if len(chunk.data) > self.max_chunk_bytes:
             raise TooLarge("chunk_size", f"chunk of {len(chunk.data)} bytes exceeds {self.max_chunk_bytes}")
         self.wire_bytes += len(chunk.data)
+        if isinstance(chunk.header, BundleHeader) or (chunk.header is None and self._bundle is not None):
+            return self._add_bundle(chunk)
         if chunk.header is not None:
+            if self._bundle is not None:
+                raise MalformedInput("bundle", "a stream carries one bundle or frames, not both")
             if self._current is not None:
                 raise MalformedInput("truncated", f"frame {self._current.name!r} ended after "
                                      f"{self._received} of {self._current.payload_bytes} payload bytes")
@@ -245,6 +316,33 @@ class FrameAssembler:
             self._parts.append(chunk.data)
         if self._received == self._current.payload_bytes:
             self._complete()
+
+    def _add_bundle(self, chunk: ChunkData) -> None:
+        """A bundle's chunk: its header starts the stream's one bundle; its payload is read as it comes
+        (or parked, deferred, and read in finish())."""
+        if isinstance(chunk.header, BundleHeader):
+            if self._bundle is not None or self.tensors or self._current is not None:
+                raise MalformedInput("bundle", "a stream carries one bundle or frames, not both")
+            h = chunk.header
+            if h.codec not in self.codecs:
+                raise MalformedInput("codec", f"bundle uses codec {h.codec!r}, accepted: "
+                                              f"{sorted(c.name for c in self.codecs)}")
+            self._bundle = BundleReader(h, self.spec, self._take, bundle_limit(self.spec, h.codec))
+        assert self._bundle is not None
+        if not self.defer:
+            return self._bundle.feed(chunk.data)
+        self._bundle.received += len(chunk.data)  # (the limit is checked as the chunks come, read or not)
+        if self._bundle.received > self._bundle.max_payload:
+            raise TooLarge("frame_size", f"bundle payload over its limit of {self._bundle.max_payload} bytes")
+        if self.defer_dir is not None:
+            self._park(chunk.data)
+        else:
+            self._bundle_parts.append(chunk.data)
+
+    def _take(self, name: str, raw: bytes) -> None:
+        """One tensor of a bundle, whole: decoded and checked as a frame's (its digest is checked at the end)."""
+        assert self._bundle is not None
+        self._check(name, self._bundle.header.codec, self.spec[name], raw)
 
     def _start(self, h: FrameHeader) -> None:
         if h.name not in self.spec:
@@ -314,21 +412,28 @@ class FrameAssembler:
                                  f"header says {h.raw_bytes}")
         if hashlib.sha256(raw).digest() != h.sha256:
             raise MalformedInput("checksum", f"tensor {h.name!r} fails its sha256 check")
-        if h.codec.sparse and self.keep_sparse:
-            t = SparseTensor.decode(raw, h.shape, h.codec.two_bit)  # its values are checked finite
-        else:
-            t = decode(h.codec, raw, h.shape)
-            if self.finite and not all_finite(t):
-                raise MalformedInput("nonfinite", f"tensor {h.name!r} contains NaN or Inf")
-            if self.lazy:
-                self._codecs[h.name] = h.codec
-                self._stats[h.name] = (absmax(t), float(torch.linalg.vector_norm(t)))
-                t = None  # checked; LazyDelta decodes it again when it is read
-        self.tensors[h.name] = t
-        self.raw[h.name] = raw
+        self._check(h.name, h.codec, h.shape, raw)
         self._current, self._parts = None, []
 
+    def _check(self, name: str, codec: Codec, shape: tuple[int, ...], raw: bytes) -> None:
+        """A tensor's raw bytes decoded and checked (finite), kept as the assembler keeps them."""
+        t: torch.Tensor | SparseTensor | None
+        if codec.sparse and self.keep_sparse:
+            t = SparseTensor.decode(raw, shape, codec.two_bit)  # its values are checked finite
+        else:
+            t = decode(codec, raw, shape)
+            if self.finite and not all_finite(t):
+                raise MalformedInput("nonfinite", f"tensor {name!r} contains NaN or Inf")
+            if self.lazy:
+                self._codecs[name] = codec
+                self._stats[name] = (absmax(t), float(torch.linalg.vector_norm(t)))
+                t = None  # checked; LazyDelta decodes it again when it is read
+        self.tensors[name] = t  # type: ignore[assignment]
+        self.raw[name] = raw
+
     def finish(self) -> Mapping[str, torch.Tensor | SparseTensor]:
+        if self._bundle is not None:
+            return self._finish_bundle(self._bundle)
         if self._current is not None:
             raise MalformedInput("truncated", f"stream ended inside frame {self._current.name!r} "
                                  f"({self._received} of {self._current.payload_bytes} bytes)")
@@ -347,6 +452,23 @@ class FrameAssembler:
                 self._decode(h, payload)
         finally:
             self.close()
+        return self._result()
+
+    def _finish_bundle(self, reader: BundleReader) -> Mapping[str, torch.Tensor | SparseTensor]:
+        try:
+            if self.defer:  # whole: only now decompressed, hashed and decoded
+                if self._defer_file is not None:
+                    self._defer_file.flush()
+                    for lo in range(0, self._defer_at, CHUNK_BYTES):
+                        reader.feed_deferred(os.pread(self._defer_file.fileno(), min(CHUNK_BYTES, self._defer_at - lo), lo))
+                while self._bundle_parts:
+                    reader.feed_deferred(self._bundle_parts.pop(0))
+            reader.end()
+        finally:
+            self.close()
+        return self._result()
+
+    def _result(self) -> Mapping[str, torch.Tensor | SparseTensor]:
         if self.lazy:
             return LazyDelta(self.spec, self._codecs, self.raw,
                              {n: t for n, t in self.tensors.items() if n not in self._codecs}, self._stats)

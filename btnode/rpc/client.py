@@ -19,9 +19,8 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from btnode.aggregate.trust.evidence import frames_digest
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks, lazy_frames
+from btnode.codec.frames import Bundle, ChunkData, Frame, FrameAssembler, iter_chunks, lazy_frames, stream_digest
 from btnode.errors import Forbidden, MalformedInput, Overloaded, PeerInputError, Refused
 from btnode.model.config import ModelConfig
 from btnode.protocol import (
@@ -147,13 +146,13 @@ class SwarmClient:
                                                                   relay=relay, cert=cert, signature=signature))
         return convert.join_from_pb(reply)
 
-    def signed(self, header: PushHeader, frames: list[Frame]) -> PushHeader:
+    def signed(self, header: PushHeader, frames: list[Frame | Bundle]) -> PushHeader:
         """A worker's push header signed with its certificate's key (protocol.receipt_statement), so that
         a relay's manifest can carry the proof to the root; as it was without a certificate."""
         mine = self._credentials()
         if mine is None or header.manifest or header.signature:
             return header
-        digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
+        digest = stream_digest(frames)
         return replace(header, cert=mine[0], signature=sign(mine[1], receipt_statement(header, digest)))
 
     def leave(self, worker_id: str, block: int) -> None:
@@ -186,16 +185,16 @@ class SwarmClient:
                                                                   seconds=time.perf_counter() - t0), raw=asm.raw)
 
     def pull(self, block: int, worker_id: str, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        request = pb.PullRequest(block=block, worker_id=worker_id)
+        request = pb.PullRequest(block=block, worker_id=worker_id, bundles=True)
         return self._retrying("pull", lambda: self._tensor_stream(
             "pull", self.stub.Pull(request, timeout=self.timeout_s), spec, [Codec.FP32]))
 
     def fetch_delta(self, block: int, version: int, spec: Mapping[str, tuple[int, ...]]) -> Pulled:
-        request = pb.FetchDeltaRequest(block=block, version=version)
+        request = pb.FetchDeltaRequest(block=block, version=version, bundles=True)
         return self._retrying("fetch delta", lambda: self._tensor_stream(
             "fetch delta", self.stub.FetchDelta(request, timeout=self.timeout_s), spec, list(Codec)))
 
-    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+    def push(self, header: PushHeader, frames: Iterable[Frame | Bundle]) -> Judgement:
         """Push an update; invalid or stale updates come back as REJECTED/STALE judgements.
         `frames` may be a lazy iterator, consumed by gRPC's sending thread chunk by chunk; then a
         refused push is not retried here (its frames are spent). An iterable that makes fresh frames
@@ -483,7 +482,7 @@ def _role_name(number: int) -> str:
     return role.value if role is not None else ""
 
 
-def _messages(header: PushHeader, frames: Iterable[Frame | ChunkData],
+def _messages(header: PushHeader, frames: Iterable[Frame | Bundle | ChunkData],
               message: type[pb.PushRequest] | type[pb.SubmitStateRequest] = pb.PushRequest) -> Iterator[Any]:
     """A Push or SubmitState stream (`message`): the header, then the frames' chunks (chunks given pass as they
     are)."""

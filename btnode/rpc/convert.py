@@ -14,6 +14,7 @@ from typing import Any
 from btnode import __version__
 from btnode.aggregate.trust.identities import Role
 from btnode.aggregate.service import SwarmStatus
+from btnode.codec.bundles import BundleHeader
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import DTYPE, ChunkData, FrameHeader
 from btnode.errors import MalformedInput
@@ -104,13 +105,30 @@ def header_from_pb(m: pb.FrameHeader) -> FrameHeader:
                        dtype=dtype)
 
 
+def bundle_to_pb(h: BundleHeader) -> pb.BundleHeader:
+    return pb.BundleHeader(codec=CODECS.to_pb(h.codec), tensors=h.tensors, raw_bytes=h.raw_sizes, digest=h.digest)
+
+
+def bundle_from_pb(m: pb.BundleHeader) -> BundleHeader:
+    if len(m.raw_bytes) != (m.tensors if m.raw_bytes else 0):  # (the spec's count is checked by the assembler)
+        raise MalformedInput("bundle", f"a bundle of {m.tensors} tensors states {len(m.raw_bytes)} sizes")
+    return BundleHeader(codec=codec_from_pb(m.codec), tensors=int(m.tensors), raw_sizes=tuple(int(n) for n in m.raw_bytes),
+                        digest=bytes(m.digest))
+
+
 def chunk_to_pb(c: ChunkData) -> pb.Chunk:
     if c.header is None:
         return pb.Chunk(data=c.data)
+    if isinstance(c.header, BundleHeader):
+        return pb.Chunk(bundle=bundle_to_pb(c.header), data=c.data)
     return pb.Chunk(header=header_to_pb(c.header), data=c.data)
 
 
 def chunk_from_pb(m: pb.Chunk) -> ChunkData:
+    if m.HasField("bundle"):
+        if m.HasField("header"):
+            raise MalformedInput("header", "a chunk carries a frame header or a bundle header, not both")
+        return ChunkData(header=bundle_from_pb(m.bundle), data=bytes(m.data))
     return ChunkData(header=header_from_pb(m.header) if m.HasField("header") else None, data=bytes(m.data))
 
 
@@ -242,13 +260,13 @@ def round_receipt_from_pb(m: pb.RoundReceipt) -> RoundReceipt:
 def join_to_pb(j: JoinInfo) -> pb.JoinReply:
     return pb.JoinReply(current=info_to_pb(j.current), deadline_s=j.deadline_s, codecs=[CODECS.to_pb(c) for c in j.codecs],
                         max_staleness=j.max_staleness, data_key=j.data_key, audits=j.audits,
-                        relay_audits=j.relay_audits)
+                        relay_audits=j.relay_audits, bundles=j.bundles)
 
 
 def join_from_pb(m: pb.JoinReply) -> JoinInfo:
     return JoinInfo(current=info_from_pb(m.current), deadline_s=m.deadline_s,
                     codecs=tuple(codec_from_pb(c) for c in m.codecs), max_staleness=m.max_staleness,
-                    data_key=m.data_key, audits=m.audits, relay_audits=m.relay_audits)
+                    data_key=m.data_key, audits=m.audits, relay_audits=m.relay_audits, bundles=m.bundles)
 
 
 def status_to_pb(s: SwarmStatus, server_time_unix: float) -> pb.StatusReply:

@@ -21,7 +21,8 @@ import grpc
 from btnode.aggregate.round.deltas import DeltaFrames, StoredFrame
 from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
-from btnode.codec.frames import ChunkData, Frame
+from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import ChunkData, Frame, frame_from_raw
 from btnode.errors import Forbidden, MalformedInput, PeerInputError, Refused
 from btnode.protocol import ABORTED, EvidenceChild, PushHeader, VersionInfo, join_statement, receipt_statement
 from btnode.rpc import convert
@@ -159,7 +160,12 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     @streaming
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullReply]:
         self._who(context, "Pull", request.worker_id)
-        info, frames = self._theta_frames(request.block)
+        if request.bundles:
+            info, frames = self._theta_frames(request.block)
+        else:  # a reader older than bundles: frames of θ, encoded as they go
+            block = self.agg.block(request.block)
+            info, theta = block.current()
+            frames = (frame_from_raw(n, s, Codec.FP32, encode(Codec.FP32, theta[n])) for n, s in block.spec.items())
         yield from self._send(info, frames, "pull", pb.PullReply)
 
     def _theta_frames(self, b: int) -> tuple[VersionInfo, list[StoredFrame]]:
@@ -178,7 +184,10 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     def FetchDelta(self, request: pb.FetchDeltaRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.FetchDeltaReply]:
         self._who(context, "FetchDelta")
-        info, frames = self._delta_frames(request.block, request.version)
+        if request.bundles:
+            info, frames = self._delta_frames(request.block, request.version)
+        else:  # a reader older than bundles: frames, read from the store a tensor at a time
+            info, frames = self.agg.block(request.block).delta_pieces(request.version)
         yield from self._send(info, frames, "fetch_delta", pb.FetchDeltaReply)
 
     def _delta_frames(self, b: int, version: int) -> tuple[VersionInfo, list[StoredFrame]]:
@@ -202,8 +211,8 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         meter = self.agg.meter
         yield reply(info=convert.info_to_pb(info))
         for frame in frames:
-            meter.count(("sent", "raw"), frame.header.raw_bytes)
-            meter.count(("sent", "wire"), frame.header.payload_bytes)
+            meter.count(("sent", "raw"), frame.raw_bytes)
+            meter.count(("sent", "wire"), frame.payload_bytes)
             for chunk in frame.chunks():
                 yield reply(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)

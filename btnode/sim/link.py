@@ -24,10 +24,9 @@ from dataclasses import replace
 import torch
 
 from btnode.aggregate.service import SwarmAggregator
-from btnode.aggregate.trust.evidence import frames_digest
 from btnode.aggregate.trust.identities import Identity, Role
 from btnode.codec.codecs import Codec, decode
-from btnode.codec.frames import ChunkData, Frame, FrameAssembler, iter_chunks
+from btnode.codec.frames import Bundle, ChunkData, Frame, FrameAssembler, iter_chunks, stream_digest
 from btnode.errors import Forbidden
 from btnode.protocol import (Attestation, Drawn, Duties, EvidenceChild, JoinInfo, Judgement, Pulled, PushHeader,
                              RoundReceipt, Transfer, VersionInfo, join_statement, receipt_statement)
@@ -178,10 +177,10 @@ class ChildLink(LocalLink):
         return self.agg.join(worker_id, block, fingerprint, config_json, data_id, self.who, training_json=training_json,
                              proof=proof)
 
-    def push(self, header: PushHeader, frames: Iterable[Frame]) -> Judgement:
+    def push(self, header: PushHeader, frames: Iterable[Frame | Bundle]) -> Judgement:
         frames = list(frames)  # the receipt signs the frames' digest, which the header carries before them
         if self.ca is not None and not header.signature:
-            digest = frames_digest({f.header.name: f.header.sha256 for f in frames})
+            digest = stream_digest(frames)
             header = replace(header, cert=self.ca.cert(header.worker_id),
                              signature=self.ca.sign(header.worker_id, receipt_statement(header, digest)))
         t0 = time.perf_counter()  # (the worker's compression and signature above are its own work)

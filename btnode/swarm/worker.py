@@ -45,12 +45,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
-import zstandard
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
 from btnode.codec.profiles import CLI_LINK, LINKS, Link, link_codecs
 from btnode.codec.sparse import keep_of
-from btnode.codec.frames import ZSTD_LEVEL, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
+from btnode.codec.frames import Bundle, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
 from btnode.errors import BtnodeError, ConfigError, Forbidden, MalformedInput, PeerInputError, PeerUnavailable
@@ -195,6 +194,7 @@ class BlockWorker:
         self._last_update: tuple[PushHeader, dict[str, bytes]] | None = None  # re-pushed after a reconnect
         self.recipe = Recipe.here(device, tc.precision.value, error_feedback=wcfg.error_feedback)
         self.audits = False  # set at Join: the swarm replays updates, so keep each round's start state
+        self.bundles = True  # set at Join: the aggregator reads a bundle (an older one: frames)
         self._start: tuple[str, Tensors | None] = (EMPTY_STATE, None)  # the round's optimizer start: hash, state
         # update id → (its header, the state its round started from), for an audit: asked for with the push's
         # answer (drawn), or later (dropped at close, or in a round found attacked: `send_wanted`)
@@ -377,14 +377,20 @@ class BlockWorker:
         self.residual = residual
         return raw
 
-    def _frames(self, raw: dict[str, bytes]) -> Iterator[Frame]:
-        """Compressed lazily, as gRPC sends: counted as they go (a re-push counts again)."""
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        for n in self.spec:
-            frame = frame_from_raw(n, self.spec[n], self.wcfg.codec, raw[n], compressor)
-            self.stats.bytes_pushed_raw += frame.header.raw_bytes
-            self.stats.bytes_pushed_wire += frame.header.payload_bytes
-            yield frame
+    def _frames(self, raw: dict[str, bytes]) -> Iterator[Bundle | Frame]:
+        """One bundle (to an aggregator older than bundles, a frame a tensor), compressed lazily as gRPC
+        sends: counted once sent (a re-push counts again)."""
+        if self.bundles:
+            yield Bundle(self.wcfg.codec, [(n, raw[n]) for n in self.spec], on_sent=self._sent)
+            return
+        for n, s in self.spec.items():
+            f = frame_from_raw(n, s, self.wcfg.codec, raw[n])
+            self._sent(f.raw_bytes, f.payload_bytes)
+            yield f
+
+    def _sent(self, raw: int, wire: int) -> None:
+        self.stats.bytes_pushed_raw += raw
+        self.stats.bytes_pushed_wire += wire
 
     def _through_outage(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), retried with backoff while the aggregator is unreachable, for up to outage_s (a
@@ -557,6 +563,7 @@ class BlockWorker:
             raise MalformedInput("codec", f"the aggregator does not accept {w.codec.name} updates")
         self.data_key = joined.data_key or w.worker_id
         self.audits = joined.audits
+        self.bundles = joined.bundles
         if joined.audits:  # its workers may be drawn to verify each other's rounds (aggregate/trust/delegate.py)
             self.verification = self.make_verification()
         if joined.audits and w.train_while_waiting:

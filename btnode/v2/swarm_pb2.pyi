@@ -97,13 +97,27 @@ class FrameHeader(_message.Message):
     sha256: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
+class BundleHeader(_message.Message):
+    __slots__ = ("codec", "tensors", "raw_bytes", "digest")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    tensors: int
+    raw_bytes: _containers.RepeatedScalarFieldContainer[int]
+    digest: bytes
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., tensors: _Optional[int] = ..., raw_bytes: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
 class Chunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "bundle")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bundle: BundleHeader
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., bundle: _Optional[_Union[BundleHeader, _Mapping]] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("block", "version", "base_version", "sha256", "delta_codec", "accepted", "late", "stale", "rejected", "mean_loss", "closed_by", "included")
@@ -156,7 +170,7 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., data_id: _Optional[str] = ..., training: _Optional[_Union[_settings_pb2.TrainingSettings, _Mapping]] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits", "relay_audits")
+    __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits", "relay_audits", "bundles")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +178,7 @@ class JoinReply(_message.Message):
     DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     AUDITS_FIELD_NUMBER: _ClassVar[int]
     RELAY_AUDITS_FIELD_NUMBER: _ClassVar[int]
+    BUNDLES_FIELD_NUMBER: _ClassVar[int]
     current: VersionInfo
     deadline_s: float
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
@@ -171,7 +186,8 @@ class JoinReply(_message.Message):
     data_key: str
     audits: bool
     relay_audits: bool
-    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ..., audits: _Optional[bool] = ..., relay_audits: _Optional[bool] = ...) -> None: ...
+    bundles: bool
+    def __init__(self, current: _Optional[_Union[VersionInfo, _Mapping]] = ..., deadline_s: _Optional[float] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_staleness: _Optional[int] = ..., data_key: _Optional[str] = ..., audits: _Optional[bool] = ..., relay_audits: _Optional[bool] = ..., bundles: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "block")
@@ -186,20 +202,24 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("block", "worker_id")
+    __slots__ = ("block", "worker_id", "bundles")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLES_FIELD_NUMBER: _ClassVar[int]
     block: int
     worker_id: str
-    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    bundles: bool
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ..., bundles: _Optional[bool] = ...) -> None: ...
 
 class FetchDeltaRequest(_message.Message):
-    __slots__ = ("block", "version")
+    __slots__ = ("block", "version", "bundles")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLES_FIELD_NUMBER: _ClassVar[int]
     block: int
     version: int
-    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    bundles: bool
+    def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., bundles: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("info", "chunk")

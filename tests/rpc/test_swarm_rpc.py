@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from btnode.codec.codecs import Codec, encode
-from btnode.codec.frames import encode_frames, encode_raw, frame_from_raw, iter_chunks
+from btnode.codec.bundles import BundleHeader
+from btnode.codec.frames import FrameAssembler, bundle, encode_frames, encode_raw, frame_from_raw, iter_chunks
 from btnode.errors import ConfigMismatchError, MalformedInput, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
@@ -315,3 +316,39 @@ def test_lossy_updates_are_accepted_and_decoded(live, codec):
     frames = [frame_from_raw(n, tuple(t.shape), codec, encode(codec, t, keep=41)) for n, t in d.items()]
     assert live.client.push(hdr("w", codec=codec), frames).outcome is Outcome.PENDING
     assert live.agg.block(0).info.version == 1
+
+
+def test_readers_and_aggregators_older_than_bundles_get_and_send_frames(live):
+    """Bundles are asked for (PullRequest.bundles, FetchDeltaRequest.bundles) and offered (JoinReply.bundles):
+    a reader that does not ask gets a frame a tensor, the same tensors; frames pushed as an older worker
+    pushes them are judged as before."""
+    stub = pb_grpc.WorkerStub(live.client.channel)
+    cfg = live.agg.cfg
+    reply = stub.Join(pb.JoinRequest(worker_id="old", block=0, fingerprint=cfg.fingerprint(),
+                                     config=convert.model_text_to_pb(json.dumps(cfg.to_dict())),
+                                     training=convert.training_to_pb(TrainingTerms.from_json(
+                                         honest_terms(live.agg.acfg.claims)))), timeout=20)
+    assert reply.bundles  # this aggregator reads them
+    join(live, "r1")
+    d = small_delta(live, seed=3)
+    assert live.client.push(hdr("old", codec=Codec.INT8), encode_frames(d, Codec.INT8)).outcome is Outcome.PENDING
+    assert live.client.push(hdr("r1", codec=Codec.INT8), [bundle(d, Codec.INT8)]).outcome is Outcome.PENDING
+    new = live.client.pull(0, "r1", spec(live))
+    assert new.info.version == 1
+
+    def chunks(call):
+        return [convert.chunk_from_pb(m.chunk) for m in call if m.WhichOneof("kind") == "chunk"]
+
+    for bundles in (False, True):
+        pulled = chunks(stub.Pull(pb.PullRequest(block=0, worker_id="r1", bundles=bundles), timeout=20))
+        fetched = chunks(stub.FetchDelta(pb.FetchDeltaRequest(block=0, version=1, bundles=bundles), timeout=20))
+        for got in (pulled, fetched):
+            headers = [c.header for c in got if c.header is not None]
+            assert len(headers) == (1 if bundles else len(spec(live)))
+            assert all(isinstance(h, BundleHeader) == bundles for h in headers)
+        for got, want in ((pulled, new.tensors), (fetched, live.client.fetch_delta(0, 1, spec(live)).tensors)):
+            asm = FrameAssembler.for_spec(spec(live), list(Codec))
+            for c in got:
+                asm.add(c)
+            out = asm.finish()
+            assert all(torch.equal(out[n], want[n]) for n in want)

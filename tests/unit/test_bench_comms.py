@@ -8,7 +8,7 @@ import pytest
 from bench.comms import Row, Settings, all_accepted, best_ratios, framing, grid, levers, model_of, run_row
 from bench.comms_wan import INT8, flags_of
 from btnode.codec.codecs import Codec
-from btnode.codec.frames import ChunkData, frame_from_raw
+from btnode.codec.frames import Bundle, ChunkData, frame_from_raw
 from btnode.model.config import ModelConfig
 from btnode.rpc.convert import chunk_to_pb
 
@@ -30,11 +30,14 @@ def test_the_best_ratio_is_the_cheapest_sparse_row_within_two_hundredths_of_int8
     assert best_ratios([row("int8", 100, 400, 2.0), row("sparse2", 1, 1, 2.5)])["block"]["ratio"] is None
 
 
-def test_framing_is_the_chunk_message_less_its_payload():
+def test_framing_is_the_chunk_messages_less_their_payload():
     f = frame_from_raw("blocks.0.attn.weight", (16, 48), Codec.INT8, bytes(800))
-    extra = framing(f.header, len(f.payload))
+    extra = framing(f.chunks())
     assert extra == chunk_to_pb(ChunkData(f.header, f.payload)).ByteSize() - len(f.payload)
     assert 32 + len(f.header.name) < extra < 120  # the sha256 and the name are most of it
+    raw = [(f"t{i}", bytes(50 + i)) for i in range(40)]
+    sparse = framing(Bundle(Codec.SPARSE8, raw).chunks())  # one header for 40 tensors: the digest and a size each
+    assert 32 + 40 <= sparse < 32 + 40 + 20
 
 
 def test_the_grid_has_every_codec_and_density_for_each_model():

@@ -268,9 +268,9 @@ BUDGETS = {
     "security.md": 5_000,
     "serving.md": 3_500,
     "swarm.md": 3_600,
-    "tuning.md": 1_600,
+    "tuning.md": 1_625,
     "verification.md": 1_500,
-    "wire.md": 600,
+    "wire.md": 720,
 }
 README_BUDGET = 1_200  # the front door: what btnode is, two commands, a tour
 

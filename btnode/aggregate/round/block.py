@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -34,6 +34,7 @@ from btnode.aggregate.sums.averaging import OuterOptimizer
 from btnode.aggregate.trust.claims import Range, theta_ranges
 from btnode.aggregate.trust.standing import Standing
 from btnode.codec.codecs import Codec, encode
+from btnode.codec.frames import Frame, frame_from_raw
 from btnode.errors import PeerInputError
 from btnode.protocol import INCOMPLETE, Judgement, Outcome, PushHeader, RoundReceipt, VersionInfo, format_steps
 from btnode.store.versions import VersionStore
@@ -489,6 +490,12 @@ class BlockAggregator:
         info, theta = self.current()
         return DeltaFrames(info, Codec.FP32, ((n, encode(Codec.FP32, theta[n])) for n in self.spec), self.spec,
                            self.store.folder)
+
+    def delta_pieces(self, version: int) -> tuple[VersionInfo, Iterator[Frame]]:
+        """The delta that produced `version` as a frame a tensor, read from the store one at a time: what a
+        reader older than bundles fetches (codec/bundles.py)."""
+        codec, meta, pieces = self.store.delta_pieces(version)
+        return info_from_meta(meta), (frame_from_raw(n, self.spec[n], codec, raw) for n, raw in pieces)
 
     def delta_frames(self, version: int) -> DeltaFrames:
         """The delta that produced `version` as compressed frames in a file (aggregate/round/deltas.py)."""

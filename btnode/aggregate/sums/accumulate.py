@@ -44,7 +44,7 @@ MAX_TERM = 2.0**10  # |value| · weight/unit of one term
 MAX_TERMS = 2**13  # updates one sum may hold: MAX_TERM · 2^38 · 2^13 = 2^61 < 2^63
 REACHED_BITS = 16  # the "senders" weights' grid (int32): 2^-16 of a unit, N · weight/unit < 2^15
 SKETCH_SIZE = 4096
-TERMS_AT_ONCE = 1 << 20  # values turned into terms at a time: 16 MiB of float64 and int64 temporaries, whatever the tensor
+TERMS_AT_ONCE = 1 << 16  # values turned into terms at a time: 1 MiB of float64 and int64 buffers (cache-sized), whatever the tensor
 
 
 def is_sparse(delta: Delta) -> bool:
@@ -135,21 +135,26 @@ class Accumulator:
     def _apply(self, delta: Delta, weight: float, sign: int) -> None:
         scale = self._scale(weight)
         sparse = False
+        # one pair of slice buffers for the whole update, filled in place: fresh temporaries per slice cost
+        # more than the arithmetic (allocation and page faults; issue #40)
+        real = torch.empty(TERMS_AT_ONCE, dtype=torch.float64)
+        whole = torch.empty(TERMS_AT_ONCE, dtype=torch.int64)
         for n, t in delta.items():
             acc = self.sum.get(n)
             if acc is None:
                 acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int64)
             values = _values(t)
             for lo in range(0, values.numel(), TERMS_AT_ONCE):  # temporaries of a slice, not of the tensor
-                hi = lo + TERMS_AT_ONCE
-                terms = torch.round(values[lo:hi].double() * scale).to(torch.int64)  # one rounding per term, order-free
+                hi = min(lo + TERMS_AT_ONCE, values.numel())
+                x, terms = real[:hi - lo], whole[:hi - lo]
+                x.copy_(values[lo:hi]).mul_(scale).round_()  # one rounding per term, order-free
+                terms.copy_(x)
                 if sign < 0:
                     terms.neg_()
                 if isinstance(t, SparseTensor):
                     acc.index_add_(0, t.positions[lo:hi], terms)
                 else:
                     acc[lo:hi].add_(terms)
-                del terms
             if isinstance(t, SparseTensor):
                 sparse = True
                 if self.rule == "senders":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from btnode.aggregate.sums.accumulate import Accumulator, scaled
 from btnode.aggregate.trust.audit import secret_draw
 from btnode.codec.codecs import Codec, decode, encode
+from btnode.codec.bundles import BundleHeader, frames_digest
 from btnode.codec.frames import ChunkData, FrameAssembler
 from btnode.errors import ConfigError, MalformedInput, PeerInputError
 from btnode.protocol import EvidenceChild, PushHeader
@@ -38,24 +39,19 @@ class RelayAuditConfig:
             raise ConfigError(f"--relay-audit-rate must be in [0, 1] and --relay-audit-timeout positive: {self}")
 
 
-def frames_digest(frame_sha256: Mapping[str, bytes]) -> str:
-    """sha256 over each frame's raw-bytes sha256, in name order: what a manifest entry names."""
-    h = hashlib.sha256()
-    for name in sorted(frame_sha256):
-        h.update(name.encode())
-        h.update(frame_sha256[name])
-    return h.hexdigest()
-
-
 def noting_digest(chunks: Iterable[ChunkData], then: Callable[[str], None]) -> Iterator[ChunkData]:
-    """`chunks` as they come; once they end, `then(frames_digest)` of their frames, before whoever reads
-    them goes on (it checks a signed receipt, or commits the update, before the update is judged)."""
+    """`chunks` as they come; once they end, `then(frames_digest)` of their frames (or the one their bundle
+    declares, which the assembler checks), before whoever reads them goes on (it checks a signed receipt,
+    or commits the update, before the update is judged)."""
     frames: dict[str, bytes] = {}
+    declared = None
     for c in chunks:
-        if c.header is not None:
+        if isinstance(c.header, BundleHeader):
+            declared = c.header.digest.hex()
+        elif c.header is not None:
             frames[c.header.name] = c.header.sha256
         yield c
-    then(frames_digest(frames))
+    then(declared if declared is not None else frames_digest(frames))
 
 
 @dataclass
