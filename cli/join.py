@@ -92,7 +92,7 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
 SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum", "check_claims",
-                                                  "audit", "probation", "publish_codec", "publish_density"),
+                                                  "audit", "probation", "publish_codec", "publish_density", "link"),
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
                   Section(AggregatorNodeConfig, only=("state_dir", "seed", "identities"), defaults={"state_dir": Path("runs/swarm")},
                           helps={"state_dir": "Aggregator state and logs."}),

@@ -92,8 +92,11 @@ class WorkerConfig:
                           default=SPARSE_DENSITY, optional=True)  # sparse codecs: top-k per 4,096-value chunk at this share
     link: str = same_flag(Link, "link")  # the profile the CLI filled the codec from (codec/profiles.py)
     # a codec the link profile chose, not the user: where the aggregator does not take it (a relay takes
-    # dense updates only), the worker sends this one instead
-    fallback: Codec | None = None
+    # dense updates only), the worker sends this one instead (a flag, so that `btnode swarm` can pass it on)
+    fallback: Codec | None = flag("--codec-fallback", "Codec to send where the aggregator does not take --codec "
+                                                      "(--link sets int8 for its sparse choice).",
+                                  default=None, value=str, parse=parse, format=lambda c: c.name.lower(),
+                                  optional=True)
     error_feedback: bool = flag("--no-error-feedback", "Drop the codec's rounding error.", default=True,
                                 parse=operator.not_, format=operator.not_)  # carry the rounding error into the next update
     rounds: int | None = flag("--rounds", "Stop after this many pushes.",

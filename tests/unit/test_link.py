@@ -39,3 +39,14 @@ def test_an_unknown_link_is_refused():
         build(WorkerConfig, {"link": "satellite"})
     with pytest.raises(ConfigError, match="--link"):
         link_codecs("satellite")
+
+
+def test_a_profile_chosen_codec_passes_on_as_flags_with_its_fallback():
+    """`btnode swarm` hands its workers their config as flags (settings.to_flags): the int8 fallback of a
+    profile's sparse codec goes with it, so a worker it starts behind a relay still falls back."""
+    from btnode.settings import to_flags
+
+    w = build(WorkerConfig, {"worker_id": "a", "block": 0})
+    argv = to_flags(w)
+    assert argv[argv.index("--codec-fallback") + 1] == "int8" and argv[argv.index("--link") + 1] == "wan"
+    assert "--codec-fallback" not in to_flags(build(WorkerConfig, {"worker_id": "a", "block": 0, "link": "lan"}))
