@@ -74,18 +74,13 @@ def generation_layout(n_context: int, k: int) -> Layout:
 
 
 @dataclass(frozen=True)
-class RowLayout:
+class RowLayout(Layout):
     """A Layout per batch row, for requests batched at different context lengths (serve/batching.py):
     positions, context_end and segment are (B, T); the cache's row b is valid below its own length
     and padded above it, which context_end keeps every row from seeing."""
 
-    positions: torch.Tensor
-    context_end: torch.Tensor
-    segment: torch.Tensor
-
-    @property
-    def offsets(self) -> torch.Tensor:
-        return self.positions - self.context_end
+    def to(self, device: torch.device | str) -> RowLayout:
+        return RowLayout(self.positions.to(device), self.context_end.to(device), self.segment.to(device))
 
     def mask(self, n_clean: int) -> torch.Tensor:
         """(B, 1, T, n_clean + T) bool, True = may attend (broadcast over heads)."""

@@ -195,23 +195,25 @@ class ApiServer:
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self, request: Request) -> Response:
+    async def _card_refused(self, request: Request) -> Response | None:
+        """Why the model card cannot be given (a wrong key, an entry that does not answer), else None."""
         if (denied := self.check_key(request)) is not None:
             return denied
         try:
             await self.info()
         except BtnodeError as exc:
             return error_for(exc)
+        return None
+
+    async def models(self, request: Request) -> Response:
+        if (refused := await self._card_refused(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [self.model_card()]})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{id}: the card of the model served, 404 for any other id."""
-        if (denied := self.check_key(request)) is not None:
-            return denied
-        try:
-            await self.info()
-        except BtnodeError as exc:
-            return error_for(exc)
+        if (refused := await self._card_refused(request)) is not None:
+            return refused
         wanted = request.path_params["model"]
         if wanted != self.model_id:
             return self.no_such_model(wanted)

@@ -42,8 +42,8 @@ def test_one_default_for_the_library_and_the_cli():
 def test_a_request_fills_its_defaults_and_is_checked_once(tiny_cfg):
     r = GenerationRequest(b"hi", 8, readout="commit")
     assert r.readout is Readout.COMMIT
-    full = GenerationRequest(b"hi", 8).checked(tiny_cfg, 3)  # the serving default: spec, K = min(16, N/2)
-    assert (full.k, full.n_steps, full.readout) == (16, default_steps(tiny_cfg), Readout.SPEC)
+    full = GenerationRequest(b"hi", 8).checked(tiny_cfg, 3)  # the serving default: spec, K = min(16, N/8)
+    assert (full.k, full.n_steps, full.readout) == (4, default_steps(tiny_cfg), Readout.SPEC)
     assert GenerationRequest(b"hi", 8, k=8, n_tail=0).checked(tiny_cfg, 3).readout is Readout.SPEC
     tailed = dataclasses.replace(tiny_cfg, tail_blocks=1)
     assert GenerationRequest(b"hi", 8, n_tail=4).checked(tailed, 3).readout is Readout.LAST
