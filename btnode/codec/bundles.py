@@ -30,7 +30,7 @@ SLICE = 1 << 20  # raw bytes handed to the compressor at a time: compressed outp
 
 @dataclass(frozen=True)
 class BundleHeader:
-    """The header of a bundle: the spec's tensors in its order, their raw bytes one after another in
+    """The header of a bundle: the spec's tensors in name order (bundle_order), their raw bytes one after another in
     one zstd frame (which must declare its content size: their sum)."""
 
     codec: Codec
@@ -66,20 +66,28 @@ def compressed(pieces: Iterable[bytes], total: int, level: int) -> Iterator[byte
     yield cobj.flush()
 
 
+def bundle_order(spec: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The order of a bundle's tensors: by name, so that it depends on no side's dict order (an aggregator
+    restored from its state folder held its spec in another order than its workers)."""
+    return sorted(spec)
+
+
 def bundle_sizes(h: BundleHeader, spec: Mapping[str, tuple[int, ...]]) -> list[int]:
-    """Each tensor's raw size, checked against the spec: MalformedInput for anything that does not fit."""
+    """Each tensor's raw size (in bundle_order), checked against the spec: MalformedInput for anything
+    that does not fit."""
     if h.tensors != len(spec):
         raise MalformedInput("bundle", f"a bundle of {h.tensors} tensors; the spec has {len(spec)}")
     if len(h.digest) != 32:
         raise MalformedInput("checksum", "a bundle carries its 32-byte frames digest")
-    numels = [math.prod(s) for s in spec.values()]
+    names = bundle_order(spec)
+    numels = [math.prod(spec[n]) for n in names]
     if not h.codec.sparse:
         if h.raw_sizes:
             raise MalformedInput("bundle", f"a {h.codec.name} bundle states no sizes: its spec fixes them")
         return [raw_size(h.codec, n) for n in numels]
     if len(h.raw_sizes) != len(spec):
         raise MalformedInput("bundle", f"a {h.codec.name} bundle states {len(h.raw_sizes)} sizes for {len(spec)} tensors")
-    for name, n, size in zip(spec, numels, h.raw_sizes):
+    for name, n, size in zip(names, numels, h.raw_sizes):
         if not 0 < size <= raw_size(h.codec, n):
             raise MalformedInput("size", f"tensor {name!r} declares {size} raw bytes, {h.codec.name} needs at most "
                                          f"{raw_size(h.codec, n)}")
@@ -95,7 +103,7 @@ class BundleReader:
                  max_payload: int):
         self.header, self.take, self.max_payload = h, take, max_payload
         self.sizes = bundle_sizes(h, spec)
-        self.names = list(spec)
+        self.names = bundle_order(spec)
         self.total = sum(self.sizes)
         self.received = 0  # compressed bytes fed
         self._dobj = None  # the decompressor, once the frame's header has been read

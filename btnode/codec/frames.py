@@ -75,11 +75,13 @@ class Bundle:
     """Every tensor of a stream in one zstd frame behind one BundleHeader, compressed as its chunks are
     asked for (the compression of chunk k+1 overlaps the sending of chunk k). `raw`: (name, raw codec
     bytes) in the spec's order. `payload_bytes` is known once the chunks have all been made (`on_sent`
-    hears it then: a caller that lists its frames before sending them has not sent them yet)."""
+    hears it then: a caller that lists its frames before sending them has not sent them yet). The tensors
+    go in name order (bundles.bundle_order), whatever order `raw` lists them in: a reader's spec may
+    hold the same names in another order (an aggregator's after a restart did)."""
 
     def __init__(self, codec: Codec, raw: Sequence[tuple[str, bytes]], *, level: int = ZSTD_LEVEL,
                  on_sent: Callable[[int, int], None] | None = None):
-        self.codec, self.raw, self.level = codec, list(raw), level
+        self.codec, self.raw, self.level = codec, sorted(raw, key=lambda p: p[0]), level
         self.on_sent = on_sent  # called with (raw bytes, payload bytes) each time its last chunk has been made
         digest = frames_digest({n: hashlib.sha256(r).digest() for n, r in self.raw})
         self.header = BundleHeader(codec, len(self.raw), tuple(len(r) for _, r in self.raw) if codec.sparse else (),
@@ -104,7 +106,7 @@ class Bundle:
 
 
 def bundle(tensors: Mapping[str, torch.Tensor], codec: Codec, *, keep: int = CHUNK) -> Bundle:
-    """A bundle of `tensors` (in the mapping's order, which must be the receiver's spec order)."""
+    """A bundle of `tensors` (sent in name order, as every bundle)."""
     return Bundle(codec, [(n, encode(codec, t, keep=keep)) for n, t in tensors.items()])
 
 

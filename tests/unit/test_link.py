@@ -1,6 +1,6 @@
 """--link: the codecs a node started from the command line uses when no codec flag sets them
 (btnode/codec/profiles.py, docs/tuning.md): wan by default (sparse8 up at 3 % with error feedback,
-sparse8 published at 9 %; DiLoCo int8 both ways), lan the old int8 up / fp32 down; a codec flag wins;
+sparse8 published at 9 %; DiLoCo as lan), lan the old int8 up / fp32 down; a codec flag wins;
 the dataclasses themselves (in-process tools) keep lan."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from btnode.settings import build
 from btnode.swarm.worker import WorkerConfig
 
 
-def test_the_command_line_default_is_the_wan_frontier_for_blocktrain_and_int8_for_diloco():
+def test_the_command_line_default_is_sparse_for_blocktrain_and_int8_up_fp32_down_for_diloco():
     w, a = build(WorkerConfig, {}), build(AggregatorConfig, {})
     assert (w.link, w.codec, w.density, w.error_feedback, w.fallback) == ("wan", Codec.SPARSE8, 0.03, True, Codec.INT8)
     assert (a.link, a.publish_codec, a.publish_density) == ("wan", Codec.SPARSE8, 0.09)
     w, a = build(WorkerConfig, {"model": "ar"}), build(AggregatorConfig, {"model": "ar"})
-    assert (w.codec, w.fallback, a.publish_codec) == (Codec.INT8, None, Codec.INT8)
+    assert (w.codec, w.fallback, a.publish_codec) == (Codec.INT8, None, Codec.FP32)
     assert (a.outer.lr, a.outer.momentum) == (0.7, 0.9)  # DiLoCo's outer step is untouched by the link
 
 

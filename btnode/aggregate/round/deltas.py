@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from btnode.codec.bundles import BundleHeader, compressed, frames_digest
+from btnode.codec.bundles import BundleHeader, bundle_order, compressed, frames_digest
 from btnode.codec.codecs import Codec, raw_size
 from btnode.codec.frames import CHUNK_BYTES, ZSTD_LEVEL, ChunkData
 from btnode.errors import UnknownBlock
@@ -45,10 +45,10 @@ class DeltaFrames:
                  spec: Mapping[str, tuple[int, ...]], folder: Path):
         self.info = info
         self._file = tempfile.TemporaryFile(dir=folder)
-        names, early, sha = list(spec), {}, {}
+        names, early, sha = bundle_order(spec), {}, {}
 
         def ordered() -> Iterator[bytes]:
-            """The pieces in the spec's order, each hashed (one that comes early waits for its turn)."""
+            """The pieces in bundle order, each hashed (one that comes early waits for its turn)."""
             for name, raw in pieces:
                 if name not in spec or name in sha or name in early:
                     raise UnknownBlock("version", f"the stored delta of version {info.version} holds {name!r} "
