@@ -180,7 +180,7 @@ def root_command(cfg: ModelConfig, out: Path, n: int, metrics_port: int, deadlin
             "--batch", str(BATCH), "--lr", str(LR), "--steps-per-round", str(H), *shape_flags(cfg),
             # the load alone, as before #38's defaults: simulated workers have no certificates and send no work
             # a replay could check (a lever's --audit, later on the line, wins)
-            "--no-identities", "--audit", "0"]
+            "--no-identities", "--audit", "0", "--link", "lan"]  # int8 up, fp32 down, as the rows before --link wan
 
 
 def events(folder: Path) -> list[dict]:

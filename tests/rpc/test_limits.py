@@ -256,7 +256,9 @@ def test_a_transfer_waits_for_a_slot_in_turn_instead_of_being_refused(tmp_path):
         assert err.value.reason == "transfer_budget"
         assert served.empty()  # the two queued pulls still wait: neither was refused
         release.set()
-        assert [served.get(timeout=20) for _ in range(2)] == [("w1", 0), ("w2", 0)]
+        # both served, neither refused; the order the clients finish in is not the slots' (each decodes its
+        # bundle once its stream has ended: 1 run in 3 the second finished first), so it is not checked here
+        assert sorted(served.get(timeout=20) for _ in range(2)) == [("w1", 0), ("w2", 0)]
         assert results.get(timeout=20)[0] == "ok"
         assert agg.counters[("queued", "transfer")] == 2 and limiter.waited == 2
         assert agg.counters[("limited", "transfer_budget")] == 1 and not c.retries
