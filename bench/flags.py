@@ -29,8 +29,8 @@ _SHAPE_FLAGS: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "d_model": ("--d-model", "d_model", int), "n_heads": ("--heads", "heads", int),
     "n_layers": ("--layers", "layers", int), "n_blocks": ("--blocks", "blocks", int),
     "context": ("--context", "context", int), "segments": ("--segments", "segments", _ints),
-    "ada_rank": ("--ada-rank", "ada_rank", int)}
-_ALWAYS_SHOWN = {flag for name, (flag, _, _) in _SHAPE_FLAGS.items() if name != "ada_rank"}
+    "ada_rank": ("--ada-rank", "ada_rank", int), "ctx_head": ("--ctx-head", "ctx_head", int)}
+_ALWAYS_SHOWN = {flag for name, (flag, _, _) in _SHAPE_FLAGS.items() if name not in ("ada_rank", "ctx_head")}
 
 
 def _pairs(flags: list[str]) -> list[tuple[str, str]]:

@@ -19,7 +19,9 @@ appended to bench/results/levers.jsonl, so that every tried lever keeps its numb
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 import time
 
 import torch
@@ -33,7 +35,7 @@ from btnode.evaluation.metrics import _noise, ar_ce
 from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout
 from btnode.model.noise import default_steps, sigma_grid
-from btnode.model.sampler import sweep_trace
+from btnode.model.sampler import context_logits, sweep_trace
 from btnode.model.targets import target_table
 from btnode.store.models import init_ar, init_block
 from btnode.train.config import TrainConfig
@@ -87,7 +89,7 @@ def readouts(blocks: list, windows: torch.Tensor, seeds: int, n_steps: int, self
             ctx_logp = []
             for b, blk in enumerate(blocks):
                 probs[f"alone_{b}"] = torch.softmax(blk.denoise(z0, sig, caches[b], layout).double(), -1)
-                ctx_logp.append(torch.log_softmax(blk.denoise(torch.zeros_like(z0), sig, caches[b], layout).double(), -1))
+                ctx_logp.append(torch.log_softmax(context_logits(blk, caches[b], layout).double(), -1))
                 probs[f"ctx_{b}"] = ctx_logp[-1].exp()
             probs["pool_ctx"] = torch.softmax(torch.stack(ctx_logp).mean(0), -1)
             probs["pool_ctx_prob"] = torch.stack(ctx_logp).exp().mean(0)
@@ -103,6 +105,22 @@ def readouts(blocks: list, windows: torch.Tensor, seeds: int, n_steps: int, self
     return {k: v / count for k, v in sums.items()}
 
 
+def step_ratio(cfg: ModelConfig, tc: TrainConfig, sampler: WindowSampler, n: int = 12) -> float:
+    """Seconds of a block-0 step over seconds of an AR-L step (L = the block's layers), measured side by
+    side on throwaway models: steps interleaved, 3 warm-ups, the ratio of the medians."""
+    dev = torch.device("cpu")
+    block = BlockTrainer(init_block(cfg, 0, 0), tc, block=0, table=target_table(cfg), device=dev)
+    ar = ARTrainer(init_ar(cfg, cfg.n_layers, 0), tc, dev)
+    times: dict[str, list[float]] = {"block": [], "ar": []}
+    for i in range(n + 3):
+        x = sampler.batch(tc.seed + 1000, 0, i, tc.batch)
+        for name, tr in (("block", block), ("ar", ar)):
+            t0 = time.perf_counter()
+            tr.train_step(x, 0)
+            times[name].append(time.perf_counter() - t0)
+    return statistics.median(times["block"][3:]) / statistics.median(times["ar"][3:])
+
+
 def metrics(row: dict) -> dict[str, Metric]:
     """Held-out CE of the last block and of the pool at each K, and of each AR model trained beside."""
     return {k: v for k, v in row.items() if k.startswith(("last@", "pool_prob@", "ar")) and isinstance(v, float)}
@@ -113,9 +131,14 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--steps", type=int, default=800, help="optimizer steps per block (and per AR model)")
     ap.shape(ModelConfig(d_model=64, context=64), "d_model", "n_heads", "n_layers", "n_blocks", "context", "segments",
-             "ada_rank")
+             "ada_rank", "ctx_head")
     ap.add_argument("--k1-share", type=float)
     ap.add_argument("--ctx-share", type=float, default=0.0)
+    ap.add_argument("--noisy-rows", type=float, default=1.0, help="share of a window's segments the noisy stream trains on")
+    ap.add_argument("--ctx-weight", type=float, default=1.0, help="weight of the clean head's CE (--ctx-head 1)")
+    ap.add_argument("--equal-time", action="store_true",
+                    help="--steps are the AR models' steps; each block gets as many steps as take the AR-L model's time "
+                         "for --steps (the step-time ratio measured here, side by side, before training)")
     ap.batch(32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
@@ -128,27 +151,34 @@ def main() -> None:
     cfg = args.shape
     tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=max(10, args.steps // 20),
                      weight_decay=args.weight_decay, k1_share=args.k1_share,
-                     ctx_share=args.ctx_share)
+                     ctx_share=args.ctx_share, noisy_rows=args.noisy_rows, ctx_weight=args.ctx_weight)
     data = corpus.bundled()
     sampler = WindowSampler(data.train, cfg.context)
     table = target_table(cfg)
+    ratio = step_ratio(cfg, tc, sampler) if args.equal_time else None
+    block_steps = round(args.steps / ratio) if ratio else args.steps
+    if ratio:
+        tc = dataclasses.replace(tc, steps=block_steps, warmup=max(10, block_steps // 20))
+        print(f"block step / AR-{cfg.n_layers} step = {ratio:.3f}: {block_steps} block steps", flush=True)
     t0 = time.perf_counter()
     blocks = []
     for b in range(cfg.n_blocks):
         tr = BlockTrainer(init_block(cfg, b, 0), tc, block=b, table=table, device=torch.device("cpu"))
-        for step in range(args.steps):
+        for step in range(block_steps):
             tr.train_step(sampler.batch(tc.seed, b, step, tc.batch), b)
         blocks.append(tr.model)
     train_s = time.perf_counter() - t0
     windows = eval_windows(data.tune, cfg.context, args.windows)
     res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps)
+    tc_ar = dataclasses.replace(tc, steps=args.steps, warmup=max(10, args.steps // 20))
     for depth in filter(None, args.ar.split(",")):
-        tr = ARTrainer(init_ar(cfg, int(depth), 0), tc, torch.device("cpu"))
+        tr = ARTrainer(init_ar(cfg, int(depth), 0), tc_ar, torch.device("cpu"))
         for step in range(args.steps):
             tr.train_step(sampler.batch(tc.seed, 0, step, tc.batch))
         res[f"ar{depth}"] = ar_ce(tr.model, windows, device=torch.device("cpu"))
     row = {"name": args.name, "note": args.note, "args": {k: v for k, v in vars(args).items() if k != "shape"},
-           "train_s": round(train_s, 1),
+           "train_s": round(train_s, 1), "block_steps": block_steps,
+           **({"block_step_over_ar_block_step": round(ratio, 3)} if ratio else {}),
            "date": time.strftime("%Y-%m-%d %H:%M"), **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps(row), flush=True)
     publish("levers", row, metrics(row), out=result_path("levers", slug(args.name)))

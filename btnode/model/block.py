@@ -111,6 +111,8 @@ class DiffusionBlock(nn.Module):
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.n_layers))
         self.final_ada = nn.Linear(sigma_width(cfg), 2 * d)
         self.head = nn.Linear(d, cfg.vocab)  # untied: E is a fixed target table, not a readout
+        # ModelConfig.ctx_head: the clean stream's own next-byte head (an AR-L model inside the block)
+        self.ctx_head = nn.Linear(d, cfg.vocab) if cfg.ctx_head else None
         self.logit_scale = nn.Parameter(torch.ones(()))
         init_weights(self)
         # AdaLN-zero: every noisy-stream layer starts as the identity. The noisy input projection
@@ -198,5 +200,18 @@ class DiffusionBlock(nn.Module):
         h = modulate(F.layer_norm(hn, hn.shape[-1:]), shift, scale)
         return self.logit_scale * self.head(h)
 
+    def clean_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """ModelConfig.ctx_head: clean-stream outputs (…, C) at positions j → logits of x_{j+1} (…, V)."""
+        assert self.ctx_head is not None, "this block has no clean-stream head (ModelConfig.ctx_head = 0)"
+        return self.ctx_head(F.layer_norm(out, out.shape[-1:]))
+
     def forward(self, ctx: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: Layout) -> torch.Tensor:
         return self.denoise(z, sigma, self.encode_context(ctx), layout)
+
+    def train_logits(self, ctx: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: Layout
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training's one call: the noisy rows' logits, and with ModelConfig.ctx_head the clean head's
+        logits at every context position (else None), from one clean pass."""
+        cache = self.encode_context(ctx)
+        clean = self.clean_logits(cache.out) if self.ctx_head is not None else None
+        return self.denoise(z, sigma, cache, layout), clean

@@ -22,7 +22,7 @@ FINGERPRINT_VERSION = 1  # bump when the meaning of a field or the model code ch
 
 
 _TAIL_FIELDS = ("tail_blocks", "sigma_gen")
-_OPTIONAL_FIELDS = {"ada_rank": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
+_OPTIONAL_FIELDS = {"ada_rank": 0, "ctx_head": 0}  # left out of to_dict (and so of the fingerprint) at these defaults
 _KIND_FIELDS = ("kind", "ar_layers")
 
 
@@ -84,6 +84,13 @@ class ModelConfig:
     ada_rank: int = _swarm_wide("--ada-rank", "Rank r of the blocks' σ-conditioning: 0 gives every layer a full-rank AdaLN map "
                                         "(6d² parameters each); r > 0 a shared r-wide σ-embedding and r × 6d maps, "
                                         "fewer bytes per round.", default=0)
+    # The clean stream's own next-byte head (issue #42). 1: the clean stream, a causal L-layer transformer
+    # over the context, also predicts x_{j+1} at every position j (one d × 256 head, trained at every
+    # step on all N positions, as an AR-L model is), and that head is the block's context readout for
+    # rows that predict the byte right after their context (K = 1 rows, drafts). 0: the context readout
+    # is the noisy stream at z = 0, σ_hi, trained only on the `ctx_share` samples.
+    ctx_head: int = _swarm_wide("--ctx-head", "1: the clean stream gets its own next-byte head, trained at every step "
+                                "and read as the block's context readout (0: the noisy stream at z = 0).", default=0)
 
     @property
     def total_blocks(self) -> int:
@@ -119,6 +126,8 @@ class ModelConfig:
             problems.append(f"ar_layers is for kind='ar' runs only, got {self.ar_layers} with kind='block'")
         if self.ada_rank < 0:
             problems.append(f"ada_rank must be ≥ 0 (0: full-rank AdaLN), got {self.ada_rank}")
+        if self.ctx_head not in (0, 1):
+            problems.append(f"ctx_head must be 0 or 1, got {self.ctx_head}")
         if self.p_std <= 0 or self.gamma < 0 or self.sigma_data <= 0:
             problems.append("p_std and sigma_data must be > 0 and gamma ≥ 0")
         segs = tuple(self.segments)

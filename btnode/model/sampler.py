@@ -85,10 +85,19 @@ def sweep_trace(blocks: Sequence[DiffusionBlock], caches: Sequence[ContextCache]
 
 def context_logits(block: DiffusionBlock, cache: ContextCache, layout: Layout | RowLayout) -> torch.Tensor:
     """The block's own reading of the context: its prediction from the null state (z = 0) at σ_hi,
-    what a block trained with `TrainConfig.ctx_share` learns. Deterministic: no noise enters."""
+    what a block trained with `TrainConfig.ctx_share` learns; with ModelConfig.ctx_head, for rows that
+    predict the byte right after their context, the clean stream's own head. Deterministic."""
+    if block.ctx_head is not None:  # ModelConfig.ctx_head: rows right after their context read the clean head
+        ends = layout.context_end.expand(cache.batch, -1) if layout.context_end.dim() == 1 else layout.context_end
+        clean = block.clean_logits(cache.out.gather(1, ends[..., None].expand(-1, -1, cache.out.shape[-1])))
+        if bool((layout.offsets == 0).all()):
+            return clean
     sigma = torch.full((cache.batch,), block.cfg.sigma_hi, device=cache.out.device)
     z = torch.zeros(cache.batch, layout.positions.shape[-1], block.cfg.d_model, device=cache.out.device)
-    return block.denoise(z, sigma, cache, layout)
+    noisy = block.denoise(z, sigma, cache, layout)
+    if block.ctx_head is None:
+        return noisy
+    return torch.where((layout.offsets == 0)[..., None], clean, noisy)  # rows further ahead: the noisy stream at z = 0
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

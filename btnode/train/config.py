@@ -46,6 +46,13 @@ class TrainConfig:
     # the pooled readout uses: every block learns to read the context on its own (issue #10).
     ctx_share: float = flag("--ctx-share", "Share of samples trained as the block's context readout, z = 0 at σ_hi.",
                             default=0.25)
+    # Share of a window's segments the noisy stream trains on per step (issue #42): the clean stream runs
+    # over the whole window either way, so 0.5 cuts the noisy half of a step's cost in half. 1: every row.
+    noisy_rows: float = flag("--noisy-rows", "Share of each window's segments the noisy stream trains on per step "
+                             "(1: all; the clean stream always reads the whole window).", default=1.0)
+    # Weight of the clean head's next-byte CE in a block's loss (ModelConfig.ctx_head = 1 only).
+    ctx_weight: float = flag("--ctx-weight", "Weight of the clean stream head's CE in a block's loss (--ctx-head 1).",
+                             default=1.0)
     precision: Precision = flag("--precision", "Forward and loss arithmetic: fp32, or bf16 autocast (weights, optimizer "
                                 "state and deltas stay fp32).", default=Precision.FP32, value=str,
                                 format=lambda p: p.value)
@@ -58,6 +65,8 @@ class TrainConfig:
             raise ConfigError(f"k1_share must be in [0, 1], got {self.k1_share}")
         if not 0 <= self.ctx_share < 1:
             raise ConfigError(f"ctx_share must be in [0, 1), got {self.ctx_share}")
+        if not 0 < self.noisy_rows <= 1 or self.ctx_weight < 0:
+            raise ConfigError(f"need 0 < noisy_rows ≤ 1 and ctx_weight ≥ 0, got {self.noisy_rows}, {self.ctx_weight}")
         try:  # a flag's or a caller's string → Precision
             object.__setattr__(self, "precision", Precision.parse(self.precision))
         except ValueError as exc:

@@ -5,7 +5,9 @@ in loops.py. `unit_trainer` picks the one a swarm unit needs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from torch import nn
 from btnode.model.ar import ByteTransformer
 from btnode.model.block import DiffusionBlock
 from btnode.model.config import ModelConfig
-from btnode.model.layout import window_layout
+from btnode.model.layout import Layout, window_layout
 from btnode.model.noise import loss_weight, sample_sigma
 from btnode.model.targets import target_table
 from btnode.seeding import generator
@@ -63,11 +65,15 @@ class _Trainer:
         """The model's fp32 logits. Under --precision bf16 the forward pass runs in bf16 autocast
         (the parameters it casts stay fp32, and so do their gradients and the optimizer) and the
         loss is taken in fp32; under fp32 this is the plain forward call, bit for bit."""
+        return self._fp32(self.model, *inputs)
+
+    def _fp32(self, fn: Callable[..., Any], *inputs: object) -> Any:
+        """fn(*inputs) under the configured precision, its tensors (or tuple of tensors / None) in fp32."""
         if self.tc.precision is Precision.FP32:
-            return self.model(*inputs)
+            return fn(*inputs)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            logits = self.model(*inputs)
-        return logits.float()
+            out = fn(*inputs)
+        return tuple(None if t is None else t.float() for t in out) if isinstance(out, tuple) else out.float()
 
     def _apply(self, loss: torch.Tensor) -> None:
         for group in self.opt.param_groups:
@@ -121,17 +127,34 @@ class BlockTrainer(_Trainer):
             null = torch.rand(b, generator=g) < self.tc.ctx_share
             sigma = torch.where(null, torch.tensor(cfg.sigma_hi), sigma)
             keep = (~null).float()
+        layout = window_layout(n, k, phase)
+        if self.tc.noisy_rows < 1:  # drawn only when used, as above
+            layout = segment_subset(layout, self.tc.noisy_rows, g)
         x, sigma, eps, keep = x.to(self.device), sigma.to(self.device), eps.to(self.device), keep.to(self.device)
+        layout = layout.to(self.device)
         ctx, tgt = x[:, :-1], x[:, 1:]
-        # (B, N, C); a context-readout sample gets the null state z = 0 (no noise, no target)
-        z = keep[:, None, None] * (self.table[tgt] + sigma[:, None, None] * eps)
-        layout = window_layout(n, k, phase).to(self.device)
+        rows, eps = (tgt, eps) if self.tc.noisy_rows == 1 else (tgt[:, layout.positions], eps[:, layout.positions])
+        # (B, T, C); a context-readout sample gets the null state z = 0 (no noise, no target)
+        z = keep[:, None, None] * (self.table[rows] + sigma[:, None, None] * eps)
         self.model.train()
-        logits = self.logits(ctx, z, sigma, layout)
-        ce = F.cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1), reduction="none").view(b, n).mean(1)
+        logits, clean = self._fp32(self.model.train_logits, ctx, z, sigma, layout)
+        t = rows.shape[1]
+        ce = F.cross_entropy(logits.reshape(-1, cfg.vocab), rows.reshape(-1), reduction="none").view(b, t).mean(1)
         loss = (loss_weight(cfg, sigma) * ce).mean()
+        if clean is not None:  # ModelConfig.ctx_head: the clean stream's next-byte CE at all N positions
+            loss = loss + self.tc.ctx_weight * F.cross_entropy(clean.reshape(-1, cfg.vocab), tgt.reshape(-1))
         self._apply(loss)
         return StepStats(loss=loss.item(), ce=ce.mean().item(), k=k)
+
+
+def segment_subset(layout: Layout, share: float, g: torch.Generator) -> Layout:
+    """The rows of a random `share` of the layout's segments (at least one), in position order: the
+    noisy rows a step trains on under TrainConfig.noisy_rows < 1."""
+    segs = torch.unique(layout.segment)
+    keep = max(1, round(share * len(segs)))
+    chosen = segs[torch.randperm(len(segs), generator=g)[:keep]]
+    rows = torch.isin(layout.segment, chosen)
+    return Layout(layout.positions[rows], layout.context_end[rows], layout.segment[rows])
 
 
 class ARTrainer(_Trainer):

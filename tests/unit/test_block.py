@@ -139,3 +139,89 @@ def test_a_low_rank_sigma_path_costs_what_the_config_says(tiny_cfg):
     full = sum(p.numel() for p in DiffusionBlock(tiny_cfg).parameters())
     low = sum(p.numel() for p in DiffusionBlock(dataclasses.replace(tiny_cfg, ada_rank=r)).parameters())
     assert full - low == sigma_path(d) - sigma_path(r) > 0
+
+
+# ModelConfig.ctx_head and TrainConfig.noisy_rows (issue #42)
+
+def test_the_clean_head_reads_only_the_bytes_up_to_its_position(tiny_cfg):
+    """The clean stream's head at position j predicts x_{j+1} from x_0..x_j: changing a later byte leaves its
+    logits bit-identical, changing x_j changes them."""
+    cfg = dataclasses.replace(tiny_cfg, ctx_head=1)
+    blk = randomized(cfg)
+    n = cfg.context
+    g = torch.Generator().manual_seed(2)
+    ctx = torch.randint(0, 256, (1, n), generator=g)
+    with torch.no_grad():
+        base = blk.clean_logits(blk.encode_context(ctx).out)[0]
+        for j in [0, 7, n // 2, n - 2]:
+            later = ctx.clone()
+            later[0, j + 1:] = (later[0, j + 1:] + 1) % 256
+            assert torch.equal(blk.clean_logits(blk.encode_context(later).out)[0, j], base[j])
+            now = ctx.clone()
+            now[0, j] = (now[0, j] + 1) % 256
+            assert not torch.equal(blk.clean_logits(blk.encode_context(now).out)[0, j], base[j])
+
+
+def test_the_context_readout_uses_the_clean_head_where_a_row_follows_its_context(tiny_cfg):
+    from btnode.model.sampler import context_logits
+
+    cfg = dataclasses.replace(tiny_cfg, ctx_head=1)
+    blk = randomized(cfg)
+    n = cfg.context
+    ctx = torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = blk.encode_context(ctx)
+        clean = blk.clean_logits(cache.out)  # (2, n, V): row j predicts x_{j+1}
+        k1 = eval_layout(n, 1)
+        assert torch.equal(context_logits(blk, cache, k1), clean[:, k1.positions])
+        k8 = eval_layout(n, 8)  # rows past their context's end still read the noisy stream at z = 0
+        got = context_logits(blk, cache, k8)
+        first = k8.offsets == 0
+        assert torch.equal(got[:, first], clean[:, k8.positions[first]])
+        sigma = torch.full((2,), cfg.sigma_hi)
+        z0 = blk.denoise(torch.zeros(2, len(k8.positions), cfg.d_model), sigma, cache, k8)
+        assert torch.equal(got[:, ~first], z0[:, ~first]) and not torch.equal(got[:, first], z0[:, first])
+
+
+def test_a_block_without_the_clean_head_keeps_its_fingerprint(tiny_cfg):
+    assert "ctx_head" not in tiny_cfg.to_dict()
+    with_head = dataclasses.replace(tiny_cfg, ctx_head=1)
+    assert with_head.fingerprint() != tiny_cfg.fingerprint() and with_head.to_dict()["ctx_head"] == 1
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_a_noisy_row_subset_is_whole_segments(tiny_cfg, k):
+    from btnode.train.trainers import segment_subset
+
+    full = window_layout(tiny_cfg.context, k, phase=1 % k)
+    part = segment_subset(full, 0.5, torch.Generator().manual_seed(0))
+    segs = torch.unique(full.segment)
+    kept = torch.unique(part.segment)
+    assert len(kept) == round(0.5 * len(segs))
+    for s in kept:  # every kept segment whole, with its own context end
+        assert torch.equal(part.positions[part.segment == s], full.positions[full.segment == s])
+        assert torch.equal(part.context_end[part.segment == s], full.context_end[full.segment == s])
+    assert bool((part.positions[1:] > part.positions[:-1]).all())
+
+
+def test_a_step_on_half_the_noisy_rows_trains_on_those_rows_alone(tiny_cfg):
+    """With noisy_rows < 1 the loss covers only the rows drawn (and with the clean head, all N clean
+    positions): a step runs, updates the model, and replays bit-exactly from the same seed."""
+    from btnode.store.models import init_block
+    from btnode.train.config import TrainConfig
+    from btnode.train.trainers import BlockTrainer
+
+    cfg = dataclasses.replace(tiny_cfg, ctx_head=1)
+    x = torch.randint(0, 256, (4, cfg.context + 1), generator=torch.Generator().manual_seed(4))
+
+    def run() -> tuple[list[float], torch.Tensor]:
+        tr = BlockTrainer(init_block(cfg, 0, 0), TrainConfig(batch=4, noisy_rows=0.5), block=0,
+                          table=target_table(cfg), device=torch.device("cpu"))
+        losses = [tr.train_step(x, 0).loss for _ in range(3)]
+        return losses, tr.model.ctx_head.weight.detach().clone()
+
+    a, b = run(), run()
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    assert all(torch.isfinite(torch.tensor(a[0])))
+    fresh = init_block(cfg, 0, 0).ctx_head.weight
+    assert not torch.equal(a[1], fresh)  # the clean head is trained

@@ -77,7 +77,7 @@ def _draws(tiny_cfg, tc, monkeypatch, n=400, block=0):
 
     tr = trainers.BlockTrainer(init_block(tiny_cfg, block, 0), tc, block=block, table=target_table(tiny_cfg),
                                device=torch.device("cpu"))
-    tr.model.forward = model  # records the batch, then stops the step before any update
+    tr.model.train_logits = model  # records the batch, then stops the step before any update
     x = torch.randint(0, 256, (8, tiny_cfg.context + 1))
     for step in range(n):
         tr.step = step

@@ -68,7 +68,7 @@ def test_swarm_wide_flags_are_the_model_shape():
     from btnode_cli.config import SWARM_WIDE
 
     assert set(SWARM_WIDE) == {"d_model", "heads", "layers", "blocks", "context", "segments", "target_seed",
-                               "tail_blocks", "sigma_gen", "model", "ar_layers", "ada_rank"}
+                               "tail_blocks", "sigma_gen", "model", "ar_layers", "ada_rank", "ctx_head"}
     assert not [d for cls in (TrainConfig, WorkerConfig, AggregatorConfig) for d in declared(cls) if d.flag.swarm_wide]
 
 
