@@ -122,8 +122,16 @@ def step_ratio(cfg: ModelConfig, tc: TrainConfig, sampler: WindowSampler, n: int
 
 
 def metrics(row: dict) -> dict[str, Metric]:
-    """Held-out CE of the last block and of the pool at each K, and of each AR model trained beside."""
-    return {k: v for k, v in row.items() if k.startswith(("last@", "pool_prob@", "ar")) and isinstance(v, float)}
+    """Held-out CE of the last block and of the pool at each K, and of each AR model trained beside. An
+    --equal-time run: the chain's SCE-S with the default readout (its blocks' context readouts pooled with
+    the last evaluation), its best block's context readout, the step-time ratio and the AR models."""
+    ar = {k: v for k, v in row.items() if k.startswith("ar") and isinstance(v, float)}
+    if "block_step_over_ar_block_step" in row:
+        seeds = row["args"]["seeds"]
+        best = min(v for k, v in row.items() if k.startswith("ctx_") and k.endswith(f"@{seeds}"))
+        return {f"chain SCE-{seeds}": row[f"pool_ctx_last@{seeds}"], "best block's readout": best,
+                "block step / AR-L step": row["block_step_over_ar_block_step"], "block steps": row["block_steps"], **ar}
+    return {k: v for k, v in row.items() if k.startswith(("last@", "pool_prob@")) and isinstance(v, float)} | ar
 
 
 def main() -> None:
@@ -145,6 +153,8 @@ def main() -> None:
     ap.windows(256, help="windows of the tuning slice scored")
     ap.seeds(8)
     ap.add_argument("--ar", default="", help="comma-separated AR depths to train for the same steps, e.g. 2,6")
+    ap.add_argument("--ar-only", action="store_true", help="train and score only the --ar models (a point of their "
+                    "learning curve at --steps, to set a block's numbers beside per step)")
     ap.add_argument("--self-sweeps", action="store_true", help="also run each block alone over the whole grid")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
@@ -162,14 +172,14 @@ def main() -> None:
         print(f"block step / AR-{cfg.n_layers} step = {ratio:.3f}: {block_steps} block steps", flush=True)
     t0 = time.perf_counter()
     blocks = []
-    for b in range(cfg.n_blocks):
+    for b in range(0 if args.ar_only else cfg.n_blocks):
         tr = BlockTrainer(init_block(cfg, b, 0), tc, block=b, table=table, device=torch.device("cpu"))
         for step in range(block_steps):
             tr.train_step(sampler.batch(tc.seed, b, step, tc.batch), b)
         blocks.append(tr.model)
     train_s = time.perf_counter() - t0
     windows = eval_windows(data.tune, cfg.context, args.windows)
-    res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps)
+    res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps) if blocks else {}
     tc_ar = dataclasses.replace(tc, steps=args.steps, warmup=max(10, args.steps // 20))
     for depth in filter(None, args.ar.split(",")):
         tr = ARTrainer(init_ar(cfg, int(depth), 0), tc_ar, torch.device("cpu"))
