@@ -23,10 +23,11 @@ from btnode.rpc.health import NodeHealth
 from btnode.rpc.security import bind, interceptors
 from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import REASON_KEY, code_for, error_from_rpc, reason_for
-from btnode.rpc.wire import request_from_pb, request_to_pb  # noqa: F401 - re-exported
+from btnode.rpc.wire import request_from_pb, request_to_pb, weights_from_pb  # noqa: F401 - re-exported
 from btnode.serve import driver
 from btnode.serve.ar import ARResult, ARState, LocalARStage
 from btnode.serve.batching import BatchingStage
+from btnode.serve.identity import Weights
 from btnode.serve.readouts import Carry
 from btnode.serve.request import GenerationRequest
 from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
@@ -108,7 +109,7 @@ class StageServicer(pb_grpc.ServingServicer):
     def Info(self, request: pb.StageInfoRequest, context: grpc.ServicerContext) -> pb.StageInfo:
         s, cfg = self.stage, self.stage.cfg
         common = dict(name=s.name, fingerprint=cfg.fingerprint(), config=convert.model_to_pb(cfg),
-                      node_version=__version__)
+                      node_version=__version__, **_weights_fields(s))
         if isinstance(s, LocalARStage):
             return pb.StageInfo(kind=convert.UNIT_KINDS.to_pb(UnitKind.AR), first_layer=s.lo, n_layers=s.hi - s.lo,
                                 last=s.last, **common)
@@ -211,6 +212,20 @@ class StageServicer(pb_grpc.ServingServicer):
         self.meter.observe("request", time.perf_counter() - t0)
 
 
+def _weights_fields(stage: LocalBlockStage | LocalARStage) -> dict:
+    """StageInfo's weights fields: this stage's and, asked now, the rest of the chain's (none when
+    some stage further down cannot tell: an older build, or one that does not answer)."""
+    try:
+        w = stage.weights()
+    except BtnodeError as exc:
+        log.warning("%s: the weights of the stages after it are not known: %s", stage.name, exc)
+        w = None
+    own = stage.unit.own()
+    if w is None:
+        return dict(weights_name=own.name, weights_version=own.version)
+    return dict(weights_name=w.name, weights_version=w.version, unit_sha256=list(w.units))
+
+
 class RemoteBlockStage:
     """The next block's stage, across the network (one Forward call per segment)."""
 
@@ -219,6 +234,13 @@ class RemoteBlockStage:
         self.timeout_s = timeout_s
         self.channel = security.channel(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.ServingStub(self.channel)
+
+    def weights(self) -> Weights | None:
+        """The weights of the chain from this stage on, as its Info says (None: it does not say)."""
+        try:
+            return weights_from_pb(self.stub.Info(pb.StageInfoRequest(), timeout=min(self.timeout_s, 10.0)))
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"stage {self.address}") from None
 
     def forward(self, state: SegmentState) -> SegmentResult:
         try:

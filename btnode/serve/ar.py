@@ -33,9 +33,10 @@ from btnode.model.config import ModelConfig
 from btnode.seeding import generator
 from btnode.serve.context_cache import MAX_REQUEST_ID
 from btnode.serve.draft import ARDrafter
+from btnode.serve.identity import Origin, Weights
 from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSession, KVSessions, common_prefix, embed, extend
 from btnode.serve.readouts import sample_bytes
-from btnode.serve.stages import SegmentResult, check_temperature
+from btnode.serve.stages import SegmentResult, UnitWeights, check_temperature, weights_of
 
 log = logging.getLogger(__name__)
 MAX_DRAFT = 32  # bytes a traversal may verify (also kept below N/2: see max_draft)
@@ -78,10 +79,11 @@ class LocalARStage:
     def __init__(self, model: ByteTransformer, lo: int, hi: int, *, next: ARStage | None = None,
                  device: torch.device = torch.device("cpu"), name: str | None = None,
                  drafter: ARDrafter | None = None, max_sessions: int = MAX_SESSIONS,
-                 kv_bytes: int = KV_BUDGET_BYTES):
+                 kv_bytes: int = KV_BUDGET_BYTES, origin: Origin = Origin()):
         if not 0 <= lo < hi <= model.n_layers:
             raise ValueError(f"layers [{lo}, {hi}) out of range for {model.n_layers}")
         self.model = model.to(device).eval()
+        self.unit = UnitWeights(self.model, origin)  # every stage holds the whole model: its hash is the model's
         self.cfg: ModelConfig = model.cfg
         self.lo, self.hi = lo, hi
         self.first, self.last = lo == 0, hi == model.n_layers
@@ -100,6 +102,10 @@ class LocalARStage:
         self.sessions = KVSessions(hi - lo, 2 * (hi - lo) * self.cfg.context * self.cfg.d_model * element,
                                    max_sessions=max_sessions, max_bytes=kv_bytes)
         self._lock = threading.Lock()  # sessions are shared by concurrent requests
+
+    def weights(self) -> Weights | None:
+        own = self.unit.own()
+        return own if self.next is None else own.then(weights_of(self.next), same_unit=True)
 
     def forward(self, s: ARState) -> SegmentResult:
         with self._lock:
@@ -203,10 +209,11 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def local_ar_chain(model: ByteTransformer, n_stages: int, device: torch.device, *,
-                   drafter: ARDrafter | None = None) -> LocalARStage:
+                   drafter: ARDrafter | None = None, origin: Origin = Origin()) -> LocalARStage:
     nxt: ARStage | None = None
     for lo, hi in reversed(split_layers(model.n_layers, n_stages)):
-        nxt = LocalARStage(model, lo, hi, next=nxt, device=device, drafter=drafter if lo == 0 else None)
+        nxt = LocalARStage(model, lo, hi, next=nxt, device=device, drafter=drafter if lo == 0 else None,
+                           origin=origin)
     assert isinstance(nxt, LocalARStage)
     return nxt
 
