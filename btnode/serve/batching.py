@@ -3,7 +3,9 @@ of every request waiting at that moment through the chain in one traversal; a re
 while a traversal runs joins the next one. Each request keeps its own driver loop (serve/driver.py),
 so its K, seed, temperature, readout and stop stay its own. `spec_steps` is a block's batched part:
 the spec readout's drafting and scoring run as one (R, …) batch over requests of different context
-lengths (`DiffusionBlock.extend_rows`, `RowLayout`); other readouts run request by request.
+lengths (`DiffusionBlock.extend_rows`, `RowLayout`); other readouts run request by request. The AR
+chain's entry batches the same way: each stage runs the one new row of every request in plain
+decoding as one batch (`LocalARStage.forward_batch`, `kvcache.extend_each`).
 
 What limits a batch: max_batch (64 segments per traversal), the stage's threads (one per open
 request), the CPU time of a batch (it grows with R · K once the matrices stop being tiny), and the
@@ -268,14 +270,15 @@ class BatchingStage:
     segment, from its driver loop's thread) waits for the next traversal, which carries every
     segment waiting when it starts (up to max_batch). One scheduler thread runs the traversals."""
 
-    def __init__(self, first: Stage, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S,
-                 meter: Meter | None = None):
-        self.first = first
-        self.meter = meter  # ("traversals", "block") and ("batched_segments", "block"): their ratio, the mean batch
+    def __init__(self, first: Any, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S,
+                 meter: Meter | None = None, chain: str = "block"):
+        self.first = first  # a block chain's first stage, or an AR chain's (LocalARStage.forward_batch)
+        self.chain = chain
+        self.meter = meter  # ("traversals", chain) and ("batched_segments", chain): their ratio, the mean batch
         self.name = first.name
         self.max_batch = max_batch
         self.gather_s = gather_s
-        self.pending: deque[tuple[SegmentState, Future]] = deque()
+        self.pending: deque[tuple[Any, Future]] = deque()  # SegmentState, or ARState
         self.cond = threading.Condition()
         self.last_batch = 0
         self.traversals = 0  # traversals run, and the segments they carried: their mean batch size
@@ -283,7 +286,7 @@ class BatchingStage:
         self.largest = 0
         self.thread: threading.Thread | None = None
 
-    def forward(self, state: SegmentState) -> SegmentResult:
+    def forward(self, state: Any) -> SegmentResult:
         done: Future = Future()
         with self.cond:
             if self.thread is None:
@@ -298,7 +301,7 @@ class BatchingStage:
             return {"traversals": self.traversals, "segments": self.segments, "largest": self.largest,
                     "mean_batch": self.segments / self.traversals if self.traversals else 0.0}
 
-    def _take(self) -> list[tuple[SegmentState, Future]]:
+    def _take(self) -> list[tuple[Any, Future]]:
         with self.cond:
             while not self.pending:
                 self.cond.wait()
@@ -326,8 +329,8 @@ class BatchingStage:
                 self.segments += len(batch)
                 self.largest = max(self.largest, len(batch))
             if self.meter is not None:
-                self.meter.count(("traversals", "block"))
-                self.meter.count(("batched_segments", "block"), len(batch))
+                self.meter.count(("traversals", self.chain))
+                self.meter.count(("batched_segments", self.chain), len(batch))
             for (_, done), r in zip(batch, results):
                 if isinstance(r, BaseException):
                     done.set_exception(r)

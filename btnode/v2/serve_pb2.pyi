@@ -135,6 +135,30 @@ class ARReply(_message.Message):
     route: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ARBatch(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[ARRequest]
+    def __init__(self, steps: _Optional[_Iterable[_Union[ARRequest, _Mapping]]] = ...) -> None: ...
+
+class AROutcome(_message.Message):
+    __slots__ = ("reply", "code", "reason", "message")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reply: ARReply
+    code: int
+    reason: str
+    message: str
+    def __init__(self, reply: _Optional[_Union[ARReply, _Mapping]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ARBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[AROutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[AROutcome, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout", "draft", "no_cache", "n_tail")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
