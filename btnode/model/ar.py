@@ -24,16 +24,17 @@ class ARLayer(nn.Module):
         h = h + self.attn.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return h + self.mlp(self.norm2(h))
 
-    def forward_cached(self, h: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward_cached(self, h: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Rows h (B, T, C) following `past` keys/values (B, H, P, hd): causal over past + new rows.
-        Returns the new rows' outputs and the keys/values of all P + T positions (the KV cache)."""
+        Returns the new rows' outputs and the keys/values of all P + T positions (the KV cache).
+        `mask` (B, 1, T, P + T) bool, when given, says which keys each row sees instead (rows of
+        several requests whose pasts of different lengths are padded to P)."""
         q, k, v = self.attn.heads(self.norm1(h))
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         t, total = q.shape[2], k.shape[2]
-        mask = None
-        if t > 1:  # row i (absolute total − t + i) sees keys j ≤ its own position
+        if mask is None and t > 1:  # row i (absolute total − t + i) sees keys j ≤ its own position
             rows = torch.arange(total - t, total, device=h.device)
             mask = torch.arange(total, device=h.device)[None, :] <= rows[:, None]
         h = h + self.attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

@@ -34,6 +34,7 @@ from btnode.meter import Meter
 from btnode.node.api_metrics import ApiCollector
 from btnode.rpc.entry import ChainInfo, EntryClient, Segment
 from btnode.serve.defaults import describe_settings, serving_defaults
+from btnode.serve.identity import ModelIdentity
 from btnode.serve.completions import (Completion, ReplyShape, StopCutter, chat_budget, parse_chat, parse_completion,
                                       usage)
 from btnode.settings import flag
@@ -64,27 +65,9 @@ class ApiConfig:
     max_body_bytes: int = flag("--max-body-bytes", "Largest request body accepted (413 above).", default=1 << 20,
                                min=1)
     port_file: Path | None = flag("--port-file", "Write the bound port here once listening.", default=None)
-    model_name: str = flag("--model-name", "The model's name, first in its id (default: the checkpoint folder's name "
-                                           "under `btnode serve`, else btnode-KIND).", default="")
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """Which weights are served: the id clients send as `model` is NAME-vVERSION-HASH8, so a new
-    version of the weights is a new id (OpenAI's ids name weights, not shapes)."""
-
-    name: str
-    version: int  # the checkpoint's version (an aggregator's round) or training step
-    weights_sha256: str  # over every unit's canonical state hash, in chain order (store.files.state_sha256)
-
-    @property
-    def id(self) -> str:
-        return f"{self.name}-v{self.version}-{self.weights_sha256[:8]}"
-
-    @property
-    def fingerprint(self) -> str:
-        """OpenAI's `system_fingerprint` of a reply: the version and the weights' hash."""
-        return f"v{self.version}-{self.weights_sha256[:12]}"
+    model_name: str = flag("--model-name", "The model's name, first in its id NAME-vVERSION-HASH8 (default: the "
+                                           "checkpoint folder's name, as the chain's entry reports it; else btnode-KIND).",
+                           default="")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
@@ -119,7 +102,7 @@ class ApiServer:
         if not config.entries:
             raise ConfigError("give --entry HOST:PORT (the chain's first stage; spares after commas)")
         self.config = config
-        self.identity = identity
+        self.given = identity  # `btnode serve` knows its weights; a proxy learns them from the entry's Info
         self.client = EntryClient(config.entries, segment_timeout_s=config.segment_timeout_s)
         self.chain: ChainInfo | None = None
         self.in_flight = 0
@@ -139,17 +122,27 @@ class ApiServer:
     async def info(self) -> ChainInfo:
         if self.chain is None:
             self.chain = await self.client.info()
-            version = f"version {self.identity.version}, weights {self.identity.weights_sha256[:12]}" \
-                if self.identity else "weights not known to this proxy: name them with --model-name"
+            i = self.identity
+            version = f"version {i.version}, weights sha256 {i.weights_sha256}" if i else \
+                "its weights not known: a stage on the chain runs an older build, or did not answer"
             log.info("serving the %s chain at %s: model %s (%s)", self.chain.kind, self.chain.entry, self.model_id,
                      version)
         return self.chain
 
     @property
+    def identity(self) -> ModelIdentity | None:
+        """Which weights are served: given (`btnode serve`), else as the chain's entry reports them."""
+        if self.given is not None:
+            return self.given
+        if self.chain is None or self.chain.weights is None:
+            return None
+        return ModelIdentity.of(self.chain.weights, self.config.model_name, f"btnode-{self.chain.kind}")
+
+    @property
     def model_id(self) -> str:
-        if self.identity is not None:
-            return self.identity.id
-        assert self.chain is not None
+        if (i := self.identity) is not None:
+            return i.id
+        assert self.chain is not None  # an older chain: its shape's fingerprint, as before weights had ids
         return f"{self.config.model_name or f'btnode-{self.chain.kind}'}-{self.chain.fingerprint[:12]}"
 
     def served(self) -> dict[str, str] | None:

@@ -227,7 +227,7 @@ class StageCollector(Collector):
         generated = CounterMetricFamily("btnode_serve_generated_bytes", "Bytes generated for requests that "
                                         "entered here (rate() of it is the served bytes/s).", labels=["chain"])
         generated.add_metric([c], counts.get(("generated_bytes", c), 0))
-        traversals = CounterMetricFamily("btnode_serve_traversals", "Traversals the block chain's entry sent "
+        traversals = CounterMetricFamily("btnode_serve_traversals", "Traversals the chain's entry sent "
                                          "(each carrying the segments of every request waiting).", labels=["chain"])
         batched = CounterMetricFamily("btnode_serve_batched_segments", "Segments those traversals carried "
                                       "(÷ traversals: the mean batch).", labels=["chain"])

@@ -6,7 +6,6 @@ a local port (`btnode generate --entry` and other API servers reach it); the HTT
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -16,18 +15,18 @@ import torch
 
 from btnode.errors import CheckpointError, ConfigError
 from btnode.meter import Meter
-from btnode.node.api import ApiConfig, ModelIdentity, run_api
+from btnode.node.api import ApiConfig, run_api
 from btnode.node.stage import StageConfig
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.stages import serve_stage
 from btnode.serve.ar import LocalARStage
 from btnode.serve.context_cache import ContextCacheConfig
 from btnode.serve.draft import ARDrafter
+from btnode.serve.identity import ModelIdentity, Origin, chain_sha256
 from btnode.serve.stages import LocalBlockStage, local_chain
 from btnode.settings import flag, same_flag
 from btnode.store import files
-from btnode.store.models import RUN_FILE, kind_of, load_ar, load_blocks, unit_stem
-from btnode.store.versions import VersionStore
+from btnode.store.models import checkpoint_version, kind_of, load_ar, load_blocks
 
 log = logging.getLogger(__name__)
 
@@ -44,30 +43,9 @@ class ServeConfig:
     draft: Path | None = same_flag(StageConfig, "draft")
 
 
-def checkpoint_version(folder: Path) -> int:
-    """The version a checkpoint folder holds: an aggregator state folder's newest version (the newest
-    any unit has), a train-local or train-ar folder's training step."""
-    if (folder / RUN_FILE).exists():
-        from btnode.model.config import ModelConfig
-
-        cfg = ModelConfig.from_dict(json.loads((folder / RUN_FILE).read_text())["model"])
-        units = 1 if cfg.kind == "ar" else cfg.total_blocks
-        newest = [VersionStore(folder, u, stem=unit_stem(cfg, u)).versions() for u in range(units)]
-        return max((v[-1] for v in newest if v), default=0)
-    meta = folder / ("block-0.json" if kind_of(folder) == "block" else "ar.json")
-    try:
-        step = json.loads(meta.read_text()).get("step", 0)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {meta}: {exc}") from None
-    return int(step) if isinstance(step, int) else 0
-
-
 def weights_sha256(units: list[torch.nn.Module]) -> str:
     """One hash of the served weights: sha256 over each unit's canonical state hash, in chain order."""
-    h = hashlib.sha256()
-    for unit in units:
-        h.update(files.state_sha256(unit.state_dict()).encode())
-    return h.hexdigest()
+    return chain_sha256([files.state_sha256(unit.state_dict()) for unit in units])
 
 
 def load_chain(config: ServeConfig, device: torch.device, name: str) -> tuple[LocalBlockStage | LocalARStage,
@@ -79,23 +57,23 @@ def load_chain(config: ServeConfig, device: torch.device, name: str) -> tuple[Lo
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     kv_bytes = int(config.kv_cache_mb * 2**20)
+    origin = Origin(name=folder.resolve().name, version=checkpoint_version(folder))
     first: LocalBlockStage | LocalARStage
     if kind_of(folder) == "ar":
         model = load_ar(folder).model
         drafter = ARDrafter(load_ar(config.draft).model, device=device, kv_bytes=kv_bytes) \
             if config.draft is not None else None  # type: ignore[arg-type]
         first = LocalARStage(model, 0, model.n_layers, device=device, name="ar",  # type: ignore[arg-type]
-                             drafter=drafter, kv_bytes=kv_bytes)
-        units = [model]
+                             drafter=drafter, kv_bytes=kv_bytes, origin=origin)
     else:
         if config.draft is not None:
             raise ConfigError("--draft (speculative decoding with a draft model) is for an AR checkpoint")
         _, blocks = load_blocks(folder)
         contexts = ContextCacheConfig(max_bytes=int(config.context_cache_mb * 2**20))
-        first = local_chain(blocks, device, contexts)
-        units = list(blocks)
-    identity = ModelIdentity(name=name or folder.resolve().name, version=checkpoint_version(folder),
-                             weights_sha256=weights_sha256(units))  # type: ignore[arg-type]
+        first = local_chain(blocks, device, contexts, origin)
+    weights = first.weights()  # the same Weights a proxy in front of this entry (or of separate stages) reads
+    assert weights is not None
+    identity = ModelIdentity.of(weights, name)
     return first, identity
 
 

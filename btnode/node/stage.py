@@ -29,11 +29,12 @@ from btnode.serve.context_cache import ContextCacheConfig
 from btnode.serve.draft import ARDrafter
 from btnode.serve.kvcache import KV_BUDGET_BYTES
 from btnode.serve.defaults import serving_defaults
+from btnode.serve.identity import Origin
 from btnode.serve.stages import FailoverStage, LocalBlockStage
 from btnode.settings import flag, parse_ints, same_flag
 from btnode.durable import atomic_write
 from btnode.store.files import state_sha256
-from btnode.store.models import load_ar, load_one_block
+from btnode.store.models import checkpoint_version, load_ar, load_one_block
 from btnode.swarm.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class StageConfig:
                                                "together (least recently used go first).", default=256.0)
 
 
-def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, DiffusionBlock]:
-    """The newest version of `block` pulled from a live aggregator, hash-checked."""
+def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, DiffusionBlock, int]:
+    """The newest version of `block` pulled from a live aggregator, hash-checked; and its version."""
     client = SwarmClient(peer, timeout_s=60)
     try:
         cfg = client.model_config()
@@ -91,7 +92,12 @@ def block_from_aggregator(peer: str, block: int) -> tuple[ModelConfig, Diffusion
         raise CheckpointError(f"block {block} v{pulled.info.version} from {peer} fails its hash")
     model.load_state_dict(pulled.tensors)
     log.info("loaded block %d version %d from %s", block, pulled.info.version, peer)
-    return cfg, model
+    return cfg, model, pulled.info.version
+
+
+def _origin(checkpoint: Path) -> Origin:
+    """Which weights a checkpoint folder holds, as a model id names them (serve/identity.py)."""
+    return Origin(name=checkpoint.resolve().name, version=checkpoint_version(checkpoint))
 
 
 def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None, checkpoint: Path | None,
@@ -104,6 +110,7 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
         if checkpoint is None or layers is None:
             raise ConfigError("an autoregressive stage needs --checkpoint (an AR folder) and --layers LO:HI")
         model = load_ar(checkpoint).model
+        origin = _origin(checkpoint)
         drafter = None
         if draft is not None:
             if layers[0] != 0:
@@ -112,12 +119,17 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
             log.info("entry %s drafts with %s (%d layers)", name, draft, drafter.model.n_layers)
         nxt = FailoverStage([RemoteARStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
         return LocalARStage(model, layers[0], layers[1], next=nxt, device=device, name=name,  # type: ignore[arg-type]
-                            drafter=drafter, kv_bytes=kv_bytes)
+                            drafter=drafter, kv_bytes=kv_bytes, origin=origin)
     if block is None:
         raise ConfigError("a block stage needs --block")
     if (checkpoint is None) == (peer is None):
         raise ConfigError("give exactly one of --checkpoint (a folder) or --peer (a live aggregator)")
-    cfg, model = block_from_aggregator(peer, block) if peer else load_one_block(checkpoint, block)  # type: ignore[arg-type]
+    if peer:
+        cfg, model, version = block_from_aggregator(peer, block)
+        origin = Origin(version=version)
+    else:
+        cfg, model = load_one_block(checkpoint, block)  # type: ignore[arg-type]
+        origin = _origin(checkpoint)  # type: ignore[arg-type]
     is_last = block == cfg.total_blocks - 1
     may_end = is_last or block == cfg.n_blocks - 1  # the last scoring block ends sweeps without tail steps
     if is_last and next_stages:
@@ -126,7 +138,7 @@ def build_stage(*, kind: str, block: int | None, layers: tuple[int, int] | None,
         raise ConfigError(f"block {block} needs --next (the stage, or stages, of block {block + 1})")
     nxt = FailoverStage([RemoteBlockStage(a, timeout_s=timeout_s) for a in next_stages]) if next_stages else None
     return LocalBlockStage(model, block, cfg.n_blocks, next=nxt, device=device, name=name, context_cache=context_cache,
-                           defaults=serving_defaults(cfg, checkpoint))  # a checkpoint's serving.json, if any
+                           defaults=serving_defaults(cfg, checkpoint), origin=origin)  # a checkpoint's serving.json
 
 
 def run_stage(stage: LocalBlockStage | LocalARStage, *, listen: str, port_file: Path | None = None,

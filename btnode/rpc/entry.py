@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from btnode.errors import PeerUnavailable, StageTimeout
+from btnode.errors import MalformedInput, PeerUnavailable, StageTimeout
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.rpc import security
 from btnode.rpc.status import error_from_rpc
-from btnode.rpc.wire import CHANNEL_OPTIONS, READOUTS, UNIT_KINDS, model_from_pb, request_to_pb
+from btnode.rpc.wire import CHANNEL_OPTIONS, READOUTS, UNIT_KINDS, model_from_pb, request_to_pb, weights_from_pb
 from btnode.serve.defaults import MEASURED_READOUT, ServingDefaults
+from btnode.serve.identity import Weights
 from btnode.serve.request import GenerationRequest
 from btnode.v2 import serve_pb2 as pb
 from btnode.v2 import serve_pb2_grpc as pb_grpc
@@ -35,6 +36,7 @@ class ChainInfo:
     fingerprint: str
     entry: str  # the entry that answered
     defaults: ServingDefaults | None = None  # a block chain's serving defaults (None: AR, or an older entry)
+    weights: Weights | None = None  # the weights the chain serves (None: an older stage on it, or one did not say)
 
     @property
     def n_blocks(self) -> int | None:
@@ -79,7 +81,13 @@ class EntryClient:
                     defaults = ServingDefaults(readout=READOUTS.from_pb(m.default_readout, "readout")
                                                or MEASURED_READOUT, k=m.default_k, n_steps=m.default_steps or None,
                                                source="entry")
-                return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry, defaults=defaults)
+                try:
+                    weights = weights_from_pb(m)
+                except MalformedInput as exc:
+                    log.warning("entry %s: its weights are not known (%s)", entry, exc)
+                    weights = None
+                return ChainInfo(kind=kind, cfg=cfg, fingerprint=m.fingerprint, entry=entry, defaults=defaults,
+                                 weights=weights)
             except grpc.aio.AioRpcError as err:
                 exc = error_from_rpc(err, f"entry {entry}")
                 if not isinstance(exc, PeerUnavailable):

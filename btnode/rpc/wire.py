@@ -14,6 +14,7 @@ from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from btnode.errors import MalformedInput
 from btnode.model.config import ModelConfig, UnitKind
 from btnode.model.readout import Readout, default_readout
+from btnode.serve.identity import Weights
 from btnode.serve.request import GenerationRequest
 from btnode.v2 import serve_pb2 as serve_pb
 from btnode.v2 import settings_pb2 as settings_pb
@@ -34,6 +35,9 @@ CHANNEL_OPTIONS = [
 ]
 
 E = TypeVar("E", bound=Enum)
+MAX_UNITS = 4096  # unit hashes one StageInfo may carry: far above any chain's blocks
+MAX_WEIGHTS_NAME = 128
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class WireEnum(Generic[E]):
@@ -119,3 +123,17 @@ def request_from_pb(m: serve_pb.GenerateRequest) -> GenerationRequest:
                              k=m.k or None, n_steps=m.n_steps or None, n_tail=m.n_tail,
                              readout=READOUTS.from_pb(m.readout, "readout"),  # None: the library's default
                              want_logits=m.want_logits, use_cache=not m.no_cache, draft_len=m.draft)
+
+
+def weights_from_pb(m: serve_pb.StageInfo) -> Weights | None:
+    """The weights a stage's Info reports for the chain from it on; None when it names no unit hashes
+    (an older build, or a stage further down that did not say). MalformedInput for hashes that are not
+    sha256 hex digests, too many of them, or an overlong name."""
+    if not m.unit_sha256:
+        return None
+    units = tuple(m.unit_sha256)
+    if len(units) > MAX_UNITS or not all(_SHA256.fullmatch(u) for u in units):
+        raise MalformedInput("info", f"{len(units)} unit hashes, not all sha256 hex digests (at most {MAX_UNITS})")
+    if len(m.weights_name) > MAX_WEIGHTS_NAME:
+        raise MalformedInput("info", f"a weights name of {len(m.weights_name)} characters; at most {MAX_WEIGHTS_NAME}")
+    return Weights(name=m.weights_name, version=m.weights_version, units=units)

@@ -27,15 +27,18 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from btnode.errors import CacheMiss, ConfigError, InputError, MalformedInput
+from btnode.errors import BtnodeError, CacheMiss, ConfigError, InputError, MalformedInput
 from btnode.model.ar import ARLayer, ByteTransformer
 from btnode.model.config import ModelConfig
 from btnode.seeding import generator
 from btnode.serve.context_cache import MAX_REQUEST_ID
 from btnode.serve.draft import ARDrafter
-from btnode.serve.kvcache import KV_BUDGET_BYTES, MAX_SESSIONS, KVSession, KVSessions, common_prefix, embed, extend
+from btnode.serve.identity import Origin, Weights
+from btnode.serve.batching import forward_batch
+from btnode.serve.kvcache import (KV_BUDGET_BYTES, MAX_SESSIONS, KVSession, KVSessions, common_prefix, embed, extend,
+                                  extend_each)
 from btnode.serve.readouts import sample_bytes
-from btnode.serve.stages import SegmentResult, check_temperature
+from btnode.serve.stages import SegmentResult, UnitWeights, check_temperature, weights_of
 
 log = logging.getLogger(__name__)
 MAX_DRAFT = 32  # bytes a traversal may verify (also kept below N/2: see max_draft)
@@ -78,10 +81,11 @@ class LocalARStage:
     def __init__(self, model: ByteTransformer, lo: int, hi: int, *, next: ARStage | None = None,
                  device: torch.device = torch.device("cpu"), name: str | None = None,
                  drafter: ARDrafter | None = None, max_sessions: int = MAX_SESSIONS,
-                 kv_bytes: int = KV_BUDGET_BYTES):
+                 kv_bytes: int = KV_BUDGET_BYTES, origin: Origin = Origin()):
         if not 0 <= lo < hi <= model.n_layers:
             raise ValueError(f"layers [{lo}, {hi}) out of range for {model.n_layers}")
         self.model = model.to(device).eval()
+        self.unit = UnitWeights(self.model, origin)  # every stage holds the whole model: its hash is the model's
         self.cfg: ModelConfig = model.cfg
         self.lo, self.hi = lo, hi
         self.first, self.last = lo == 0, hi == model.n_layers
@@ -101,6 +105,10 @@ class LocalARStage:
                                    max_sessions=max_sessions, max_bytes=kv_bytes)
         self._lock = threading.Lock()  # sessions are shared by concurrent requests
 
+    def weights(self) -> Weights | None:
+        own = self.unit.own()
+        return own if self.next is None else own.then(weights_of(self.next), same_unit=True)
+
     def forward(self, s: ARState) -> SegmentResult:
         with self._lock:
             local = self._local(s)
@@ -118,6 +126,102 @@ class LocalARStage:
             return self.forward(dataclasses.replace(s, start=0, hidden=None, reset=True))
         result.route.insert(0, self.name)
         return result
+
+    def forward_batch(self, states: Sequence[ARState]) -> list[SegmentResult | BtnodeError]:
+        """Several requests' traversals at once (continuous batching: serve/batching.py). The states
+        that add one row to a cache this stage holds (plain decoding past a window's first byte) run
+        as one batch, the others (a new or restarted window, a draft) one by one; then one batch to
+        the next stage. A state refused here or further down gets its error; the first stage resends
+        the whole window of a request a later stage lost, as `forward` does."""
+        with self._lock:
+            outs = self._local_batch(states)
+        onward = [i for i, o in enumerate(outs) if isinstance(o, ARState)]
+        if onward:
+            assert self.next is not None
+            for i, r in zip(onward, forward_batch(self.next, [outs[i] for i in onward])):  # type: ignore[arg-type]
+                if isinstance(r, SegmentResult):
+                    r.route.insert(0, self.name)
+                elif isinstance(r, CacheMiss) and self.first:
+                    r = self._resend(states[i])
+                outs[i] = r
+        return outs  # type: ignore[return-value]
+
+    def _resend(self, s: ARState) -> SegmentResult | BtnodeError:
+        log.info("%s: a later stage lost request %s; resending the whole window", self.name, s.request_id[:8])
+        with self._lock:
+            self.sessions.pop(s.request_id)
+        try:
+            return self.forward(dataclasses.replace(s, start=0, hidden=None, reset=True))
+        except BtnodeError as exc:
+            return exc
+
+    def _one_row(self, s: ARState) -> bool:
+        """Whether `s` adds exactly one row to a session this stage holds, with no draft: what a batch runs."""
+        if s.draft or s.reset or s.request_id not in self.sessions:
+            return False
+        session = self.sessions[s.request_id]
+        if session.length < 1:
+            return False
+        if self.first:
+            return len(s.tokens) == session.length + 1 and s.tokens.startswith(session.tokens)
+        return s.hidden is not None and s.hidden.dim() == 2 and s.hidden.shape[0] == 1 and s.start == session.length
+
+    def _local_batch(self, states: Sequence[ARState]) -> list[SegmentResult | ARState | BtnodeError]:
+        outs: list[SegmentResult | ARState | BtnodeError | None] = [None] * len(states)
+        rows = [i for i, s in enumerate(states) if self._one_row(s)]
+        if len(rows) > 1:  # first: a new session made for a state served alone could evict one of these
+            for i, o in zip(rows, self._local_rows([states[i] for i in rows])):
+                outs[i] = o
+        for i, s in enumerate(states):
+            if outs[i] is None:  # alone: the unbatched path, bit for bit
+                outs[i] = self._local_or_error(s)
+        return outs  # type: ignore[return-value]
+
+    def _local_or_error(self, s: ARState) -> SegmentResult | ARState | BtnodeError:
+        try:
+            return self._local(s)
+        except BtnodeError as exc:
+            return exc
+
+    @torch.no_grad()
+    def _local_rows(self, states: Sequence[ARState]) -> list[SegmentResult | ARState | BtnodeError]:
+        """One new row for each state, through this stage's layers as one batch (kvcache.extend_each)."""
+        outs: list[SegmentResult | ARState | BtnodeError | None] = [None] * len(states)
+        ok, rows = [], []
+        for i, s in enumerate(states):
+            try:
+                self._check_state(s)
+                rows.append(embed(self.model, s.tokens[-1:], len(s.tokens) - 1, self.device) if self.first
+                            else self._check_hidden(s))
+                ok.append(i)
+            except BtnodeError as exc:
+                outs[i] = exc
+        if not ok:
+            return outs  # type: ignore[return-value]
+        sessions = [self.sessions.get(states[i].request_id) for i in ok]
+        starts = [session.length for session in sessions]
+        try:
+            out = extend_each(self.model.layers[self.lo:self.hi], sessions, torch.cat(rows))  # (R, C)
+        except Exception:  # noqa: BLE001 - a bug in the batched path: its sessions are suspect, so drop them
+            log.exception("%s: a batched step of %d requests failed; they start their windows again", self.name, len(ok))
+            for i in ok:
+                self.sessions.pop(states[i].request_id)
+                outs[i] = self._local_or_error(dataclasses.replace(states[i], reset=True, hidden=None)) if self.first \
+                    else CacheMiss(f"{self.name} dropped request {states[i].request_id[:8]}'s cache")
+            return outs  # type: ignore[return-value]
+        logits = self.model.head(self.model.norm(out)) if self.last else None  # (R, V)
+        for row, (i, session, start) in enumerate(zip(ok, sessions, starts)):
+            s = states[i]
+            if logits is not None:
+                g = generator("ar-sample", s.seed, s.step)
+                outs[i] = SegmentResult(new_bytes=bytes(sample_bytes(logits[row:row + 1], s.temperature, g).tolist()),
+                                        route=[self.name])
+            else:
+                outs[i] = dataclasses.replace(s, start=start, hidden=out[row:row + 1].cpu(), reset=False)
+            if self.first:
+                session.tokens = s.tokens
+        self.sessions.trim()
+        return outs  # type: ignore[return-value]
 
     @torch.no_grad()
     def _local(self, s: ARState) -> SegmentResult | ARState:
@@ -203,10 +307,11 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def local_ar_chain(model: ByteTransformer, n_stages: int, device: torch.device, *,
-                   drafter: ARDrafter | None = None) -> LocalARStage:
+                   drafter: ARDrafter | None = None, origin: Origin = Origin()) -> LocalARStage:
     nxt: ARStage | None = None
     for lo, hi in reversed(split_layers(model.n_layers, n_stages)):
-        nxt = LocalARStage(model, lo, hi, next=nxt, device=device, drafter=drafter if lo == 0 else None)
+        nxt = LocalARStage(model, lo, hi, next=nxt, device=device, drafter=drafter if lo == 0 else None,
+                           origin=origin)
     assert isinstance(nxt, LocalARStage)
     return nxt
 

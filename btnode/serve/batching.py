@@ -3,7 +3,10 @@ of every request waiting at that moment through the chain in one traversal; a re
 while a traversal runs joins the next one. Each request keeps its own driver loop (serve/driver.py),
 so its K, seed, temperature, readout and stop stay its own. `spec_steps` is a block's batched part:
 the spec readout's drafting and scoring run as one (R, …) batch over requests of different context
-lengths (`DiffusionBlock.extend_rows`, `RowLayout`); other readouts run request by request.
+lengths (`DiffusionBlock.extend_rows`, `RowLayout`), and so do the sweeps of the pool and last
+readouts (one K, step count and tail); commit and spec-fill run request by request. The AR
+chain's entry batches the same way: each stage runs the one new row of every request in plain
+decoding as one batch (`LocalARStage.forward_batch`, `kvcache.extend_each`).
 
 What limits a batch: max_batch (64 segments per traversal), the stage's threads (one per open
 request), the CPU time of a batch (it grows with R · K once the matrices stop being tiny), and the
@@ -26,11 +29,12 @@ import torch
 from btnode.errors import BtnodeError
 from btnode.model.block import ContextCache, DiffusionBlock
 from btnode.model.layout import row_layouts
+from btnode.model.noise import generation_grid
 from btnode.model.readout import Readout
-from btnode.model.sampler import context_logits, log_probs
+from btnode.model.sampler import block_denoiser, context_logits, generation_spans, log_probs, run_span
 from btnode.protocol import Meter
 from btnode.seeding import generator
-from btnode.serve.readouts import Carry, Evaluation, sample_bytes
+from btnode.serve.readouts import NO_CARRY, Carry, Evaluation, sample_bytes
 from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, Stage
 
 log = logging.getLogger(__name__)
@@ -104,30 +108,36 @@ def score_rows(block: DiffusionBlock, cache: ContextCache, lens: torch.Tensor, c
     return out
 
 
+SWEEP_READOUTS = (Readout.POOL, Readout.LAST)  # a sweep read from its last evaluation (and the pool): batched
+
+
 def spec_steps(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[SegmentState | Outcome]:
-    """`stage.step` for every state: spec segments of one K batched (two or more of them), every
-    other one alone. A state the stage refuses gets its error."""
+    """`stage.step` for every state: spec segments of one K batched (two or more of them), and pool
+    or last segments of one K, step count and tail batched as one sweep; every other one (commit,
+    spec-fill: their readers extend one request's cache) alone. A state the stage refuses gets its error."""
     outs: list[SegmentState | Outcome | None] = [None] * len(states)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(states):
-        if s.readout is Readout.SPEC:
+        if s.readout is Readout.SPEC or s.readout in SWEEP_READOUTS:
             try:
                 stage.validate(s)
             except BtnodeError as exc:
                 outs[i] = exc
                 continue
-            groups.setdefault(s.k, []).append(i)
+            key = (s.k,) if s.readout is Readout.SPEC else (s.k, s.n_steps, s.n_tail, "sweep")
+            groups.setdefault(key, []).append(i)
         else:
             outs[i] = _step(stage, s)
-    for idx in groups.values():
+    for key, idx in groups.items():
         if len(idx) == 1:  # alone: the unbatched path, bit for bit
             outs[idx[0]] = _step(stage, states[idx[0]])
             continue
+        run = _spec_batch if len(key) == 1 else _sweep_batch
         try:
             with torch.no_grad():
-                done = _spec_batch(stage, [states[i] for i in idx])
+                done = run(stage, [states[i] for i in idx])
         except Exception:  # noqa: BLE001 - a bug in the batched path must not fail its requests: serve them alone
-            log.exception("a batched spec step of %d segments failed; serving them one by one", len(idx))
+            log.exception("a batched step of %d segments failed; serving them one by one", len(idx))
             done = [_step(stage, states[i]) for i in idx]
         for i, o in zip(idx, done):
             outs[i] = o
@@ -263,19 +273,52 @@ def _spec_batch(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[
     return out
 
 
+def _sweep_batch(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list[SegmentState | Outcome]:
+    """This block's span of the sweep for R pool or last segments of one K, step count and tail, as
+    one (R, K, d) batch over their contexts of different lengths (RowLayout); pool adds each row's
+    context readout to its carry. The last stage reads each row (pool and last read only the
+    evaluation and the carry, never the batch's padded cache)."""
+    cache, lens = encode_cached(stage, states)
+    s0, cfg = states[0], stage.cfg
+    grid = generation_grid(cfg, s0.n_steps, s0.n_tail)
+    span = generation_spans(cfg, s0.n_steps, s0.n_tail)[stage.index]
+    layout = row_layouts(lens, s0.k)
+    z, logits = run_span(block_denoiser(stage.block, cache, layout), torch.stack([s.z for s in states]).to(stage.device),
+                         grid, span, stage.table)
+    pooled = any(s.readout is Readout.POOL for s in states)
+    own = log_probs(context_logits(stage.block, cache, layout)) if pooled else None  # (R, K, V)
+    out: list[SegmentState | Outcome] = []
+    for i, s in enumerate(states):
+        carry = NO_CARRY
+        if s.readout is Readout.POOL:
+            assert own is not None
+            carry = Carry(pool=own[i] if s.carry.pool is None else s.carry.pool.to(own.device) + own[i])
+        if logits is None:
+            out.append(dataclasses.replace(s, z=z[i].cpu(), carry=carry.cpu()))
+            continue
+        ev = Evaluation(block=stage.block, cache=cache, k=s.k, n_blocks=stage.n_blocks, carry=carry, z=z[i:i + 1],
+                        logits=logits[i:i + 1], sigma=grid[span[-1]])
+        try:
+            out.append(stage.read(s, ev))
+        except BtnodeError as exc:
+            out.append(exc)
+    return out
+
+
 class BatchingStage:
     """The entry's first stage seen through a traversal scheduler: `forward` (one request's
     segment, from its driver loop's thread) waits for the next traversal, which carries every
     segment waiting when it starts (up to max_batch). One scheduler thread runs the traversals."""
 
-    def __init__(self, first: Stage, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S,
-                 meter: Meter | None = None):
-        self.first = first
-        self.meter = meter  # ("traversals", "block") and ("batched_segments", "block"): their ratio, the mean batch
+    def __init__(self, first: Any, *, max_batch: int = MAX_BATCH, gather_s: float = GATHER_S,
+                 meter: Meter | None = None, chain: str = "block"):
+        self.first = first  # a block chain's first stage, or an AR chain's (LocalARStage.forward_batch)
+        self.chain = chain
+        self.meter = meter  # ("traversals", chain) and ("batched_segments", chain): their ratio, the mean batch
         self.name = first.name
         self.max_batch = max_batch
         self.gather_s = gather_s
-        self.pending: deque[tuple[SegmentState, Future]] = deque()
+        self.pending: deque[tuple[Any, Future]] = deque()  # SegmentState, or ARState
         self.cond = threading.Condition()
         self.last_batch = 0
         self.traversals = 0  # traversals run, and the segments they carried: their mean batch size
@@ -283,7 +326,7 @@ class BatchingStage:
         self.largest = 0
         self.thread: threading.Thread | None = None
 
-    def forward(self, state: SegmentState) -> SegmentResult:
+    def forward(self, state: Any) -> SegmentResult:
         done: Future = Future()
         with self.cond:
             if self.thread is None:
@@ -298,7 +341,7 @@ class BatchingStage:
             return {"traversals": self.traversals, "segments": self.segments, "largest": self.largest,
                     "mean_batch": self.segments / self.traversals if self.traversals else 0.0}
 
-    def _take(self) -> list[tuple[SegmentState, Future]]:
+    def _take(self) -> list[tuple[Any, Future]]:
         with self.cond:
             while not self.pending:
                 self.cond.wait()
@@ -326,8 +369,8 @@ class BatchingStage:
                 self.segments += len(batch)
                 self.largest = max(self.largest, len(batch))
             if self.meter is not None:
-                self.meter.count(("traversals", "block"))
-                self.meter.count(("batched_segments", "block"), len(batch))
+                self.meter.count(("traversals", self.chain))
+                self.meter.count(("batched_segments", self.chain), len(batch))
             for (_, done), r in zip(batch, results):
                 if isinstance(r, BaseException):
                     done.set_exception(r)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from btnode.errors import ConfigError
 from btnode.model.ar import ARLayer, ByteTransformer
@@ -61,6 +62,30 @@ def extend(layers: Sequence[ARLayer], session: KVSession, h: torch.Tensor) -> to
         kv.append(cache)
     session.kv, session.length = kv, session.length + h.shape[0]
     return x[0]
+
+
+def extend_each(layers: Sequence[ARLayer], sessions: Sequence[KVSession], h: torch.Tensor) -> torch.Tensor:
+    """One new row for each of R sessions (h: (R, C), row i at position sessions[i].length) through
+    `layers` as ONE batch: the caches, of different lengths, padded to the longest and masked, and
+    each session's cache grown by its row. Equal to R calls of `extend` with one row up to float
+    rounding (continuous batching of the AR chain, serve/ar.py). Every session must hold ≥ 1 position."""
+    lens = torch.tensor([s.length for s in sessions], device=h.device)
+    p = int(lens.max())
+    keys = torch.arange(p + 1, device=h.device)
+    mask = ((keys[None, :] < lens[:, None]) | (keys[None, :] == p))[:, None, None, :]  # (R, 1, 1, P + 1)
+    x = h[:, None]  # (R, 1, C)
+    for j, layer in enumerate(layers):
+        past = [s.kv[j] for s in sessions]
+        assert all(kv is not None for kv in past), "extend_each extends sessions that hold positions"
+        pk = torch.stack([F.pad(kv[0][0], (0, 0, 0, p - kv[0].shape[2])) for kv in past])  # type: ignore[index]
+        pv = torch.stack([F.pad(kv[1][0], (0, 0, 0, p - kv[1].shape[2])) for kv in past])  # type: ignore[index]
+        x, (k, v) = layer.forward_cached(x, (pk, pv), mask)
+        for i, s in enumerate(sessions):
+            ok, ov = s.kv[j]  # type: ignore[misc]
+            s.kv[j] = (torch.cat([ok, k[i:i + 1, :, p:]], dim=2), torch.cat([ov, v[i:i + 1, :, p:]], dim=2))
+    for s in sessions:
+        s.length += 1
+    return x[:, 0]
 
 
 def common_prefix(a: bytes, b: bytes) -> int:

@@ -25,9 +25,11 @@ from btnode.model.readout import Readout, default_readout
 from btnode.model.sampler import block_denoiser, generation_spans, run_span, spans
 from btnode.model.targets import target_table
 from btnode.seeding import generator
+from btnode.store.files import state_sha256
 from btnode.serve.context_cache import (MAX_REQUEST_ID, ContextCacheConfig, ContextCacheStore, check_chunks,
                                         encode_window)
 from btnode.serve.defaults import ServingDefaults, serving_defaults
+from btnode.serve.identity import Origin, Weights
 from btnode.serve.readouts import (NO_CARRY, READERS, Carry, Evaluation, add_context_readout, check_carry, draft,
                                    score_draft)
 
@@ -73,6 +75,27 @@ class Stage(Protocol):
     name: str
 
     def forward(self, state: SegmentState) -> SegmentResult: ...
+
+
+def weights_of(stage: object) -> Weights | None:
+    """The weights of the chain from `stage` on, when it can tell (a stage without `weights`, or a
+    remote one that does not answer or is too old to say: None)."""
+    weights = getattr(stage, "weights", None)
+    return weights() if weights is not None else None
+
+
+class UnitWeights:
+    """A stage's own unit: where it came from, and its canonical state hash (computed once: a stage
+    never changes its weights while it serves)."""
+
+    def __init__(self, module: torch.nn.Module, origin: Origin):
+        self.module, self.origin = module, origin
+        self._sha256: str | None = None
+
+    def own(self) -> Weights:
+        if self._sha256 is None:
+            self._sha256 = state_sha256(self.module.state_dict())
+        return Weights(name=self.origin.name, version=self.origin.version, units=(self._sha256,))
 
 
 def max_prompt(context: int, k: int) -> int:
@@ -128,8 +151,10 @@ class LocalBlockStage:
 
     def __init__(self, block: DiffusionBlock, index: int, n_blocks: int, *, next: Stage | None = None,
                  device: torch.device = torch.device("cpu"), name: str | None = None,
-                 context_cache: ContextCacheConfig = ContextCacheConfig(), defaults: ServingDefaults | None = None):
+                 context_cache: ContextCacheConfig = ContextCacheConfig(), defaults: ServingDefaults | None = None,
+                 origin: Origin = Origin()):
         self.block = block.to(device).eval()
+        self.unit = UnitWeights(self.block, origin)
         self.cfg: ModelConfig = block.cfg
         self.index, self.n_blocks = index, n_blocks
         self.next = next
@@ -142,6 +167,11 @@ class LocalBlockStage:
         if next is None and index != n_blocks - 1 and index != last or next is not None and index == last:
             raise ValueError(f"block {index} of {n_blocks} (+{self.cfg.tail_blocks} tail): only the last block "
                              "has no next stage")
+
+    def weights(self) -> Weights | None:
+        """This block's weights followed by those of the blocks after it (None: some are unknown)."""
+        own = self.unit.own()
+        return own if self.next is None else own.then(weights_of(self.next))
 
     def validate(self, s: SegmentState) -> None:
         """Checks on a state from a peer: request settings first, then the tensor itself."""
@@ -249,6 +279,16 @@ class FailoverStage:
         self.candidates = list(candidates)
         self.name = "|".join(c.name for c in self.candidates)
 
+    def weights(self) -> Weights | None:
+        """The weights of the first candidate that can tell."""
+        for stage in self.candidates:
+            try:
+                if (w := weights_of(stage)) is not None:
+                    return w
+            except PeerUnavailable as exc:
+                log.info("stage %s did not say which weights it serves: %s", stage.name, exc)
+        return None
+
     def forward(self, state: SegmentState) -> SegmentResult:
         errors, timeouts = [], 0
         for i, stage in enumerate(self.candidates):
@@ -300,7 +340,7 @@ class FailoverStage:
 
 
 def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device,
-                context_cache: ContextCacheConfig = ContextCacheConfig()) -> LocalBlockStage:
+                context_cache: ContextCacheConfig = ContextCacheConfig(), origin: Origin = Origin()) -> LocalBlockStage:
     """All blocks in this process, linked: returns the first stage. `blocks` are the B scoring
     blocks, or all B + T blocks of a model with a tail."""
     cfg = blocks[0].cfg
@@ -308,6 +348,7 @@ def local_chain(blocks: Sequence[DiffusionBlock], device: torch.device,
         raise ValueError(f"a chain of {len(blocks)} blocks for a model of {cfg.n_blocks} (+{cfg.tail_blocks} tail)")
     nxt: Stage | None = None
     for index in reversed(range(len(blocks))):
-        nxt = LocalBlockStage(blocks[index], index, cfg.n_blocks, next=nxt, device=device, context_cache=context_cache)
+        nxt = LocalBlockStage(blocks[index], index, cfg.n_blocks, next=nxt, device=device, context_cache=context_cache,
+                              origin=origin)
     assert isinstance(nxt, LocalBlockStage)
     return nxt

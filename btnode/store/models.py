@@ -207,3 +207,19 @@ def kind_of(folder: Path) -> str:
     if (folder / RUN_FILE).exists():
         return _run_config(folder).kind
     raise CheckpointError(f"{folder} holds no btnode checkpoint (no block-0.json or ar.json)")
+
+
+def checkpoint_version(folder: Path) -> int:
+    """The version a checkpoint folder holds: an aggregator state folder's newest version (the newest
+    any unit has), a train-local or train-ar folder's training step. What a served model's id names."""
+    if (folder / RUN_FILE).exists():
+        cfg = _run_config(folder)
+        units = 1 if cfg.kind == "ar" else cfg.total_blocks
+        newest = [VersionStore(folder, u, stem=unit_stem(cfg, u)).versions() for u in range(units)]
+        return max((v[-1] for v in newest if v), default=0)
+    meta = folder / (f"{block_stem(0)}.json" if kind_of(folder) == "block" else f"{AR_STEM}.json")
+    try:
+        step = json.loads(meta.read_text()).get("step", 0)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {meta}: {exc}") from None
+    return int(step) if isinstance(step, int) else 0

@@ -135,6 +135,30 @@ class ARReply(_message.Message):
     route: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, new_bytes: _Optional[bytes] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ARBatch(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[ARRequest]
+    def __init__(self, steps: _Optional[_Iterable[_Union[ARRequest, _Mapping]]] = ...) -> None: ...
+
+class AROutcome(_message.Message):
+    __slots__ = ("reply", "code", "reason", "message")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reply: ARReply
+    code: int
+    reason: str
+    message: str
+    def __init__(self, reply: _Optional[_Union[ARReply, _Mapping]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ARBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[AROutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[AROutcome, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "n_bytes", "k", "n_steps", "seed", "temperature", "want_logits", "readout", "draft", "no_cache", "n_tail")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -182,7 +206,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config", "name", "node_version", "default_readout", "default_k", "default_steps")
+    __slots__ = ("kind", "block", "first_layer", "n_layers", "last", "fingerprint", "config", "name", "node_version", "default_readout", "default_k", "default_steps", "weights_name", "weights_version", "unit_sha256")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +219,9 @@ class StageInfo(_message.Message):
     DEFAULT_READOUT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_K_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNIT_SHA256_FIELD_NUMBER: _ClassVar[int]
     kind: _settings_pb2.UnitKind
     block: int
     first_layer: int
@@ -207,4 +234,7 @@ class StageInfo(_message.Message):
     default_readout: Readout
     default_k: int
     default_steps: int
-    def __init__(self, kind: _Optional[_Union[_settings_pb2.UnitKind, str]] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., name: _Optional[str] = ..., node_version: _Optional[str] = ..., default_readout: _Optional[_Union[Readout, str]] = ..., default_k: _Optional[int] = ..., default_steps: _Optional[int] = ...) -> None: ...
+    weights_name: str
+    weights_version: int
+    unit_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[_settings_pb2.UnitKind, str]] = ..., block: _Optional[int] = ..., first_layer: _Optional[int] = ..., n_layers: _Optional[int] = ..., last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., name: _Optional[str] = ..., node_version: _Optional[str] = ..., default_readout: _Optional[_Union[Readout, str]] = ..., default_k: _Optional[int] = ..., default_steps: _Optional[int] = ..., weights_name: _Optional[str] = ..., weights_version: _Optional[int] = ..., unit_sha256: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -56,6 +56,11 @@ class ServingStub:
                 request_serializer=btnode_dot_v2_dot_serve__pb2.ARRequest.SerializeToString,
                 response_deserializer=btnode_dot_v2_dot_serve__pb2.ARReply.FromString,
                 _registered_method=True)
+        self.ForwardARBatch = channel.unary_unary(
+                '/btnode.v2.Serving/ForwardARBatch',
+                request_serializer=btnode_dot_v2_dot_serve__pb2.ARBatch.SerializeToString,
+                response_deserializer=btnode_dot_v2_dot_serve__pb2.ARBatchReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/btnode.v2.Serving/Info',
                 request_serializer=btnode_dot_v2_dot_serve__pb2.StageInfoRequest.SerializeToString,
@@ -92,6 +97,12 @@ class ServingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardARBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -120,6 +131,11 @@ def add_ServingServicer_to_server(servicer, server):
                     servicer.ForwardAR,
                     request_deserializer=btnode_dot_v2_dot_serve__pb2.ARRequest.FromString,
                     response_serializer=btnode_dot_v2_dot_serve__pb2.ARReply.SerializeToString,
+            ),
+            'ForwardARBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardARBatch,
+                    request_deserializer=btnode_dot_v2_dot_serve__pb2.ARBatch.FromString,
+                    response_serializer=btnode_dot_v2_dot_serve__pb2.ARBatchReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -237,6 +253,33 @@ class Serving:
             '/btnode.v2.Serving/ForwardAR',
             btnode_dot_v2_dot_serve__pb2.ARRequest.SerializeToString,
             btnode_dot_v2_dot_serve__pb2.ARReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardARBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/btnode.v2.Serving/ForwardARBatch',
+            btnode_dot_v2_dot_serve__pb2.ARBatch.SerializeToString,
+            btnode_dot_v2_dot_serve__pb2.ARBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from btnode.node.serving import weights_sha256
 from btnode.serve.completions import CHAT_STOP, render_chat
+from btnode.store.models import load_ar, load_blocks
 from browser import CHROMIUM, Browser
 from procs import CLI, free_port, scrape, start, start_stage, wait_port
 
@@ -97,10 +99,20 @@ def post(port: int, path: str, body: bytes, headers: dict | None = None) -> tupl
         conn.close()
 
 
+def weights_id(folder: Path, kind: str) -> tuple[str, str]:
+    """The id `btnode serve --checkpoint FOLDER` serves it under (NAME-vSTEP-HASH8), and the reply's
+    system_fingerprint: a proxy in front of separate stages must give the same."""
+    units = load_blocks(folder)[1] if kind == "block" else [load_ar(folder).model]
+    sha = weights_sha256(units)  # type: ignore[arg-type]
+    return f"{folder.name}-v4-{sha[:8]}", f"v4-{sha[:12]}"
+
+
 def test_the_openai_client_gets_what_btnode_generate_gets_from_the_block_chain(lab):
     c = client(lab["block"])
     model = c.models.list().data[0]
-    assert model.id.startswith("btnode-block-") and model.model_extra["k"] == 4  # the serving default: N/8 here
+    model_id, fingerprint = weights_id(lab["root"] / "blocks", "block")  # the stages report their weights
+    assert model.id == model_id and model.model_extra["version"] == 4
+    assert model.model_extra["k"] == 4  # the serving default: N/8 here
     assert model.model_extra["readout"] == "spec" and model.model_extra["context"] == 32
     assert model.model_extra["settings"]["prompt_bytes"] == {"1": 32, "4": 29, "8": 25}
     ref = btnode_generate(lab["block_entry"], "Hello there", 20, 4, 0.9, "--segment", "8", "--readout", "commit")
@@ -108,6 +120,9 @@ def test_the_openai_client_gets_what_btnode_generate_gets_from_the_block_chain(l
               extra_body={"k": 8, "readout": "commit"})
     plain = c.completions.create(**kw)
     assert plain.choices[0].text == ref and plain.choices[0].finish_reason == "length"
+    assert plain.system_fingerprint == fingerprint and plain.model_extra["btnode"]["version"] == 4
+    assert f'btnode_api_model_info{{model="{model_id}",version="4"' in scrape(lab["block"])  # and the log:
+    assert f"model {model_id} (version 4, weights sha256 " in (lab["root"] / "api-block.log").read_text()
     assert (plain.usage.prompt_tokens, plain.usage.completion_tokens) == (11, 20)  # bytes
     chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     texts = [ch.choices[0].text for ch in chunks if ch.choices]
@@ -134,10 +149,12 @@ def test_the_openai_client_gets_what_btnode_generate_gets_from_the_block_chain(l
 def test_the_openai_client_gets_what_btnode_generate_gets_from_the_ar_chain(lab):
     c = client(lab["ar"], key="unused")  # this server was started without --api-key
     model = c.models.list().data[0]
-    assert model.id.startswith("btnode-ar-") and model.model_extra["k"] == 1
+    model_id, fingerprint = weights_id(lab["root"] / "ar", "ar")  # two stages, one model: its hash once
+    assert model.id == model_id and model.model_extra["k"] == 1
     ref = btnode_generate(lab["ar_entry"], "The history", 12, 3, 1.0)
     plain = c.completions.create(model=model.id, prompt="The history", max_tokens=12, temperature=1.0, seed=3)
     assert plain.choices[0].text == ref and plain.usage.completion_tokens == 12
+    assert plain.system_fingerprint == fingerprint
     chunks = list(c.completions.create(model=model.id, prompt="The history", max_tokens=12, temperature=1.0, seed=3,
                                        stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == ref

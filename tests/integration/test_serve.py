@@ -1,7 +1,8 @@
 """`btnode serve --checkpoint DIR`: one process serves the chain, its gRPC entry and the OpenAI API.
 The official client gets what `btnode generate --checkpoint` gets for a seed; the model id names the
 weights; chat runs to the context's end; a request without a seed gets a fresh one, reported; every
-OpenAI conformance case of bench/api.py passes; and `btnode api` in front of the entry stays light."""
+OpenAI conformance case of bench/api.py passes; and `btnode api` in front of the entry stays light
+and serves the same id."""
 
 from __future__ import annotations
 
@@ -97,12 +98,14 @@ def test_every_openai_conformance_case_behaves_as_documented(served):
 
 def test_the_proxy_in_front_of_a_remote_chain_stays_light(served, tmp_path):
     port_file = tmp_path / "api.port"
-    proc = start(["api", "--entry", served["entry"], "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                  "--model-name", "tiny"], tmp_path / "api.log")
+    proc = start(["api", "--entry", served["entry"], "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
+                 tmp_path / "api.log")
     served["procs"].append(proc)
     port = wait_port(port_file, proc)
     r = client(port).completions.create(model=None, prompt="The", max_tokens=16, seed=1, stream=False)
-    assert r.usage.completion_tokens == 16 and r.model.startswith("tiny-")
+    _, blocks = load_blocks(served["root"] / "tiny")
+    sha = weights_sha256(list(blocks))  # the entry's Info names the weights: the proxy serves btnode serve's id
+    assert r.usage.completion_tokens == 16 and r.model == f"tiny-v3-{sha[:8]}" and r.system_fingerprint == f"v3-{sha[:12]}"
     rss, torch = proxy_rss_mb(proc.pid)
     assert not torch and rss <= 120, (rss, torch)
     assert 'torch="none"' in scrape(port)

@@ -100,3 +100,51 @@ def test_the_entry_says_its_serving_defaults():
     finally:
         server.stop(None)
     assert info.defaults is not None and (info.defaults.readout.value, info.defaults.k) == ("spec", 4)  # at most N/8 (serve/defaults.py)
+
+
+def test_the_ar_chain_batches_concurrent_streams_over_forward_ar_batch():
+    """Three AR stages over gRPC: concurrent Generate streams share the entry's traversals (each hop
+    one ForwardARBatch call) and each gets what the local chain gives it alone."""
+    from btnode.model.ar import ByteTransformer
+    from btnode.protocol import Meter
+    from btnode.rpc.stages import RemoteARStage
+    from btnode.serve.ar import LocalARStage, local_ar_chain
+    from btnode.serve.driver import generate_ar
+
+    cfg = ModelConfig(d_model=32, n_heads=2, n_layers=2, n_blocks=3, context=32, segments=(1, 8), kind="ar",
+                      ar_layers=6)
+    torch.manual_seed(0)
+    m = ByteTransformer(cfg, 6).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    servers, nxt, meters = [], None, {}
+    for lo in (4, 2, 0):
+        meters[lo] = Meter()
+        stage = LocalARStage(m, lo, lo + 2, next=FailoverStage([RemoteARStage(nxt)]) if nxt else None)
+        server, port, _ = serve_stage(stage, "127.0.0.1:0", meter=meters[lo])
+        servers.append(server)
+        nxt = f"127.0.0.1:{port}"
+    asks = [GenerationRequest(p, 20, seed=i, temperature=1.0 if i % 2 else 0.0)
+            for i, p in enumerate([b"The", b"In the", b"A", b"Once upon a time", b"He was", b"It"])]
+    alone = [b"".join(r.new_bytes for r in generate_ar(local_ar_chain(m, 3, torch.device("cpu")), cfg, a))
+             for a in asks]
+    got: dict[int, bytes] = {}
+
+    def run(i):
+        got[i] = b"".join(r.new_bytes for r in generate_remote(nxt, asks[i]))
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        for s in servers:
+            s.stop(None)
+    assert [got.get(i) for i in range(len(asks))] == alone
+    counts, _ = meters[0].snapshot()
+    assert counts[("batched_segments", "ar")] == 6 * 20 and counts[("traversals", "ar")] < 6 * 20 / 2, counts
+    _, durations = meters[2].snapshot()  # the next stage's calls (ForwardARBatch, or ForwardAR for one step)
+    assert durations["forward"][0] == counts[("traversals", "ar")], durations

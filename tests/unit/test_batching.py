@@ -57,13 +57,16 @@ def state(cfg, i, prompt, *, k=8, readout="spec", temperature=1.0, want_logits=T
 
 
 def test_a_batched_traversal_gives_each_request_its_own_bytes(tiny_cfg):
-    """Spec segments of two draft lengths, greedy and sampled, at five context lengths, and a pool
-    segment, in one traversal: each one's bytes and logits as the same chain gives it alone."""
+    """Spec segments of two draft lengths, greedy and sampled, at five context lengths, pool and last
+    segments (their sweeps batched) and a commit one, in one traversal: each one's bytes and logits
+    as the same chain gives it alone."""
     first = local_chain(blocks_of(tiny_cfg), torch.device("cpu"))
     prompts = [b"The history of", b"a", b"In 1990 the town", b"xyz", b"He was born in the"]
     states = [state(tiny_cfg, i, p, k=8 if i % 2 else 4, temperature=0.0 if i == 2 else 1.0)
               for i, p in enumerate(prompts)]
-    states.append(state(tiny_cfg, 9, b"pooled", k=8, readout="pool"))
+    states += [state(tiny_cfg, 9, b"pooled", k=8, readout="pool"), state(tiny_cfg, 10, b"the pool", k=8, readout="pool"),
+               state(tiny_cfg, 11, b"a last one", k=8, readout="last"), state(tiny_cfg, 12, b"L", k=8, readout="last"),
+               state(tiny_cfg, 13, b"x", k=8, readout="pool", temperature=0.0), state(tiny_cfg, 14, b"c", readout="commit")]
     alone = [first.forward(s) for s in states]
     batched = forward_batch(first, states)
     assert len({len(r.new_bytes) for r in alone}) > 1  # drafts were cut at different places
