@@ -379,6 +379,8 @@ def metrics(out: dict) -> dict[str, Metric]:
             "worst peak ΔCE (nats/byte)": max((r["peak_delta_ce"] for r in rows), default=None),
             "rows with a cheating id not revoked": sum(not r["revoked"] for r in out["rows"]),
             "false positives": out["false_positives"], "rows run": len(out["rows"]),
+            "honest CE, worst seed": max(out["honest"]["default"]["ce"]) if "default" in out["honest"] else None,
+            "honest updates dropped": sum(h["dropped"] for h in out["honest"].values()),
             "audit share (default)": out["default_config"]["audit"]["share"]}
 
 
