@@ -367,10 +367,14 @@ def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: flo
 
 def metrics(out: dict) -> dict[str, Metric]:
     """Rows over the aim, the worst ΔCE at the end and at its peak, rows with a cheating identity left
-    unrevoked, false positives, and the shipped audit share."""
+    unrevoked, false positives, the honest swarms' worst CE and screen drops, and the shipped audit share."""
     if "default_config" not in out:
         return _metrics_before_38(out)
     rows = [r for r in out["rows"] if r["delta_ce"] is not None]
+    honest = {"honest CE, worst seed": max(out["honest"]["default"]["ce"]) if "default" in out["honest"] else None,
+              "honest updates dropped": sum(h["dropped"] for h in out["honest"].values())}
+    if not any(r["cheat"] in ALL for r in rows):  # honest swarms only (--cheats with none): what they measure
+        return {**honest, "false positives": out["false_positives"]}
     worst = max((r["delta_ce"] for r in rows), default=None)
     alone = {f"rows over ΔCE {AIM} against the honest replicas alone": sum(r.get("delta_ce_vs_alone", r["delta_ce"]) > AIM for r in rows)
              } if any("delta_ce_vs_alone" in r for r in rows) else {}  # (not measured before this run)
@@ -379,8 +383,7 @@ def metrics(out: dict) -> dict[str, Metric]:
             "worst peak ΔCE (nats/byte)": max((r["peak_delta_ce"] for r in rows), default=None),
             "rows with a cheating id not revoked": sum(not r["revoked"] for r in out["rows"]),
             "false positives": out["false_positives"], "rows run": len(out["rows"]),
-            "honest CE, worst seed": max(out["honest"]["default"]["ce"]) if "default" in out["honest"] else None,
-            "honest updates dropped": sum(h["dropped"] for h in out["honest"].values()),
+            **honest,
             "audit share (default)": out["default_config"]["audit"]["share"]}
 
 
