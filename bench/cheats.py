@@ -44,7 +44,8 @@ from bench.report import publish, table
 from bench.runs import Metric
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.codec.frames import Frame
-from btnode.codec.profiles import CLI_LINK, LINKS, link_codecs
+from btnode.aggregate.sums.averaging import ROBUST_MODES
+from btnode.codec.profiles import CLI_LINK, LINKS, LinkCodecs, link_codecs
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
 from btnode.evaluation.metrics import swarm_ce
@@ -79,12 +80,22 @@ EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"watch":
 ROW_FIELDS = ("cheat", "mode", "delta_ce", "peak_delta_ce", "caught_round", "revoked")
 
 
-def config(mode: str, link: str = CLI_LINK) -> AggregatorConfig:
+def codecs_of(link: str, density: float | None = None, publish_density: float | None = None) -> LinkCodecs:
+    """`link`'s codecs, with the sparse densities a run overrides (--density, --publish-density)."""
+    c = link_codecs(link, SHAPE.kind)
+    return replace(c, density=density or c.density, publish_density=publish_density or c.publish_density)
+
+
+def config(mode: str, link: str = CLI_LINK, publish_density: float | None = None,
+           robust: str | None = None) -> AggregatorConfig:
     """The aggregator's configuration in `mode`, as a fresh aggregator holds it, with `link`'s publish codec
-    (the daemon's defaults: `btnode join` builds its AggregatorConfig from flags, and the link fills it)."""
-    codecs = link_codecs(link, SHAPE.kind)
+    (the daemon's defaults: `btnode join` builds its AggregatorConfig from flags, and the link fills it);
+    `robust` (--robust) replaces the robust rule, for a diagnosis (the screen off: mean)."""
+    codecs = codecs_of(link, publish_density=publish_density)
     shipped = replace(AggregatorConfig(), link=link, publish_codec=codecs.publish_codec,
                       publish_density=codecs.publish_density)
+    if robust:
+        shipped = replace(shipped, outer=replace(shipped.outer, robust=robust))
     if mode == "default":
         return shipped
     if OPEN_FIELD not in {f.name for f in dataclasses.fields(AggregatorConfig)}:
@@ -114,6 +125,9 @@ class Settings:
     batch: int
     windows: int
     link: str = CLI_LINK  # the codecs (codec/profiles.py): the daemon's default, wan
+    density: float | None = None  # the link's sparse densities, unless set (--density, --publish-density)
+    publish_density: float | None = None
+    robust: str | None = None  # the aggregator's robust rule, unless set (--robust)
 
     @property
     def tc(self) -> TrainConfig:
@@ -189,10 +203,11 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
         makers = verifier_workers(cheat, ids)
     else:
         makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
-    codecs = link_codecs(s.link, SHAPE.kind)
+    codecs = codecs_of(s.link, s.density, s.publish_density)
     scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed,
                      codec=codecs.codec, density=codecs.density)
-    acfg = config(mode, s.link)
+    acfg = config(mode, s.link, s.publish_density, s.robust)
+    acfg = replace(acfg, history=max(acfg.history, s.rounds + 1))  # every round's drops counted (a bench setting)
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp), device=cpu,
                          workers={wid: tapped(make, answers) for wid, make in makers.items()}, on_publish=score)
@@ -208,6 +223,7 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
     out = {"cheat": cheat, "mode": mode, "seed": seed, "ce": ce, "curve": curve, "versions": res.versions[0],
            "outcomes": res.outcomes, "ids": list(ids), "honest_flagged": sorted(set(honest) & flagged),
            "honest_dropped": sum(not theirs(wid) for _, wid, _ in dropped),
+           "honest_drop_reasons": sorted(why for _, wid, why in dropped if not theirs(wid)),
            "audits": len(sim.verdicts), "audit_s": sum(v.seconds for v in sim.verdicts),
            "train_s": sum(r.worker.stats.train_seconds for r in sim.replicas),
            "config": jsonable(dataclasses.asdict(sim.agg.acfg)), "wall_s": time.perf_counter() - t0}
@@ -261,7 +277,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
-    s = Settings(args.rounds, args.h, args.batch, args.windows, args.link)
+    s = Settings(args.rounds, args.h, args.batch, args.windows, args.link, args.density, args.publish_density,
+                 args.robust)
     seeds = range(args.seeds)
     rows_planned = plan(args)
     honest_f = {(m, seed): pool.submit(run_swarm, None, seed, m, s) for m in args.modes for seed in seeds}
@@ -286,11 +303,13 @@ def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
     default = honest[(args.modes[0], 0)]["config"]
     return {"rows": rows, "honest": {m: {"ce": [honest[(m, seed)]["ce"] for seed in seeds],
                                          "dropped": sum(honest[(m, seed)]["honest_dropped"] for seed in seeds),
+                                         "drop_reasons": sorted(x for seed in seeds for x in honest[(m, seed)]["honest_drop_reasons"]),
                                          "flagged": sum(len(honest[(m, seed)]["honest_flagged"]) for seed in seeds),
                                          "audit_s": sum(honest[(m, seed)]["audit_s"] for seed in seeds),
                                          "train_s": sum(honest[(m, seed)]["train_s"] for seed in seeds)}
                                      for m in args.modes},
-            "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0], args.link))), default),
+            "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0], args.link, args.publish_density,
+                                                                       args.robust))), default),
             "swarm_s": max(r for x in rows for r in x["wall_s"]) if rows else None}
 
 
@@ -317,6 +336,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="swarms simulated at once (one process and one thread each)")
     ap.add_argument("--link", choices=LINKS, default=CLI_LINK,
                     help="the codecs of the swarms (codec/profiles.py; default the daemon's, wan)")
+    ap.add_argument("--density", type=float, help="the workers' sparse density instead of the link's")
+    ap.add_argument("--publish-density", type=float, help="the sparse publish density instead of the link's")
+    ap.add_argument("--robust", choices=ROBUST_MODES, help="the aggregator's robust rule instead of the shipped "
+                    "one (a diagnosis: mean turns the screen off)")
     args = ap.parse_args()
     for mode in args.modes:
         config(mode)  # a mode this tree lacks fails now, not after the first swarms
@@ -329,8 +352,10 @@ def main() -> None:
 
 def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: float) -> dict:
     """What a run publishes: the configuration the rows ran under, the rows, and the false positives."""
-    return {"default_config": jsonable(dataclasses.asdict(config("default", args.link))), "sim_sets": res["sim_sets"],
-            "link": args.link, "codecs": jsonable(dataclasses.asdict(link_codecs(args.link, SHAPE.kind))),
+    return {"default_config": jsonable(dataclasses.asdict(config("default", args.link, args.publish_density,
+                                                                 args.robust))), "sim_sets": res["sim_sets"],
+            "link": args.link, "codecs": jsonable(dataclasses.asdict(codecs_of(args.link, args.density,
+                                                                               args.publish_density))),
             "identities": "each replica joins and pushes as its own proven identity (SimConfig.identities)",
             "rows": rows, "false_positives": sum(r.get("honest_flagged", 0) for r in rows) +
             sum(h["flagged"] for h in res["honest"].values()), "honest": res["honest"],
@@ -342,10 +367,14 @@ def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: flo
 
 def metrics(out: dict) -> dict[str, Metric]:
     """Rows over the aim, the worst ΔCE at the end and at its peak, rows with a cheating identity left
-    unrevoked, false positives, and the shipped audit share."""
+    unrevoked, false positives, the honest swarms' worst CE and screen drops, and the shipped audit share."""
     if "default_config" not in out:
         return _metrics_before_38(out)
     rows = [r for r in out["rows"] if r["delta_ce"] is not None]
+    honest = {"honest CE, worst seed": max(out["honest"]["default"]["ce"]) if "default" in out["honest"] else None,
+              "honest updates dropped": sum(h["dropped"] for h in out["honest"].values())}
+    if not any(r["cheat"] in ALL for r in rows):  # honest swarms only (--cheats with none): what they measure
+        return {**honest, "false positives": out["false_positives"]}
     worst = max((r["delta_ce"] for r in rows), default=None)
     alone = {f"rows over ΔCE {AIM} against the honest replicas alone": sum(r.get("delta_ce_vs_alone", r["delta_ce"]) > AIM for r in rows)
              } if any("delta_ce_vs_alone" in r for r in rows) else {}  # (not measured before this run)
@@ -354,6 +383,7 @@ def metrics(out: dict) -> dict[str, Metric]:
             "worst peak ΔCE (nats/byte)": max((r["peak_delta_ce"] for r in rows), default=None),
             "rows with a cheating id not revoked": sum(not r["revoked"] for r in out["rows"]),
             "false positives": out["false_positives"], "rows run": len(out["rows"]),
+            **honest,
             "audit share (default)": out["default_config"]["audit"]["share"]}
 
 

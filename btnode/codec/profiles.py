@@ -2,9 +2,10 @@
 codec"). `--link wan`, the daemon's default: sparse8 updates at 3 % with error feedback, sparse8
 published deltas at 9 %: 25× fewer bytes than int8 up / fp32 down at −0.013 CE in `python -m
 bench.comms`. The 146× row (0.3 % / 0.9 %, +0.018 there) was the first choice and failed the checks a
-default must pass: in the cheats bench's 5-replica swarm of a 47 k-parameter block it cost the honest
-swarm 1.4–1.6 nats/byte and the robust screen dropped 10 % of honest updates (cosines of sparse updates
-with the reference are low and noisy at that density); at 3 % the screen dropped none. DiLoCo
+default must pass: in the cheats bench's 5-replica swarm of a 47 k-parameter block (8 rounds) it costs
+the honest swarm 1.5–1.8 nats/byte against lan, and not through the robust screen (with it off: CE
+4.20–4.52, on: 4.27–4.56): too few values reach so small a block in so few rounds, through the 0.9 %
+publish most (bench/results/cheats/screen/). DiLoCo
 (`--model ar`) keeps int8 up, fp32 down: under its Nesterov outer step no sparse row came within +0.02 CE.
 `--link lan` is int8 up, fp32 down, which the library's dataclass defaults (simulator, in-process
 tools) keep.

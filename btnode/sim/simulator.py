@@ -105,6 +105,7 @@ class Replica:
     finished_at: float = 0.0
     waiting_for: int | None = None  # base version of the update it waits on
     waiting_since: float = 0.0
+    taken: tuple | None = None  # (header, judgement) of its last update taken into a round: settled when it hears
     busy_s: float = 0.0  # virtual seconds spent training
     relay: SimRelay | None = None  # the relay it pushes to (None: the root)
 
@@ -305,7 +306,9 @@ class Simulation:
 
     def _arrive(self, rep: Replica, header, raw, sent: float) -> None:
         try:
-            rep.worker.pushed(rep.worker.push(header, raw))
+            j = rep.worker.push(header, raw)
+            rep.worker.pushed(j)
+            rep.taken = (header, j) if j.outcome.in_round else None
         except Forbidden:  # revoked after a failed audit: it stops, as a worker process does
             rep.finished, rep.finished_at = True, self.now
             self._audit()
@@ -331,7 +334,11 @@ class Simulation:
         rep.waiting_for = None
         w.send_wanted()  # start states asked for after their pushes (as a worker does with each version)
         self._audit()
-        w.advance(self._parent(rep).block(w.wcfg.block).info)
+        newer = self._parent(rep).block(w.wcfg.block).info
+        if rep.taken is not None:  # its round receipt, as a worker asks for it with the next version
+            w.settle(*rep.taken, newer)
+            rep.taken = None
+        w.advance(newer)
         self._attempt(rep)
 
     def _come_back(self, rep: Replica) -> None:

@@ -13,9 +13,12 @@ rejected), nothing of it reached θ^{v+1}, so the fold keeps all of it: θ ← �
 
 An update taken into a round is answered PENDING (or PROBATION: held for its audit); its round
 receipt comes with the next version: APPLIED, or DROPPED with the reason (the robust screen at the
-round's close, a revocation, a failed or late audit). A dropped update's error-feedback residual is
-dropped with it (its rounding error belongs to a delta nobody applied), and its work is not folded
-into the next update: the round judged it, and sending it again would bring back what it dropped.
+round's close, a revocation, a failed or late audit). A dropped update's work is not folded into the
+next update: the round judged it, and sending it again would bring back what it dropped. Its
+error-feedback residual is dropped with it too, except after the screen's direction or standing drop
+(KEEPS_RESIDUAL): a sparse codec's residual holds most of the worker's last rounds (at 0.3 % density,
+all but the top-k), which such a drop, a noisy judgement of one round's top-k, would otherwise throw
+away; the audit chain accepts it (the next update starts from the last one's end residual).
 
 A DiLoCo run (ModelConfig.kind "ar") uses this same loop: its one unit, block 0, is the whole AR
 model, so a worker trains a full replica with its inner AdamW and pushes the replica's delta; only
@@ -75,6 +78,9 @@ T = TypeVar("T")
 # (AuditConfig.window = 4 closed rounds), a round after it: 4 + 2 covers both. Each is the optimizer state
 # and the residual: about 3 × the block's parameters.
 STATES_KEPT = 6
+# The screen's drops after which a worker keeps its residual (module doc): not a norm drop, whose residual
+# would carry the outlying size into the next update, nor a failed audit or a revocation
+KEEPS_RESIDUAL = frozenset({"direction_at_close", "standing_at_close"})
 DUTIES_POLL_S = 5.0  # while waiting for a version, how often a worker asks for duties its stream did not announce
 
 
@@ -548,7 +554,8 @@ class BlockWorker:
 
     def _dropped(self, reason: str, version: int) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-        self.residual = {}  # its rounding error belongs to a delta nobody applied
+        if reason not in KEEPS_RESIDUAL:
+            self.residual = {}  # its rounding error belongs to a delta nobody applied
         log.warning("worker %s: the update of %s round %d was dropped at its close (%s): version %d does not hold "
                     "it", self.wcfg.worker_id, self.cfg.unit_name(self.wcfg.block), version - 1, reason or "no reason",
                     version)

@@ -83,3 +83,42 @@ def test_a_dropped_update_is_pending_then_dropped_with_the_next_version(live):
         assert fresh.receipt(0, "b", "nobody") is None
     finally:
         fresh.close()
+
+
+def test_a_worker_keeps_its_sparse_residual_through_a_direction_drop(live):
+    """The screen drops w's sparse update for its direction (the others agree on another one): w hears
+    DROPPED direction_at_close and keeps the error-feedback residual its update left (the mass of its top-k
+    misses, which a later update sends; the audit chain starts there), where a norm drop resets it (above)."""
+    claims = live.agg.acfg.claims
+    tc = TrainConfig(batch=claims.batch, lr=claims.lr, beta1=claims.beta1, beta2=claims.beta2,
+                     weight_decay=claims.weight_decay, warmup=1, steps=100)
+    join(live, "a", "b", "c")
+    link = SwarmClient(live.address, timeout_s=20)
+    worker = BlockWorker(live.agg.cfg, tc, WorkerConfig(worker_id="w", block=0, steps_per_round=claims.steps_per_round,
+                                                        codec=Codec.SPARSE8, density=0.03, rounds=1,
+                                                        train_while_waiting=False),
+                         link, CORPUS, device=torch.device("cpu"))
+    got: list = []
+    runner = threading.Thread(target=lambda: got.append(worker.run()))
+    runner.start()
+    block = live.agg.block(0)
+    deadline = time.monotonic() + 60
+    while "w" not in block.round.accepted:
+        assert time.monotonic() < deadline and runner.is_alive(), "the worker's update never came"
+        time.sleep(0.02)
+    left = {n: t.clone() for n, t in worker.residual.items()}  # what its update left unsent
+    assert left and any(bool(t.any()) for t in left.values())
+    course = small_delta(live, 1.0, seed=9)  # a direction of their own, at w's norm
+    size = block.round.accepted["w"].norm / sum(float(t.norm()) ** 2 for t in course.values()) ** 0.5
+    for i, w in enumerate("abc"):
+        own = small_delta(live, 0.2, seed=i + 1)
+        header = PushHeader(worker_id=w, block=0, base_version=0, samples=32.0 * claims.steps_per_round, loss=2.0,
+                            codec=Codec.FP32, update_id=f"{w}:0", steps=tuple(range(claims.steps_per_round)))
+        delta = {n: size * (course[n] + own[n]) for n in course}
+        assert live.client.push(header, encode_frames(delta, Codec.FP32)).outcome is Outcome.PENDING
+    runner.join(timeout=60)
+    link.close()
+    assert block.info.version == 1 and block.recent[-1].dropped == (("w", "direction_at_close"),)
+    assert got[0].dropped == {"direction_at_close": 1}
+    assert worker.residual.keys() == left.keys()
+    assert all(torch.equal(worker.residual[n], left[n]) for n in left)

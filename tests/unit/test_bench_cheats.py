@@ -28,7 +28,7 @@ class Inline:
 
 def test_a_quick_sybil_row_has_every_field_computed():
     args = argparse.Namespace(rounds=2, h=3, batch=4, windows=4, seeds=1, cheats=["sybil3"], modes=["default"],
-                              quick=True, jobs=1, link="wan")
+                              quick=True, jobs=1, link="wan", density=None, publish_density=None, robust=None)
     res = measure(args, Inline())  # type: ignore[arg-type]
     out = record(args, res, res["rows"], wall_s=0.0)
     [row] = out["rows"]

@@ -7,7 +7,7 @@ import torch
 from btnode.aggregate.round.block import BlockAggregator
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.round.rounds import RoundConfig, Update
-from btnode.aggregate.round.screen import screen, votes, near_copies, weighted_median
+from btnode.aggregate.round.screen import near_copies, screen, sketch_cosines, votes, weighted_median
 from btnode.aggregate.trust.audit import AuditConfig, Audits, Verdict
 from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.trust.standing import UNWEIGHTED, Standing, StandingConfig
@@ -204,3 +204,29 @@ def test_open_mode_needs_audits_with_probation():
     with pytest.raises(ConfigError, match="--open"):
         AggregatorConfig(open=True, audit=AuditConfig(share=0.25, probation=0))
     assert AggregatorConfig(open=True, audit=AuditConfig(share=0.25)).open
+
+
+def test_a_sparse_update_is_judged_on_the_coordinates_it_sent():
+    """An honest sparse update that sent a subset of the coordinates the others sent, and agrees with them
+    there, has the cosine of its agreement: on all coordinates its cosine was also cut by the share of the
+    others' energy it did not send (0.46 here, against the others' 0.6). A sign-flipped update is still dropped, and so is one that
+    puts most of its mass where nobody else sent anything (its own coordinates still count in its norm)."""
+    g = torch.Generator().manual_seed(2)
+    common = torch.randn(4096, generator=g, dtype=torch.float64)
+    shared, own = torch.arange(0, 600), torch.arange(600, 4096)
+
+    def sent(n_shared: int, n_own: int, i: int, sign: float = 1.0) -> torch.Tensor:  # sign: scale, and its sign
+        where = torch.cat([shared[:n_shared], own[i * 500:i * 500 + n_own]])
+        s = torch.zeros(4096, dtype=torch.float64)
+        s[where] = sign * (common[where] + 0.3 * torch.randn(len(where), generator=g, dtype=torch.float64))
+        return s
+
+    sketches = [sent(600, 100, 0), sent(600, 100, 1), sent(600, 100, 2), sent(150, 0, 3, 1.5), sent(600, 100, 4, -1.0),
+                sent(100, 500, 5)]
+    ups = [Update(worker_id=w, update_id=w, base_version=0, samples=2.0, loss=0.0, delta=None, weight=2.0,
+                  norm=float(k.norm()), sketch=k, codec=Codec.SPARSE8) for w, k in zip("abcdxz", sketches)]
+    cos = sketch_cosines(ups)
+    assert cos[3] > 0.85 and cos[4] < 0 and cos[5] < 0.5, cos
+    out = screen(ups, AggregatorConfig(), "test")
+    assert [u.worker_id for u in out.kept] == ["a", "b", "c", "d"]
+    assert [(u.worker_id, why) for u, why in out.dropped] == [("x", "direction_at_close"), ("z", "direction_at_close")]
