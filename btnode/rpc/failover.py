@@ -123,10 +123,17 @@ class FailoverLink:
         try:
             return self._run(lambda c: c.push(header, frames, raising=("not_joined",)))
         except Refused as exc:
+            refused = Judgement(outcome=Outcome.REJECTED, reason=str(exc), round_version=header.base_version)
             if (header.worker_id, header.block) not in self._joins:
-                return Judgement(outcome=Outcome.REJECTED, reason=str(exc), round_version=header.base_version)
+                return refused
             log.warning("push of %s refused at %s (%s); joining again", header.update_id[:8], self.address, exc)
-            self.rejoin()
+            try:
+                self.rejoin()
+            except PeerUnavailable:
+                raise
+            except BtnodeError as err:  # the join is refused (revoked, other settings): the push stays refused
+                log.warning("could not join again at %s: %s", self.address, err)
+                return refused
             return self._run(lambda c: c.push(header, frames))
 
     def draw(self, header: PushHeader, digest: str, relay: str = "", *, refused: bool = False) -> Drawn:
