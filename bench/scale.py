@@ -705,8 +705,7 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only re-render BENCHMARKS.md and the plot from the results")
     args = ap.parse_args()
     if args.setting == "default":  # each topology, fixed fan-in and block size is its own setting
-        args.setting = (args.topology + (f"-r{args.relays}" if args.relays else "") + (f"-d{args.d_model}" if args.d_model else "")
-                        + (f"-l{args.levels}" if args.levels > 1 else ""))
+        args.setting = args.topology + (f"-r{args.relays}" if args.relays else "") + (f"-d{args.d_model}" if args.d_model else "")
         args.results = result_path("scale", args.setting, quick=args.quick, results=args.results_dir)
     if args.report:
         res = {**previous(args.results), "rows": recorded_rows(args.results)}
