@@ -251,7 +251,12 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
-        judged = self.agg.push(header, chunks, who=who, verify=self._verify)
+        try:
+            judged = self.agg.push(header, chunks, who=who, verify=self._verify)
+        except JoinPending:  # read the rest of the upload first: an asyncio client whose upload is cut short
+            for _ in request_iterator:  # reads INTERNAL, not this status (grpc/grpc#36066), and would not retry
+                pass
+            raise
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
