@@ -733,7 +733,7 @@ def main() -> None:
         new.append(row)
     if args.kill or args.kill_only:
         n = sizes[-1]
-        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-kill", rounds=args.rounds,
+        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-l{args.levels}-kill", rounds=args.rounds,
                       deadline=args.deadline, kill=True, seed=1, relays_fixed=args.relays, kill_round=args.kill_round,
                       **tree)
         row.update(code=code, kill=True, bench_command=invoked())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -138,6 +139,9 @@ class SimWorker:
                 channel = grpc.aio.insecure_channel(self.peers[at], options=self.options)
                 stub = pb_grpc.WorkerStub(channel)
                 self.log("moved", worker=self.name, to=self.peers[at])
+                if self.race:  # connected first, so that the join is sent before the re-push, not with it
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(channel.channel_ready(), 5.0)
                 joining = asyncio.create_task(self.retried("join", lambda: self._join(stub), failover=False,
                                                            unavailable_limit=2))
                 if self.race:  # the re-push goes now, racing the join (the round loop sees the new generation)
