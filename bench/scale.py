@@ -777,10 +777,16 @@ def recorded_rows(path: Path) -> list[dict]:
 
 
 def metrics(res: dict) -> dict[str, Metric]:
-    """Per row of this run, largest N first: the root's peak RSS, the round's close time and updates lost;
-    with a unit row, the root's fixed RSS over the unit."""
+    """Per row of this run, largest N first: the root's peak RSS, the round's close time and updates lost
+    (the rows that kill a relay in a later round: lost over all of them, and the slowest next version after
+    the kill); with a unit row, the root's fixed RSS over the unit."""
     out: dict[str, Metric] = {}
-    for r in sorted(res["rows"], key=lambda r: (-r["n_workers"], bool(r.get("kill")))):
+    later = [r for r in res["rows"] if r.get("kill_round")]  # a relay killed in a later round: two numbers for all
+    if later:
+        at = f"N = {max(r['n_workers'] for r in later):,}, a relay killed in round {later[0]['kill_round']}"
+        out[f"{at}: lost"] = sum(r["lost"] for r in later)
+        out[f"{at}: next version (s), slowest"] = max(r.get("next_version_after_kill_s") or math.inf for r in later)
+    for r in sorted((r for r in res["rows"] if not r.get("kill_round")), key=lambda r: (-r["n_workers"], bool(r.get("kill")))):
         at = f"{r['topology']} N = {r['n_workers']:,}{' (kills)' if r.get('kill') else ''}"
         out.update({f"{at}: root peak RSS (MB)": r["root_peak_rss_mb"], f"{at}: close (s)": r["close_s"],
                     f"{at}: lost": r["lost"]})
