@@ -145,7 +145,7 @@ class SimWorker:
                 joining = asyncio.create_task(self.retried("join", lambda: self._join(stub), failover=False,
                                                            unavailable_limit=2))
                 if self.race:  # the re-push goes now, racing the join (the round loop sees the new generation)
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.005)  # the join sent first, the re-push right behind it
                     self._switch(at, channel, stub)
                     self.arrived.set()
                 try:
