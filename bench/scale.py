@@ -209,24 +209,25 @@ def relay_command(cfg: ModelConfig, out: Path, j: int, parent: str, children: in
             *shape_flags(cfg)]
 
 
-def start_relays(cfg: ModelConfig, out: Path, n: int, parent: str,
-                 count: int = 0) -> tuple[list[NodeProcess], list[str]]:
-    """√N relays (or `count`) under `parent`, started together; returns them (once all listen) and the
-    first one's command."""
+def start_relays(cfg: ModelConfig, out: Path, n: int, parents: list[str], count: int = 0,
+                 first: int = 0) -> tuple[list[NodeProcess], list[str]]:
+    """√N relays (or `count`), relay j under parents[j mod len(parents)], numbered from `first`, started
+    together; returns them (once all listen) and the first one's command."""
     r = count or relays_for(n)
-    cmds = [relay_command(cfg, out, j, parent, math.ceil(n / r)) for j in range(r)]
+    ids = range(first, first + r)
+    cmds = [relay_command(cfg, out, j, parents[i % len(parents)], math.ceil(n / r)) for i, j in enumerate(ids)]
     procs = [spawn_node([*c[len(CLI):], "--port-file", str(out / f"relay-{j:02d}.port")], log=out / f"relay-{j:02d}.log",
-                        env=one_thread_env()) for j, c in enumerate(cmds)]
+                        env=one_thread_env()) for j, c in zip(ids, cmds)]
     try:
-        ports = [wait_port(out / f"relay-{j:02d}.port", p, timeout_s=600, name=f"relay {j}") for j, p in enumerate(procs)]
+        ports = [wait_port(out / f"relay-{j:02d}.port", p, timeout_s=600, name=f"relay {j}") for j, p in zip(ids, procs)]
     except BaseException:
         stop_processes(procs, timeout_s=5)
         raise
-    return [NodeProcess(p, port, out / f"relay-{j:02d}.log") for j, (p, port) in enumerate(zip(procs, ports))], cmds[0]
+    return [NodeProcess(p, port, out / f"relay-{j:02d}.log") for j, p, port in zip(ids, procs, ports)], cmds[0]
 
 
 def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], rounds: int, deadline: float, *,
-                    processes: int = 1, data_id: str = "") -> list[subprocess.Popen]:
+                    processes: int = 1, data_id: str = "", race: bool = False) -> list[subprocess.Popen]:
     """N simulated workers in WORKERS_PER_PROCESS-sized processes (at least `processes` of them)."""
     k = max(processes, math.ceil(n / WORKERS_PER_PROCESS))
     per = math.ceil(n / k)
@@ -237,7 +238,7 @@ def start_swarmlets(cfg: ModelConfig, out: Path, n: int, peers: list[str], round
                              "--first", str(first), "--count", str(count), "--rounds", str(rounds),
                              "--batch", str(BATCH), "--lr", str(LR), "--h", str(H), "--wait", str(4 * deadline),
                              "--events", str(out / f"events-{i}.jsonl"), "--ready", str(out / f"ready-{i}"),
-                             "--go", str(out / "go"), "--data-id", data_id)
+                             "--go", str(out / "go"), "--data-id", data_id, *(["--race"] if race else []))
         with open(out / f"swarmlet-{i}.log", "ab") as log:
             sims.append(subprocess.Popen(sim, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env()))
     return sims
@@ -253,16 +254,34 @@ def wait_ready(out: Path, sims: list[subprocess.Popen], timeout_s: float = 900) 
         time.sleep(0.2)
 
 
+def kill_in_round(out: Path, victim: NodeProcess, kill_round: int, children: int, timeout_s: float) -> float:
+    """SIGKILL relay `victim` in round `kill_round`, once it has told at least half its `children` that
+    their update of that round is accepted (work that only a re-push to a spare can save); returns when."""
+    t0, want = time.monotonic(), max(1, children // 2)
+    while time.monotonic() - t0 < timeout_s:
+        told = {e["worker"] for e in events(out) if e["kind"] == "push" and e.get("version") == kill_round
+                and e.get("outcome") in ("pending", "accepted") and e.get("peer") == victim.address()}
+        if len(told) >= want:
+            break
+        time.sleep(0.2)
+    victim.proc.send_signal(signal.SIGKILL)
+    return time.time()
+
+
 def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, deadline: float,
-            kill: bool = False, seed: int = 0, root_args: tuple[str, ...] = (), relays_fixed: int = 0) -> dict:
-    """One row: start the root (and relays: `relays_fixed` of them, or √N), N simulated workers,
-    `rounds` rounds; measure."""
+            kill: bool = False, seed: int = 0, root_args: tuple[str, ...] = (), relays_fixed: int = 0,
+            kill_round: int = 0, levels: int = 1, race: bool = False) -> dict:
+    """One row: start the root (and relays: `relays_fixed` of them, or √N; with `levels` 2, half as many
+    again above them, a relay of relays), N simulated workers, `rounds` rounds; measure. `kill_round`:
+    the first workers' relay is SIGKILLed in that round (`kill_in_round`); `race`: its children push
+    again while their join at the spare is under way."""
     if out.exists():
         shutil.rmtree(out)  # a row starts from an empty state folder, and reads only its own events
     out.mkdir(parents=True)
     notes = Notifications(out / "notify.sock")
     metrics_port = free_port()
-    cmd = [*root_command(cfg, out, n, metrics_port, deadline), *root_args]
+    cmd = [*root_command(cfg, out, n, metrics_port, deadline),  # a relay of relays: not under relay audits
+           *(["--relay-audit-rate", "0"] if levels == 2 else []), *root_args]
     env = one_thread_env(NOTIFY_SOCKET=str(notes.path), WATCHDOG_USEC=str(WATCHDOG_USEC))
     root = start_node(cmd[len(CLI):], port_file=out / "root.port", log=out / "root.log", env=env, name="aggregator",
                       timeout_s=300)
@@ -270,11 +289,18 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
     relays: list[NodeProcess] = []
     relay_cmd: list[str] = []
     try:
+        lowest: list[NodeProcess] = []  # the relays the workers talk to
         if topology == "tree":
-            relays, relay_cmd = start_relays(cfg, out, n, root.address(), relays_fixed)
+            parents = [root.address()]
+            if levels == 2:
+                tops, _ = start_relays(cfg, out, n, parents, max(1, (relays_fixed or relays_for(n)) // 2), first=50)
+                relays += tops
+                parents = [r.address() for r in tops]
+            lowest, relay_cmd = start_relays(cfg, out, n, parents, relays_fixed)
+            relays += lowest
             procs += [r.proc for r in relays]
-        sims = start_swarmlets(cfg, out, n, [r.address() for r in relays] or [root.address()], rounds, deadline,
-                               processes=4 if kill else 1,
+        sims = start_swarmlets(cfg, out, n, [r.address() for r in lowest] or [root.address()], rounds, deadline,
+                               processes=4 if kill and not kill_round else 1, race=race,
                                data_id=BUNDLED if "--audit" in root_args else "")  # an auditing root's own data
         procs += sims
         wait_ready(out, sims)
@@ -283,7 +309,11 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
         (out / "go").touch()
         t_go = time.time()
         killed: dict[str, list] = {"swarmlet": [], "relay": []}  # swarmlet numbers, relay addresses
-        if kill:  # a quarter of the swarmlet processes and of the relays, SIGKILLed at one random moment mid-round
+        t_kill = None
+        if kill_round:
+            t_kill = kill_in_round(out, lowest[0], kill_round, math.ceil(n / len(lowest)), 4 * deadline)
+            killed["relay"].append(lowest[0].address())
+        elif kill:  # a quarter of the swarmlet processes and of the relays, SIGKILLed at one random moment mid-round
             rng = random.Random(seed)
             time.sleep(rng.uniform(1.0, 3.0))
             for i in rng.sample(range(len(sims)), max(1, len(sims) // 4)):
@@ -304,6 +334,11 @@ def run_row(cfg: ModelConfig, n: int, topology: str, out: Path, *, rounds: int, 
         notes.close()
     row = summarize(n, topology, out, cmd, m0, m1, peak_rss, cpu, notes.max_gap(t_end), t_go, t_end, killed)
     row["root_peak_rss_joins_mb"] = joins_peak
+    row.update(block_fp32_mb=4 * block_params(cfg) / MB, levels=levels if topology == "tree" else 0,
+               kill_round=kill_round or None, race_rejoin=race)
+    if t_kill is not None:  # the kill's round: from the kill to the next version the root published
+        after = [t for t in json_log_times(out / "root.log").published.values() if t > t_kill]
+        row["next_version_after_kill_s"] = min(after) - t_kill if after else None
     if relays:
         row.update(relays=len(relays), relay_peak_rss_mb=max(r for r, _ in relay_stats),
                    relay_cpu_s_mean=sum(c for _, c in relay_stats) / len(relay_stats), relay_command=shown(relay_cmd))
@@ -317,6 +352,8 @@ class Tally:
     accepted_told: Counter = field(default_factory=Counter)  # round version → pushes answered ACCEPTED
     outcomes: Counter = field(default_factory=Counter)  # push outcome → pushes
     refused: Counter = field(default_factory=Counter)  # call → refusals (each retried)
+    refused_reasons: Counter = field(default_factory=Counter)  # "call:reason" (else "call:CODE") → refusals
+    rejoined: int = 0  # pushes refused not_joined, joined again and pushed once more
     errors: Counter = field(default_factory=Counter)  # call → calls that failed for good
     published: dict[int, dict] = field(default_factory=dict)  # version → its info's accepted and rejected counts
     accepted_ids: dict[str, tuple[int, str, str, int]] = field(default_factory=dict)  # update id → (src, peer, worker, round)
@@ -335,6 +372,9 @@ class Tally:
                                                           e["version"])
             elif e["kind"] == "refused":
                 t.refused[e["call"]] += 1
+                t.refused_reasons[f"{e['call']}:{e.get('reason') or e.get('code', '')}"] += 1
+            elif e["kind"] == "rejoined":
+                t.rejoined += 1
             elif e["kind"] == "version":
                 t.published[e["version"]] = {"accepted": e["accepted"], "rejected": e["rejected"]}
                 if "included" in e:
@@ -411,6 +451,8 @@ def summarize(n: int, topology: str, out: Path, cmd: list[str], m0: dict, m1: di
         "outcomes": dict(outcomes),
         "refused": sum(refused.values()),
         "refused_by_call": dict(refused),
+        "refused_by_reason": dict(tally.refused_reasons),
+        "rejoined": tally.rejoined,
         "errors_by_call": dict(errors),
         "root_limited": {dict(lb).get("reason", ""): v for (nm, lb), v in m1.items()
                          if nm == "btnode_swarm_events_total" and dict(lb).get("event") == "limited"},
@@ -640,6 +682,13 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=120.0, help="the root's --deadline")
     ap.add_argument("--kill", action="store_true", help="also the kill run, at the largest N")
     ap.add_argument("--kill-only", action="store_true", help="only the kill run, at the largest N")
+    ap.add_argument("--kill-round", type=int, default=0,
+                    help="the kill run kills the first workers' relay alone, in this round (R >= 1: a later round), "
+                         "once it has accepted half its children's updates")
+    ap.add_argument("--race", action="store_true", help="in the kill run, the dead relay's children push again while "
+                                                        "their join at the spare is still under way")
+    ap.add_argument("--levels", type=int, choices=(1, 2), default=1,
+                    help="2: a relay of relays (half as many relays again between the relays and the root)")
     ap.add_argument("--code", default="", help="label of these rows (default: the commit)")
     ap.add_argument("--replace", action="store_true", help="drop earlier rows of the same code and topology")
     ap.add_argument("--root-args", default="", help="more flags for the root, space-separated (a lever to try: "
@@ -668,18 +717,25 @@ def main() -> None:
     sizes = (4, 8) if args.quick else tuple(int(s) for s in args.sizes.split(",") if s)
     if args.relays and (args.topology != "tree" or args.relays < 1):
         ap.error("--relays K (K >= 1) is for --topology tree")
+    if (args.kill_round or args.levels > 1 or args.race) and args.topology != "tree":
+        ap.error("--kill-round, --race and --levels are for --topology tree")
+    if args.kill_round and args.rounds <= args.kill_round:
+        ap.error(f"--kill-round {args.kill_round} needs --rounds above it")
+    tree = {"levels": args.levels, "race": args.race}
     code = args.code or (code_commit() + (f"-r{args.relays}" if args.relays else ""))
     new = []
     for n in () if args.kill_only else sizes:
         row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}", rounds=args.rounds,
-                      deadline=args.deadline, root_args=tuple(args.root_args.split()), relays_fixed=args.relays)
+                      deadline=args.deadline, root_args=tuple(args.root_args.split()), relays_fixed=args.relays,
+                      levels=args.levels)
         row.update(code=code, kill=False, bench_command=invoked(), **({"relays_fixed": args.relays} if args.relays else {}))
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
     if args.kill or args.kill_only:
         n = sizes[-1]
-        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-kill", rounds=args.rounds,
-                      deadline=args.deadline, kill=True, seed=1)
+        row = run_row(cfg, n, args.topology, args.work / f"{code}-{args.topology}-{n}-l{args.levels}-kill", rounds=args.rounds,
+                      deadline=args.deadline, kill=True, seed=1, relays_fixed=args.relays, kill_round=args.kill_round,
+                      **tree)
         row.update(code=code, kill=True, bench_command=invoked())
         print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         new.append(row)
@@ -721,10 +777,16 @@ def recorded_rows(path: Path) -> list[dict]:
 
 
 def metrics(res: dict) -> dict[str, Metric]:
-    """Per row of this run, largest N first: the root's peak RSS, the round's close time and updates lost;
-    with a unit row, the root's fixed RSS over the unit."""
+    """Per row of this run, largest N first: the root's peak RSS, the round's close time and updates lost
+    (the rows that kill a relay in a later round: lost over all of them, and the slowest next version after
+    the kill); with a unit row, the root's fixed RSS over the unit."""
     out: dict[str, Metric] = {}
-    for r in sorted(res["rows"], key=lambda r: (-r["n_workers"], bool(r.get("kill")))):
+    later = [r for r in res["rows"] if r.get("kill_round")]  # a relay killed in a later round: two numbers for all
+    if later:
+        at = f"N = {max(r['n_workers'] for r in later):,}, a relay killed in round {later[0]['kill_round']}"
+        out[f"{at}: lost"] = sum(r["lost"] for r in later)
+        out[f"{at}: next version (s), slowest"] = max(r.get("next_version_after_kill_s") or math.inf for r in later)
+    for r in sorted((r for r in res["rows"] if not r.get("kill_round")), key=lambda r: (-r["n_workers"], bool(r.get("kill")))):
         at = f"{r['topology']} N = {r['n_workers']:,}{' (kills)' if r.get('kill') else ''}"
         out.update({f"{at}: root peak RSS (MB)": r["root_peak_rss_mb"], f"{at}: close (s)": r["close_s"],
                     f"{at}: lost": r["lost"]})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -36,6 +37,7 @@ from btnode.model.config import ModelConfig
 from btnode.protocol import EMPTY_STATE, PushHeader, VersionInfo, WorkClaim
 from btnode.rpc import convert
 from btnode.rpc.server import CHANNEL_OPTIONS
+from btnode.rpc.status import REASON_KEY
 from btnode.store.models import init_unit
 from btnode.train.config import TrainConfig
 from btnode.train.recipe import Recipe
@@ -48,8 +50,15 @@ SPARES = 2  # upstreams after its first that a worker moves to in turn (a kill r
 #   with one spare, a worker whose relay and spare both die has nowhere to go, and waits to the end)
 # refusals for now, retried; CANCELLED too: under load a connection whose keep-alive ping goes unanswered
 # is closed by gRPC and the calls on it end CANCELLED (seen at N = 1,024 on this shared host)
-RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# ABORTED: a call whose join there is still under way (btnode's JoinPending), refused for now
+RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+           grpc.StatusCode.ABORTED)
 BLOCK = 0
+
+
+def reason(err: grpc.aio.AioRpcError) -> str:
+    """The refusal's reason label (btnode's trailing metadata), if any."""
+    return next((v for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
 
 
 def refused(err: grpc.aio.AioRpcError) -> bool:
@@ -91,11 +100,15 @@ def updates(cfg: ModelConfig, *, lr: float, h: int, seed: int) -> tuple[dict[str
 class SimWorker:
     """One simulated worker. `peers`: its upstream, then spares (relays): when the one it talks to stops
     answering (UNAVAILABLE twice, or its version stream breaks), it moves to the next, joins there and
-    pushes its round's update again (the same update id), as a real worker's failover link does."""
+    only then pushes its round's update again (the same update id), as a real worker's failover link
+    does; with `race`, it pushes again while its join there is still under way (the order of clients
+    before issue #40), so that the spare's JoinPending is what keeps the update. A push refused
+    `not_joined` joins again and is pushed once more (as FailoverLink)."""
 
     def __init__(self, name: str, peers: list[str], cfg: ModelConfig, terms: TrainingTerms,
                  update: list[pb.PushRequest], log: Log, *, rounds: int, wait_s: float, recipe: str, data_id: str = "",
-                 go: asyncio.Event, logged: set[int], options: list[tuple[str, object]] = CHANNEL_OPTIONS):
+                 go: asyncio.Event, logged: set[int], options: list[tuple[str, object]] = CHANNEL_OPTIONS,
+                 race: bool = False):
         """`options`: its channels' arguments. Channels with equal arguments to one address share one TCP
         connection (gRPC's global subchannel pool): the workers of one process here share one unless
         `options` differ (bench/conn_memory.py gives each its own with grpc.use_local_subchannel_pool)."""
@@ -103,7 +116,7 @@ class SimWorker:
         self.update, self.log, self.rounds, self.wait_s, self.recipe = update, log, rounds, wait_s, recipe
         self.data_id = data_id  # stated at Join and in each claim (a root with --audit requires its own)
         self.at, self.generation = 0, 0  # which peer, and how many moves so far
-        self.options = options
+        self.options, self.race = options, race
         self.channel = grpc.aio.insecure_channel(peers[0], options=options)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.info: VersionInfo | None = None
@@ -122,19 +135,36 @@ class SimWorker:
             if self.generation != seen or len(self.peers) < 2:
                 return
             for _ in range(len(self.peers) - 1):  # a spare that is gone too: on to the next, as FailoverLink does
-                self._old.append(self.channel)  # closed at the end: closing it now would cancel calls awaiting it
-                self.at = (self.at + 1) % len(self.peers)
-                self.channel = grpc.aio.insecure_channel(self.peers[self.at], options=self.options)
-                self.stub = pb_grpc.WorkerStub(self.channel)
-                self.generation += 1
-                self.log("moved", worker=self.name, to=self.peers[self.at])
+                at = (self.at + 1) % len(self.peers)
+                channel = grpc.aio.insecure_channel(self.peers[at], options=self.options)
+                stub = pb_grpc.WorkerStub(channel)
+                self.log("moved", worker=self.name, to=self.peers[at])
+                if self.race:  # connected first, so that the join is sent before the re-push, not with it
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(channel.channel_ready(), 5.0)
+                joining = asyncio.create_task(self.retried("join", lambda: self._join(stub), failover=False,
+                                                           unavailable_limit=2))
+                if self.race:  # the re-push goes now, racing the join (the round loop sees the new generation)
+                    await asyncio.sleep(0.005)  # the join sent first, the re-push right behind it
+                    self._switch(at, channel, stub)
+                    self.arrived.set()
                 try:
-                    await self.retried("join", self._join, failover=False, unavailable_limit=2)
+                    await joining
                     break
                 except grpc.aio.AioRpcError as err:
+                    if self.race:
+                        self.log("error", worker=self.name, call="join", code=err.code().name, reason=err.details())
                     if err.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
+                finally:
+                    if not self.race:
+                        self._switch(at, channel, stub)  # the calls go there once it has joined (or given up)
             self.arrived.set()  # wake the round loop: it re-pushes to the new peer
+
+    def _switch(self, at: int, channel: grpc.aio.Channel, stub: pb_grpc.WorkerStub) -> None:
+        self._old.append(self.channel)  # closed at the end: closing it now would cancel calls awaiting it
+        self.at, self.channel, self.stub = at, channel, stub
+        self.generation += 1
 
     async def retried(self, what: str, make, *, failover: bool = True,  # noqa: ANN001 - a coroutine factory
                       unavailable_limit: int = 0):
@@ -149,7 +179,7 @@ class SimWorker:
             except grpc.aio.AioRpcError as err:
                 if not refused(err) or time.monotonic() - start > self.wait_s:
                     raise
-                self.log("refused", worker=self.name, call=what, code=err.code().name)
+                self.log("refused", worker=self.name, call=what, code=err.code().name, reason=reason(err))
                 unavailable = unavailable + 1 if err.code() == grpc.StatusCode.UNAVAILABLE else 0
                 if unavailable_limit and unavailable >= unavailable_limit:
                     raise
@@ -226,7 +256,14 @@ class SimWorker:
         t0 = time.time()
         self.log("push_start", worker=self.name, version=header.base_version)
         try:
-            reply = await self.retried("push", lambda: self.stub.Push(self._messages(header)))
+            try:
+                reply = await self.retried("push", lambda: self.stub.Push(self._messages(header)))
+            except grpc.aio.AioRpcError as err:
+                if reason(err) != "not_joined":
+                    raise
+                self.log("rejoined", worker=self.name, version=header.base_version, peer=self.peers[self.at])
+                await self.retried("join", self._join)  # the peer has no join of ours: join, push once more
+                reply = await self.retried("push", lambda: self.stub.Push(self._messages(header)))
         except grpc.aio.AioRpcError as err:
             self.log("push", worker=self.name, version=header.base_version, outcome="error", code=err.code().name,
                      reason=err.details(), start=t0, update_id=header.update_id)
@@ -235,8 +272,8 @@ class SimWorker:
         self.log("push", worker=self.name, version=header.base_version, outcome=j.outcome.value, reason=j.reason,
                  start=t0, update_id=header.update_id, peer=self.peers[self.at])
 
-    async def _join(self) -> None:
-        reply = await self.stub.Join(pb.JoinRequest(
+    async def _join(self, stub: pb_grpc.WorkerStub | None = None) -> None:
+        reply = await (stub or self.stub).Join(pb.JoinRequest(
             worker_id=self.name, block=BLOCK, fingerprint=self.cfg.fingerprint(),
             config=convert.model_to_pb(self.cfg), training=convert.training_to_pb(self.terms), data_id=self.data_id))
         self.key = convert.join_from_pb(reply).data_key
@@ -307,7 +344,7 @@ async def swarm(args: argparse.Namespace) -> None:
     k = len(peers)  # worker j talks to peer j mod k, with the next SPARES as its spares
     workers = [SimWorker(n, [peers[(j + s) % k] for s in range(min(k, SPARES + 1))], cfg, terms, variants[j % VARIANTS],
                          log, rounds=args.rounds, wait_s=args.wait, recipe=recipe, data_id=args.data_id, go=go,
-                         logged=logged)
+                         logged=logged, race=args.race)
                for j, n in enumerate(names, start=args.first)]
     log("started", count=len(workers), pid=os.getpid())
     runs = [asyncio.create_task(w.run()) for w in workers]
@@ -339,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ready", type=Path, required=True, help="touched once every worker here has joined and pulled")
     ap.add_argument("--go", type=Path, required=True, help="the rounds start once this file exists")
     ap.add_argument("--data-id", default="", help="the data id the workers state (a root with --audit requires its own)")
+    ap.add_argument("--race", action="store_true", help="after a move, push again while the join there is under way")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     asyncio.run(swarm(args))

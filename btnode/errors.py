@@ -115,6 +115,15 @@ class Overloaded(PeerUnavailable):
         self.reason = reason
 
 
+class JoinPending(Overloaded):
+    """A call of a worker whose join here is still on its way (a relay passes a join to its parent
+    first and has the worker's data key only once the answer is back): refused for now (ABORTED,
+    reason `join_pending`), never final. Retried after a backoff, as any Overloaded."""
+
+    def __init__(self, message: str):
+        super().__init__("join_pending", message)
+
+
 class StageTimeout(PeerUnavailable):
     """A stage did not answer within its timeout (DEADLINE_EXCEEDED; relayed up a chain as
     UNAVAILABLE with this reason). A PeerUnavailable: a spare is tried as for any other."""

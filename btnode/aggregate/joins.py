@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -38,6 +40,14 @@ class JoinDesk:
         self._block, self.identities, self.keys, self.terms, self.relays = block, identities, keys, terms, relays
         self.audits, self._abandoned, self.relay_audits = audits, abandoned, relay_audits
         self.upstream, self._count = upstream, count
+        self._pending: Counter[tuple[int, str]] = Counter()  # (block, worker id) → its joins under way here
+        self._pending_lock = threading.Lock()
+
+    def pending(self, block: int, worker_id: str) -> bool:
+        """Whether a join of `worker_id` to `block` is under way here (at a relay: gone to the parent and
+        not back): a call of that worker now is refused for now (JoinPending), not for good."""
+        with self._pending_lock:
+            return self._pending[(block, worker_id)] > 0
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
              who: Identity | None = None, *, training_json: str = "", relay: bool = False,
@@ -47,6 +57,20 @@ class JoinDesk:
         identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name, or the
         worker's signature on a join a relay passed on). `proof`: that certificate and signature, which
         a relay passes on to its parent (relay/admission.py)."""
+        key = (block, worker_id)
+        with self._pending_lock:
+            self._pending[key] += 1
+        try:
+            return self._join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json,
+                              relay=relay, proof=proof)
+        finally:
+            with self._pending_lock:
+                self._pending[key] -= 1
+                if self._pending[key] <= 0:
+                    del self._pending[key]
+
+    def _join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str,
+              who: Identity | None, *, training_json: str, relay: bool, proof: tuple[bytes, bytes] | None) -> JoinInfo:
         if self.upstream is None:
             return self._admit(worker_id, block, fingerprint, config_json, data_id, who, training_json, relay)
         # a relay: the parent judges a worker's join first (fingerprint, data, training terms, revocation)

@@ -39,7 +39,7 @@ from btnode.aggregate.trust.standing import Standing
 from btnode.aggregate.trust.terms import TrainingRecords
 from btnode.codec.frames import ChunkData
 from btnode.data.source import ByteSource
-from btnode.errors import ConfigError, Forbidden, MalformedInput, PeerInputError, Refused, UnknownBlock
+from btnode.errors import ConfigError, Forbidden, JoinPending, MalformedInput, PeerInputError, Refused, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import (INCOMPLETE, Attestation, Drawn, Duties, EvidenceChild, JoinInfo, Judgement, Meter,
                              Outcome, PushHeader, RoundReceipt, Upstream, VersionInfo, format_steps)
@@ -456,8 +456,15 @@ class SwarmAggregator:
         restart) may not push to it: Join is where its settings are checked. An update trained on
         windows of another key than the one Join handed out is refused: which windows a worker
         trains is the swarm's choice (a worker that states none is older)."""
+        pending = self.joins.pending(header.block, header.worker_id)  # read first: a join that lands between has a key
         ours = self.keys.of(header.block).get(header.worker_id)
+        if ours is None and pending:
+            self.count("join_pending")  # its join is on its way (at a relay: at the parent): refused for now
+            raise JoinPending(f"{header.worker_id!r} pushed to {self.cfg.unit_name(header.block)} while its join "
+                              f"here is still under way: push again once it has landed")
         if ours is None:
+            if self.upstream is not None:  # refused for good here: the parent stops waiting for it (until it joins)
+                self.upstream.refused_child(header.block, header.worker_id)
             raise Refused("not_joined", f"{header.worker_id!r} pushed to {self.cfg.unit_name(header.block)} without "
                                         f"joining it: a worker joins before it pushes")
         if header.data_key and header.data_key != ours:

@@ -194,8 +194,9 @@ class SwarmClient:
         return self._retrying("fetch delta", lambda: self._tensor_stream(
             "fetch delta", self.stub.FetchDelta(request, timeout=self.timeout_s), spec, list(Codec)))
 
-    def push(self, header: PushHeader, frames: Iterable[Frame | Bundle]) -> Judgement:
-        """Push an update; invalid or stale updates come back as REJECTED/STALE judgements.
+    def push(self, header: PushHeader, frames: Iterable[Frame | Bundle], *, raising: tuple[str, ...] = ()) -> Judgement:
+        """Push an update; invalid or stale updates come back as REJECTED/STALE judgements (a refusal
+        whose reason is in `raising` is raised instead: FailoverLink joins again on `not_joined`).
         `frames` may be a lazy iterator, consumed by gRPC's sending thread chunk by chunk; then a
         refused push is not retried here (its frames are spent). An iterable that makes fresh frames
         each time it is iterated (a list, `ReplayableFrames`) is retried."""
@@ -208,6 +209,8 @@ class SwarmClient:
         except Forbidden:  # this identity may not push (revoked, another's worker id): retrying cannot help
             raise
         except PeerInputError as exc:
+            if exc.reason in raising:
+                raise
             outcome = Outcome.STALE if exc.reason == "stale" else Outcome.REJECTED
             return Judgement(outcome=outcome, reason=str(exc), round_version=header.base_version)
         return convert.judgement_from_pb(reply)

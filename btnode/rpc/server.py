@@ -23,7 +23,7 @@ from btnode.aggregate.trust.identities import Identity, Role
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import Codec, encode
 from btnode.codec.frames import ChunkData, Frame, frame_from_raw
-from btnode.errors import Forbidden, MalformedInput, PeerInputError, Refused
+from btnode.errors import Forbidden, JoinPending, MalformedInput, PeerInputError, Refused
 from btnode.protocol import ABORTED, EvidenceChild, PushHeader, VersionInfo, join_statement, receipt_statement
 from btnode.rpc import convert
 from btnode.rpc.health import NodeHealth
@@ -251,7 +251,12 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
     def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
         t0 = time.perf_counter()
         header, chunks, who = self._pushed(request_iterator, context, "Push", "rejected")
-        judged = self.agg.push(header, chunks, who=who, verify=self._verify)
+        try:
+            judged = self.agg.push(header, chunks, who=who, verify=self._verify)
+        except JoinPending:  # read the rest of the upload first: an asyncio client whose upload is cut short
+            for _ in request_iterator:  # reads INTERNAL, not this status (grpc/grpc#36066), and would not retry
+                pass
+            raise
         self.agg.meter.observe("push", time.perf_counter() - t0)
         log.debug("push from %s judged %s in %.1f ms", header.worker_id, judged.outcome.value,
                   1e3 * (time.perf_counter() - t0))
@@ -343,6 +348,8 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         if worker in revoked:
             raise Forbidden("revoked", f"worker {worker!r} was revoked")
         if worker and not self.agg.has_joined(request.block, worker):  # a replica the round would wait for
+            if self.agg.joins.pending(request.block, worker):
+                raise JoinPending(f"{worker!r} watches block {request.block} while its join is still under way")
             raise Refused("not_joined", f"{worker!r} watches block {request.block} without having joined it")
         if worker:
             block.stream_opened(worker)

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from btnode.errors import (BtnodeError, CacheMiss, CheckpointError, ConfigError, ConfigMismatchError, Forbidden,
-                           InputError, MalformedInput, Overloaded, PeerInputError, PeerUnavailable, Refused,
+                           InputError, JoinPending, MalformedInput, Overloaded, PeerInputError, PeerUnavailable, Refused,
                            StageTimeout, StaleUpdate, TooLarge, Unauthenticated, UnknownBlock)
 from btnode.rpc.limits import LIMIT_REASONS
 
@@ -28,6 +28,7 @@ _CODES: list[tuple[type[BtnodeError], grpc.StatusCode]] = [
     (InputError, grpc.StatusCode.INVALID_ARGUMENT),
     (CacheMiss, grpc.StatusCode.FAILED_PRECONDITION),
     (TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (JoinPending, grpc.StatusCode.ABORTED),  # before Overloaded: a race with the caller's own join, not a limit
     (UnknownBlock, grpc.StatusCode.NOT_FOUND),
     (StaleUpdate, grpc.StatusCode.FAILED_PRECONDITION),
     (ConfigMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -80,6 +81,8 @@ def error_from_rpc(err: grpc.RpcError, what: str) -> BtnodeError:
         if not reason and "Concurrent RPC limit" in details:  # gRPC's own cap (sized never to be met first)
             return Overloaded("grpc_cap", message)
         return TooLarge(reason or "too_large", message)
+    if code == grpc.StatusCode.ABORTED and reason == "join_pending":
+        return JoinPending(message)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownBlock(reason or "not_found", message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -57,3 +57,18 @@ def test_the_fits_read_the_last_default_rows_not_levers_fixed_relays_or_kills():
 
     rows = [row("a"), row("a", "flat"), row("b"), row("b", kill=True), row("lever-x"), row("c-r16", relays_fixed=16)]
     assert [(r["code"], r["topology"]) for r in current({"rows": rows})] == [("a", "flat"), ("b", "tree")]
+
+
+def test_a_later_round_kill_run_reports_lost_over_its_rows_and_its_slowest_recovery():
+    from bench.scale import metrics
+
+    row = {"n_workers": 32, "topology": "tree", "root_peak_rss_mb": 600.0, "close_s": 0.5, "kill": True}
+    rows = [{**row, "kill_round": 1, "levels": 1, "lost": 0, "next_version_after_kill_s": 8.0},
+            {**row, "kill_round": 1, "levels": 2, "lost": 2, "next_version_after_kill_s": 130.0}]
+    m = metrics({"rows": rows})
+    assert m == {"N = 32, a relay killed in round 1: lost": 2,
+                 "N = 32, a relay killed in round 1: next version (s), slowest": 130.0}
+    refused = [{"kind": "refused", "call": "push", "code": "ABORTED", "reason": "join_pending"},
+               {"kind": "refused", "call": "push", "code": "INTERNAL"}, {"kind": "rejoined"}]
+    t = Tally.of(refused)
+    assert t.refused_reasons == {"push:join_pending": 1, "push:INTERNAL": 1} and t.rejoined == 1

@@ -74,7 +74,10 @@ class UpstreamAdmission:
         # children's joins passed on at once: a parent's calls (Join, Leave, Status) share one small budget
         # over all its peers (rpc/limits.py), which a relay passing on a swarm's joins at once would fill
         self._joining = threading.BoundedSemaphore(UPSTREAM_JOINS)
-        self._membership: queue.Queue[tuple[int, str, bool]] = queue.Queue()  # told to the parent in order
+        self._membership: queue.Queue[tuple[int, str, bool | None]] = queue.Queue()  # told to the parent in order
+        # (block, worker id) → held while its join is at the parent, and while its refusal is told there (`refused_child`)
+        self._child_locks: dict[tuple[int, str], threading.Lock] = {}
+        self._locks_lock = threading.Lock()
         self.duties = ChildDuties(self._children_duties, told=self._wake)  # the children's verification duties
         threading.Thread(target=self._tell_parent, daemon=True, name="relay-membership").start()
 
@@ -111,12 +114,22 @@ class UpstreamAdmission:
              training_json: str, proof: tuple[bytes, bytes] | None) -> JoinInfo:
         """The parent judges a worker's join first (fingerprint, data, training terms, revocation) and
         keeps the record; its answer's data key is the one the relay admits the child with."""
-        with self._joining:
+        with self._child_lock(block, worker_id), self._joining:
             parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
                                         proof=proof)  # under mutual TLS the worker's signed join, passed on
-        self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json, proof)
-        self.keys.record(block, worker_id, parent.data_key)
+            self._joins[(block, worker_id)] = (fingerprint, config_json, data_id, training_json, proof)
+            self.keys.record(block, worker_id, parent.data_key)
         return parent
+
+    def _child_lock(self, block: int, worker_id: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._child_locks.setdefault((block, worker_id), threading.Lock())
+
+    def refused_child(self, block: int, worker_id: str) -> None:
+        """A push of `worker_id` refused for good here (it never joined here: the child of a dead relay that
+        pushed before joining). The parent, which it joined through that relay, would wait for it until its
+        deadline: it is told that the child left (`_tell_parent`), unless the child joins here meanwhile."""
+        self._membership.put((block, worker_id, None))
 
     def left(self, worker_id: str, block: int) -> None:
         self._joins.pop((block, worker_id), None)  # the block told the parent (Forwarder.member)
@@ -144,7 +157,13 @@ class UpstreamAdmission:
         while True:
             block, worker_id, here = self._membership.get()
             try:
-                if not here:
+                if here is None:
+                    with self._child_lock(block, worker_id):  # not between a join's call to the parent and its answer
+                        if worker_id not in self.keys.of(block):
+                            self.upstream.leave(worker_id, block)
+                            log.info("told the parent that %s, refused here without a join, left block %d",
+                                     worker_id, block)
+                elif not here:
                     self.upstream.leave(worker_id, block)
                 elif (block, worker_id) in self._joins:
                     fingerprint, config_json, data_id, training_json, proof = self._joins[(block, worker_id)]
