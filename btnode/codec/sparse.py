@@ -269,8 +269,8 @@ def decode_sparse(raw: bytes, numel: int, two_bit: bool) -> tuple[torch.Tensor, 
         with np.errstate(over="ignore"):  # a huge scale × 127 overflows to Inf: refused below, no warning
             values = q.astype(np.float32) * scale[_chunk_of(layout)]
     nrem = -(-layout.remainder_bits // 8)
-    rem = np.unpackbits(buf[at:at + nrem], bitorder="little")
-    if rem[layout.remainder_bits:].any():
+    rem = buf[at:at + nrem]
+    if nrem and int(rem[-1]) >> (layout.remainder_bits - 8 * (nrem - 1)) & 0xFF:  # the last byte's bits after the last
         raise MalformedInput("size", f"{name} positions: padding after the remainders is not zero")
     at += nrem
     q = _unary(np.unpackbits(buf[at:], bitorder="little"), kept, name)
@@ -296,14 +296,24 @@ def _unary(bits: np.ndarray, kept: int, name: str) -> np.ndarray:
     return np.diff(zeros, prepend=-1) - 1
 
 
+def _low_bits(rem: np.ndarray, at_bit: int, n: int, r: int) -> np.ndarray:
+    """n values of r bits each from the bit stream `rem` (bytes, least-significant bit first) at bit `at_bit`."""
+    if 8 % r == 0 and at_bit % 8 == 0:  # whole values in whole bytes: shifted and masked in place, no bit array
+        per = 8 // r
+        part = rem[at_bit // 8:at_bit // 8 + -(-n // per)]
+        return ((part[:, None] >> np.arange(0, 8, r, dtype=np.uint8)) & ((1 << r) - 1)).reshape(-1)[:n]
+    lo = at_bit // 8
+    bits = np.unpackbits(rem[lo:lo + -(-(at_bit % 8 + n * r) // 8)], bitorder="little")[at_bit % 8:at_bit % 8 + n * r]
+    return bits.reshape(n, r) @ (1 << np.arange(r))
+
+
 def _positions(layout: Layout, rem: np.ndarray, q: np.ndarray, name: str) -> np.ndarray:
     out, at_bit, at_q, base = [], 0, 0, 0
     for chunks, length, k, r in layout.groups:
         n = chunks * k
         gaps = q[at_q:at_q + n].astype(np.int64) << r
-        if r:  # each gap's r low bits, packed back into bytes (r ≤ 12: one or two), not summed bit by bit
-            low = np.packbits(rem[at_bit:at_bit + n * r].reshape(n, r), axis=1, bitorder="little")
-            gaps |= low[:, 0] if r <= 8 else low[:, 0] | low[:, 1].astype(np.int64) << 8
+        if r:
+            gaps |= _low_bits(rem, at_bit, n, r)
         at_bit += n * r
         at_q += n
         within = np.cumsum(gaps.reshape(chunks, k) + 1, axis=1) - 1  # (chunks, k), strictly increasing
