@@ -85,10 +85,11 @@ def encode(codec: Codec, x: torch.Tensor, *, keep: int = sparse.CHUNK) -> bytes:
         return flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     n = flat.numel()
     groups = -(-n // GROUP)
-    padded = torch.nn.functional.pad(flat, (0, groups * GROUP - n)).view(groups, GROUP)
-    scale = padded.abs().amax(dim=1) / 127.0  # (G,)
+    padded = (flat if n == groups * GROUP else torch.nn.functional.pad(flat, (0, groups * GROUP - n))).view(groups, GROUP)
+    lo, hi = torch.aminmax(padded, dim=1)  # max |x| of each group without a tensor of |x| (and +0.0 for zeros)
+    scale = torch.maximum(lo.abs_(), hi.abs_()).div_(127.0)  # (G,)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+    q = torch.div(padded, safe[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(-1)[:n]
     return scale.numpy().tobytes() + q.numpy().tobytes()
 
 
