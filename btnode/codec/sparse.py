@@ -1,8 +1,8 @@
 """Sparse low-bit codecs (issue #24): chunked top-k with Rice-coded positions and 8- or 2-bit values.
 
 A tensor is cut into chunks of CHUNK = 4,096 values (the last may be shorter). Each chunk keeps its
-k_c largest-magnitude values, k_c = ⌈keep · len_c / CHUNK⌉ (so a short chunk keeps the same share),
-and sends where they are and what they are:
+k_c largest-magnitude values, k_c = ⌈keep · len_c / CHUNK⌉ (so a short chunk keeps the same share;
+a tie at the k_c-th magnitude goes to the lower position), and sends where they are and what they are:
 
   positions  sorted within the chunk and sent as gaps (g = i_j − i_{j−1} − 1 ≥ 0), each Rice-coded
              with parameter r = ⌊log2(0.69 · len_c / k_c)⌋: the low r bits as they are, the rest in
