@@ -321,6 +321,9 @@ def main() -> None:
     ap.rounds(h=50, h_help="local steps the synthetic update stands for (H)")
     ap.add_argument("--against", metavar="REF", help="also push with git ref REF's btnode, interleaved")
     ap.add_argument("--skip-codecs", action="store_true", help="the push part only")
+    ap.add_argument("--push-codecs", type=lambda s: [c for c in s.split(",") if c], default=list(PUSH_CODECS),
+                    help="the codecs pushed, comma-separated ('' for none: the codec part only; bench/scale.py reads "
+                         "the default setting's int8 and fp32 pushes)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-codec-speed")
     ap.add_argument("--push-client", nargs=4, metavar=("AGG", "RAW", "CODEC", "WORKERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -340,7 +343,8 @@ def main() -> None:
     trees = {"this tree": {**os.environ}}
     if args.against:
         trees[args.against] = tree_env(args.against, args.workdir)
-    pushes = push_speeds(args.workdir, cfg, args.h, args.reps, trees, args.quick)
+    pushes = push_speeds(args.workdir, cfg, args.h, args.reps, trees, args.quick, dict.fromkeys(args.push_codecs)
+                         ) if args.push_codecs else {}
     res = {"shape": cfg.to_dict(), "block": BLOCK, "params": params, "h": args.h, "lr": TrainConfig().lr,
            "error_feedback_bytes_per_worker": 4 * params, "codecs": codecs, "push": pushes, "reps": args.reps,
            "densities": args.densities, "command": invoked(), "date": time.strftime("%Y-%m-%d")}
@@ -379,11 +383,12 @@ def render(r: dict) -> str:
         "",
         f"Error feedback keeps one fp32 residual per parameter: **{r['error_feedback_bytes_per_worker'] / 1e6:.0f} MB "
         "per worker** at this block (4 bytes × parameters), beside its parameters and AdamW state.",
-        "",
-        "Push through a real aggregator (claims checked, as a worker that stated its training at Join) against a "
-        "plain gRPC client stream of the push's wire bytes, both from a client process, taking turns:",
-        "",
-        *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain", "command"], pushes, "llrrrl"),
+        *(["",
+           "Push through a real aggregator (claims checked, as a worker that stated its training at Join) against a "
+           "plain gRPC client stream of the push's wire bytes, both from a client process, taking turns:",
+           "",
+           *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain", "command"], pushes, "llrrrl")]
+          if pushes else []),
     ])
 
 
