@@ -41,7 +41,8 @@ from btnode.node.launch import stop_processes
 SHAPE = ModelConfig(d_model=1792, n_heads=28, n_layers=2, n_blocks=4, context=128)
 QUICK_SHAPE = ModelConfig(d_model=128, n_heads=2, n_layers=2, n_blocks=2, context=32)
 BLOCK, SEED, BATCH = 0, 0, 32
-PUSH_CODECS = ("int8", "fp32", "sparse8@0.01")  # today's default, the lossless one, and a sparse upload
+PUSH_CODECS = ("int8", "fp32", "sparse8@0.01")  # --link lan's upload, the lossless one, and a sparse upload
+LINK_CODECS = {"wan": "sparse8@0.03", "lan": "int8"}  # each link profile's upload (codec/profiles.py)
 
 
 def synthetic_delta(cfg: ModelConfig, h: int, lr: float):
@@ -165,12 +166,37 @@ def push_client(agg: str, raw_grpc: str, codec_name: str, workers: int, cfg: Mod
     def plain() -> None:
         assert int.from_bytes(sink(iter(parts), timeout=600), "little") == sum(map(len, parts))
 
+    source = grpc.insecure_channel(raw_grpc, options=CHANNEL_OPTIONS).unary_stream("/bench.Raw/Source")
+
+    def close() -> str:
+        """The workers that have not pushed push, so the round closes; then, once version 1 is out, the wire
+        bytes of a fetch of its published delta and of a pull of the block."""
+        for w in who:
+            client.push(PushHeader(worker_id=w, block=BLOCK, base_version=0, samples=float(h * BATCH), loss=0.0,
+                                   codec=codec, update_id=uuid.uuid4().hex, steps=tuple(range(h))), frames())
+        deadline = time.monotonic() + 1800
+        while client.pull(BLOCK, ids[0], spec).info.version < 1:
+            if time.monotonic() > deadline:
+                raise SystemExit("version 1 did not come")
+            time.sleep(1.0)
+        return f"{client.fetch_delta(BLOCK, 1, spec).transfer.wire} {client.pull(BLOCK, ids[0], spec).transfer.wire}"
+
+    def plain_from(n: int) -> None:
+        assert sum(len(m) for m in source(n.to_bytes(8, "little"), timeout=600)) == n
+
+    actions = {"push": push, "raw": plain, "fetch": lambda: client.fetch_delta(BLOCK, 1, spec),
+               "pull": lambda: client.pull(BLOCK, ids[0], spec)}
+
     import btnode
 
     print(f"ready {btnode.__file__}", flush=True)
     for line in sys.stdin:
+        what, *arg = line.split()
+        if what == "close":
+            print(close(), flush=True)
+            continue
         t0 = time.perf_counter()
-        (push if line.strip() == "push" else plain)()
+        plain_from(int(arg[0])) if what == "raw-from" else actions[what]()
         print(f"{time.perf_counter() - t0:.6f}", flush=True)
 
 
@@ -194,14 +220,17 @@ def tree_cwd(env: dict[str, str] | None) -> str | None:
 
 
 def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[str, dict[str, str]],
-                quick: bool) -> dict:
-    """Per codec of PUSH_CODECS and per btnode tree: median push seconds, against the plain stream's."""
+                quick: bool, codecs: dict[str, str | None] | None = None, fetch: bool = False) -> dict:
+    """Per codec (`codecs`: codec → the --link its aggregators run, None: none; PUSH_CODECS by default) and per
+    btnode tree: median push seconds, against the plain stream's. `fetch`: then the round closes and a fetch of
+    the published delta and a pull of version 1 are timed too, each against a plain gRPC server stream of
+    the same wire bytes, taking turns as the pushes."""
     from btnode.train.config import TrainConfig
 
     tc = TrainConfig(steps=1000, batch=BATCH)
     mb = 4 * sum(t.numel() for t in synthetic_delta(cfg, 1, 1.0).values()) / 1e6
     out = {}
-    for codec in PUSH_CODECS:
+    for codec, link in (codecs or dict.fromkeys(PUSH_CODECS)).items():
         procs: list[subprocess.Popen] = []
         try:
             raw_proc, raw_port = child("raw-grpc", workdir)
@@ -209,7 +238,7 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
             clients = {}
             for name, env in trees.items():
                 agg, port = child("aggregator", workdir, "--deadline", "3600", "--batch", str(BATCH), "--lr", str(tc.lr),
-                                  "--steps-per-round", str(h), shape=cfg, env=env)
+                                  "--steps-per-round", str(h), *(["--link", link] if link else []), shape=cfg, env=env)
                 procs.append(agg)
                 cmd = module_command("bench.codec_speed", "--push-client", f"127.0.0.1:{port}",
                                      f"127.0.0.1:{raw_port}", codec, str(reps + 2), "--h", str(h),
@@ -233,8 +262,12 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
             out[codec] = {"block_fp32_mb": mb, "plain_grpc_s": plain, "plain_grpc_mbps": mb / plain,
                           "trees": {name: {"push_s": s, "push_mbps": mb / s, "vs_plain": plain / s, "all_s": times[name]}
                                     for name, s in medians.items() if name != "plain gRPC"}}
+            if link:
+                out[codec]["link"] = link
             print(f"[codec_speed] push {codec}: " + ", ".join(f"{n} {mb / s:.0f} MB/s" for n, s in medians.items()),
                   flush=True)
+            if fetch:
+                out[codec].update(_fetches(clients, reps, mb))
         finally:
             for p in procs:
                 if p.stdin is not None:
@@ -243,14 +276,39 @@ def push_speeds(workdir: Path, cfg: ModelConfig, h: int, reps: int, trees: dict[
     return out
 
 
-def _ask(client: subprocess.Popen, what: str) -> float:
+def _fetches(clients: dict[str, subprocess.Popen], reps: int, mb: float) -> dict:
+    """Each tree's round closed, then its fetch of the published delta and its pull of the block, against a plain
+    gRPC server stream of the same wire bytes (this tree's), taking turns; medians after a warm-up turn."""
+    wire = {name: [int(x) for x in _line(c, "close").split()] for name, c in clients.items()}
+    first_name, first = next(iter(clients.items()))
+    out = {}
+    for kind, at in (("fetch", 0), ("pull", 1)):
+        times: dict[str, list[float]] = {name: [] for name in [*clients, "plain gRPC"]}
+        for _ in range(reps + 1):
+            for name, c in [*clients.items(), ("plain gRPC", first)]:
+                times[name].append(_ask(c, kind if name != "plain gRPC" else f"raw-from {wire[first_name][at]}"))
+        medians = {name: statistics.median(t[1:]) for name, t in times.items()}
+        plain = medians["plain gRPC"]
+        out[kind] = {"wire_bytes": {name: w[at] for name, w in wire.items()}, "plain_grpc_s": plain,
+                     "plain_grpc_mbps": mb / plain,
+                     "trees": {name: {"s": s, "mbps": mb / s, "vs_plain": plain / s, "all_s": times[name]}
+                               for name, s in medians.items() if name != "plain gRPC"}}
+        print(f"[codec_speed] {kind}: " + ", ".join(f"{n} {mb / s:.0f} MB/s" for n, s in medians.items()), flush=True)
+    return out
+
+
+def _line(client: subprocess.Popen, what: str) -> str:
     assert client.stdin is not None and client.stdout is not None
     client.stdin.write(what + "\n")
     client.stdin.flush()
     line = client.stdout.readline()
     if not line:
         raise SystemExit(f"the push client died during a {what}")
-    return float(line)
+    return line
+
+
+def _ask(client: subprocess.Popen, what: str) -> float:
+    return float(_line(client, what))
 
 
 def main() -> None:
@@ -263,6 +321,9 @@ def main() -> None:
     ap.rounds(h=50, h_help="local steps the synthetic update stands for (H)")
     ap.add_argument("--against", metavar="REF", help="also push with git ref REF's btnode, interleaved")
     ap.add_argument("--skip-codecs", action="store_true", help="the push part only")
+    ap.add_argument("--push-codecs", type=lambda s: [c for c in s.split(",") if c], default=list(PUSH_CODECS),
+                    help="the codecs pushed, comma-separated ('' for none: the codec part only; bench/scale.py reads "
+                         "the default setting's int8 and fp32 pushes)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-codec-speed")
     ap.add_argument("--push-client", nargs=4, metavar=("AGG", "RAW", "CODEC", "WORKERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -282,7 +343,8 @@ def main() -> None:
     trees = {"this tree": {**os.environ}}
     if args.against:
         trees[args.against] = tree_env(args.against, args.workdir)
-    pushes = push_speeds(args.workdir, cfg, args.h, args.reps, trees, args.quick)
+    pushes = push_speeds(args.workdir, cfg, args.h, args.reps, trees, args.quick, dict.fromkeys(args.push_codecs)
+                         ) if args.push_codecs else {}
     res = {"shape": cfg.to_dict(), "block": BLOCK, "params": params, "h": args.h, "lr": TrainConfig().lr,
            "error_feedback_bytes_per_worker": 4 * params, "codecs": codecs, "push": pushes, "reps": args.reps,
            "densities": args.densities, "command": invoked(), "date": time.strftime("%Y-%m-%d")}
@@ -321,11 +383,12 @@ def render(r: dict) -> str:
         "",
         f"Error feedback keeps one fp32 residual per parameter: **{r['error_feedback_bytes_per_worker'] / 1e6:.0f} MB "
         "per worker** at this block (4 bytes × parameters), beside its parameters and AdamW state.",
-        "",
-        "Push through a real aggregator (claims checked, as a worker that stated its training at Join) against a "
-        "plain gRPC client stream of the push's wire bytes, both from a client process, taking turns:",
-        "",
-        *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain", "command"], pushes, "llrrrl"),
+        *(["",
+           "Push through a real aggregator (claims checked, as a worker that stated its training at Join) against a "
+           "plain gRPC client stream of the push's wire bytes, both from a client process, taking turns:",
+           "",
+           *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain", "command"], pushes, "llrrrl")]
+          if pushes else []),
     ])
 
 

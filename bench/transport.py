@@ -6,7 +6,8 @@ fp32 versus int8 updates.
     .venv/bin/python -m bench.transport          # ~15 min on 2 cores
     .venv/bin/python -m bench.transport --quick  # a smoke run
     .venv/bin/python -m bench.transport --largest-block --setting largest-block  # push_vs_grpc at bench/memory.py's
-        # largest block (521 MB in fp32) per codec, against plain gRPC in turns (bench/codec_speed.py's push part)
+        # largest block (521 MB in fp32) per link profile (wan: sparse8 3 % up, lan: int8), then a fetch of the
+        # published delta and a pull, each against plain gRPC moving the same bytes, in turns (bench/codec_speed.py)
 
 Servers run in their own processes; the client side runs here. Throughputs are in MB/s of the
 block's fp32 size (10^6 bytes), medians of `--reps` after one warm-up, measured in one run.
@@ -45,8 +46,17 @@ def serve_raw_grpc(port_file: Path) -> None:
         n = sum(len(m) for m in request_iterator)
         return n.to_bytes(8, "little")
 
+    held = {}
+
+    def source(request, context):  # n bytes (an 8-byte request) in CHUNK-byte messages, as a Pull sends them
+        n = int.from_bytes(request, "little")
+        payload = held.setdefault(n, os.urandom(n))
+        for lo in range(0, n, CHUNK):
+            yield payload[lo:lo + CHUNK]
+
     handler = grpc.method_handlers_generic_handler(
-        "bench.Raw", {"Sink": grpc.stream_unary_rpc_method_handler(sink)})
+        "bench.Raw", {"Sink": grpc.stream_unary_rpc_method_handler(sink),
+                      "Source": grpc.unary_stream_rpc_method_handler(source)})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -247,6 +257,7 @@ def main() -> None:
     ap.add_argument("--largest-block", action="store_true",
                     help="only the push of the largest block against plain gRPC, per codec (push_vs_grpc)")
     ap.add_argument("--against", metavar="REF", help="with --largest-block: also push with git ref REF's btnode")
+    ap.add_argument("--links", default="wan,lan", help="with --largest-block: the link profiles whose uploads are pushed")
     ap.add_argument("--serve-raw-grpc", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--serve-tcp", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -292,9 +303,11 @@ def main() -> None:
 
 
 def largest_block(args: argparse.Namespace) -> None:
-    """A push of bench/codec_speed.py's block (the largest of bench/memory.py) per codec, against a plain
-    gRPC client stream of the same wire bytes, taking turns (codec_speed.push_speeds; H = 50)."""
-    from bench.codec_speed import QUICK_SHAPE, tree_env
+    """A push of bench/codec_speed.py's block (the largest of bench/memory.py) per link profile's upload codec
+    (its aggregators run that --link), against a plain gRPC client stream of the same wire bytes; then the
+    round closes and a fetch of the published delta and a pull of the block are timed against a plain gRPC
+    server stream of the same bytes; all taking turns (codec_speed.push_speeds; H = 50)."""
+    from bench.codec_speed import LINK_CODECS, QUICK_SHAPE, tree_env
     from bench.codec_speed import SHAPE as LARGEST
     from bench.codec_speed import push_speeds
 
@@ -302,27 +315,38 @@ def largest_block(args: argparse.Namespace) -> None:
     if args.against:
         trees[args.against] = tree_env(args.against, args.workdir)
     cfg = QUICK_SHAPE if args.quick else LARGEST
-    pushes = push_speeds(args.workdir, cfg, 50, args.reps, trees, args.quick)
+    pushes = push_speeds(args.workdir, cfg, 50, args.reps, trees, args.quick,
+                         {LINK_CODECS[link]: link for link in args.links.split(",")}, fetch=True)
+    mine = lambda p, part: p[part]["trees"]["this tree"]["vs_plain"]  # noqa: E731
     res = {"shape": cfg.to_dict(), "push": pushes, "reps": args.reps, "date": time.strftime("%Y-%m-%d"),
-           "push_vs_grpc": {codec: p["trees"]["this tree"]["vs_plain"] for codec, p in pushes.items()}}
+           "push_vs_grpc": {codec: p["trees"]["this tree"]["vs_plain"] for codec, p in pushes.items()},
+           "fetch_vs_grpc": {codec: mine(p, "fetch") for codec, p in pushes.items()},
+           "pull_vs_grpc": {codec: mine(p, "pull") for codec, p in pushes.items()}}
     print(json.dumps(res, indent=1))
-    publish("transport", res, {f"{codec} push / plain gRPC": v for codec, v in res["push_vs_grpc"].items()},
-            render_largest, out=args.results)
+    named = lambda codec: f"{pushes[codec]['link']} ({codec})"  # noqa: E731
+    publish("transport", res, {f"{named(c)} {part} / plain gRPC": v for part in ("push", "fetch", "pull")
+                               for c, v in res[f"{part}_vs_grpc"].items()}, render_largest, out=args.results)
 
 
 def render_largest(r: dict) -> str:
-    rows = [(codec, tree, f"{t['push_mbps']:.0f}", f"{p['plain_grpc_mbps']:.0f}", f"**{t['vs_plain']:.2f}**")
-            for codec, p in r["push"].items() for tree, t in p["trees"].items()]
+    def rows(codec: str, p: dict, part: str) -> list[tuple]:
+        at = p if part == "push" else p[part]
+        return [(p.get("link", "—"), codec, part, tree, f"{t['push_mbps' if part == 'push' else 'mbps']:.0f}",
+                 f"{at['plain_grpc_mbps']:.0f}", f"**{t['vs_plain']:.2f}**") for tree, t in at["trees"].items()]
+
     mb = next(iter(r["push"].values()))["block_fp32_mb"]
     return "\n".join([
-        "## Transport: a push of the largest block against plain gRPC (`bench/transport.py --largest-block`)",
+        "## Transport: the largest block pushed, fetched and pulled against plain gRPC (`bench/transport.py --largest-block`)",
         "",
-        f"{r['date']}; 2 cores shared with other work, loopback. A {mb:.0f} MB block (fp32) pushed by a client "
-        "process to an aggregator process, as a worker pushes (codec bytes ready, the bundle compressed as gRPC "
-        "sends), against a plain gRPC client stream of the push's wire bytes, taking turns; MB/s of the block's "
-        f"fp32 size, medians of {r['reps']} after a warm-up round.",
+        f"{r['date']}; 2 cores shared with other work, loopback. A {mb:.0f} MB block (fp32) pushed by a client process "
+        "to an aggregator process of that --link, as a worker pushes (codec bytes ready, the bundle compressed as gRPC "
+        "sends; the reply is the judgement), against a plain gRPC client stream of the push's wire bytes; then the round "
+        "closes and the published delta is fetched and the block pulled, each against a plain gRPC server stream of "
+        f"the same bytes; all in turns. MB/s of the block's fp32 size, medians of {r['reps']} after a warm-up turn.",
         "",
-        *table(["codec", "btnode", "push MB/s", "plain gRPC MB/s", "push / plain"], rows, "llrrr")])
+        *table(["link", "codec", "transfer", "btnode", "MB/s", "plain gRPC MB/s", "btnode / plain"],
+               [row for codec, p in r["push"].items() for part in ("push", *(k for k in ("fetch", "pull") if k in p))
+                for row in rows(codec, p, part)], "llllrrr")])
 
 
 def metrics(res: dict) -> dict[str, Metric]:

@@ -238,11 +238,30 @@ class LazyDelta(Mapping[str, "torch.Tensor | SparseTensor"]):
             return self.eager[name]
         return decode(self.codecs[name], self.raw[name], self.spec[name])
 
+    def each(self) -> Iterator[tuple[str, torch.Tensor | SparseTensor]]:
+        """(name, tensor) in order, each dense tensor decoded into one buffer reused for all: a tensor is valid
+        only until the next is asked for (a reader that goes tensor by tensor, as the sum and the screen's
+        sketch do, then touches no fresh memory per tensor: issue #40)."""
+        buf = None
+        for name in self.spec:
+            if name in self.eager:
+                yield name, self.eager[name]
+                continue
+            numel = math.prod(self.spec[name])
+            if buf is None or buf.numel() < numel:
+                buf = torch.empty(max(math.prod(self.spec[n]) for n in self.spec if n not in self.eager))
+            yield name, decode(self.codecs[name], self.raw[name], self.spec[name], out=buf)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.spec)
 
     def __len__(self) -> int:
         return len(self.spec)
+
+
+def each(delta: Mapping[str, torch.Tensor | SparseTensor]) -> Iterator[tuple[str, torch.Tensor | SparseTensor]]:
+    """A delta's (name, tensor) pairs in order, for a reader that holds one at a time (LazyDelta.each)."""
+    return delta.each() if isinstance(delta, LazyDelta) else iter(delta.items())
 
 
 class FrameAssembler:
@@ -282,6 +301,7 @@ class FrameAssembler:
         self._bundle_parts: list[bytes] = []  # its payload while deferred in memory
         self.wire_bytes = 0  # payload bytes received so far
         self._dctx = zstandard.ZstdDecompressor()
+        self._scratch: torch.Tensor | None = None  # where a lazy assembler decodes each tensor to check it
 
     @classmethod
     def for_spec(cls, spec: Spec, codecs: Iterable[Codec], *, keep_sparse: bool = False,
@@ -395,6 +415,7 @@ class FrameAssembler:
         if self._defer_file is not None:
             self._defer_file.close()
             self._defer_file = None
+        self._scratch = None
 
     def _decode(self, h: FrameHeader, payload: bytes) -> None:
         try:
@@ -423,7 +444,13 @@ class FrameAssembler:
         if codec.sparse and self.keep_sparse:
             t = SparseTensor.decode(raw, shape, codec.two_bit)  # its values are checked finite
         else:
-            t = decode(codec, raw, shape)
+            out = None
+            if self.lazy:  # decoded to be checked and dropped: into one buffer for all the tensors
+                numel = math.prod(shape)
+                if self._scratch is None or self._scratch.numel() < numel:
+                    self._scratch = torch.empty(max(math.prod(s) for s in self.spec.values()))
+                out = self._scratch
+            t = decode(codec, raw, shape, out=out)
             if self.finite and not all_finite(t):
                 raise MalformedInput("nonfinite", f"tensor {name!r} contains NaN or Inf")
             if self.lazy:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from btnode.codec.codecs import Codec, decode
@@ -63,6 +65,21 @@ class FileTheta(Mapping[str, torch.Tensor]):
             if got <= 0:
                 raise CheckpointError(f"{self.path.name}: tensor {name!r} is cut short at byte {done} of {len(view)}")
             done += got
+        return out
+
+    def gather(self, name: str, where: torch.Tensor) -> torch.Tensor:
+        """Tensor `name` at the flat positions `where` (int64), read through a map of the file: only the pages
+        those positions lie on, no copy of the tensor (a sparse push's claims check; issue #40)."""
+        offset, shape = self._at[name]
+        numel = math.prod(shape)
+        if not numel or not where.numel():
+            return torch.zeros(where.shape, dtype=torch.float32)
+        page = mmap.ALLOCATIONGRANULARITY
+        start = offset - offset % page
+        with mmap.mmap(self._fd, offset - start + 4 * numel, access=mmap.ACCESS_READ, offset=start) as m:
+            values = np.frombuffer(m, np.float32, count=numel, offset=offset - start)
+            out = torch.from_numpy(values[where.numpy()])  # a copy: the map may close
+            del values
         return out
 
     def __iter__(self) -> Iterator[str]:

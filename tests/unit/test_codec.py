@@ -43,3 +43,13 @@ def test_parse():
     assert parse("int8") is Codec.INT8
     with pytest.raises(ValueError, match="unknown codec 'fp8'"):
         parse("fp8")
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.INT8])
+@pytest.mark.parametrize("n", [1, GROUP, 3 * GROUP + 7])
+def test_decoding_into_a_buffer_gives_the_same_bits(codec, n):
+    """decode(out=...) (a lazy update's reads, codec/frames.LazyDelta.each) writes the values decode returns."""
+    raw = encode(codec, torch.randn(n) * 3)
+    buf = torch.full((n + 5,), float("nan"))
+    got = decode(codec, raw, (n,), out=buf)
+    assert torch.equal(got, decode(codec, raw, (n,))) and got.data_ptr() == buf.data_ptr()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from btnode.codec.codecs import Codec, decode, encode, raw_size
 from btnode.codec.frames import encode_update
-from btnode.codec.sparse import CHUNK, EF_DECAY, HEADER, Layout, decode_sparse, keep_of
+from btnode.codec.sparse import CHUNK, EF_DECAY, HEADER, Layout, decode_sparse, keep_of, top_positions
 from btnode.errors import MalformedInput
 
 SPARSE = (Codec.SPARSE8, Codec.SPARSE2)
@@ -241,3 +241,31 @@ def test_duplicate_positions_cannot_be_written(seed, codec, keep):
         assert err.reason in ("range", "size"), err  # a gap past its chunk, or one byte of trailing ones
         return
     assert pos.numel() == lay.kept and bool(torch.all(pos[1:] > pos[:-1])) and 0 <= int(pos[0]) and int(pos[-1]) < n
+
+
+def reference_top(x: np.ndarray, k: int) -> np.ndarray:
+    """Each row's k largest |x|, ties to the lower position, sorted: the rule top_positions documents."""
+    return np.sort(np.argsort(-np.abs(x), axis=1, kind="stable")[:, :k], axis=1)
+
+
+@pytest.mark.parametrize("values", ["normal", "ties", "zeros", "off_sample"])
+@pytest.mark.parametrize("chunks,length,k", [(40, CHUNK, 123), (6, CHUNK, 369), (3, CHUNK, 1), (2, 1000, 31),
+                                             (2, CHUNK, CHUNK), (1, 17, 3)])
+def test_the_encoders_selection_is_the_top_k_with_ties_to_the_lower_position(values, chunks, length, k):
+    """top_positions's fast path (a sampled threshold, then an exact selection among the candidates) picks
+    exactly what a full sort picks: on ties, on zeros, and where the large values all lie between the
+    sampled positions (every such row takes the exact selection over all its values)."""
+    rng = np.random.default_rng(7)
+    x = {"normal": lambda: rng.standard_normal((chunks, length)),
+         "ties": lambda: rng.integers(-3, 4, (chunks, length)),
+         "zeros": lambda: np.zeros((chunks, length)),
+         "off_sample": lambda: rng.standard_normal((chunks, length)) * np.where(np.arange(length) % 4 == 1, 100, 0.01),
+         }[values]().astype(np.float32)
+    assert np.array_equal(top_positions(x, k), reference_top(x, k))
+
+
+def test_the_selection_is_what_torch_topk_chose_on_distinct_values():
+    """On distinct magnitudes the selection is the one the encoder made before #40 (torch.topk): same bytes."""
+    x = torch.randn(50 * CHUNK)
+    before = x.view(-1, CHUNK).abs().topk(123, dim=1, sorted=False).indices.sort(dim=1).values.numpy()
+    assert np.array_equal(top_positions(x.view(-1, CHUNK).numpy(), 123), before)

@@ -294,3 +294,22 @@ def test_a_large_units_push_waits_for_the_one_lazy_slot_holding_no_decode_slot(t
     agg._decoding_lazy.release()
     t.join(timeout=10)
     assert out and out[0].outcome is Outcome.PENDING and block.info.version == 1  # its only replica reported
+
+
+def test_a_lazy_update_summed_and_sketched_in_one_pass_gives_the_bits_of_separate_passes():
+    """Tally.restore decodes each tensor of a lazy update once for the sum and the sketch (LazyDelta.each, one
+    reused buffer): the sum and the sketch are those of the decoded update, read twice."""
+    from btnode.codec.frames import LazyDelta
+
+    spec = {"a": (300, 7), "b": (1000,), "c": (5,)}
+    g = torch.Generator().manual_seed(3)
+    raw = {n: encode(Codec.INT8, torch.randn(s, generator=g)) for n, s in spec.items()}
+    dense = {n: decode(Codec.INT8, raw[n], s) for n, s in spec.items()}
+    lazy = LazyDelta(spec, dict.fromkeys(spec, Codec.INT8), raw, {}, {})
+    sketcher = Sketcher(spec, b"key")
+    one, two = Accumulator(spec, "senders"), Accumulator(spec, "senders")
+    sketch = sketcher.empty()
+    one.add(lazy, 3.0, also=lambda n, t: sketcher.add_into(sketch, n, t))
+    two.add(dense, 3.0)
+    assert all(torch.equal(one.sum[n], two.sum[n]) for n in spec)
+    assert torch.equal(sketch, sketcher.of(dense)) and torch.equal(sketcher.of(lazy), sketch)

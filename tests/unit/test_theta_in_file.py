@@ -148,3 +148,14 @@ def test_a_restart_checks_the_model_file_a_tensor_at_a_time_and_skips_a_corrupte
     again = make(tmp_path, True)
     assert again.info.version == 1 and isinstance(again.params, FileTheta)
     assert state_sha256(again.params) == again.info.sha256 and again.spec == filed.spec
+
+
+def test_theta_read_at_positions_from_the_file_is_theta_there(tmp_path):
+    """FileTheta.gather (a sparse push's claims check) reads the values a whole read has at those positions."""
+    filed = make(tmp_path, True)
+    theta = filed.current()[1]
+    assert isinstance(theta, FileTheta)
+    for n, t in INIT.items():
+        where = torch.randperm(t.numel())[: max(1, t.numel() // 3)].sort().values
+        assert torch.equal(theta.gather(n, where), t.reshape(-1)[where])
+        assert theta.gather(n, torch.zeros(0, dtype=torch.int64)).numel() == 0

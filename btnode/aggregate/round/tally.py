@@ -75,10 +75,16 @@ class Tally:
         """Into the running sum and its sketch, as it is (a spilled one: a round taken up after a
         restart); returns its values."""
         values = self.values(update)
+        sketcher = self.sketcher
         if not self.holds_updates and update.weight > 0:  # weight 0: screened with the round, not in its sum
-            self.sum.add(values, update.weight)
-        if self.sketcher is not None:
-            update.sketch = self.sketcher.of(values)
+            if sketcher is None:
+                self.sum.add(values, update.weight)
+            else:  # summed and sketched in one pass: each tensor of a lazy update decoded once, not twice
+                sketch = sketcher.empty()
+                self.sum.add(values, update.weight, also=functools.partial(sketcher.add_into, sketch))
+                update.sketch = sketch
+        elif sketcher is not None:
+            update.sketch = sketcher.of(values)
         return values
 
     def leave(self, update: Update) -> None:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from btnode.codec.frames import LazyDelta, absmax
+from btnode.codec.frames import LazyDelta, absmax, each
 from btnode.codec.sparse import SparseTensor
 from btnode.errors import MalformedInput, Refused
 
@@ -124,22 +124,27 @@ class Accumulator:
         if self.count >= MAX_TERMS:
             raise Refused("round_full", f"a round sums at most {MAX_TERMS} updates")
 
-    def add(self, delta: Delta, weight: float) -> None:
+    def add(self, delta: Delta, weight: float, *, also: Callable[[str, torch.Tensor | SparseTensor], None] | None = None
+            ) -> None:
+        """`also`: called with each tensor as it is summed (the screen's sketch: a lazy delta decoded once for both)."""
         self.check(delta, weight)
-        self._apply(delta, weight, 1)
+        self._apply(delta, weight, 1, also)
 
     def sub(self, delta: Delta, weight: float) -> None:
         """Take out an update added before with the same values and weight: exactly what it added."""
         self._apply(delta, weight, -1)
 
-    def _apply(self, delta: Delta, weight: float, sign: int) -> None:
+    def _apply(self, delta: Delta, weight: float, sign: int,
+               also: Callable[[str, torch.Tensor | SparseTensor], None] | None = None) -> None:
         scale = self._scale(weight)
         sparse = False
         # one pair of slice buffers for the whole update, filled in place: fresh temporaries per slice cost
         # more than the arithmetic (allocation and page faults; issue #40)
         real = torch.empty(TERMS_AT_ONCE, dtype=torch.float64)
         whole = torch.empty(TERMS_AT_ONCE, dtype=torch.int64)
-        for n, t in delta.items():
+        for n, t in each(delta):  # a lazy delta's tensors decoded one at a time into one buffer
+            if also is not None:
+                also(n, t)
             acc = self.sum.get(n)
             if acc is None:
                 acc = self.sum[n] = torch.zeros(math.prod(self.spec[n]), dtype=torch.int64)
@@ -210,19 +215,26 @@ class Sketcher:
             g = torch.Generator().manual_seed(seed)
             self.signs[n] = torch.randint(0, 2, (rows,), generator=g).float().mul_(2).sub_(1)
 
+    def empty(self) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.float64)
+
     def of(self, delta: Delta) -> torch.Tensor:
-        out = torch.zeros(self.size, dtype=torch.float64)
-        k = self.size
-        for n, t in delta.items():
-            signs = self.signs[n]
-            if isinstance(t, SparseTensor):
-                out.index_add_(0, t.positions % k, (signs[t.positions // k] * t.values).double())
-                continue
-            flat = t.reshape(-1)
-            full = flat.numel() // k
-            if full:
-                out += (signs[:full] @ flat[:full * k].view(full, k)).double()
-            if flat.numel() > full * k:
-                rest = flat[full * k:]
-                out[:rest.numel()] += (signs[full] * rest).double()
+        out = self.empty()
+        for n, t in each(delta):
+            self.add_into(out, n, t)
         return out
+
+    def add_into(self, out: torch.Tensor, n: str, t: torch.Tensor | SparseTensor) -> None:
+        """Tensor `n` of an update into its sketch `out` (`of`, a tensor at a time)."""
+        k = self.size
+        signs = self.signs[n]
+        if isinstance(t, SparseTensor):
+            out.index_add_(0, t.positions % k, (signs[t.positions // k] * t.values).double())
+            return
+        flat = t.reshape(-1)
+        full = flat.numel() // k
+        if full:
+            out += (signs[:full] @ flat[:full * k].view(full, k)).double()
+        if flat.numel() > full * k:
+            rest = flat[full * k:]
+            out[:rest.numel()] += (signs[full] * rest).double()

@@ -128,16 +128,16 @@ class ClaimConfig:
         version and `drift` the rounds of moves |θ| may be away from it (module doc)."""
         slack = self._slack(theta_ranges(theta), codec, drift)
         if codec.sparse:
-            return {n: self._sparse_bound(steps, t, None, slack, drift, codec).view(t.shape) for n, t in theta.items()}
+            return {n: self._sparse_bound(steps, t.reshape(-1), t.ndim >= 2, slack, drift, codec).view(t.shape)
+                    for n, t in theta.items()}
         return {n: self._bound_into(torch.empty_like(t), steps, t, slack, drift) for n, t in theta.items()}
 
-    def _sparse_bound(self, steps: int, theta: torch.Tensor, where: torch.Tensor | None, slack: float, drift: int,
+    def _sparse_bound(self, steps: int, theta_at: torch.Tensor, matrix: bool, slack: float, drift: int,
                       codec: Codec) -> torch.Tensor:
-        """A sparse codec's bound at the flat positions `where` (None: all) of one tensor: this update's
-        limit plus the residual it may have piled up, β/(1−β) rounds' limits (module doc)."""
+        """A sparse codec's bound at the values `theta_at` of one tensor (a matrix's or not; flat): this
+        update's limit plus the residual it may have piled up, β/(1−β) rounds' limits (module doc)."""
         piled = codec.ef_decay / (1 - codec.ef_decay)
-        t = theta.reshape(-1) if where is None else theta.reshape(-1)[where]
-        t = t.view(1, -1) if theta.ndim >= 2 else t  # _limit tells matrices (weight decay) by ndim
+        t = theta_at.view(1, -1) if matrix else theta_at  # _limit tells matrices (weight decay) by ndim
         limit = self._limit(steps, t, drift) + piled * self._limit(self.max_steps, t, drift)
         return ((limit + slack) * (1 + ROUNDING)).reshape(-1)
 
@@ -191,12 +191,16 @@ class ClaimConfig:
         ranges = theta_ranges(theta) if ranges is None else ranges
         slack = self._slack(ranges, codec, drift)
         limit_buf = over_buf = None
-        for n, d in delta.items():
+        known = getattr(delta, "stat", None)  # a LazyDelta's (max |v|, ‖v‖₂), taken when it was checked
+        for n in delta:
             if codec.sparse:  # only the sent coordinates moved, by up to a piled-up residual
-                self._check_sparse(header, n, d, theta[n], slack, drift)
+                self._check_sparse(header, n, delta[n], theta, ranges[n].matrix, slack, drift)
                 continue
-            if d.numel() == 0 or _absmax(d) <= self._least(steps, ranges[n], slack, drift):
-                continue
+            stat = known(n) if known is not None else None
+            if ranges[n].numel == 0 or (stat[0] if stat is not None else _absmax(delta[n])) <= self._least(
+                    steps, ranges[n], slack, drift):
+                continue  # (a lazy delta's tensor is not decoded for its largest move)
+            d = delta[n]
             theta_n = theta[n]  # once: θ may be read from its file a tensor at a time (store/theta.py)
             at_once = min(theta_n.numel(), CHECK_AT_ONCE)
             if limit_buf is None or over_buf is None or limit_buf.numel() < at_once:  # grown to the largest tensor
@@ -215,13 +219,16 @@ class ClaimConfig:
                                                   f"at lr {self.lr:g} can move it")
         return weight
 
-    def _check_sparse(self, header: PushHeader, name: str, d: torch.Tensor | SparseTensor, theta: torch.Tensor,
-                      slack: float, drift: int) -> None:
+    def _check_sparse(self, header: PushHeader, name: str, d: torch.Tensor | SparseTensor, theta: Tensors,
+                      matrix: bool, slack: float, drift: int) -> None:
+        """θ is read at the sent positions only (`at`): a θ held in its file is not read whole per push."""
         if isinstance(d, SparseTensor):
             moved, where = d.values, d.positions
+            theta_at = at(theta, name, where)
         else:
             moved, where = d.reshape(-1), None
-        limit = self._sparse_bound(len(header.steps), theta, where, slack, drift, header.codec)
+            theta_at = theta[name].reshape(-1)
+        limit = self._sparse_bound(len(header.steps), theta_at, matrix, slack, drift, header.codec)
         over = moved.abs() - limit
         if bool((over > 0).any()):
             j = int(over.argmax())
@@ -258,6 +265,13 @@ def theta_ranges(theta: Tensors) -> dict[str, Range]:
         lo, hi = (float(v) for v in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
         out[n] = Range(matrix=t.ndim >= 2, numel=t.numel(), lo=lo, hi=hi)
     return out
+
+
+def at(theta: Tensors, name: str, where: torch.Tensor) -> torch.Tensor:
+    """θ[name] at the flat positions `where`: from its file's pages where θ is in a file (store/theta.FileTheta
+    .gather; a sparse push's claims check read 4 bytes a parameter per push before), else from memory."""
+    gather = getattr(theta, "gather", None)
+    return gather(name, where) if gather is not None else theta[name].reshape(-1)[where]
 
 
 def _absmax(t: torch.Tensor) -> float:
