@@ -27,7 +27,7 @@ import time
 import torch
 
 from bench.flags import BenchParser
-from bench.report import publish, result_path
+from bench.report import RESULTS, publish, result_path
 from bench.runs import Metric, slug
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler, eval_windows
@@ -191,7 +191,11 @@ def main() -> None:
            **({"block_step_over_ar_block_step": round(ratio, 3)} if ratio else {}),
            "date": time.strftime("%Y-%m-%d %H:%M"), **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps(row), flush=True)
-    publish("levers", row, metrics(row), out=result_path("levers", slug(args.name)))
+    # equal-time and AR-curve runs (issue #42) are kept beside, unrendered (BENCHMARKS.md's word budget);
+    # docs/research.md tables them
+    aside = args.equal_time or args.ar_only
+    publish("levers", row, metrics(row), out=RESULTS / "levers" / "equal-time" / f"{slug(args.name)}.json" if aside
+            else result_path("levers", slug(args.name)))
 
 
 if __name__ == "__main__":
