@@ -149,6 +149,7 @@ def main() -> None:
                          "for --steps (the step-time ratio measured here, side by side, before training)")
     ap.batch(32)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0, help="training seed (initialisation, windows, σ, noise)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.windows(256, help="windows of the tuning slice scored")
     ap.seeds(8)
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     cfg = args.shape
-    tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=max(10, args.steps // 20),
+    tc = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, warmup=max(10, args.steps // 20),
                      weight_decay=args.weight_decay, k1_share=args.k1_share,
                      ctx_share=args.ctx_share, noisy_rows=args.noisy_rows, ctx_weight=args.ctx_weight)
     data = corpus.bundled()
@@ -173,7 +174,7 @@ def main() -> None:
     t0 = time.perf_counter()
     blocks = []
     for b in range(0 if args.ar_only else cfg.n_blocks):
-        tr = BlockTrainer(init_block(cfg, b, 0), tc, block=b, table=table, device=torch.device("cpu"))
+        tr = BlockTrainer(init_block(cfg, b, args.seed), tc, block=b, table=table, device=torch.device("cpu"))
         for step in range(block_steps):
             tr.train_step(sampler.batch(tc.seed, b, step, tc.batch), b)
         blocks.append(tr.model)
@@ -182,7 +183,7 @@ def main() -> None:
     res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps) if blocks else {}
     tc_ar = dataclasses.replace(tc, steps=args.steps, warmup=max(10, args.steps // 20))
     for depth in filter(None, args.ar.split(",")):
-        tr = ARTrainer(init_ar(cfg, int(depth), 0), tc_ar, torch.device("cpu"))
+        tr = ARTrainer(init_ar(cfg, int(depth), args.seed), tc_ar, torch.device("cpu"))
         for step in range(args.steps):
             tr.train_step(sampler.batch(tc.seed, 0, step, tc.batch))
         res[f"ar{depth}"] = ar_ce(tr.model, windows, device=torch.device("cpu"))

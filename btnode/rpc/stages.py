@@ -8,8 +8,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 import torch
@@ -134,24 +135,7 @@ class StageServicer(pb_grpc.ServingServicer):
             raise InputError("this stage serves the autoregressive chain (use ForwardAR)")
         if len(request.segments) > MAX_BATCH_SEGMENTS:
             raise InputError(f"a batch of {len(request.segments)} segments; at most {MAX_BATCH_SEGMENTS}")
-        states: list[SegmentState | BtnodeError] = []
-        for m in request.segments:
-            try:
-                states.append(_segment_from_pb(m))
-            except BtnodeError as exc:
-                states.append(exc)
-        good = [s for s in states if isinstance(s, SegmentState)]
-        t0 = time.perf_counter()
-        done = iter(self.stage.forward_batch(good) if good else [])  # type: ignore[union-attr]
-        self.meter.observe("forward", time.perf_counter() - t0)
-        reply = pb.SegmentBatchReply()
-        for s in states:
-            r = next(done) if isinstance(s, SegmentState) else s
-            if isinstance(r, BtnodeError):
-                reply.outcomes.add(code=code_for(r).value[0], reason=reason_for(r), message=str(r))
-            else:
-                reply.outcomes.add(reply=_result_to_pb(r))
-        return reply
+        return self._batch(request.segments, _segment_from_pb, pb.SegmentBatchReply(), _result_to_pb)
 
     @_guard
     def ForwardAR(self, request: pb.ARRequest, context: grpc.ServicerContext) -> pb.ARReply:
@@ -169,23 +153,28 @@ class StageServicer(pb_grpc.ServingServicer):
             raise InputError("this stage serves a block of the one-sweep chain (use ForwardBatch)")
         if len(request.steps) > MAX_BATCH_SEGMENTS:
             raise InputError(f"a batch of {len(request.steps)} steps; at most {MAX_BATCH_SEGMENTS}")
-        states: list[ARState | BtnodeError] = []
-        for m in request.steps:
+        return self._batch(request.steps, _ar_from_pb, pb.ARBatchReply(),
+                           lambda r: pb.ARReply(new_bytes=r.new_bytes, route=r.route))
+
+    def _batch(self, items: Any, parse: Callable[[Any], Any], reply: Any, to_pb: Callable[[Any], Any]) -> Any:
+        """One traversal for a batch: each item parsed (a bad one gets its own error outcome), the good ones
+        through the stage's forward_batch together, each outcome in the items' order."""
+        states: list[Any] = []
+        for m in items:
             try:
-                states.append(_ar_from_pb(m))
+                states.append(parse(m))
             except BtnodeError as exc:
                 states.append(exc)
-        good = [s for s in states if isinstance(s, ARState)]
+        good = [s for s in states if not isinstance(s, BtnodeError)]
         t0 = time.perf_counter()
-        done = iter(self.stage.forward_batch(good) if good else [])  # type: ignore[arg-type]
+        done = iter(self.stage.forward_batch(good) if good else [])  # type: ignore[union-attr]
         self.meter.observe("forward", time.perf_counter() - t0)
-        reply = pb.ARBatchReply()
         for s in states:
-            r = next(done) if isinstance(s, ARState) else s
+            r = s if isinstance(s, BtnodeError) else next(done)
             if isinstance(r, BtnodeError):
                 reply.outcomes.add(code=code_for(r).value[0], reason=reason_for(r), message=str(r))
             else:
-                reply.outcomes.add(reply=pb.ARReply(new_bytes=r.new_bytes, route=r.route))
+                reply.outcomes.add(reply=to_pb(r))
         return reply
 
     @_guard
