@@ -31,7 +31,7 @@ from bench.report import RESULTS, publish, result_path
 from bench.runs import Metric, slug
 from btnode.data import corpus
 from btnode.data.windows import WindowSampler, eval_windows
-from btnode.evaluation.metrics import _noise, ar_ce
+from btnode.evaluation.metrics import _noise, ar_ce, sampler_ce
 from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout
 from btnode.model.noise import default_steps, sigma_grid
@@ -130,7 +130,9 @@ def metrics(row: dict) -> dict[str, Metric]:
         seeds = row["args"]["seeds"]
         best = min(v for k, v in row.items() if k.startswith("ctx_") and k.endswith(f"@{seeds}"))
         return {f"chain SCE-{seeds}": row[f"pool_ctx_last@{seeds}"], "best block's readout": best,
-                "block step / AR-L step": row["block_step_over_ar_block_step"], "block steps": row["block_steps"], **ar}
+                "block step / AR-L step": row["block_step_over_ar_block_step"], "block steps": row["block_steps"],
+                **{f"chain SCE-{seeds}, K = {k[7:k.index('@')]}": v for k, v in row.items()
+                   if k.startswith("chain_k") and k.endswith(f"@{seeds}")}, **ar}
     return {k: v for k, v in row.items() if k.startswith(("last@", "pool_prob@")) and isinstance(v, float)} | ar
 
 
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--ar", default="", help="comma-separated AR depths to train for the same steps, e.g. 2,6")
     ap.add_argument("--ar-only", action="store_true", help="train and score only the --ar models (a point of their "
                     "learning curve at --steps, to set a block's numbers beside per step)")
+    ap.add_argument("--kmax", action="store_true", help="also the chain's SCE-S at the largest trained K (default readout)")
     ap.add_argument("--self-sweeps", action="store_true", help="also run each block alone over the whole grid")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
@@ -181,6 +184,10 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     windows = eval_windows(data.tune, cfg.context, args.windows)
     res = readouts(blocks, windows, args.seeds, default_steps(cfg), args.self_sweeps) if blocks else {}
+    if blocks and args.kmax:
+        k = max(cfg.segments)
+        s = sampler_ce(blocks, windows, k=k, seeds=range(args.seeds), n_steps=default_steps(cfg), device=torch.device("cpu"))
+        res[f"chain_k{k}@1"], res[f"chain_k{k}@{args.seeds}"] = s.sce1, s.sce
     tc_ar = dataclasses.replace(tc, steps=args.steps, warmup=max(10, args.steps // 20))
     for depth in filter(None, args.ar.split(",")):
         tr = ARTrainer(init_ar(cfg, int(depth), args.seed), tc_ar, torch.device("cpu"))

@@ -82,6 +82,12 @@ def path_of(bench: str, setting: str = "default", *, results: Path | None = None
     return (results or RESULTS) / bench / f"{setting}.json"
 
 
+def filed(run: Run, path: Path) -> bool:
+    """A run belongs in <bench>/<setting>.json, or in a folder inside its bench's (<bench>/<aside>/<setting>.json:
+    runs kept beside the rendered record, e.g. bench/results/levers/equal-time/)."""
+    return path.stem == run.setting and run.bench in (path.parent.name, path.parent.parent.name)
+
+
 def load(path: Path) -> list[Run]:
     """Every run in a record file, oldest first, each validated, and all of the file's bench and setting
     (the folder and file name): a file that fails is an error, never skipped."""
@@ -97,7 +103,7 @@ def load(path: Path) -> list[Run]:
             run = Run.from_dict(item)
         except (RecordError, TypeError) as exc:
             raise RecordError(f"{path}, run {i}: {exc}") from exc
-        if (run.bench, run.setting) != (path.parent.name, path.stem):
+        if not filed(run, path):
             raise RecordError(f"{path}, run {i}: {run.bench}/{run.setting} filed under {path.parent.name}/{path.stem}")
         runs.append(run)
     return runs
@@ -116,7 +122,7 @@ def load_all(results: Path | None = None) -> dict[str, dict[str, list[Run]]]:
 def append(run: Run, path: Path) -> Path:
     """Add `run` to the end of its record file: the new list is written beside the old file, flushed to
     disk and renamed over it, so that a crash leaves the old record or the new one, never half of one."""
-    if (run.bench, run.setting) != (path.parent.name, path.stem):
+    if not filed(run, path):
         raise RecordError(f"{run.bench}/{run.setting} would be filed under {path.parent.name}/{path.stem}")
     runs = load(path) if path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)

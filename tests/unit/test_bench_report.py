@@ -65,6 +65,15 @@ def test_load_refuses_a_run_filed_under_another_setting_or_unknown_fields(tmp_pa
         append(run("other"), tmp_path / "toy" / "default.json")
 
 
+def test_a_run_may_be_kept_in_a_folder_inside_its_bench_and_is_not_rendered(tmp_path):
+    aside = tmp_path / "toy" / "aside" / "default.json"
+    append(run(), aside)
+    assert [r.setting for r in load(aside)] == ["default"]
+    assert load_all(tmp_path) == {}  # only <bench>/<setting>.json is the rendered record
+    with pytest.raises(RecordError, match="would be filed"):
+        append(run(), tmp_path / "other" / "aside" / "default.json")
+
+
 def test_publish_appends_a_run_with_its_provenance_and_regenerates_benchmarks(tmp_path):
     results, bench = tmp_path / "results", tmp_path / "BENCHMARKS.md"
     out = publish("toy", {"x": 7}, {"x (units)": 7}, out=result_path("toy", results=results), results=results,
