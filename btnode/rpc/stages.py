@@ -261,18 +261,25 @@ class RemoteBlockStage:
 
     def forward_batch(self, states: Sequence[SegmentState]) -> list[SegmentResult | BtnodeError]:
         """One ForwardBatch call per slice of the batch that fits a message (MAX_BATCH_BYTES)."""
+        return self._send_batch(states, [_segment_to_pb(s) for s in states], "segments",
+                                lambda part: self.stub.ForwardBatch(pb.SegmentBatch(segments=part), timeout=self.timeout_s))
+
+    def _send_batch(self, states: Sequence[Any], messages: list[Any], what: str,
+                    call: Callable[[list[Any]], Any]) -> list[SegmentResult | BtnodeError]:
+        """`call` per slice of `messages` that fits a message; an older stage (UNIMPLEMENTED) gets one call per
+        state instead. Each outcome in order: a result, or that state's own error."""
         out: list[SegmentResult | BtnodeError] = []
-        for part in _slices([_segment_to_pb(s) for s in states]):
+        for part in _slices(messages):
             try:
-                reply = self.stub.ForwardBatch(pb.SegmentBatch(segments=part), timeout=self.timeout_s)
+                reply = call(part)
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older stage: one call per segment
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older stage: one call per state
                     out += [_forward_one(self, s) for s in states[len(out):len(out) + len(part)]]
                     continue
                 raise error_from_rpc(err, f"stage {self.address}") from None
             if len(reply.outcomes) != len(part):
                 raise MalformedInput("result", f"stage {self.address} answered {len(reply.outcomes)} outcomes "
-                                               f"for {len(part)} segments")
+                                               f"for {len(part)} {what}")
             for o in reply.outcomes:
                 out.append(_result_from_pb(o.reply) if o.HasField("reply") else
                            error_from_rpc(_Failed(o), f"stage {self.address}"))
@@ -343,22 +350,8 @@ class RemoteARStage(RemoteBlockStage):
 
     def forward_batch(self, states: Sequence[ARState]) -> list[SegmentResult | BtnodeError]:  # type: ignore[override]
         """One ForwardARBatch call per slice of the batch that fits a message (MAX_BATCH_BYTES)."""
-        out: list[SegmentResult | BtnodeError] = []
-        for part in _slices([_ar_to_pb(s) for s in states]):  # type: ignore[arg-type]
-            try:
-                reply = self.stub.ForwardARBatch(pb.ARBatch(steps=part), timeout=self.timeout_s)
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older stage: one call per step
-                    out += [_forward_one(self, s) for s in states[len(out):len(out) + len(part)]]  # type: ignore[arg-type]
-                    continue
-                raise error_from_rpc(err, f"stage {self.address}") from None
-            if len(reply.outcomes) != len(part):
-                raise MalformedInput("result", f"stage {self.address} answered {len(reply.outcomes)} outcomes "
-                                               f"for {len(part)} steps")
-            for o in reply.outcomes:
-                out.append(_result_from_pb(o.reply) if o.HasField("reply") else
-                           error_from_rpc(_Failed(o), f"stage {self.address}"))  # type: ignore[arg-type]
-        return out
+        return self._send_batch(states, [_ar_to_pb(s) for s in states], "steps",
+                                lambda part: self.stub.ForwardARBatch(pb.ARBatch(steps=part), timeout=self.timeout_s))
 
 
 def generate_remote(entry: str, request: GenerationRequest, *, timeout_s: float = 3600.0) -> Iterator[pb.GenerateReply]:
