@@ -211,7 +211,7 @@ def timers(tr: BlockTrainer | ARTrainer) -> Iterator[dict[str, float]]:
                 spent[name] += time.perf_counter() - t0
         return run
 
-    hooks = [(tr, "logits", "forward"), (tr, "_apply", "apply"), (tr.opt, "step", "optimizer"),
+    hooks = [(tr, "_fp32", "forward"), (tr, "_apply", "apply"), (tr.opt, "step", "optimizer"),
              (torch.nn.utils, "clip_grad_norm_", "clip")]
     if isinstance(tr, BlockTrainer):
         hooks += [(tr.model, "encode_context", "clean"), (Layout, "mask", "mask"),

@@ -61,5 +61,5 @@ def test_the_timers_wrap_the_trainers_own_calls_and_unwrap_after(model):
     expected = {"forward", "apply", "clip", "optimizer"} | ({"clean", "noisy", "mask"} if model == "block" else set())
     assert set(spent) == expected and all(v > 0 for v in spent.values())
     assert spent["forward"] > spent.get("clean", 0) + spent.get("noisy", 0) and spent["apply"] > spent["optimizer"]
-    assert "logits" not in vars(tr) and "step" not in vars(tr.opt)
+    assert "_fp32" not in vars(tr) and "step" not in vars(tr.opt)
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
