@@ -55,6 +55,7 @@ class ARState:
     hidden: torch.Tensor | None = None  # (T, C) outputs of the previous stage for positions start…
     reset: bool = False  # rows start at 0: drop any cache of this request
     draft: bytes = b""  # speculative decoding: proposed bytes after `tokens`; the last len(draft) rows of `hidden`
+    final: bool = False  # may be the request's last traversal: the entry's batcher does not wait for its next (local)
 
 
 @dataclass

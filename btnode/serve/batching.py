@@ -39,7 +39,9 @@ from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, St
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 64  # segments per traversal
-GATHER_S = 0.002  # how long a traversal waits for the requests of the last one to send their next segment
+# how long a traversal waits at most for the requests of the last one to send their next segment: it ends
+# as soon as all of them are in, so the bound binds only on a request that left (or a driver held up)
+GATHER_S = 0.010
 _POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch-hop")  # a batch to a stage without forward_batch
 
 Outcome = SegmentResult | BtnodeError
@@ -305,6 +307,10 @@ def _sweep_batch(stage: LocalBlockStage, states: Sequence[SegmentState]) -> list
     return out
 
 
+def _rid(state: Any) -> str:
+    return state.request_id
+
+
 class BatchingStage:
     """The entry's first stage seen through a traversal scheduler: `forward` (one request's
     segment, from its driver loop's thread) waits for the next traversal, which carries every
@@ -320,7 +326,7 @@ class BatchingStage:
         self.gather_s = gather_s
         self.pending: deque[tuple[Any, Future]] = deque()  # SegmentState, or ARState
         self.cond = threading.Condition()
-        self.last_batch = 0
+        self.expected: set[str] = set()  # requests of the last traversal that go on: the next one waits for them
         self.traversals = 0  # traversals run, and the segments they carried: their mean batch size
         self.segments = 0
         self.largest = 0
@@ -345,9 +351,11 @@ class BatchingStage:
         with self.cond:
             while not self.pending:
                 self.cond.wait()
-            # the requests of the last traversal send their next segment at once: wait for them briefly
+            # the requests of the last traversal that go on send their next segment at once: wait for each
+            # of them (not for as many segments as it had: a straggler already waiting would count for one of
+            # them and leave another behind, which then misses every later traversal by a hair)
             deadline = time.monotonic() + self.gather_s
-            while len(self.pending) < min(self.last_batch, self.max_batch):
+            while len(self.pending) < self.max_batch and not self.expected <= {_rid(s) for s, _ in self.pending}:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -364,7 +372,8 @@ class BatchingStage:
                 log.exception("a batched traversal of %d segments failed", len(batch))
                 results = [exc] * len(batch)
             with self.cond:
-                self.last_batch = len(batch)
+                self.expected = {_rid(s) for (s, _), r in zip(batch, results)
+                                 if not isinstance(r, BaseException) and not getattr(s, "final", False)}
                 self.traversals += 1
                 self.segments += len(batch)
                 self.largest = max(self.largest, len(batch))

@@ -90,7 +90,8 @@ def generate_ar(first: ARStage, cfg: ModelConfig, request: GenerationRequest, *,
                 assert draft is not None
                 proposal = draft.propose(rid, tokens, g, step=step, seed=r.seed, temperature=r.temperature)
             result = first.forward(ARState(request_id=rid, tokens=tokens, step=step, seed=r.seed,
-                                           temperature=r.temperature, draft=proposal))
+                                           temperature=r.temperature, draft=proposal,
+                                           final=step + len(proposal) + 1 >= r.n_bytes))
             new = check_verdict(proposal, result.new_bytes)
             text += new
             step += len(new)
