@@ -24,6 +24,7 @@ block alone, AR-L on one worker (the block-sized model), AR-(B·L), DiLoCo of AR
 
     .venv/bin/python -m bench.quality --quick                          # smoke run of every row (minutes)
     .venv/bin/python -m bench.quality --quick --corpus data/linux-doc
+    .venv/bin/python -m bench.quality --corpus data/linux-doc --jobs 2   # two runs at a time, a core each
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from bench import baselines
@@ -59,6 +64,7 @@ FLAGS: list[str] = []  # CFG's flags and --data, for every btnode command this r
 DATA: list[str] = []  # --data DIR when --corpus names a prepared dataset
 SWARM_H = 25  # local steps per round in the swarm rows (as `make demo`)
 QUICK_RUN = False
+THREADS: int | None = None  # --jobs J > 1: each child's torch threads (the cores shared out), else torch's default
 QUICK = dict(budget=6.0, swarm_budget=3.0, windows=16, seeds=2, train_seeds="0")  # --quick: a smoke run
 
 
@@ -124,7 +130,7 @@ def evaluate(out: Path, ev: Path, args: argparse.Namespace, k1_only: bool, versi
         cmd += ["--segments", "1"]
     if version is not None:
         cmd += ["--version", str(version)]
-    measure(cmd)
+    measure(cmd, THREADS)
     return json.loads(ev.read_text())
 
 
@@ -154,7 +160,7 @@ def staged(name: str, base: list[str], steps: int, per_step: float, args: argpar
         cmd = [*base, "--out", str(out), "--steps", str(steps), "--stop-after", str(stop), "--batch", str(BATCH),
                "--lr", str(LR), "--warmup", str(warmup), "--checkpoint-every", str(steps), "--log-every",
                str(max(1, steps // 10)), *FLAGS, *(["--resume"] if i else [])]
-        m = measure(cmd)
+        m = measure(cmd, THREADS)
         wall, rss = wall + m.wall_s, max(rss, m.max_rss_mb)
         ev = evaluate(out, out / f"eval-{stop}.json", args, k1_only=div != 1)
         if snapshots:
@@ -200,7 +206,7 @@ def swarm_run(name: str, steps: int, per_step: float, args: argparse.Namespace, 
            str(max(10, total // 20)), "--eval-windows", "16", "--state-dir", str(state), "--keep", str(rounds + 1),
            "--json", str(out / "simulate.json"), *model, *(["--seed", str(seed)] if seed else []), *FLAGS]
     out.mkdir(parents=True, exist_ok=True)
-    m = measure(cmd)
+    m = measure(cmd, THREADS)
     points = []
     for div in args.fractions:
         v = max(1, rounds // div)
@@ -235,14 +241,17 @@ def run_default(args: argparse.Namespace) -> None:
           f"{ar_block} {t_ar[ar_block]:.3f} s", flush=True)
     T, Ts = args.budget, args.swarm_budget
     first = args.train_seeds[0]
-    runs = {"deployed": staged("deployed", [BTNODE, "train-local"], int(T / t_block), t_block, args, seed=first)}
+    jobs = {"deployed": (B * T, lambda: staged("deployed", [BTNODE, "train-local"], int(T / t_block), t_block, args,
+                                               seed=first))}
     for name in (ar_total, ar_block):
-        runs[name] = staged(name, [BTNODE, "train-ar", "--ar-layers", name[2:]], int(T / t_ar[name]), t_ar[name], args,
-                            seed=first, snapshots=name == ar_block)
-    rows = baseline_rows(args, t_block, t_ar, runs)
-    runs["deployed-swarm-budget"] = staged("deployed-swarm-budget", [BTNODE, "train-local"], int(Ts / t_block),
-                                           t_block, args, fractions=(1,))
-    runs["swarm"] = swarm_run("swarm", int(Ts / t_block), t_block, args)
+        jobs[name] = (T, partial(staged, name, [BTNODE, "train-ar", "--ar-layers", name[2:]], int(T / t_ar[name]),
+                                 t_ar[name], args, seed=first, snapshots=name == ar_block))
+    jobs.update(baseline_jobs(args, t_block, t_ar, set(jobs)))
+    jobs["deployed-swarm-budget"] = (B * Ts, lambda: staged("deployed-swarm-budget", [BTNODE, "train-local"],
+                                                            int(Ts / t_block), t_block, args, fractions=(1,)))
+    jobs["swarm"] = (2 * B * Ts, lambda: swarm_run("swarm", int(Ts / t_block), t_block, args))
+    runs = run_jobs(jobs, args.jobs)
+    rows = baseline_rows(args, runs)
 
     probe = args.out / "rss"
     rss_block = measure([BTNODE, "train-local", "--out", str(probe / "block"), "--steps", "30", "--block", "0",
@@ -297,30 +306,54 @@ def run_default(args: argparse.Namespace) -> None:
     publish("quality", res, metrics(res), lambda r: render_default(r, runs, plot, png), out=args.results)
 
 
-def baseline_rows(args: argparse.Namespace, t_block: float, t_ar: dict, runs: dict) -> list[dict]:
-    """Issue #42's rows, per training seed, at the checkpoints (T/8 … T) every model shares: trains what
-    `runs` (the first seed's deployed and AR runs) lacks: the ensemble's other B − 1 AR-L members
-    (seeds seed + 100·i), DiLoCo of AR-L over B replicas, and the later seeds' runs."""
+def run_jobs(jobs: dict[str, tuple[float, Callable[[], dict]]], n: int) -> dict[str, dict]:
+    """Every training run of `jobs` (name: (its cost in worker-seconds, the run)), `n` at a time, the
+    costliest first. Each run's step count is fixed before it starts (from the step times measured
+    alone), so runs side by side train exactly what they train one after another; only wall-clock
+    and the machine's load differ (a run's own wall_s is then not a step time)."""
+    order = sorted(jobs, key=lambda k: -jobs[k][0])
+    if n <= 1:
+        return {name: jobs[name][1]() for name in order}
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = {name: pool.submit(jobs[name][1]) for name in order}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def baseline_jobs(args: argparse.Namespace, t_block: float, t_ar: dict, have: set[str]) -> dict:
+    """Issue #42's runs that `have` (the first seed's deployed and AR runs) lacks, per training seed: the
+    ensemble's other B − 1 AR-L members (seeds seed + 100·i), DiLoCo of AR-L over B replicas, and the later
+    seeds' runs. name: (cost in worker-seconds, the run)."""
     B, L = CFG.n_blocks, CFG.n_layers
     ar_total, ar_block = f"ar{B * L}", f"ar{L}"
     ar = [BTNODE, "train-ar", "--ar-layers"]
-    T, rows = args.budget, []
+    T, jobs = args.budget, {}
     for seed in args.train_seeds:
         sfx = "" if seed == args.train_seeds[0] else f"-s{seed}"
-        plan = {"deployed": ([BTNODE, "train-local"], t_block, seed),
-                ar_total: ([*ar, str(B * L)], t_ar[ar_total], seed), ar_block: ([*ar, str(L)], t_ar[ar_block], seed),
-                **{f"{ar_block}-member{i}": ([*ar, str(L)], t_ar[ar_block], seed + 100 * i) for i in range(1, B)}}
-        for name, (base, per_step, s) in plan.items():
-            if name + sfx not in runs:
-                runs[name + sfx] = staged(name + sfx, base, int(T / per_step), per_step, args, seed=s,
-                                          snapshots=name.startswith(ar_block))
-        if "diloco_block" + sfx not in runs:
-            runs["diloco_block" + sfx] = swarm_run("diloco_block" + sfx, int(T / t_ar[ar_block]), t_ar[ar_block], args,
-                                                   replicas=B, model=("--model", "ar", "--ar-layers", str(L)), seed=seed)
+        plan = {"deployed": ([BTNODE, "train-local"], t_block, seed, B),
+                ar_total: ([*ar, str(B * L)], t_ar[ar_total], seed, 1), ar_block: ([*ar, str(L)], t_ar[ar_block], seed, 1),
+                **{f"{ar_block}-member{i}": ([*ar, str(L)], t_ar[ar_block], seed + 100 * i, 1) for i in range(1, B)}}
+        for name, (base, per_step, s, workers) in plan.items():
+            if name + sfx not in have:
+                jobs[name + sfx] = (workers * T, partial(staged, name + sfx, base, int(T / per_step), per_step, args,
+                                                         seed=s, snapshots=name.startswith(ar_block)))
+        jobs["diloco_block" + sfx] = (B * T, partial(swarm_run, "diloco_block" + sfx, int(T / t_ar[ar_block]),
+                                                     t_ar[ar_block], args, replicas=B,
+                                                     model=("--model", "ar", "--ar-layers", str(L)), seed=seed))
+    return jobs
+
+
+def baseline_rows(args: argparse.Namespace, runs: dict) -> list[dict]:
+    """Issue #42's rows, per training seed, at the checkpoints (T/8 … T) every model shares, from the runs
+    of `baseline_jobs` and the first seed's deployed and AR runs; the ensemble scored here."""
+    B, L = CFG.n_blocks, CFG.n_layers
+    ar_total, ar_block = f"ar{B * L}", f"ar{L}"
+    rows: list[dict] = []
+    for seed in args.train_seeds:
+        sfx = "" if seed == args.train_seeds[0] else f"-s{seed}"
         members = [ar_block + sfx, *(f"{ar_block}-member{i}{sfx}" for i in range(1, B))]
         ensemble = [ensemble_ce([args.out / m / f"at-{p['steps']}" for m in members], args)
                     for p in runs[ar_block + sfx]["points"]]
-        rows += baselines.rows(corpus=baselines.describe(args.corpus)["name"], seed=seed, budget=T,
+        rows += baselines.rows(corpus=baselines.describe(args.corpus)["name"], seed=seed, budget=args.budget,
                                fractions=args.fractions, seeds=args.seeds, chain=runs["deployed" + sfx],
                                ar_block=runs[ar_block + sfx], ar_total=runs[ar_total + sfx],
                                diloco=runs["diloco_block" + sfx], ensemble=ensemble)
@@ -331,7 +364,7 @@ def ensemble_ce(folders: list[Path], args: argparse.Namespace) -> float:
     """The teacher-forced CE of AR checkpoints whose probabilities are averaged, scored in a child
     (this process never loads torch) on the windows and rows `btnode eval` scores."""
     m = measure(module_command("bench.quality", "--corpus", args.corpus, "--windows", str(args.windows),
-                               "--score-ensemble", *map(str, folders)))
+                               "--score-ensemble", *map(str, folders)), THREADS)
     return float(m.stdout.strip().splitlines()[-1])
 
 
@@ -397,6 +430,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep models already trained and scored in --out")
     ap.add_argument("--corpus", default=baselines.BUNDLED,
                     help="bundled (WikiText-2) or a prepared dataset folder, e.g. `btnode data fetch linux-doc`'s")
+    ap.add_argument("--jobs", type=int, default=1, help="training runs side by side (each with the cores shared out; "
+                                                        "step counts stay those measured alone)")
     ap.add_argument("--train-seeds", default="0,1", help="training seeds of the baseline rows (comma-separated)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: the tiny shape, budgets of seconds, one seed, "
                                                           "two checkpoints; recorded in quality/quick.json")
@@ -411,6 +446,8 @@ def main() -> None:
         if getattr(args, key) in (None, ap.get_default(key)):
             setattr(args, key, value)
     args.train_seeds = [int(x) for x in args.train_seeds.split(",")]
+    global THREADS
+    THREADS = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     args.fractions = QUICK_FRACTIONS if args.quick else FRACTIONS
     args.budget = args.budget or prof["budget"]
     args.windows = args.windows or prof["windows"]

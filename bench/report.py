@@ -64,10 +64,12 @@ class Measured:
     stdout: str
 
 
-def measure(cmd: list[str]) -> Measured:
-    """Run cmd to completion; peak RSS comes from wait4 on that child alone."""
+def measure(cmd: list[str], threads: int | None = None) -> Measured:
+    """Run cmd to completion; peak RSS comes from wait4 on that child alone. `threads`: the child's
+    torch (OpenMP) threads, for children that run side by side."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
