@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from functools import partial
 from typing import Any
 
 import grpc
@@ -17,7 +18,7 @@ import torch
 
 from btnode import __version__
 from btnode.errors import BtnodeError, InputError, MalformedInput
-from btnode.model.config import UnitKind
+from btnode.model.config import ModelConfig, UnitKind
 from btnode.protocol import Meter
 from btnode.rpc import convert, security
 from btnode.rpc.health import NodeHealth
@@ -31,7 +32,7 @@ from btnode.serve.batching import BatchingStage
 from btnode.serve.identity import Weights
 from btnode.serve.readouts import Carry
 from btnode.serve.request import GenerationRequest
-from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState
+from btnode.serve.stages import LocalBlockStage, SegmentResult, SegmentState, initial_state
 from btnode.v2 import serve_pb2 as pb
 from btnode.v2 import serve_pb2_grpc as pb_grpc
 
@@ -59,27 +60,47 @@ def tensor_from_pb(m: pb.StateTensor, what: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(m.data), dtype=torch.float32).reshape(shape)
 
 
-def _segment_from_pb(r: pb.SegmentRequest) -> SegmentState:
-    carry = Carry(pool=tensor_from_pb(r.pool, "pooled log-probs") if r.HasField("pool") else None,
-                  draft=bytes(r.draft),
-                  draft_logp=tensor_from_pb(r.draft_logp, "draft log-probs") if r.HasField("draft_logp") else None)
+def _segment_from_pb(r: pb.SegmentRequest, cfg: ModelConfig | None = None) -> SegmentState:
+    """The segment a message carries. A draft's segment (readout spec…) may leave out what the receiver
+    has already (`_segment_to_pb`): z, never swept, is then the segment's initial state (the same bits
+    on every host; needs the stage's `cfg`), and a missing pool beside the draft's log-probs is those
+    log-probs (the first hop: block 0's reading is the whole pool so far)."""
+    readout = convert.readout_from_pb(r.readout, r.n_tail)
+    draft_logp = tensor_from_pb(r.draft_logp, "draft log-probs") if r.HasField("draft_logp") else None
+    if r.HasField("pool"):
+        pool = tensor_from_pb(r.pool, "pooled log-probs")
+    else:
+        pool = draft_logp.clone() if readout.drafts and draft_logp is not None else None
+    if readout.drafts and not r.HasField("z") and cfg is not None and 0 < r.k <= cfg.context:
+        z = initial_state(cfg, r.seed, r.segment, r.k, 2)  # z at σ_hi: the grid's size does not enter
+    elif not r.HasField("z"):
+        z = torch.zeros(0)  # none to make (no cfg here, or a K no stage serves): the stage refuses its shape
+    else:
+        z = tensor_from_pb(r.z, "segment state")
     return SegmentState(request_id=r.request_id, context=bytes(r.context), segment=r.segment, k=r.k,
-                        n_steps=r.n_steps, seed=r.seed, temperature=r.temperature,
-                        z=tensor_from_pb(r.z, "segment state"),
-                        readout=convert.readout_from_pb(r.readout, r.n_tail),
+                        n_steps=r.n_steps, seed=r.seed, temperature=r.temperature, z=z, readout=readout,
                         want_logits=r.want_logits, first_chunk=r.first_chunk, final=r.final,
-                        use_cache=not r.no_cache, n_tail=r.n_tail, carry=carry)
+                        use_cache=not r.no_cache, n_tail=r.n_tail,
+                        carry=Carry(pool=pool, draft=bytes(r.draft), draft_logp=draft_logp))
 
 
 def _segment_to_pb(s: SegmentState) -> pb.SegmentRequest:
+    """A segment as a message. A draft's segment (readout spec…) leaves out z (no sweep reads it, and the
+    receiver makes it from the seed) and, on the first hop, the pool (equal to the draft's log-probs):
+    40 KB of the 48 KB a request's segment weighs at K = 16, V = 256, d = 128 on that hop, and the
+    bandwidth a batched traversal of many requests spends between hosts."""
+    drafts = s.readout.drafts
     req = pb.SegmentRequest(request_id=s.request_id, context=s.context, segment=s.segment, k=s.k, n_steps=s.n_steps,
-                            seed=s.seed, temperature=s.temperature, z=tensor_to_pb(s.z), want_logits=s.want_logits,
+                            seed=s.seed, temperature=s.temperature, want_logits=s.want_logits,
                             readout=convert.READOUTS.to_pb(s.readout), first_chunk=s.first_chunk, final=s.final,
                             no_cache=not s.use_cache, n_tail=s.n_tail, draft=s.carry.draft)
-    if s.carry.pool is not None:
-        req.pool.CopyFrom(tensor_to_pb(s.carry.pool))
-    if s.carry.draft_logp is not None:
-        req.draft_logp.CopyFrom(tensor_to_pb(s.carry.draft_logp))
+    if not drafts:
+        req.z.CopyFrom(tensor_to_pb(s.z))
+    pool, logp = s.carry.pool, s.carry.draft_logp
+    if pool is not None and not (drafts and logp is not None and (pool is logp or torch.equal(pool, logp))):
+        req.pool.CopyFrom(tensor_to_pb(pool))
+    if logp is not None:
+        req.draft_logp.CopyFrom(tensor_to_pb(logp))
     return req
 
 
@@ -124,7 +145,7 @@ class StageServicer(pb_grpc.ServingServicer):
         if self.is_ar:
             raise InputError("this stage serves the autoregressive chain (use ForwardAR)")
         t0 = time.perf_counter()
-        reply = _result_to_pb(self.stage.forward(_segment_from_pb(request)))  # type: ignore[arg-type]
+        reply = _result_to_pb(self.stage.forward(_segment_from_pb(request, self.stage.cfg)))  # type: ignore[arg-type]
         self.meter.observe("forward", time.perf_counter() - t0)
         return reply
 
@@ -135,7 +156,8 @@ class StageServicer(pb_grpc.ServingServicer):
             raise InputError("this stage serves the autoregressive chain (use ForwardAR)")
         if len(request.segments) > MAX_BATCH_SEGMENTS:
             raise InputError(f"a batch of {len(request.segments)} segments; at most {MAX_BATCH_SEGMENTS}")
-        return self._batch(request.segments, _segment_from_pb, pb.SegmentBatchReply(), _result_to_pb)
+        return self._batch(request.segments, partial(_segment_from_pb, cfg=self.stage.cfg), pb.SegmentBatchReply(),
+                           _result_to_pb)
 
     @_guard
     def ForwardAR(self, request: pb.ARRequest, context: grpc.ServicerContext) -> pb.ARReply:

@@ -174,7 +174,7 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
                   # the window's first chunk: longer than the window, or not whole segments after it
                   dict(first_chunk=3), dict(first_chunk=1), dict(n_steps=257), dict(request_id="r" * 129),
                   # readout spec past block 0: the draft, its log-probs and the pool, each missing or hostile
-                  dict(readout=pb.READOUT_SPEC, pool=lp, draft_logp=lp), dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=lp),
+                  dict(readout=pb.READOUT_SPEC, pool=lp, draft_logp=lp), dict(readout=pb.READOUT_SPEC, draft=bytes(8), pool=lp),
                   dict(readout=pb.READOUT_SPEC, draft=bytes(7), draft_logp=lp, pool=lp),
                   dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=tensor_to_pb(torch.full((8, 256), 1.0)), pool=lp),
                   dict(readout=pb.READOUT_SPEC, draft=bytes(8), draft_logp=tensor_to_pb(torch.zeros(9, 256)), pool=lp),
@@ -190,6 +190,10 @@ def test_bad_requests_and_malformed_states(trained, tmp_path, processes):
     kept = stub.Forward(pb.SegmentRequest(z=zero, draft=bytes(8), draft_logp=lp, pool=lp,
                                           **{**good, "readout": pb.READOUT_SPEC}), timeout=10)
     assert 1 <= len(kept.new_bytes) <= 8 and 0 <= kept.accepted <= 8
+    # a draft's segment may leave out z and (the first hop) a pool equal to the draft's log-probs: the same answer
+    lean = stub.Forward(pb.SegmentRequest(draft=bytes(8), draft_logp=lp, **{**good, "readout": pb.READOUT_SPEC}),
+                        timeout=10)
+    assert (lean.new_bytes, lean.accepted) == (kept.new_bytes, kept.accepted)
     channel.close()
     with pytest.raises(InputError, match="not the first stage"):
         list(generate_remote(_address(tmp_path, "b1-main"), GenerationRequest(b"hi", n_bytes=8, k=8)))

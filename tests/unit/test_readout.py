@@ -16,7 +16,7 @@ from btnode.model.sampler import sweep
 from btnode.rpc.stages import _segment_from_pb, _segment_to_pb, request_from_pb, request_to_pb, tensor_to_pb
 from btnode.serve.readouts import READERS, Carry
 from btnode.serve.request import GenerationRequest
-from btnode.serve.stages import SegmentState
+from btnode.serve.stages import SegmentState, initial_state
 from btnode.v2 import serve_pb2 as pb
 
 
@@ -83,3 +83,27 @@ def test_the_wire_keeps_its_zero_values_and_an_unspecified_readout_is_the_librar
     back = _segment_from_pb(pb.SegmentRequest.FromString(wire.SerializeToString()))
     assert back.readout is Readout.SPEC and back.carry.draft == bytes(8)
     assert torch.equal(back.carry.pool, lp) and torch.equal(back.carry.draft_logp, lp)
+
+
+def test_a_drafts_segment_leaves_out_its_state_and_a_first_hop_pool_and_decodes_to_the_same(tiny_cfg):
+    """Readout spec: z is never swept, so it is not sent (the receiver makes the same bits from the seed);
+    on the first hop the pool equals the draft's log-probs and is not sent either. A later hop's pool,
+    and a sweep's z, are."""
+    k, v = 8, tiny_cfg.vocab
+    z = initial_state(tiny_cfg, 5, 3, k, 7)
+    q = torch.log_softmax(torch.randn(k, v, generator=torch.Generator().manual_seed(1)), -1)
+    first_hop = SegmentState(request_id="r", context=b"hi", segment=3, k=k, n_steps=7, seed=5, temperature=1.0, z=z,
+                             readout=Readout.SPEC, carry=Carry(pool=q, draft=bytes(range(k)), draft_logp=q))
+    later = dataclasses.replace(first_hop, carry=Carry(pool=q + q, draft=bytes(range(k)), draft_logp=q))
+    swept = dataclasses.replace(first_hop, readout=Readout.POOL, carry=Carry(pool=q))
+    for s, sent in ((first_hop, {"draft_logp"}), (later, {"draft_logp", "pool"}), (swept, {"z", "pool"})):
+        wire = pb.SegmentRequest.FromString(_segment_to_pb(s).SerializeToString())
+        assert {f for f in ("z", "pool", "draft_logp") if wire.HasField(f)} == sent
+        back = _segment_from_pb(wire, tiny_cfg)
+        assert torch.equal(back.z, s.z) and back.carry.draft == s.carry.draft
+        assert torch.equal(back.carry.pool, s.carry.pool)
+        assert (back.carry.draft_logp is None) == (s.carry.draft_logp is None)
+    assert _segment_to_pb(first_hop).ByteSize() < _segment_to_pb(later).ByteSize() / 1.5
+    # a hostile K cannot make the receiver build a state: z stays absent and the stage refuses the shape
+    huge = _segment_to_pb(dataclasses.replace(first_hop, k=10**9))
+    assert _segment_from_pb(huge, tiny_cfg).z.numel() == 0
