@@ -50,6 +50,12 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
     # its clients' windows, which keep BDP probing.
     ("grpc.http2.bdp_probe", 0),
 ]
+# What Pull and FetchDelta send per message. Every fetcher of a version reads the same file
+# (aggregate/round/deltas.py), so what a stream holds of its own is the chunk in hand, about three
+# times (read, message, serialized) while up to --max-transfers streams send at once: at 1 MiB that
+# was ~2 MB per stream, the largest per-worker cost left with a 42 MB block (bench/notes/conn-memory.md).
+# Smaller is still valid on the wire (a chunk is at most CHUNK_BYTES) and costs a message per 256 KiB.
+SEND_CHUNK_BYTES = 256 << 10
 
 
 class DecodeGuard(grpc.ServerInterceptor):
@@ -213,7 +219,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         for frame in frames:
             meter.count(("sent", "raw"), frame.raw_bytes)
             meter.count(("sent", "wire"), frame.payload_bytes)
-            for chunk in frame.chunks():
+            for chunk in frame.chunks(SEND_CHUNK_BYTES):
                 yield reply(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 
