@@ -53,15 +53,16 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
     # The stream window that leaves: what a push waiting for its transfer slot has read of its upload
     # before its handler asks for a message. gRPC's 64 KB made a waiting push cost ~107 KB of RSS against
     # ~74 KB at 32 KB (a sync server, 1,024 waiting pushes of 1 MiB messages; 16 KB: ~59 KB, but loopback
-    # streaming fell from ~1.4 to ~1.0 GiB/s, where 32 KB kept it). A push being read is unaffected:
-    # its window also covers the message asked for (bench/notes/flat-root-memory.md).
+    # streaming fell from ~1.4 to ~1.0 GiB/s, where 32 KB kept it); bench/scale.py's flat N = 1,024 row at
+    # a 42 MB block moved within its noise. A push being read is unaffected: its window also covers the
+    # message asked for (docs/research.md, issue #40).
     ("grpc.http2.lookahead_bytes", WAITING_WINDOW_BYTES),
 ]
 # What Pull and FetchDelta send per message. Every fetcher of a version reads the same file
 # (aggregate/round/deltas.py), so what a stream holds of its own is the chunk in hand, about three
 # times (read, message, serialized) while up to --max-transfers streams send at once: at 1 MiB, 32 pulls
-# of a 42 MB block at once held ~1.8 MB each (the root's peak 489 MB, 431 at 256 KiB; bench/notes/
-# flat-root-memory.md). Smaller is still valid on the wire (a chunk is at most CHUNK_BYTES).
+# of a 42 MB block at once held ~1.8 MB each (the root's peak 489 MB, 431 at 256 KiB; docs/research.md,
+# issue #40). Smaller is still valid on the wire (a chunk is at most CHUNK_BYTES).
 SEND_CHUNK_BYTES = 256 << 10
 
 

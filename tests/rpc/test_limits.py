@@ -540,8 +540,8 @@ def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
 
 def test_a_waiting_push_has_sent_no_more_than_the_servers_small_window(tmp_path):
     """A push waiting for the only transfer slot holds a server thread and what HTTP/2 let its sender send
-    before its handler reads: the server's stream window (WAITING_WINDOW_BYTES, not gRPC's 64 KB), so
-    that a thousand waiting pushes cost tens of MB, not a hundred (bench/notes/flat-root-memory.md). Its
+    before its handler reads: the server's stream window (WAITING_WINDOW_BYTES, not gRPC's 64 KB: ~74 KB
+    of RSS a waiting push on a bare sync server, against ~107 KB; docs/research.md, issue #40). Its
     1 KiB messages, counted as the client's gRPC takes them, stop at about the window (plus the few a
     client buffers); once the slot frees it is read and answered."""
     from btnode.rpc.server import WAITING_WINDOW_BYTES

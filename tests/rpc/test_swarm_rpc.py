@@ -158,7 +158,7 @@ def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
 
 def test_pulls_and_fetches_go_out_in_send_sized_chunks_that_rebuild_the_version(live, monkeypatch):
     """What a fetching stream holds of its own is the chunk in hand (every fetcher reads the same file), so
-    the root sends SEND_CHUNK_BYTES at a time, not the 1 MiB a chunk may carry (bench/notes/conn-memory.md):
+    the root sends SEND_CHUNK_BYTES at a time, not the 1 MiB a chunk may carry (docs/research.md, issue #40):
     lowered here to 1 KiB, under this block's bundle; the reader still rebuilds θ and the delta bit for bit."""
     monkeypatch.setattr("btnode.rpc.server.SEND_CHUNK_BYTES", 1 << 10)
     stub = pb_grpc.WorkerStub(live.client.channel)
