@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.flags import BenchParser, shape_flags
 from bench.report import ROOT, invoked, is_published, module_command, previous, publish, pyplot, result_path, shown, table
-from bench.runs import Metric, load
+from bench.runs import RESULTS, Metric, load
 from btnode.data.identity import BUNDLED
 from btnode.model.config import ModelConfig
 from btnode.node.launch import CLI, NodeProcess, one_thread_env, spawn_node, start_node, stop_processes, wait_port
@@ -702,11 +702,15 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-scale")
     ap.add_argument("--unit-row", action="store_true",
                     help=f"also a flat N = {UNIT_N} row at d = 1,024 (43 M parameters), for fixed_rss_over_unit")
+    ap.add_argument("--aside", default="", help="record under bench/results/scale/ASIDE/ (kept beside the rendered "
+                                                 "record, not in BENCHMARKS.md, which is at its word budget)")
     ap.add_argument("--report", action="store_true", help="only re-render BENCHMARKS.md and the plot from the results")
     args = ap.parse_args()
     if args.setting == "default":  # each topology, fixed fan-in and block size is its own setting
         args.setting = args.topology + (f"-r{args.relays}" if args.relays else "") + (f"-d{args.d_model}" if args.d_model else "")
         args.results = result_path("scale", args.setting, quick=args.quick, results=args.results_dir)
+    if args.aside:
+        args.results = RESULTS / "scale" / args.aside / f"{args.setting}.json"
     if args.report:
         res = {**previous(args.results), "rows": recorded_rows(args.results)}
         finish(res)

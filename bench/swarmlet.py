@@ -3,7 +3,10 @@ channel (its own connection) in one asyncio loop, speaking the real Swarm protoc
 
 A simulated worker does what `swarm.worker.BlockWorker` does on the wire: Join with the run
 fingerprint and training terms, Pull the block in full, hold a Watch stream, and per round Push an
-update for the version it holds, wait for the next version on its stream and FetchDelta it. The
+update for the version it holds, wait for the next version on its stream and FetchDelta it (Pull and
+FetchDelta ask for bundles, as rpc/client.py does: the root sends every fetcher the same file; an older
+reader's frames are encoded per stream, a copy of each tensor per fetch, which is what flat rows before
+issue #40 measured). The
 update is real: int8 frames of the block's shape, encoded once per process (a few variants, the
 same common direction plus a little noise each, so that the screen keeps them all), each
 coordinate within the bound the aggregator's claims check derives from --lr and H
@@ -282,7 +285,7 @@ class SimWorker:
         try:
             await self.retried("join", self._join)
             self.info, wire = await self.retried("pull", lambda: self._stream_bytes(
-                self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name))))
+                self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name, bundles=True))))
             self.log("joined", worker=self.name, version=self.info.version, pulled=wire)
         except grpc.aio.AioRpcError as err:
             self.log("error", worker=self.name, call="join", code=err.code().name, reason=err.details())
@@ -320,10 +323,10 @@ class SimWorker:
             try:
                 if target.base_version == v.version:
                     got, wire = await self.retried("fetch_delta", lambda: self._stream_bytes(
-                        self.stub.FetchDelta(pb.FetchDeltaRequest(block=BLOCK, version=target.version))))
+                        self.stub.FetchDelta(pb.FetchDeltaRequest(block=BLOCK, version=target.version, bundles=True))))
                 else:  # behind: a full pull, as a real worker does
                     got, wire = await self.retried("pull", lambda: self._stream_bytes(
-                        self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name))))
+                        self.stub.Pull(pb.PullRequest(block=BLOCK, worker_id=self.name, bundles=True))))
             except grpc.aio.AioRpcError as err:
                 self.log("error", worker=self.name, call="fetch", code=err.code().name, reason=err.details())
                 return

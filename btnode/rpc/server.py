@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/trust/evidence.py)
+WAITING_WINDOW_BYTES = 32 << 10
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # No BDP probing on what the server receives: with it, gRPC grows each connection's window to the
@@ -49,7 +50,20 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
     # window is 64 KB plus the message being read (a chunk ≤ 1 MiB); what the server sends is paced by
     # its clients' windows, which keep BDP probing.
     ("grpc.http2.bdp_probe", 0),
+    # The stream window that leaves: what a push waiting for its transfer slot has read of its upload
+    # before its handler asks for a message. gRPC's 64 KB made a waiting push cost ~107 KB of RSS against
+    # ~74 KB at 32 KB (a sync server, 1,024 waiting pushes of 1 MiB messages; 16 KB: ~59 KB, but loopback
+    # streaming fell from ~1.4 to ~1.0 GiB/s, where 32 KB kept it); bench/scale.py's flat N = 1,024 row at
+    # a 42 MB block moved within its noise. A push being read is unaffected: its window also covers the
+    # message asked for (docs/research.md, issue #40).
+    ("grpc.http2.lookahead_bytes", WAITING_WINDOW_BYTES),
 ]
+# What Pull and FetchDelta send per message. Every fetcher of a version reads the same file
+# (aggregate/round/deltas.py), so what a stream holds of its own is the chunk in hand, about three
+# times (read, message, serialized) while up to --max-transfers streams send at once: at 1 MiB, 32 pulls
+# of a 42 MB block at once held ~1.8 MB each (the root's peak 489 MB, 431 at 256 KiB; docs/research.md,
+# issue #40). Smaller is still valid on the wire (a chunk is at most CHUNK_BYTES).
+SEND_CHUNK_BYTES = 256 << 10
 
 
 class DecodeGuard(grpc.ServerInterceptor):
@@ -213,7 +227,7 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         for frame in frames:
             meter.count(("sent", "raw"), frame.raw_bytes)
             meter.count(("sent", "wire"), frame.payload_bytes)
-            for chunk in frame.chunks():
+            for chunk in frame.chunks(SEND_CHUNK_BYTES):
                 yield reply(chunk=convert.chunk_to_pb(chunk))
         meter.observe(what, time.perf_counter() - t0)
 

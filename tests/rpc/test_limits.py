@@ -536,3 +536,54 @@ def test_a_waiting_push_leaves_its_payload_with_its_sender(tmp_path):
             ch.close()
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_waiting_push_has_sent_no_more_than_the_servers_small_window(tmp_path):
+    """A push waiting for the only transfer slot holds a server thread and what HTTP/2 let its sender send
+    before its handler reads: the server's stream window (WAITING_WINDOW_BYTES, not gRPC's 64 KB: ~74 KB
+    of RSS a waiting push on a bare sync server, against ~107 KB; docs/research.md, issue #40). Its
+    1 KiB messages, counted as the client's gRPC takes them, stop at about the window (plus the few a
+    client buffers); once the slot frees it is read and answered."""
+    from btnode.rpc.server import WAITING_WINDOW_BYTES
+
+    agg, limiter, server, address, release, results, pusher = one_slot_held(tmp_path, "w0", "w1")
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    taken, piece = [], pb.PushRequest(chunk=pb.Chunk(data=os.urandom(1 << 10)))
+
+    def messages():
+        yield pb.PushRequest(header=convert.push_header_to_pb(PushHeader(
+            worker_id="w1", block=0, base_version=0, samples=float(TrainConfig.batch), loss=1.0, codec=Codec.INT8,
+            update_id="w1-u", steps=(0,))))
+        for _ in range(256):  # 256 KiB in all, four times gRPC's default window
+            taken.append(1)
+            yield piece
+
+    outcome: queue.Queue = queue.Queue()
+    caller = threading.Thread(target=lambda: outcome.put(_code(lambda: pb_grpc.WorkerStub(channel).Push(
+        messages(), timeout=60))))
+    try:
+        assert results.get(timeout=20) == ("sent", "w0")
+        caller.start()
+        deadline = time.monotonic() + 20
+        while limiter.waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert limiter.waiting() == 1
+        time.sleep(1.0)  # what the window lets through has gone
+        assert len(taken) * 1.0 <= WAITING_WINDOW_BYTES / 1024 + 8, (len(taken), WAITING_WINDOW_BYTES)
+        release.set()
+        caller.join(timeout=30)
+        assert not caller.is_alive() and not outcome.empty()  # answered once it had the slot
+    finally:
+        release.set()
+        pusher.join(timeout=10)
+        channel.close()
+        server.stop(0).wait()
+
+
+def _code(call) -> grpc.StatusCode:
+    """A call's status code (OK when it returns)."""
+    try:
+        call()
+        return grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        return err.code()

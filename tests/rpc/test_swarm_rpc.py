@@ -156,6 +156,26 @@ def test_concurrent_fetches_of_the_newest_delta_read_it_once(live):
         assert state_sha256(rebuilt) == got.info.sha256 == block.info.sha256
 
 
+def test_pulls_and_fetches_go_out_in_send_sized_chunks_that_rebuild_the_version(live, monkeypatch):
+    """What a fetching stream holds of its own is the chunk in hand (every fetcher reads the same file), so
+    the root sends SEND_CHUNK_BYTES at a time, not the 1 MiB a chunk may carry (docs/research.md, issue #40):
+    lowered here to 1 KiB, under this block's bundle; the reader still rebuilds θ and the delta bit for bit."""
+    monkeypatch.setattr("btnode.rpc.server.SEND_CHUNK_BYTES", 1 << 10)
+    stub = pb_grpc.WorkerStub(live.client.channel)
+    join(live, "r1")
+    base = live.client.pull(0, "r1", spec(live))
+    assert live.client.push(hdr("r1"), encode_frames(small_delta(live), Codec.FP32)).outcome is Outcome.PENDING
+    pulled = [m.chunk for m in stub.Pull(pb.PullRequest(block=0, worker_id="r1", bundles=True), timeout=20)
+              if m.WhichOneof("kind") == "chunk"]
+    fetched = [m.chunk for m in stub.FetchDelta(pb.FetchDeltaRequest(block=0, version=1, bundles=True), timeout=20)
+               if m.WhichOneof("kind") == "chunk"]
+    for got in (pulled, fetched):
+        assert len(got) > 4 and all(len(c.data) <= 1 << 10 for c in got)
+    new, delta = live.client.pull(0, "r1", spec(live)), live.client.fetch_delta(0, 1, spec(live))
+    assert state_sha256(new.tensors) == new.info.sha256 == live.agg.block(0).info.sha256
+    assert state_sha256({n: base.tensors[n] + delta.tensors[n] for n in base.tensors}) == new.info.sha256
+
+
 @pytest.mark.parametrize("live", [False, True], ids=["theta-held", "theta-in-file"], indirect=True)
 def test_concurrent_pulls_of_a_version_build_its_frames_once_and_a_new_version_anew(live):
     """Pull sends the current θ from a file of compressed fp32 frames, made once per version (issue #25)."""
