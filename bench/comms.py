@@ -308,6 +308,7 @@ def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
     have = {(r["model"], r["label"]): r for r in map(json.loads, done.read_text().splitlines() if done.exists() else [])
             if r["settings"] == key}
     todo = [r for r in plan if (r.model, r.label) not in have]
+    done.parent.mkdir(parents=True, exist_ok=True)  # a record kept aside (--aside) may be the folder's first
     print(f"[comms] {len(plan) - len(todo)} of {len(plan)} rows from {done}", flush=True)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for fut in as_completed([pool.submit(run_row, r, s) for r in todo]):
