@@ -4,18 +4,20 @@ per round (upload + download), at equal steps, for the dense codecs and the spar
     .venv/bin/python -m bench.comms --jobs 2          # the frontier (~25 min on 2 cores)
     .venv/bin/python -m bench.comms --quick           # a smoke run
     .venv/bin/python -m bench.comms --wan             # then the WAN part (~20 min, root; bench/comms_wan.py)
+    .venv/bin/python -m bench.comms --models ar --densities 0.02 0.015 --publish-codec sparse2 --publish-factor 2 \
+        --lever outer --seed S --aside diloco --setting ar-50x     # DiLoCo's default (#40 item 2), per seed S
 
 The frontier runs the in-process simulator (btnode/sim: the daemon's own aggregator and workers,
 pushes through the real frame checks) in lockstep: every replica takes part in every round and τ is
 long enough that every round closes on all_reported, so every row trains the same steps from the
 same seeds (model init, data, σ) with the same H, batch and learning rate. Two models of the same
 width: BlockTrain (B blocks × --replicas replicas, the aggregator averages) and DiLoCo (kind "ar",
-B·L layers, --replicas full replicas, the aggregator's outer Nesterov step, η = 0.7, μ = 0.9).
+B·L layers, --replicas full replicas, the aggregator's outer step for --model ar: DILOCO_OUTER).
 
 Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swarm as it is today),
 `int8 + int8 publish`, and sparse8 / sparse2 uploads at each of --densities, their published delta
-sparse8 at 3× the workers' density (two replicas' top-k overlap little: their mean has up to twice the
-nonzeros; measured against 1× in the `publish` lever), averaged with the aggregator's defaults
+--publish-codec (sparse8) at --publish-factor (3) × the workers' density (two replicas' top-k overlap little:
+their mean has up to twice the nonzeros; measured against 1× in the `publish` lever), averaged with the aggregator's defaults
 (--sparse-mean senders, no clip). Levers: see `levers`.
 An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
 
@@ -51,7 +53,7 @@ from bench.report import RESULTS, invoked, is_published, previous, publish, pypl
 from bench.runs import Metric
 from btnode.aggregate.round.config import AggregatorConfig
 from btnode.aggregate.round.rounds import RoundConfig
-from btnode.aggregate.sums.averaging import OuterConfig
+from btnode.aggregate.sums.averaging import DILOCO_OUTER, DILOCO_PAPER_OUTER, OuterConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Bundle, ChunkData, Frame, iter_chunks
 from btnode.data.corpus import bundled
@@ -75,6 +77,7 @@ PUBLISH_FACTOR = 3  # a sparse row publishes at 3× its density: two replicas' t
 # (all, no clip), which the mean_all table has at every density
 LEVER_AGGREGATOR = (("senders", True), ("all", True))
 PLAIN = (1.0, 0.0)  # (η, μ): the outer step as plain averaging
+PAPER = (DILOCO_PAPER_OUTER.lr, DILOCO_PAPER_OUTER.momentum)  # DiLoCo's own step, --model ar's default before #40
 AIM_CE, AIM_RATIO = 0.02, 50.0  # the issue's aim: ≥ 50× fewer bytes at ≤ +0.02 nats/byte against int8
 NAMES = {"block": "BlockTrain", "ar": "DiLoCo"}
 STEP_S = 0.1  # virtual seconds per step (lockstep: the clock only orders events)
@@ -108,18 +111,22 @@ class Row:
         return replace(base, lr=self.outer[0], momentum=self.outer[1]) if self.outer else base
 
 
-def grid(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
+def grid(models: Iterable[str], densities: Iterable[float], publish: Codec = Codec.SPARSE8,
+         factor: float = PUBLISH_FACTOR) -> list[Row]:
     rows = []
     for m in models:
         rows += [Row(m, Codec.FP32), Row(m, Codec.INT8), Row(m, Codec.INT8, publish=Codec.INT8)]
-        rows += [Row(m, c, d, Codec.SPARSE8, min(1.0, PUBLISH_FACTOR * d)) for c in SPARSE for d in densities]
+        rows += [Row(m, c, d, publish, min(1.0, factor * d)) for c in SPARSE for d in densities]
     return rows
 
 
-def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
+def levers(models: Iterable[str], densities: Iterable[float], publish: Codec = Codec.SPARSE8,
+           factor: float = PUBLISH_FACTOR) -> list[Row]:
     """sparse2 at 1 % with other publish codecs and densities, and with each other sparse_mean × clip;
     BlockTrain's sparse rows averaged over all updates (mean_all); DiLoCo's rows (int8 and sparse) with
-    plain averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum)."""
+    plain averaging as the outer step (η = 1, μ = 0: SparseLoCo lets error feedback stand for momentum),
+    and its int8 row with DiLoCo's own step (PAPER, the default before #40) (outer). The grid's sparse rows
+    publish `publish` at `factor` × their density; so do the outer lever's."""
     codec, d = LEVER_AT
     pd = min(1.0, PUBLISH_FACTOR * d)
     sparse = [(c, x) for c in SPARSE for x in densities]
@@ -128,8 +135,9 @@ def levers(models: Iterable[str], densities: Iterable[float]) -> list[Row]:
               for m in models for mean, clip in LEVER_AGGREGATOR),
             *(Row("block", c, x, Codec.SPARSE8, min(1.0, PUBLISH_FACTOR * x), lever="mean_all",
                   aggregator=(("sparse_mean", "all"),)) for c, x in sparse if "block" in models),
-            *(Row("ar", c, x, Codec.SPARSE8 if c.sparse else Codec.FP32, min(1.0, PUBLISH_FACTOR * x) if c.sparse else 1.0,
-                  lever="outer", outer=PLAIN) for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models)]
+            *(Row("ar", c, x, publish if c.sparse else Codec.FP32, min(1.0, factor * x) if c.sparse else 1.0,
+                  lever="outer", outer=PLAIN) for c, x in [(Codec.INT8, 1.0), *sparse] if "ar" in models),
+            *([Row("ar", Codec.INT8, lever="outer", outer=PAPER)] if "ar" in models else [])]
 
 
 def model_of(shape: ModelConfig, kind: str) -> ModelConfig:
@@ -148,11 +156,13 @@ class Settings:
     lr: float
     replicas: int
     windows: int
+    seed: int = 0  # model init, windows and noise (TrainConfig.seed); the held-out windows do not depend on it
 
     @property
     def tc(self) -> TrainConfig:
         total = self.rounds * self.h
-        return TrainConfig(batch=self.batch, lr=self.lr, steps=total, warmup=min(20, max(1, total // 10)))
+        return TrainConfig(batch=self.batch, lr=self.lr, steps=total, warmup=min(20, max(1, total // 10)),
+                           seed=self.seed)
 
 
 @dataclass
@@ -298,6 +308,7 @@ def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
     have = {(r["model"], r["label"]): r for r in map(json.loads, done.read_text().splitlines() if done.exists() else [])
             if r["settings"] == key}
     todo = [r for r in plan if (r.model, r.label) not in have]
+    done.parent.mkdir(parents=True, exist_ok=True)  # a record kept aside (--aside) may be the folder's first
     print(f"[comms] {len(plan) - len(todo)} of {len(plan)} rows from {done}", flush=True)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for fut in as_completed([pool.submit(run_row, r, s) for r in todo]):
@@ -310,9 +321,12 @@ def run_plan(plan: list[Row], s: Settings, jobs: int, done: Path) -> list[dict]:
 
 
 def frontier(args: argparse.Namespace) -> None:
-    s = Settings(args.shape, args.rounds, args.h, args.batch, args.lr, args.replicas, args.windows)
+    s = Settings(args.shape, args.rounds, args.h, args.batch, args.lr, args.replicas, args.windows, args.seed)
     unique: dict[tuple[str, str], Row] = {}  # a lever's row that another table has is run and shown once
-    for r in grid(args.models, args.densities) + (levers(args.models, args.densities) if args.levers else []):
+    publish_codec = Codec[args.publish_codec.upper()]
+    chosen = [r for r in levers(args.models, args.densities, publish_codec, args.publish_factor)
+              if args.levers and (not args.lever or r.lever in args.lever)]
+    for r in grid(args.models, args.densities, publish_codec, args.publish_factor) + chosen:
         unique.setdefault((r.model, r.label), r)
     plan = list(unique.values())
     plan.sort(key=lambda r: r.model != "block")  # the longer block rows first, so the pool ends together
@@ -327,6 +341,8 @@ def frontier(args: argparse.Namespace) -> None:
            "best_plain_outer": best_ratios(rows, PLAIN),
            "not_all_accepted": bad, "shape": args.shape.to_dict(), "replicas": args.replicas, "rounds": args.rounds,
            "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
+           "seed": args.seed, "publish_codec": args.publish_codec, "publish_factor": args.publish_factor,
+           "ar_outer": [DILOCO_OUTER.lr, DILOCO_OUTER.momentum],
            "command": command, "date": datetime.date.today().isoformat()}
     before = previous(args.results)  # the WAN part keeps its rows
     if before:
@@ -390,6 +406,8 @@ def metrics(res: dict) -> dict[str, Metric]:
         out[f"{m}: CE, best-saving row"] = b.get("ce")
     out.update({f"{m}, plain outer step: best saving vs int8 (×)": b["ratio"]
                 for m, b in (res.get("best_plain_outer") or {}).items() if b})
+    out.update({"ar, int8 with DiLoCo's own outer step (η 0.7, μ 0.9): CE": r["ce"] for r in res.get("levers") or []
+                if r["model"] == "ar" and tuple(r["outer"] or ()) == PAPER})
     out.update({f"WAN {r['model']}, {r['codec']}: CE ({r['chosen']})": r["ce"] for r in res.get("wan_rows") or []})
     return out
 
@@ -398,6 +416,7 @@ def render(out: dict) -> str:
     shape = ModelConfig.from_dict(out["shape"])
     best = out["best"]
     params = {r["model"]: r["params"] for r in out["rows"]}
+    eta, mu = out.get("ar_outer", PAPER)  # a record without it ran under DiLoCo's own step, the default then
     lines = ["## Bytes on the wire: the sparse frontier (`bench/comms.py`)", "",
              f"Command: `{out['command']}` ({out['date']}, 2 cores). The in-process simulator in lockstep (every "
              f"replica in every round, every round closed on all_reported), {out['rounds']} rounds of H = {out['h']} "
@@ -405,7 +424,8 @@ def render(out: dict) -> str:
              f"BlockTrain: d = {shape.d_model}, {shape.n_heads} heads, B = {shape.n_blocks} blocks of L = "
              f"{shape.n_layers} layers, N = {shape.context}, {out['replicas']} replicas per block, averaged. DiLoCo: "
              f"the {shape.n_blocks * shape.n_layers}-layer AR model of the same width, {out['replicas']} full "
-             "replicas, outer Nesterov step (η = 0.7, μ = 0.9). Sparse rows publish sparse8 at 3× the workers' density; "
+             f"replicas, outer Nesterov step (η = {eta:g}, μ = {mu:g}). Sparse rows publish {out.get('publish_codec', 'sparse8')} "
+             f"at {out.get('publish_factor', PUBLISH_FACTOR):g}× the workers' density; "
              "the aggregator averages each coordinate over the updates that sent it (`--sparse-mean senders`, the "
              "default), no clip. "
              "Bytes per worker-round: zstd payloads (bytes up: what a worker pushed per round; bytes down: a "
@@ -435,7 +455,7 @@ def render(out: dict) -> str:
         lines += ["", "Levers (same command; `levers` in bench/comms.py): sparse2 at 1 % with other publish codecs and "
                       "densities (publish) and each other sparse_mean × clip (aggregator); every BlockTrain sparse row "
                       "averaged over all updates (mean_all); DiLoCo with plain averaging as the outer step, η = 1, "
-                      "μ = 0 (outer).", ""]
+                      "μ = 0, and int8 with DiLoCo's own, η = 0.7, μ = 0.9 (outer).", ""]
         for lever in dict.fromkeys(r["lever"] for r in out["levers"]):
             lines += [f"`{lever}`:", "", *_rows_table([r for r in out["levers"] if r["lever"] == lever], best), ""]
     if out["png"]:
@@ -452,6 +472,15 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="*", default=list(DENSITIES), help="sparse upload densities")
     ap.add_argument("--models", nargs="*", default=["block", "ar"], choices=["block", "ar"])
     ap.add_argument("--no-levers", dest="levers", action="store_false", help="the grid only")
+    ap.add_argument("--lever", action="append", choices=["publish", "aggregator", "mean_all", "outer"],
+                    help="only this lever table (repeatable; default: all)")
+    ap.add_argument("--publish-codec", default="sparse8", choices=["sparse8", "sparse2"],
+                    help="what the grid's sparse rows publish")
+    ap.add_argument("--publish-factor", type=float, default=PUBLISH_FACTOR,
+                    help="the grid's sparse rows publish at this × their density")
+    ap.add_argument("--seed", type=int, default=0, help="TrainConfig.seed of every row: model init, windows, noise")
+    ap.add_argument("--aside", metavar="FOLDER", help="keep the record beside, unrendered: "
+                                                     "bench/results/comms/FOLDER/<setting>.json")
     ap.add_argument("--jobs", type=int, default=2, help="rows simulated at once (one process and one thread each)")
     ap.windows(256)
     ap.shape(SHAPE)
@@ -470,6 +499,8 @@ def main() -> None:
     ap.quick(rounds=3, h=2, batch=4, windows=8, densities=[0.1, 0.01], shape=QUICK_SHAPE, seconds=90.0, points=2,
              warmup=2)
     args = ap.parse_args()
+    if args.aside:  # kept beside the rendered record, unrendered (BENCHMARKS.md's word budget)
+        args.results = args.results.parent / args.aside / args.results.name
     if args.wan:
         out = run_wan(args, load(args.results), model_of)
         publish("comms", out, metrics(out), render, out=args.results)

@@ -1,6 +1,7 @@
 """DiLoCo on the same daemon (`--model ar`, issue #12) with real processes over loopback: the local
 swarm end to end, the outer Nesterov step recomputed bit for bit across an aggregator restart,
-plain averaging, refused fingerprints, and the simulator."""
+plain averaging, refused fingerprints, and the simulator. The exact checks of the outer step run with
+`--link lan` (an fp32 publish): the default profile's sparse publish is what test_link.py checks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import pytest
 import torch
 
+from btnode.aggregate.sums.averaging import DILOCO_OUTER
 from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.codec.codecs import Codec, decode, keep_in
 from btnode.codec.frames import encode_frames
@@ -26,6 +28,8 @@ from btnode.store.versions import VersionStore
 from procs import CLI, TINY_SHAPE, cli_fails, honest_terms, run_cli
 
 AR_FLAGS = ["--model", "ar", "--ar-layers", "2"]
+LAN = ["--link", "lan"]  # fp32 published deltas: θ^{v+1} − θ^v is the outer step itself
+ETA, MU = DILOCO_OUTER.lr, DILOCO_OUTER.momentum
 CFG = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_blocks=3, context=32, segments=(1, 8), kind="ar", ar_layers=2)
 SPEC = {n: tuple(t.shape) for n, t in init_unit(CFG, 0, 0).state_dict().items()}
 TRAINING = ["--steps-per-round", "2", "--batch", "4", "--lr", "0.01"]  # the aggregators' and the workers'
@@ -61,20 +65,21 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
     state = tmp_path / "swarm"
     p = subprocess.run(CLI + ["swarm", "--state-dir", str(state), "--replicas", "2", "--rounds", "2",
                               "--steps-per-round", "2", "--batch", "4", "--deadline", "30", "--keep", "100",
-                              *TINY_SHAPE, *AR_FLAGS], capture_output=True, text=True, timeout=600)
+                              *TINY_SHAPE, *AR_FLAGS, *LAN], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "ar round 0 → v1: train CE" in p.stdout and "ar round 1 → v2: train CE" in p.stdout
     store = VersionStore(state, 0, stem="ar")
     newest = store.latest()
     assert newest is not None and newest.version >= 2
-    # the swarm's aggregator took DiLoCo's outer step (η 0.7, Nesterov μ 0.9): from the stored versions and their
+    # the swarm's aggregator took --model ar's outer step (η, Nesterov μ): from the stored versions and their
     # momentum buffers m (saved with each version), θ1 − θ0 = η(1 + μ)·m1 and θ2 − θ1 = η((1 + μ)·m2 − μ·m1)
     v0, v1, v2 = (store.load(v) for v in range(3))
     assert set(v1.outer) == set(v2.outer) == set(v0.params)  # plain averaging (μ = 0) keeps no buffers
     for n, t in v0.params.items():
         m1, m2 = v1.outer[n], v2.outer[n]
-        torch.testing.assert_close(v1.params[n] - t, 0.7 * 1.9 * m1, rtol=0, atol=1e-6, msg=n)
-        torch.testing.assert_close(v2.params[n] - v1.params[n], 0.7 * (1.9 * m2 - 0.9 * m1), rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(v1.params[n] - t, ETA * (1 + MU) * m1, rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(v2.params[n] - v1.params[n], ETA * ((1 + MU) * m2 - MU * m1), rtol=0, atol=1e-6,
+                                   msg=n)
     # every accepted update is in a version (a replica that starts late may find the other done)
     assert sum(store.load(v).meta["info"]["accepted"] for v in range(1, newest.version + 1)) == 4
     for r in range(2):  # each replica holds a published version, bit for bit
@@ -87,8 +92,8 @@ def test_swarm_command_trains_full_replicas_and_eval_reads_the_newest_version(tm
     assert "autoregressive (2 layers): teacher-forced CE" in out
 
 
-def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(aggregator):
-    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0")
+def test_the_default_outer_step_is_nesterov_bit_for_bit_across_a_restart(aggregator):
+    agg = aggregator(*AR_FLAGS, *LAN, *TRAINING, "--deadline", "30", "--audit", "0")
     c = SwarmClient(agg.address, timeout_s=30)
     weights = {"r1": 4.0, "r2": 12.0}  # one step and three
     for w in weights:
@@ -102,10 +107,10 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
     for n, t in base.items():
         # the exact fixed-point mean (aggregate/sums/accumulate.py) is within an ulp of this fp32 one: a few
         # ulps of θ, far under what a lossy momentum buffer (bf16: ~2e-6 here) would be off by
-        torch.testing.assert_close(v1.tensors[n], t + 0.7 * (m1[n] + 0.9 * m1[n]), rtol=0, atol=5e-7, msg=n)
+        torch.testing.assert_close(v1.tensors[n], t + ETA * (m1[n] + MU * m1[n]), rtol=0, atol=5e-7, msg=n)
     c.close()
     assert agg.stop() == 0
-    again = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0", state_dir=agg.state_dir)
+    again = aggregator(*AR_FLAGS, *LAN, *TRAINING, "--deadline", "30", "--audit", "0", state_dir=agg.state_dir)
     c = SwarmClient(again.address, timeout_s=30)
     (unit,) = c.status().blocks
     assert (info_from_pb(unit.current).version, info_from_pb(unit.current).sha256) == (1, v1.info.sha256)
@@ -116,14 +121,15 @@ def test_the_default_outer_step_is_diloco_nesterov_bit_for_bit_across_a_restart(
     v2 = c.pull(0, "r2", SPEC)
     g2 = mean(d2, weights)
     for n, t in v1.tensors.items():  # the momentum came back from disk: μ·m1 + mean, then the look-ahead
-        m2 = 0.9 * m1[n] + g2[n]
-        torch.testing.assert_close(v2.tensors[n], t + 0.7 * (g2[n] + 0.9 * m2), rtol=0, atol=5e-7, msg=n)
+        m2 = MU * m1[n] + g2[n]
+        torch.testing.assert_close(v2.tensors[n], t + ETA * (g2[n] + MU * m2), rtol=0, atol=5e-7, msg=n)
     assert state_sha256(v2.tensors) == v2.info.sha256
     c.close()
 
 
 def test_plain_averaging_is_selectable_a_worker_trains_a_replica_and_a_block_worker_is_refused(aggregator, tmp_path):
-    agg = aggregator(*AR_FLAGS, *TRAINING, "--deadline", "30", "--audit", "0", "--outer-lr", "1", "--outer-momentum", "0")
+    agg = aggregator(*AR_FLAGS, *LAN, *TRAINING, "--deadline", "30", "--audit", "0", "--outer-lr", "1",
+                     "--outer-momentum", "0")
     c = SwarmClient(agg.address, timeout_s=30)
     c.join("r1", 0, CFG.fingerprint(), json.dumps(CFG.to_dict()), training_json=honest_terms(CLAIMS))
     base = c.pull(0, "r1", SPEC).tensors
@@ -154,7 +160,7 @@ def test_simulate_runs_diloco_with_its_outer_step_and_config_show_prints_its_fin
     res = json.loads(out.read_text())
     assert res["versions"] == {"0": 2} and res["model"]["kind"] == "ar" and res["ce"] > 0
     assert (res["sim"]["codec"], res["sim"]["density"], res["outcomes"]["rejected"]) == ("SPARSE2", 0.03, 0)
-    assert (res["outer"]["lr"], res["outer"]["momentum"]) == (0.7, 0.9)
+    assert (res["outer"]["lr"], res["outer"]["momentum"]) == (ETA, MU)
     shown = run_cli("config", "show", "join", "--", "--role", "worker", *TINY_SHAPE, *AR_FLAGS).stdout
     assert f"run fingerprint: {CFG.fingerprint()}" in shown
 

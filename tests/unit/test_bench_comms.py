@@ -46,7 +46,10 @@ def test_the_grid_has_every_codec_and_density_for_each_model():
     assert all(r.publish_density == min(1.0, 3 * r.density) for r in rows if r.codec.sparse)
     labels = {r.label for r in levers(["ar"], [0.01])}
     assert labels >= {"sparse2@0.01 / publish fp32", "sparse2@0.01 / publish sparse8@0.01",
-                      "sparse8@0.01 / publish sparse8@0.03, outer η=1 μ=0", "int8 / publish fp32, outer η=1 μ=0"}
+                      "sparse8@0.01 / publish sparse8@0.03, outer η=1 μ=0", "int8 / publish fp32, outer η=1 μ=0",
+                      "int8 / publish fp32, outer η=0.7 μ=0.9"}  # DiLoCo's own step, the default before #40
+    ar = [r for r in grid(["ar"], [0.02], Codec.SPARSE2, 2) if r.codec.sparse]  # --publish-codec, --publish-factor
+    assert {(r.publish, r.publish_density) for r in ar} == {(Codec.SPARSE2, 0.04)}
     assert model_of(TINY, "ar").ar_layers == 2 and model_of(TINY, "block") == TINY
 
 
