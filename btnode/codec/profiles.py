@@ -6,9 +6,10 @@ default must pass: in the cheats bench's 5-replica swarm of a 47 k-parameter blo
 the honest swarm 1.5–1.8 nats/byte against lan, and not through the robust screen (with it off: CE
 4.20–4.52, on: 4.27–4.56): too few values reach so small a block in so few rounds, through the 0.9 %
 publish most (bench/results/cheats/screen/). DiLoCo
-(`--model ar`, whose outer step is η = 1, μ = 0.3: aggregate/sums/averaging.py) sends sparse2 at 2 % up and
-sparse2 at 4 % published: 66× fewer bytes than int8 / fp32 within +0.02 CE of it (bench/results/comms/diloco/).
-`--link lan` is int8 up, fp32 down, which the library's dataclass defaults (simulator, in-process
+(`--model ar`, whose outer step is η = 1, μ = 0.3: aggregate/sums/averaging.py) keeps int8 up, fp32 down:
+sparse2 at 2 % up and 4 % published is 66× fewer bytes within +0.02 CE at the bench's H = 5 (3 seeds,
+bench/results/comms/diloco/), but +0.16 at the daemon's H = 50, where only ~20× (10 % / 20 %, one seed)
+stayed within +0.02; one flag away until a denser setting passes at H = 50 over seeds. `--link lan` is int8 up, fp32 down, which the library's dataclass defaults (simulator, in-process
 tools) keep.
 """
 
@@ -34,10 +35,11 @@ class LinkCodecs:
 
 LAN = LinkCodecs(Codec.INT8, SPARSE_DENSITY, Codec.FP32, 0.03)
 WAN = LinkCodecs(Codec.SPARSE8, 0.03, Codec.SPARSE8, 0.09)
-# DiLoCo: two full replicas' 2 % top-k overlap little, so their mean has up to 4 % nonzeros, which a publish at
-# 4 % carries nearly whole; 2-bit values both ways (sparse8 published at 4 %: 28 % more bytes for
-# 0.003 lower CE, plain averaging, 3 seeds)
-WAN_AR = LinkCodecs(Codec.SPARSE2, 0.02, Codec.SPARSE2, 0.04)
+# DiLoCo: int8 / fp32 (see above). The short-round setting, one flag away: two full replicas' 2 % top-k
+# overlap little, so their mean has up to 4 % nonzeros, which a publish at 4 % carries nearly whole; 2-bit
+# values both ways (sparse8 published at 4 %: 28 % more bytes for 0.003 lower CE, plain averaging, 3 seeds)
+SHORT_ROUNDS_AR = LinkCodecs(Codec.SPARSE2, 0.02, Codec.SPARSE2, 0.04)
+WAN_AR = LAN
 
 
 def link_codecs(link: str | None, kind: str | None = "block") -> LinkCodecs:
@@ -56,6 +58,6 @@ class Link:
 
     link: str = flag("--link", "The links this swarm runs over, which set the codecs no flag sets: wan (the default: "
                                "sparse8 updates at 3 % with error feedback and sparse8 published deltas at 9 %; "
-                               "DiLoCo: sparse2 at 2 % and 4 %) or lan (int8 updates, fp32 published deltas). --codec, "
+                               "DiLoCo: int8 and fp32, as lan) or lan (int8 updates, fp32 published deltas). --codec, "
                                "--density, --publish-codec and --publish-density override it (docs/tuning.md).",
                      default="lan", optional=True)
