@@ -41,8 +41,9 @@ def shape_flags(cfg: ModelConfig) -> list[str]:
     """cfg.to_flags() less the flags that only repeat a default (--target-seed 0, --model block, …), so
     that the commands a bench runs and shows are the ones a user would type."""
     default = dict(_pairs(ModelConfig().to_flags()))
-    return [x for flag, value in _pairs(cfg.to_flags()) if flag in _ALWAYS_SHOWN or default.get(flag) != value
-            for x in (flag, value)]
+    same = {"--ctx-head"} if cfg.kind == "ar" else set()  # an AR run has no clean head: 0 whatever is said
+    return [x for flag, value in _pairs(cfg.to_flags()) if flag not in same
+            and (flag in _ALWAYS_SHOWN or default.get(flag) != value) for x in (flag, value)]
 
 
 class BenchParser(argparse.ArgumentParser):

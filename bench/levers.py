@@ -144,8 +144,10 @@ def main() -> None:
              "ada_rank", "ctx_head")
     ap.add_argument("--k1-share", type=float)
     ap.add_argument("--ctx-share", type=float, default=0.0)
-    ap.add_argument("--noisy-rows", type=float, default=1.0, help="share of a window's segments the noisy stream trains on")
-    ap.add_argument("--ctx-weight", type=float, default=1.0, help="weight of the clean head's CE (--ctx-head 1)")
+    ap.add_argument("--noisy-rows", type=float, default=TrainConfig.noisy_rows,
+                    help="share of a window's segments the noisy stream trains on (default: btnode's)")
+    ap.add_argument("--ctx-weight", type=float, default=TrainConfig.ctx_weight,
+                    help="weight of the clean head's CE (--ctx-head 1; default: btnode's)")
     ap.add_argument("--equal-time", action="store_true",
                     help="--steps are the AR models' steps; each block gets as many steps as take the AR-L model's time "
                          "for --steps (the step-time ratio measured here, side by side, before training)")

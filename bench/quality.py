@@ -6,8 +6,9 @@ that say what a deployment gets.
     .venv/bin/python -m bench.quality --budget 40 --swarm-budget 20 --windows 32 --out /tmp/q --no-report  # smoke
 
 Budgets are per-worker wall-clock, turned into optimizer steps with step times measured alone on
-this machine first (median of 8 steps after 3 warm-ups), so a row's training does not depend on
-what else the machine was doing. Rows (default profile):
+this machine first (median of 8 steps after 3 warm-ups, with the torch threads each run gets: all
+cores, or under --jobs J a J-th of them each), so a row's training does not depend on what else the
+machine was doing. Rows (default profile):
 - deployed: one worker per block, each block trained alone for T seconds (the blocks run one after
   another here, exactly what B machines in parallel do), against each AR model trained for T;
 - swarm: B blocks × 2 replicas averaging through the daemon's aggregation code (`btnode simulate`),
@@ -88,7 +89,7 @@ def step_seconds(kind: str, n: int = 8) -> float:
     Runs in a child process: the orchestrator never loads torch, so that wait4's peak RSS of
     each child is not inflated by the parent's pages copied at fork."""
     m = measure(module_command("bench.quality", "--profile", PROFILE, *(["--quick"] if QUICK_RUN else []),
-                               "--calibrate", kind))
+                               "--calibrate", kind), THREADS)  # with the threads each training run gets
     return float(m.stdout.strip().splitlines()[-1])
 
 
@@ -259,7 +260,7 @@ def run_default(args: argparse.Namespace) -> None:
     rss_ar = measure([BTNODE, "train-ar", "--out", str(probe / "ar"), "--steps", "30", "--batch", str(BATCH),
                       "--ar-layers", ar_total[2:], *FLAGS])
     rss_base = measure([sys.executable, "-c", "import torch, btnode.train.loops"])
-    threads = measure([sys.executable, "-c", "import torch; print(torch.get_num_threads(), torch.__version__)"])
+    threads = measure([sys.executable, "-c", "import torch; print(torch.get_num_threads(), torch.__version__)"], THREADS)
 
     seeds, kmax = args.seeds, max(CFG.segments)
     corpus = baselines.describe(args.corpus)

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -66,9 +67,10 @@ def config(d: int, heads: int) -> ModelConfig:
 
 
 def make_trainer(model: str, cfg: ModelConfig, precision: Precision, batch: int,
-                 device: torch.device) -> BlockTrainer | ARTrainer:
-    """Block 0's trainer, or the trainer of an AR model of the block's depth and per-layer shape."""
-    tc = TrainConfig(batch=batch, precision=precision)
+                 device: torch.device, **train: Any) -> BlockTrainer | ARTrainer:
+    """Block 0's trainer, or the trainer of an AR model of the block's depth and per-layer shape
+    (`train`: TrainConfig fields other than btnode's defaults)."""
+    tc = TrainConfig(batch=batch, precision=precision, **train)
     if model == "block":
         return BlockTrainer(init_block(cfg, 0, tc.seed), tc, block=0, table=target_table(cfg), device=device)
     return ARTrainer(init_ar(cfg, LAYERS, tc.seed), tc, device)

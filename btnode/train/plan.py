@@ -130,7 +130,9 @@ def _stateless(trainer: BlockTrainer | ARTrainer) -> BlockTrainer | ARTrainer:
 
 def _probe(cfg: ModelConfig, kind: str, n_layers: int) -> BlockTrainer | ARTrainer:
     cpu = torch.device("cpu")
-    tc = TrainConfig()
+    # every noisy row: the most a step saves (under --noisy-rows F < 1 a step saves less, by how many rows
+    # the segments drawn for it hold, which varies step to step with K), so the plan is an upper bound
+    tc = TrainConfig(noisy_rows=1.0)
     if kind == "block":
         c = dataclasses.replace(cfg, n_layers=n_layers)
         return _stateless(BlockTrainer(init_block(c, 0, 0), tc, block=0, table=target_table(c), device=cpu))

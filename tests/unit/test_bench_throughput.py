@@ -3,6 +3,8 @@ bytes per second, MFU, the peak over measurements, and the flat breakdown of a s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,9 +28,10 @@ def test_a_step_counts_every_matmul_and_the_attention():
 def test_the_block_step_counts_both_streams():
     # by hand: both streams' linears and the head (3× forward, as above); clean attention 14·B·T²·d per
     # layer, noisy attention over 2T keys 28·B·T²·d; in_proj and the σ-embedding's first map read inputs
-    # that need no gradient (2× forward); the AdaLN maps (6d per layer, 2d final) and fc2 run on B rows
+    # that need no gradient (2× forward); the AdaLN maps (6d per layer, 2d final) and fc2 run on B rows.
+    # The step without issue #42's levers (no clean head, every noisy row): the formula's shape.
     b, t, d = 2, CFG.context, CFG.d_model
-    tr = make_trainer("block", CFG, Precision.FP32, b, CPU)
+    tr = make_trainer("block", dataclasses.replace(CFG, ctx_head=0), Precision.FP32, b, CPU, noisy_rows=1.0)
     assert count_flops(tr, windows(CFG, b)) == (
         6 * b * t * (2 * LAYERS * 12 * d * d + 256 * d) + LAYERS * (14 + 28) * b * t * t * d + 4 * b * t * d * d
         + 6 * b * (LAYERS * 6 * d * d + 2 * d * d) + 4 * b * 128 * d + 6 * b * d * d)

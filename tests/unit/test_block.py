@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from btnode.model.block import DiffusionBlock
+from btnode.model.config import ModelConfig
 from btnode.model.layout import eval_layout, generation_layout, window_layout
 from btnode.model.targets import target_table
 
@@ -184,9 +185,20 @@ def test_the_context_readout_uses_the_clean_head_where_a_row_follows_its_context
 
 
 def test_a_block_without_the_clean_head_keeps_its_fingerprint(tiny_cfg):
-    assert "ctx_head" not in tiny_cfg.to_dict()
-    with_head = dataclasses.replace(tiny_cfg, ctx_head=1)
-    assert with_head.fingerprint() != tiny_cfg.fingerprint() and with_head.to_dict()["ctx_head"] == 1
+    """The head is the default now; a model stored before the field existed (no "ctx_head" in its dict)
+    reads back as the head-less model it is, with the fingerprint it had."""
+    assert tiny_cfg.ctx_head == 1 and tiny_cfg.to_dict()["ctx_head"] == 1
+    without = dataclasses.replace(tiny_cfg, ctx_head=0)
+    old = without.to_dict()
+    assert "ctx_head" not in old and without.fingerprint() != tiny_cfg.fingerprint()
+    assert ModelConfig.from_dict(old) == without and ModelConfig.from_dict(old).fingerprint() == without.fingerprint()
+    assert ModelConfig.from_dict(tiny_cfg.to_dict()) == tiny_cfg
+
+
+def test_an_ar_run_has_no_clean_head(tiny_cfg):
+    ar = ModelConfig.from_flags({"model": "ar", "d_model": 32, "heads": 2})
+    assert ar.ctx_head == 0 and "ctx_head" not in ar.to_dict()
+    assert dataclasses.replace(ar, ctx_head=1).ctx_head == 0
 
 
 @pytest.mark.parametrize("k", [1, 8])
