@@ -291,6 +291,8 @@ def run_default(args: argparse.Namespace) -> None:
         "best_block_alone_equal_total": eq["best_block"]["ce"],
         "kmax": kmax, "ar_total_ce": runs[ar_total]["eval"]["ce"], "ar_block_ce": runs[ar_block]["eval"]["ce"],
         "unigram": dep["unigram"], "curves": curves, "baselines": rows,
+        # one block's step over AR-L's, both calibrated above in this run with the same threads (issue #42)
+        "block_step_over_ar_block_step": t_block / t_ar[ar_block],
         **({"large_corpus": corpus} if args.corpus != baselines.BUNDLED else {}),
         "rss_block_mb": rss_block.max_rss_mb, "rss_ar_total_mb": rss_ar.max_rss_mb,
         "rss_torch_baseline_mb": rss_base.max_rss_mb,
