@@ -125,7 +125,13 @@ def _reforward(parent: FailoverLink, relay: UpstreamAdmission, block: int, info:
     if last is None or last[0].base_version != info.version:
         return
     header, c = last
-    j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
+    try:
+        j = parent.push(header, lazy_frames(c.delta, Codec.FP32))
+    except BtnodeError:
+        # counted too: a just-restarted parent may take the update and fail to answer in time (the next
+        # stream pushes it again, unless its round closed meanwhile, with the update in it)
+        count("repushed", "unanswered")
+        raise
     count("repushed", j.outcome.value)  # in Status and /metrics: the parent had lost (or not answered) it
     log.info("block %d round %d: re-pushed the combined update of %d children after reconnecting: %s%s", block,
              c.base_version, len(c.manifest), j.outcome.value, f" ({j.reason})" if j.reason else "")

@@ -272,7 +272,9 @@ def test_a_relay_re_pushes_its_combined_update_to_a_restarted_root(tmp_path, pro
     if lost_round:  # the relay's combined update came back only because the relay pushed it again
         r = SwarmClient(relay, timeout_s=15)
         repushed = {why: n for (name, why), n in counters(r).items() if name == "repushed"}
-        assert repushed.get("pending", 0) + repushed.get("probation", 0) >= 1, repushed  # probation: drawn for audit
+        # pending, probation (drawn for audit), or unanswered: the restarted root took it, and its answer came
+        # too late under load (seen once in CI); the round then closed with it before the relay's next try
+        assert sum(repushed.get(k, 0) for k in ("pending", "probation", "unanswered")) >= 1, repushed
         r.close()
     c.close()
 
