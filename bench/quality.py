@@ -248,9 +248,10 @@ def run_default(args: argparse.Namespace) -> None:
         jobs[name] = (T, partial(staged, name, [BTNODE, "train-ar", "--ar-layers", name[2:]], int(T / t_ar[name]),
                                  t_ar[name], args, seed=first, snapshots=name == ar_block))
     jobs.update(baseline_jobs(args, t_block, t_ar, set(jobs)))
-    jobs["deployed-swarm-budget"] = (B * Ts, lambda: staged("deployed-swarm-budget", [BTNODE, "train-local"],
-                                                            int(Ts / t_block), t_block, args, fractions=(1,)))
-    jobs["swarm"] = (2 * B * Ts, lambda: swarm_run("swarm", int(Ts / t_block), t_block, args))
+    if not args.no_swarm:
+        jobs["deployed-swarm-budget"] = (B * Ts, lambda: staged("deployed-swarm-budget", [BTNODE, "train-local"],
+                                                                int(Ts / t_block), t_block, args, fractions=(1,)))
+        jobs["swarm"] = (2 * B * Ts, lambda: swarm_run("swarm", int(Ts / t_block), t_block, args))
     runs = run_jobs(jobs, args.jobs)
     rows = baseline_rows(args, runs)
 
@@ -264,9 +265,9 @@ def run_default(args: argparse.Namespace) -> None:
 
     seeds, kmax = args.seeds, max(CFG.segments)
     corpus = baselines.describe(args.corpus)
-    dep, eq = runs["deployed"]["eval"], runs["deployed-swarm-budget"]["eval"]
+    dep = runs["deployed"]["eval"]
     curves = [{"model": model, "budget_s": p["budget_s"], "steps": p["steps"], "sce8_k1": headline(p["eval"], seeds)}
-              for model in ("deployed", "swarm", ar_total, ar_block) for p in runs[model]["points"]]
+              for model in ("deployed", "swarm", ar_total, ar_block) if model in runs for p in runs[model]["points"]]
     res = {
         "config": {**CFG.to_dict(), "batch": BATCH, "lr": LR, "budget_s": T, "swarm_budget_s": Ts,
                    "windows": args.windows, "seeds": seeds, "n_steps": dep["n_steps"], "readout": dep.get("readout"),
@@ -281,14 +282,7 @@ def run_default(args: argparse.Namespace) -> None:
         "best_block_deployed": dep["best_block"]["block"],
         "alone_deployed": dep["alone"],
         "sce8_kmax_deployed": dep["per_k"][str(kmax)][f"sce{seeds}"],
-        "swarm_budget_s": Ts,
-        "sce8_k1_swarm": headline(runs["swarm"]["eval"], seeds),
-        "best_block_alone_swarm": runs["swarm"]["eval"]["best_block"]["ce"],
-        "sce8_k1_deployed_at_swarm_budget": headline(eq, seeds),
-        # equal total compute: one worker per block at T/B each is T in all, the AR models' budget
-        "sce1_k1": eq["per_k"]["1"]["sce1"], "sce8_k1": headline(eq, seeds),
-        "sce1_kmax": eq["per_k"][str(kmax)]["sce1"], "sce8_kmax": eq["per_k"][str(kmax)][f"sce{seeds}"],
-        "best_block_alone_equal_total": eq["best_block"]["ce"],
+        **({} if args.no_swarm else swarm_fields(runs, Ts, seeds, kmax)),
         "kmax": kmax, "ar_total_ce": runs[ar_total]["eval"]["ce"], "ar_block_ce": runs[ar_block]["eval"]["ce"],
         "unigram": dep["unigram"], "curves": curves, "baselines": rows,
         # one block's step over AR-L's, both calibrated above in this run with the same threads (issue #42)
@@ -304,9 +298,20 @@ def run_default(args: argparse.Namespace) -> None:
     if args.no_report:
         return
     published = is_published(args.results)
-    plot = plot_curves(res, RESULTS / "quality_curves.png") if published else None
+    name = "" if args.corpus == baselines.BUNDLED else f"_{baselines.slug(corpus['name'])}"  # one plot per corpus
+    plot = plot_curves(res, RESULTS / f"quality_curves{name}.png") if published else None
     png = baselines.plot(rows, RESULTS / f"quality_baselines_{baselines.slug(corpus['name'])}.png") if published else None
     publish("quality", res, metrics(res), lambda r: render_default(r, runs, plot, png), out=args.results)
+
+
+def swarm_fields(runs: dict, Ts: float, seeds: int, kmax: int) -> dict:
+    """The swarm rows' fields (and equal total compute's: one worker per block at T_s = T/B each)."""
+    eq, sw = runs["deployed-swarm-budget"]["eval"], runs["swarm"]["eval"]
+    return {"swarm_budget_s": Ts, "sce8_k1_swarm": headline(sw, seeds), "best_block_alone_swarm": sw["best_block"]["ce"],
+            "sce8_k1_deployed_at_swarm_budget": headline(eq, seeds),
+            "sce1_k1": eq["per_k"]["1"]["sce1"], "sce8_k1": headline(eq, seeds),
+            "sce1_kmax": eq["per_k"][str(kmax)]["sce1"], "sce8_kmax": eq["per_k"][str(kmax)][f"sce{seeds}"],
+            "best_block_alone_equal_total": eq["best_block"]["ce"]}
 
 
 def run_jobs(jobs: dict[str, tuple[float, Callable[[], dict]]], n: int) -> dict[str, dict]:
@@ -405,6 +410,8 @@ def plot_curves(res: dict, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for model, label in labels.items():
         pts = sorted((c["budget_s"], c["sce8_k1"]) for c in res["curves"] if c["model"] == model)
+        if not pts:  # no swarm rows (--no-swarm)
+            continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(res["unigram"], color="grey", linestyle=":", label="unigram entropy")
     ax.set_xscale("log")
@@ -436,6 +443,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="training runs side by side (each with the cores shared out; "
                                                         "step counts stay those measured alone)")
     ap.add_argument("--train-seeds", default="0,1", help="training seeds of the baseline rows (comma-separated)")
+    ap.add_argument("--no-swarm", action="store_true", help="leave out the swarm rows and equal total compute's "
+                                                            "(2·B·T_s + B·T_s worker-seconds): issue #42's baselines only")
     ap.add_argument("--quick", action="store_true", help="a smoke run: the tiny shape, budgets of seconds, one seed, "
                                                           "two checkpoints; recorded in quality/quick.json")
     ap.add_argument("--calibrate", help=argparse.SUPPRESS)
@@ -518,7 +527,7 @@ def metrics(res: dict) -> dict[str, Metric]:
     if "sce" in res:
         return {"chain CE, K = 1 (SCE-8)": res["sce"]["1"]["sce8"], "AR CE": res["ar_total_ce"]}
     return {"chain CE, as deployed": res["sce8_k1_deployed"], "AR CE, as deployed": res["ar_total_ce_deployed"],
-            "chain CE, equal total compute": res["sce8_k1"], "AR CE, equal total compute": res["ar_total_ce"],
+            "chain CE, equal total compute": res.get("sce8_k1"), "AR CE, equal total compute": res["ar_total_ce"],
             "swarm chain CE": res.get("sce8_k1_swarm")}
 
 
@@ -543,7 +552,7 @@ def render_default(r: dict, runs: dict, plot: Path | None, baselines_png: Path |
     B, L = CFG.n_blocks, CFG.n_layers
     ar_total, ar_block = f"ar{B * L}", f"ar{L}"
     c, S = r["config"], r["config"]["seeds"]
-    T, Ts = r["budget_s"], r["swarm_budget_s"]
+    T, Ts = r["budget_s"], r.get("swarm_budget_s")
 
     def cmd(name: str) -> str:
         return f"`{runs[name]['command']}`"
@@ -556,7 +565,7 @@ def render_default(r: dict, runs: dict, plot: Path | None, baselines_png: Path |
     def verdict(chain: float, best: float) -> str:
         return f"chain − best block = **{chain - best:+.4f}** ({'composes' if chain <= best - 0.05 else 'beats it' if chain < best else 'does not beat it'})"
 
-    dep, eq, sw = runs["deployed"]["eval"], runs["deployed-swarm-budget"]["eval"], runs["swarm"]["eval"]
+    dep = runs["deployed"]["eval"]
     ev = f"`btnode eval --checkpoint runs/bench-quality/<model> --windows {c['windows']} --seeds {S}`"
     lines = [
         "## Quality: blockwise vs autoregressive (`bench/quality.py`)",
@@ -590,7 +599,42 @@ def render_default(r: dict, runs: dict, plot: Path | None, baselines_png: Path |
         f"Gap to the {B * L}-layer AR: **{r['sce8_k1_deployed'] - r['ar_total_ce_deployed']:+.4f}** nats/byte (aim ≤ +0.10); "
         f"to the {L}-layer AR: {r['sce8_k1_deployed'] - r['ar_block_ce_deployed']:+.4f}. Composition: "
         f"{verdict(r['sce8_k1_deployed'], r['best_block_alone_deployed'])}; aim ≤ −0.05.",
+        "", *(swarm_lines(r, runs, cmd, alone, verdict) if Ts is not None else []),
+        "### Learning curves",
         "",
+        "Checkpoints along one run (the cosine schedule is the full run's, so the early points have not "
+        "decayed their learning rate); the swarm's points are its published versions. Per-worker wall-clock is "
+        "steps × the step time above.",
+        "",
+    ]
+    models = ["deployed", "swarm", ar_total, ar_block]
+    names = {"deployed": "one worker per block", "swarm": "swarm, 2 replicas", ar_total: f"AR {B * L} layers",
+             ar_block: f"AR {L} layers"}
+    lines += table(["model", "per-worker budget: nats/byte"],
+                   [(names[m], ", ".join(f"{x['budget_s']:.0f} s: {x['sce8_k1']:.4f}" for x in r["curves"] if x["model"] == m))
+                    for m in models if m in runs])
+    if plot is not None:
+        lines += ["", f"![learning curves](bench/results/{plot.name})"]
+    lines += ["", *baselines.render(r["baselines"], baselines_png)]
+    lines += [
+        "",
+        *table(["peak RSS (wait4)", "MB", "command"], [
+            ("process training one block", f"{r['rss_block_mb']:.0f}", "`btnode train-local --block 0 --steps 30 --batch 32 ...`"),
+            (f"process training the {B * L}-layer AR", f"{r['rss_ar_total_mb']:.0f}",
+             f"`btnode train-ar --ar-layers {B * L} --steps 30 --batch 32 ...`"),
+            ("python + torch + btnode imported, nothing trained", f"{r['rss_torch_baseline_mb']:.0f}",
+             "`python -c 'import torch, btnode.train.loops'`")], "lrl"),
+    ]
+    return "\n".join(lines)
+
+
+def swarm_lines(r: dict, runs: dict, cmd: Callable[[str], str], alone: Callable[[dict], str],
+                verdict: Callable[[float, float], str]) -> list[str]:
+    """render_default's swarm and equal-total-compute sections (a run with --no-swarm has neither)."""
+    B, L = CFG.n_blocks, CFG.n_layers
+    S, T, Ts = r["config"]["seeds"], r["budget_s"], r["swarm_budget_s"]
+    eq, sw = runs["deployed-swarm-budget"]["eval"], runs["swarm"]["eval"]
+    return [
         f"### The swarm at T_s = {Ts:.0f} s per worker, beside one worker per block at T_s",
         "",
         *table(["model", "budget rule", "SCE-1, K=1", f"SCE-{S}, K=1", "blocks alone", "command"], [
@@ -614,32 +658,7 @@ def render_default(r: dict, runs: dict, plot: Path | None, baselines_png: Path |
         "readout was the last evaluation alone; against the 2-layer AR: "
         f"{r['sce8_k1'] - r['ar_block_ce']:+.4f}).",
         "",
-        "### Learning curves",
-        "",
-        "Checkpoints along one run (the cosine schedule is the full run's, so the early points have not "
-        "decayed their learning rate); the swarm's points are its published versions. Per-worker wall-clock is "
-        "steps × the step time above.",
-        "",
     ]
-    models = ["deployed", "swarm", ar_total, ar_block]
-    names = {"deployed": "one worker per block", "swarm": "swarm, 2 replicas", ar_total: f"AR {B * L} layers",
-             ar_block: f"AR {L} layers"}
-    lines += table(["model", "per-worker budget: nats/byte"],
-                   [(names[m], ", ".join(f"{x['budget_s']:.0f} s: {x['sce8_k1']:.4f}" for x in r["curves"] if x["model"] == m))
-                    for m in models])
-    if plot is not None:
-        lines += ["", f"![learning curves](bench/results/{plot.name})"]
-    lines += ["", *baselines.render(r["baselines"], baselines_png)]
-    lines += [
-        "",
-        *table(["peak RSS (wait4)", "MB", "command"], [
-            ("process training one block", f"{r['rss_block_mb']:.0f}", "`btnode train-local --block 0 --steps 30 --batch 32 ...`"),
-            (f"process training the {B * L}-layer AR", f"{r['rss_ar_total_mb']:.0f}",
-             f"`btnode train-ar --ar-layers {B * L} --steps 30 --batch 32 ...`"),
-            ("python + torch + btnode imported, nothing trained", f"{r['rss_torch_baseline_mb']:.0f}",
-             "`python -c 'import torch, btnode.train.loops'`")], "lrl"),
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
