@@ -120,8 +120,10 @@ def test_every_make_target_in_the_readme_exists():
 
 @cache
 def result(name: str) -> dict:
-    """The newest recorded run's detail of the bench NAME names ("serving.json": bench/results/serving/default.json)."""
-    return json.loads((RESULTS / name.removesuffix(".json") / "default.json").read_text())[-1]["detail"]
+    """The newest recorded run's detail of the bench NAME names ("serving.json": bench/results/serving/default.json;
+    "quality.json:default-linux-doc": bench/results/quality/default-linux-doc.json)."""
+    bench, _, setting = name.partition(":")
+    return json.loads((RESULTS / bench.removesuffix(".json") / f"{setting or 'default'}.json").read_text())[-1]["detail"]
 
 
 def at(name: str, *path: str | int) -> float:
