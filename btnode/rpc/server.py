@@ -41,8 +41,12 @@ log = logging.getLogger(__name__)
 STATE_REFUSED = "state_refused"  # the swarm event of a refused SubmitState, by reason
 EVIDENCE_REFUSED = "evidence_refused"  # ... of a refused SubmitEvidence (aggregate/trust/evidence.py)
 WAITING_WINDOW_BYTES = 32 << 10
-SERVER_OPTIONS = CHANNEL_OPTIONS + [
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+# A server whose every call is read at once and answered at once (a serving stage): gRPC's own flow control,
+# BDP probing on. A stage's batched traversal moves 256-512 KB a hop at 16 requests; with SERVER_OPTIONS
+# (no BDP probing, a 32 KB lookahead) over the emulated WAN (40 ms RTT a hop), 16 streaming clients got
+# 354-361 bytes/s in all against 446-474 with these, one client 50 against 59-61 (bench/api.py's lab, issue #41).
+LATENCY_SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+SERVER_OPTIONS = LATENCY_SERVER_OPTIONS + [
     # No BDP probing on what the server receives: with it, gRPC grows each connection's window to the
     # bandwidth-delay product it measures (on a LAN, past a whole 1 MB upload), and a push waiting for
     # a transfer slot (rpc/limits.py) had its payload read into the server anyway: most of a push's bytes

@@ -23,7 +23,7 @@ from btnode.protocol import Meter
 from btnode.rpc import convert, security
 from btnode.rpc.health import NodeHealth
 from btnode.rpc.security import bind, interceptors
-from btnode.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS, DecodeGuard, _guard, streaming
+from btnode.rpc.server import CHANNEL_OPTIONS, LATENCY_SERVER_OPTIONS, DecodeGuard, _guard, streaming
 from btnode.rpc.status import REASON_KEY, code_for, error_from_rpc, reason_for
 from btnode.rpc.wire import request_from_pb, request_to_pb, weights_from_pb  # noqa: F401 - re-exported
 from btnode.serve import driver
@@ -405,7 +405,7 @@ def serve_stage(stage: LocalBlockStage | LocalARStage, address: str, *, max_work
     """Serve `stage` on `address`, with Health (SERVING from the start unless `health` drives it) and reflection."""
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="stage"),
-                         options=SERVER_OPTIONS, interceptors=[*interceptors(), DecodeGuard()])
+                         options=LATENCY_SERVER_OPTIONS, interceptors=[*interceptors(), DecodeGuard()])
     pb_grpc.add_ServingServicer_to_server(StageServicer(stage, stop, meter), server)
     (health or NodeHealth(serving=True)).add_to(server, [SERVICE])
     port = bind(server, address)
