@@ -308,7 +308,7 @@ def main() -> None:
            "models": f"blocks {shown([str(blocks)])}" + (f", AR {shown([str(ar)])}" if ar else "")
                      + ("" if args.blocks and args.ar else f" (trained here for 20 steps: {' '.join(SHAPE)}; AR 6 layers)"),
            "defaults": d.as_dict(),
-           "rows": rows}
+           "rows": rows, **checks}
     publish("api", res, metrics(res), render, out=args.results)
     print(json.dumps(rows, indent=1))
 
