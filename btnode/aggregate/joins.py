@@ -51,18 +51,19 @@ class JoinDesk:
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
              who: Identity | None = None, *, training_json: str = "", relay: bool = False,
-             proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
+             proof: tuple[bytes, bytes] | None = None, via: str = "") -> JoinInfo:
         """Admit a worker whose fingerprint, stated data id (empty: not stated) and training settings
         (`training_json`, TrainingTerms) match the swarm's, and hand it its data key. `who`: its proven
         identity, under mutual TLS (the RPC layer has checked that `worker_id` is its name, or the
         worker's signature on a join a relay passed on). `proof`: that certificate and signature, which
-        a relay passes on to its parent (relay/admission.py)."""
+        a relay passes on to its parent (relay/admission.py). `via`: the child relay that passed the
+        join on ("": the worker joins itself), which the block keeps (Replicas.via)."""
         key = (block, worker_id)
         with self._pending_lock:
             self._pending[key] += 1
         try:
             return self._join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json,
-                              relay=relay, proof=proof)
+                              relay=relay, proof=proof, via=via)
         finally:
             with self._pending_lock:
                 self._pending[key] -= 1
@@ -70,9 +71,10 @@ class JoinDesk:
                     del self._pending[key]
 
     def _join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str,
-              who: Identity | None, *, training_json: str, relay: bool, proof: tuple[bytes, bytes] | None) -> JoinInfo:
+              who: Identity | None, *, training_json: str, relay: bool, proof: tuple[bytes, bytes] | None,
+              via: str) -> JoinInfo:
         if self.upstream is None:
-            return self._admit(worker_id, block, fingerprint, config_json, data_id, who, training_json, relay)
+            return self._admit(worker_id, block, fingerprint, config_json, data_id, who, training_json, relay, via)
         # a relay: the parent judges a worker's join first (fingerprint, data, training terms, revocation)
         # and keeps the record; then the relay admits the child with the same checks and the parent's data
         # key. A child relay joins here only: the parent knows the workers under it from their own joins
@@ -87,12 +89,12 @@ class JoinDesk:
             return self._admit(worker_id, block, fingerprint, config_json, data_id, who, "", True)
         parent = self.upstream.join(worker_id, block, fingerprint, config_json, data_id, training_json=training_json,
                                     proof=proof)
-        mine = self._admit(worker_id, block, fingerprint, config_json, data_id, who, training_json, False)
+        mine = self._admit(worker_id, block, fingerprint, config_json, data_id, who, training_json, False, via)
         return replace(mine, data_key=parent.data_key, audits=parent.audits)  # a worker keeps its start states
 
     def _admit(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str,
-               who: Identity | None, training_json: str, relay: bool) -> JoinInfo:
-        if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME:
+               who: Identity | None, training_json: str, relay: bool, via: str = "") -> JoinInfo:
+        if not worker_id or len(worker_id) > MAX_NAME or len(data_id) > MAX_NAME or len(via) > MAX_NAME:
             raise MalformedInput("join", f"a join needs a worker id, and ids of at most {MAX_NAME} characters")
         if self.identities.is_revoked(worker_id):
             self._count("join_refused", "revoked")
@@ -119,7 +121,7 @@ class JoinDesk:
             raise
         if self.audits is not None and (over := self.audits.joined(block, worker_id)) is not None:
             self._abandoned(worker_id, over)
-        agg.register(worker_id)
+        agg.register(worker_id, via)
         if terms is not None:
             self.terms.record(worker_id, terms)
         if who is not None:

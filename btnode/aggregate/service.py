@@ -199,10 +199,10 @@ class SwarmAggregator:
 
     def join(self, worker_id: str, block: int, fingerprint: str, config_json: str, data_id: str = "",
              who: Identity | None = None, *, training_json: str = "", relay: bool = False,
-             proof: tuple[bytes, bytes] | None = None) -> JoinInfo:
+             proof: tuple[bytes, bytes] | None = None, via: str = "") -> JoinInfo:
         """Admit a worker or a relay (JoinDesk.join)."""
         return self.joins.join(worker_id, block, fingerprint, config_json, data_id, who, training_json=training_json,
-                               relay=relay, proof=proof)
+                               relay=relay, proof=proof, via=via)
 
     # -- delegated verification (aggregate/trust/delegate.py) ----------------------------------------
     def _verifiers(self, block: int, author: str) -> list[str]:

@@ -225,7 +225,7 @@ def run_relay(cfg: ModelConfig, acfg: AggregatorConfig, *, peers: list[str], lis
     quarter), so that the combined push arrives while the parent's round is open."""
     stop = stop or threading.Event()
     return_freed_memory(mmap_threshold("relay", acfg.mmap_threshold_kib))  # 2 arenas; over 4 MiB freed to the kernel (node/memory.py)
-    parent = FailoverLink(peers)
+    parent = FailoverLink(peers, relay_id=name)  # its streams and passed-on joins name it (docs/relays.md)
     owned = sorted(range(cfg.total_blocks) if blocks is None else blocks)
     joined = None
     deadline = time.monotonic() + 60.0

@@ -75,9 +75,13 @@ class Retry:
 
 class SwarmClient:
     def __init__(self, address: str, *, timeout_s: float = 120.0, security: Security | None = None,
-                 retry: Retry = Retry(), on_retry: Callable[[str, str], None] = lambda what, reason: None):
-        """`on_retry(what, reason)` is called before each retry of a refused call (a worker counts them)."""
+                 retry: Retry = Retry(), on_retry: Callable[[str, str], None] = lambda what, reason: None,
+                 relay_id: str = ""):
+        """`on_retry(what, reason)` is called before each retry of a refused call (a worker counts them).
+        `relay_id`: a relay's link to its parent, under that name: its version streams and the joins it
+        passes on say so, for a parent without mutual TLS (docs/relays.md, "Membership")."""
         self.address = address
+        self.relay_id = relay_id
         self.timeout_s = timeout_s
         self.retry, self.on_retry = retry, on_retry
         self.retries: Counter[tuple[str, str]] = Counter()  # (call, reason) → retries
@@ -143,7 +147,8 @@ class SwarmClient:
                                                                   fingerprint=fingerprint,
                                                                   config=convert.model_text_to_pb(config_json),
                                                                   data_id=data_id, training=training,
-                                                                  relay=relay, cert=cert, signature=signature))
+                                                                  relay=relay, cert=cert, signature=signature,
+                                                                  relayed_by="" if relay else self.relay_id))
         return convert.join_from_pb(reply)
 
     def signed(self, header: PushHeader, frames: list[Frame | Bundle]) -> PushHeader:
@@ -253,7 +258,8 @@ class SwarmClient:
 
     def watch(self, block: int, worker_id: str) -> Iterator[VersionInfo]:
         """Version announcements as they happen; ends (PeerUnavailable) when the stream breaks."""
-        call = self.stub.Watch(pb.WatchRequest(block=block, worker_id=worker_id))
+        call = self.stub.Watch(pb.WatchRequest(block=block, worker_id=worker_id,
+                                               relay="" if worker_id else self.relay_id))
         self._watches.append((worker_id, call))
         last = -1
         try:

@@ -150,12 +150,13 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
         config = convert.model_text_from_pb(request.config if request.HasField("config") else None)
         training = convert.training_json_from_pb(request.training) if request.HasField("training") else ""
         who = self._who(context, "Join", "" if proof[0] and not request.relay else request.worker_id)
+        via = _relay_name(who, request.relayed_by, "relayed_by") if not request.relay else ""
         if who is not None and who.name != request.worker_id:  # a relay passing on a worker's join
             who = self._proven(who, request.worker_id, proof, join_statement(
                 request.worker_id, request.block, request.fingerprint, request.data_id, training))
         info = self.agg.join(request.worker_id, request.block, request.fingerprint, config,
                              request.data_id, who=who, training_json=training,
-                             relay=request.relay, proof=proof if proof[0] else None)
+                             relay=request.relay, proof=proof if proof[0] else None, via=via)
         if request.relay and (who is None or who.role is Role.RELAY):  # under mutual TLS, a relay's certificate
             self.relay_joined(context.peer())
         return convert.join_to_pb(info)
@@ -373,6 +374,9 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
             block.stream_opened(worker)
             context.add_callback(lambda: block.stream_closed(worker))
             self.agg.came_direct(worker)  # its verification duties are its own to ask for, not a relay's
+        elif relay := _relay_name(who, request.relay, "relay"):  # its children's rounds here follow its streams
+            block.relay_stream_opened(relay)
+            context.add_callback(lambda: block.relay_stream_closed(relay))
         last = -1
         # a relay watches under no worker id; under mutual TLS its name says whose duties it fetches
         watcher = worker or (who.name if who is not None and who.role is Role.RELAY else "")
@@ -418,6 +422,14 @@ class SwarmServicer(pb_grpc.WorkerServicer, pb_grpc.RelayServicer, pb_grpc.Opera
                                            "(--tls-client-auth) so that worker ids are certificates, not claims")
         self._who(context, "Revoke")
         return pb.RevokeReply(revoked_at_unix=self.agg.revoke(request.name))
+
+
+def _relay_name(who: Identity | None, stated: str, what: str) -> str:
+    """The relay behind a call that names one (a Watch, a join it passes on): under mutual TLS its
+    certificate's name when it is a relay's (else none), without it the name it states ("": none)."""
+    if who is not None:
+        return who.name if who.role is Role.RELAY else ""
+    return convert.name_from_pb(stated, what) if stated else ""
 
 
 def serve(agg: SwarmAggregator, address: str, *, security: Security | None = None,

@@ -148,7 +148,7 @@ class VersionInfo(_message.Message):
     def __init__(self, block: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., sha256: _Optional[bytes] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., accepted: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_loss: _Optional[float] = ..., closed_by: _Optional[_Union[ClosedBy, str]] = ..., included: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "block", "fingerprint", "config", "data_id", "training", "relay", "cert", "signature")
+    __slots__ = ("worker_id", "block", "fingerprint", "config", "data_id", "training", "relay", "cert", "signature", "relayed_by")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class JoinRequest(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     CERT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block: int
     fingerprint: str
@@ -167,7 +168,8 @@ class JoinRequest(_message.Message):
     relay: bool
     cert: bytes
     signature: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., data_id: _Optional[str] = ..., training: _Optional[_Union[_settings_pb2.TrainingSettings, _Mapping]] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    relayed_by: str
+    def __init__(self, worker_id: _Optional[str] = ..., block: _Optional[int] = ..., fingerprint: _Optional[str] = ..., config: _Optional[_Union[_settings_pb2.ModelSettings, _Mapping]] = ..., data_id: _Optional[str] = ..., training: _Optional[_Union[_settings_pb2.TrainingSettings, _Mapping]] = ..., relay: _Optional[bool] = ..., cert: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., relayed_by: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current", "deadline_s", "codecs", "max_staleness", "data_key", "audits", "relay_audits", "bundles")
@@ -398,12 +400,14 @@ class SubmitEvidenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("block", "worker_id")
+    __slots__ = ("block", "worker_id", "relay")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     block: int
     worker_id: str
-    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    relay: str
+    def __init__(self, block: _Optional[int] = ..., worker_id: _Optional[str] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class WatchReply(_message.Message):
     __slots__ = ("version", "receipts", "states_wanted", "duties")

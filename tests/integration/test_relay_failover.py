@@ -1,7 +1,8 @@
 """Relay failover in a later round, with real processes (docs/relays.md, "Failover"): a relay killed in
 the second round while it holds accepted updates loses none of them; a re-push that reaches the spare
 while the worker's re-join is still at the root is refused for now (JoinPending) and lands once the join
-has; a push the spare refuses for good makes it tell the root, which stops waiting for that worker."""
+has; a push the spare refuses for good makes it tell the root, which stops waiting for that worker; in a
+relay of relays, the relay above a killed one stops waiting for its children once its stream ends."""
 
 from __future__ import annotations
 
@@ -158,4 +159,37 @@ def test_a_re_push_racing_its_re_join_is_retried_and_a_child_refused_for_good_is
     assert {ups["x"][0].update_id, ups["z"][0].update_id} <= got and ups["y"][0].update_id not in got
     assert block0(c)["recent"][-1]["closed_by"] == "all_reported", block0(c)["recent"]
     for x in (b, c, link):
+        x.close()
+
+
+def test_in_a_relay_of_relays_the_relay_above_a_killed_one_stops_waiting_for_its_children(tmp_path, processes):
+    root = node(processes, tmp_path, "root", "--role", "aggregator", "--blocks-owned", "0", "--deadline", "90",
+                "--keep", "100", "--relay-audit-rate", "0")
+    upper, other = relays(processes, tmp_path, root, {"ua": [], "ub": []})  # ua's round: 67.5 s (a quarter less)
+    (lower,) = relays(processes, tmp_path, upper, {"la": []})
+    la = processes[-1]
+    low, up, c = (SwarmClient(x, timeout_s=15) for x in (lower, upper, root))
+    # "idle" reports in round 0 (by hand) and never again: la's round 1 stays open, holding w0's and w1's updates
+    info = join(low, "idle")
+    assert low.push(*update("idle", info.current, info.data_key, 0)).outcome is Outcome.PENDING
+    procs = {w: worker(processes, tmp_path, w, f"{lower},{other}", 3) for w in ("w0", "w1")}
+    procs["w2"] = worker(processes, tmp_path, "w2", upper, 3)  # ua's own child: ua pushes each round
+    wait_for("la never held two updates of round 1", lambda: (
+        block0(c)["version"] >= 1 and (b := block0(low))["version"] == 1 and b["accepted_in_round"] >= 2))
+    low.close()
+    la.send_signal(signal.SIGKILL)  # w0 and w1 move to ub, in the other branch, and re-push there
+    killed = time.time()
+    c.leave("idle", 0)
+    stats = finished(tmp_path, procs, timeout=300)
+    accepted = {u for s in stats.values() for u in s["accepted_updates"]}
+    assert {w: len(s["accepted_updates"]) for w, s in stats.items()} == {"w0": 3, "w1": 3, "w2": 3}, stats
+    assert all(s["not_included"] == [] for s in stats.values()), stats
+    assert accepted <= included(c)  # 0 lost: round 1's updates, accepted by la, re-pushed to ub and published
+    after = [r for r in block0(c)["recent"] if r["closed_at_unix"] > killed]
+    # ua stopped waiting for la's children (now ub's) when la's stream ended, not at its 67.5 s deadline,
+    # in the kill's round and in every later one
+    times = [killed, *(r["closed_at_unix"] for r in after)]
+    assert len(times) > 1 and all(t - s < 30 for s, t in zip(times, times[1:])), (killed, block0(c)["recent"])
+    assert all(r["closed_by"] == "all_reported" for r in after), after
+    for x in (up, c):
         x.close()

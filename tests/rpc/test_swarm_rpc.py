@@ -3,6 +3,7 @@ its status code, counted, and never applied."""
 
 import hashlib
 import json
+import time
 
 import threading
 
@@ -18,6 +19,7 @@ from btnode.errors import ConfigMismatchError, MalformedInput, UnknownBlock
 from btnode.model.config import ModelConfig
 from btnode.protocol import Outcome, PushHeader
 from btnode.rpc import convert
+from btnode.rpc.client import SwarmClient
 from btnode.store.files import state_sha256
 from btnode.train.config import TrainConfig
 from btnode.train.terms import TrainingTerms
@@ -372,3 +374,22 @@ def test_readers_and_aggregators_older_than_bundles_get_and_send_frames(live):
                 asm.add(c)
             out = asm.finish()
             assert all(torch.equal(out[n], want[n]) for n in want)
+
+
+def test_a_relay_link_names_its_relay_in_the_joins_it_passes_on_and_in_its_version_stream(live):
+    cfg, block = live.agg.cfg, live.agg.block(0)
+    relay = SwarmClient(live.address, timeout_s=20, relay_id="a1")  # a relay's link to its parent
+    relay.join("a1", 0, cfg.fingerprint(), json.dumps(cfg.to_dict()), relay=True)
+    relay.join("c1", 0, cfg.fingerprint(), json.dumps(cfg.to_dict()), training_json=honest_terms(live.agg.acfg.claims))
+    join(live, "d1")  # a worker joining itself
+    assert block.replicas.via == {"c1": "a1"}
+    stream = relay.watch(0, "")
+    next(stream)
+    assert block.replicas.relays == {"a1": 1}
+    relay.cancel_watches("")
+    deadline = time.monotonic() + 10
+    while block.replicas.relays:
+        assert time.monotonic() < deadline, "the relay's stream never ended at the root"
+        time.sleep(0.02)
+    assert block.registered == {"c1", "d1"}  # the root's close is final: it keeps waiting for c1 (docs/relays.md)
+    relay.close()

@@ -237,3 +237,35 @@ def test_a_relay_amends_while_the_parent_said_its_round_is_open_and_no_longer(tm
         now[0] += seconds  # c1 past this relay's own 10 s deadline, still within the parent's round
         assert block.submit(*child(w, len(out) + 1)).outcome is outcome, w
     assert len(out) == 3  # two amendments; c3 came 18 s in, when one could no longer reach the parent
+
+
+def test_a_relay_stops_waiting_for_the_children_of_a_child_relay_whose_last_stream_ended_and_the_root_does_not(
+        tmp_path):
+    told: list[tuple[str, bool]] = []
+    out: list[Combined] = []
+    block = RelayBlock(0, INIT, VersionStore(tmp_path / "relay", 0), acfg(), clock=lambda: 1000.0,
+                       on_combined=out.append, on_membership=lambda w, here: told.append((w, here)))
+    for w, via in (("c1", "a1"), ("c2", "a1"), ("d1", "a2")):
+        block.register(w, via)  # their joins passed on by child relays a1 and a2
+    for r in ("a1", "a1", "a2"):  # a1 reconnected before its old stream ended: two streams for a while
+        block.relay_stream_opened(r)
+    assert block.submit(*combined("a2", ["d1"], 1)).outcome is Outcome.PENDING
+    block.relay_stream_closed("a1")
+    assert out == [] and block.registered == {"c1", "c2", "d1"}  # a1 still watches: its children are waited for
+    block.relay_stream_closed("a1")  # its last stream: a1 died, c1 and c2 report through another relay if they live
+    assert [e.worker_id for e in out[0].manifest] == ["d1"] and block.registered == {"d1"}
+    assert told == []  # not told upstream: the root keeps waiting for c1 and c2, wherever they report
+    block.relay_stream_opened("a1")  # a1 was only cut off: it joins its children again (node/relay.py _follow)
+    assert block.registered == {"d1"}
+    for w in ("c1", "c2"):
+        block.register(w, "a1")  # waited for again, and its late push is an amendment
+    assert block.submit(*combined("a1", ["c1", "c2"], 2)).outcome is Outcome.PENDING
+    assert sorted(e.worker_id for e in out[1].manifest) == ["c1", "c2", "d1"]
+    block.relay_stream_closed("a1")
+    assert block.registered == {"d1"}  # (they reported this round already: nothing more to wait for)
+
+    parent = root(tmp_path, "root", [])
+    parent.register("c1", "ra")
+    parent.relay_stream_opened("ra")
+    parent.relay_stream_closed("ra")
+    assert parent.registered == {"c1"}  # the root's close is final: it waits for c1 through any relay

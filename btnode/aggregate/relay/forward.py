@@ -69,6 +69,7 @@ class Forwarder:
     open round is durable (relay/roundlog.py): a restart takes it up."""
 
     durable = True  # every accepted child update's bytes in the round's spill, before its child hears ACCEPTED
+    amends = True  # the root waits for a child that moved to another relay; this round amends its push if it comes
 
     def __init__(self, folder: Path, *, on_combined: Callable[[Combined], None] = lambda c: None,
                  on_membership: Callable[[str, bool], None] = lambda worker_id, here: None):

@@ -111,7 +111,8 @@ class BlockAggregator:
         return self.tally.spill
 
     # -- membership -------------------------------------------------------------------------
-    def register(self, worker_id: str) -> None:
+    def register(self, worker_id: str, via: str = "") -> None:
+        """`worker_id` joined or watches here; `via`: the child relay that passed its join on ("": itself)."""
         with self.lock:
             if not self.registered and not self.round.accepted and not self.round.reported:
                 # nobody was training this block: the round's clock starts with its first replica,
@@ -119,6 +120,7 @@ class BlockAggregator:
                 self.round.opened_at = self.clock()
             self.registered.add(worker_id)
             self.forgotten.discard(worker_id)
+            self.replicas.joined(worker_id, via)
         self.sink.member(self, worker_id, True)
 
     def unregister(self, worker_id: str) -> None:
@@ -137,6 +139,23 @@ class BlockAggregator:
         with self.lock:
             self.replicas.stream_closed(worker_id)
         self.unregister(worker_id)
+
+    def relay_stream_opened(self, relay: str) -> None:
+        """A child relay's version stream (Replicas.relay_opened)."""
+        with self.lock:
+            self.replicas.relay_opened(relay)
+
+    def relay_stream_closed(self, relay: str) -> None:
+        """A child relay's version stream ended. Its last, at a relay (`RoundSink.amends`): the round stops
+        waiting for the children that came through it, which report through another relay if they live
+        (its parent waits for them, and this round amends its push if they come here); not told upstream."""
+        with self.lock:
+            aside = self.replicas.relay_closed(relay, set_aside=self.sink.amends)
+            if aside:
+                log.info("%s round %d: relay %s has no version stream here: not waiting for the %d children that "
+                         "came through it until they report or join again (%s)", self.name, self.round.version, relay,
+                         len(aside), ", ".join(aside[:5]))
+                self._maybe_close()
 
     def _forget_silent(self) -> None:
         """At a deadline close: stop waiting for replicas silent too long (Replicas.forget_silent)."""
@@ -354,6 +373,8 @@ class BlockAggregator:
             update.weight = update.work * update.standing
         self.tally.add(update)
         self.replicas.recall(update.worker_id, *(e.worker_id for e in update.manifest))
+        if update.manifest:
+            self.replicas.listed(update.worker_id, (e.worker_id for e in update.manifest))
         self.round.add(update)
         self.sink.took(self, update)
 

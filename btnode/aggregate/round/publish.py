@@ -58,6 +58,7 @@ class Publisher:
     """The root's rounds: each close publishes a version; an update is always welcome in the open round."""
 
     durable = False  # an in-process update is held as it came; a pushed one's codec bytes are spilled
+    amends = False  # a published version is final: the root waits for the children of a relay that went away
 
     def spill(self, block: BlockAggregator, now: float) -> Spill:
         """An unnamed file (sums/spill.py): nothing of a round survives the process."""

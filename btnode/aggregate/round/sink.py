@@ -20,6 +20,9 @@ class RoundSink(Protocol):
     block's lock (the lock is re-entrant), except `member`, which a sink may use to call out."""
 
     durable: bool  # keep every accepted update's bytes in the spill, an in-process one included (a relay's round log)
+    # a later update still reaches the parent's round in an amendment (a relay's, while the parent waits for its
+    # sender): the round need not wait for children whose relay went away, who may report through another
+    amends: bool
 
     def spill(self, block: BlockAggregator, now: float) -> Spill:
         """Where a new round keeps its updates' bytes."""
