@@ -46,6 +46,7 @@ from btnode.aggregate.round.config import AggregatorConfig
 from btnode.codec.frames import Frame
 from btnode.aggregate.sums.averaging import ROBUST_MODES
 from btnode.codec.profiles import CLI_LINK, LINKS, LinkCodecs, link_codecs
+from btnode.codec.warmup import DensityWarmup
 from btnode.data.corpus import bundled
 from btnode.errors import PeerInputError
 from btnode.evaluation.metrics import swarm_ce
@@ -80,20 +81,23 @@ EXTERNAL_ROWS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"watch":
 ROW_FIELDS = ("cheat", "mode", "delta_ce", "peak_delta_ce", "caught_round", "revoked")
 
 
-def codecs_of(link: str, density: float | None = None, publish_density: float | None = None) -> LinkCodecs:
-    """`link`'s codecs, with the sparse densities a run overrides (--density, --publish-density)."""
+def codecs_of(link: str, density: float | None = None, publish_density: float | None = None,
+              warmup: DensityWarmup | None = None) -> LinkCodecs:
+    """`link`'s codecs, with the sparse densities and their warm-up a run overrides (--density,
+    --publish-density, --density-warmup-rounds and -factor)."""
     c = link_codecs(link, SHAPE.kind)
-    return replace(c, density=density or c.density, publish_density=publish_density or c.publish_density)
+    return replace(c, density=density or c.density, publish_density=publish_density or c.publish_density,
+                   warmup=warmup or c.warmup)
 
 
 def config(mode: str, link: str = CLI_LINK, publish_density: float | None = None,
-           robust: str | None = None) -> AggregatorConfig:
+           robust: str | None = None, warmup: DensityWarmup | None = None) -> AggregatorConfig:
     """The aggregator's configuration in `mode`, as a fresh aggregator holds it, with `link`'s publish codec
     (the daemon's defaults: `btnode join` builds its AggregatorConfig from flags, and the link fills it);
     `robust` (--robust) replaces the robust rule, for a diagnosis (the screen off: mean)."""
-    codecs = codecs_of(link, publish_density=publish_density)
+    codecs = codecs_of(link, publish_density=publish_density, warmup=warmup)
     shipped = replace(AggregatorConfig(), link=link, publish_codec=codecs.publish_codec,
-                      publish_density=codecs.publish_density)
+                      publish_density=codecs.publish_density, warmup=codecs.warmup)
     if robust:
         shipped = replace(shipped, outer=replace(shipped.outer, robust=robust))
     if mode == "default":
@@ -102,6 +106,13 @@ def config(mode: str, link: str = CLI_LINK, publish_density: float | None = None
         raise SystemExit(f"mode open needs AggregatorConfig.{OPEN_FIELD} (issue #38's open mode); this tree has "
                          "none: run --modes default")
     return replace(shipped, **{OPEN_FIELD: True})
+
+
+def warmup_of(args: argparse.Namespace) -> DensityWarmup | None:
+    """The density warm-up --density-warmup-rounds and -factor give over the link's; None when neither does."""
+    values = {"density_warmup_rounds": getattr(args, "density_warmup_rounds", None),
+              "density_warmup_factor": getattr(args, "density_warmup_factor", None)}
+    return codecs_of(args.link).warmup.over(values) if any(v is not None for v in values.values()) else None
 
 
 def cheaters(cheat: str) -> tuple[str, ...]:
@@ -128,6 +139,7 @@ class Settings:
     density: float | None = None  # the link's sparse densities, unless set (--density, --publish-density)
     publish_density: float | None = None
     robust: str | None = None  # the aggregator's robust rule, unless set (--robust)
+    warmup: DensityWarmup | None = None  # the link's density warm-up, unless set (--density-warmup-rounds)
 
     @property
     def tc(self) -> TrainConfig:
@@ -203,10 +215,10 @@ def run_swarm(cheat: str | None, seed: int, mode: str, s: Settings, replicas: in
         makers = verifier_workers(cheat, ids)
     else:
         makers = {ids[0]: cheat_factory(cheat, victim=lambda: sim.worker(VICTIM))} if cheat else {}  # type: ignore[union-attr]
-    codecs = codecs_of(s.link, s.density, s.publish_density)
+    codecs = codecs_of(s.link, s.density, s.publish_density, s.warmup)
     scfg = SimConfig(rounds=s.rounds, replicas=replicas, steps_per_round=s.h, step_time_s=STEP_S, seed=seed,
-                     codec=codecs.codec, density=codecs.density)
-    acfg = config(mode, s.link, s.publish_density, s.robust)
+                     codec=codecs.codec, density=codecs.density, warmup=codecs.warmup)
+    acfg = config(mode, s.link, s.publish_density, s.robust, s.warmup)
     acfg = replace(acfg, history=max(acfg.history, s.rounds + 1))  # every round's drops counted (a bench setting)
     with tempfile.TemporaryDirectory(prefix="btnode-cheats-") as tmp:
         sim = Simulation(SHAPE, replace(tc, seed=seed), acfg, scfg, corpus.train, Path(tmp), device=cpu,
@@ -278,7 +290,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
     s = Settings(args.rounds, args.h, args.batch, args.windows, args.link, args.density, args.publish_density,
-                 args.robust)
+                 args.robust, warmup_of(args))
     seeds = range(args.seeds)
     rows_planned = plan(args)
     honest_f = {(m, seed): pool.submit(run_swarm, None, seed, m, s) for m in args.modes for seed in seeds}
@@ -309,7 +321,7 @@ def measure(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
                                          "train_s": sum(honest[(m, seed)]["train_s"] for seed in seeds)}
                                      for m in args.modes},
             "sim_sets": differences(jsonable(dataclasses.asdict(config(args.modes[0], args.link, args.publish_density,
-                                                                       args.robust))), default),
+                                                                       args.robust, warmup_of(args)))), default),
             "swarm_s": max(r for x in rows for r in x["wall_s"]) if rows else None}
 
 
@@ -338,6 +350,10 @@ def main() -> None:
                     help="the codecs of the swarms (codec/profiles.py; default the daemon's, wan)")
     ap.add_argument("--density", type=float, help="the workers' sparse density instead of the link's")
     ap.add_argument("--publish-density", type=float, help="the sparse publish density instead of the link's")
+    ap.add_argument("--density-warmup-rounds", type=int, help="the sparse densities' warm-up length W instead of the "
+                    "link's (codec/warmup.py; 0: none)")
+    ap.add_argument("--density-warmup-factor", type=float, help="its start, × the final density (default: the link's, "
+                    "else codec/warmup.py's FACTOR)")
     ap.add_argument("--robust", choices=ROBUST_MODES, help="the aggregator's robust rule instead of the shipped "
                     "one (a diagnosis: mean turns the screen off)")
     args = ap.parse_args()
@@ -352,10 +368,10 @@ def main() -> None:
 
 def record(args: argparse.Namespace, res: dict, rows: list[dict], *, wall_s: float) -> dict:
     """What a run publishes: the configuration the rows ran under, the rows, and the false positives."""
-    return {"default_config": jsonable(dataclasses.asdict(config("default", args.link, args.publish_density,
-                                                                 args.robust))), "sim_sets": res["sim_sets"],
+    shipped = config("default", args.link, args.publish_density, args.robust, warmup_of(args))
+    return {"default_config": jsonable(dataclasses.asdict(shipped)), "sim_sets": res["sim_sets"],
             "link": args.link, "codecs": jsonable(dataclasses.asdict(codecs_of(args.link, args.density,
-                                                                               args.publish_density))),
+                                                                               args.publish_density, warmup_of(args)))),
             "identities": "each replica joins and pushes as its own proven identity (SimConfig.identities)",
             "rows": rows, "false_positives": sum(r.get("honest_flagged", 0) for r in rows) +
             sum(h["flagged"] for h in res["honest"].values()), "honest": res["honest"],

@@ -19,6 +19,10 @@ Rows: `fp32` (fp32 up, fp32 published), `int8` (int8 up, fp32 published: the swa
 --publish-codec (sparse8) at --publish-factor (3) × the workers' density (two replicas' top-k overlap little:
 their mean has up to twice the nonzeros; measured against 1× in the `publish` lever), averaged with the aggregator's defaults
 (--sparse-mean senders, no clip). Levers: see `levers`.
+With --density-warmup-rounds W [W' …] the sparse rows run once per density warm-up (codec/warmup.py: both
+densities from --density-warmup-factor × down to theirs over the first W versions): each row keeps its bytes
+round by round (`bytes_by_round`) and after the warm-up (`bytes_up_steady`, `bytes_down_steady`), and the
+record's `steady` their ratios against int8 over the run and after the warm-up.
 An interrupted run resumes: the rows it finished are kept in bench/results/comms.rows.jsonl.
 
 bytes_up: the zstd payload bytes a worker pushed per round, mean over workers. bytes_down: the zstd
@@ -56,6 +60,7 @@ from btnode.aggregate.round.rounds import RoundConfig
 from btnode.aggregate.sums.averaging import DILOCO_OUTER, DILOCO_PAPER_OUTER, OuterConfig
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Bundle, ChunkData, Frame, iter_chunks
+from btnode.codec.warmup import FACTOR, DensityWarmup
 from btnode.data.corpus import bundled
 from btnode.evaluation.metrics import swarm_ce
 from btnode.model.config import ModelConfig
@@ -97,6 +102,7 @@ class Row:
     lever: str = ""  # the lever table it belongs to; "" for the frontier grid
     aggregator: tuple[tuple[str, object], ...] = ()
     outer: tuple[float, float] | None = None  # (η, μ) of the outer step; None: the model's default
+    warmup: DensityWarmup = DensityWarmup()  # both sparse densities over the first versions (codec/warmup.py)
 
     @property
     def label(self) -> str:
@@ -104,7 +110,10 @@ class Row:
         down = self.publish.name.lower() + (f"@{self.publish_density:.3g}" if self.publish.sparse else "")
         extra = "".join(f", {k}={v}" for k, v in self.aggregator)
         outer = f", outer η={self.outer[0]:g} μ={self.outer[1]:g}" if self.outer else ""
-        return f"{up} / publish {down}{extra}{outer}"
+        w = self.warmup
+        sparse = self.codec.sparse or self.publish.sparse
+        warm = f", warm-up {w.rounds} from {w.factor:g}×" if w.rounds and sparse else ""
+        return f"{up} / publish {down}{extra}{outer}{warm}"
 
     def outer_config(self) -> OuterConfig:
         base = OuterConfig.from_flags({"model": self.model})
@@ -112,11 +121,14 @@ class Row:
 
 
 def grid(models: Iterable[str], densities: Iterable[float], publish: Codec = Codec.SPARSE8,
-         factor: float = PUBLISH_FACTOR) -> list[Row]:
+         factor: float = PUBLISH_FACTOR, codecs: Iterable[Codec] = SPARSE,
+         warmups: Iterable[DensityWarmup] = (DensityWarmup(),)) -> list[Row]:
+    """The dense rows and each sparse codec at each density, once per density warm-up (`warmups`)."""
     rows = []
     for m in models:
         rows += [Row(m, Codec.FP32), Row(m, Codec.INT8), Row(m, Codec.INT8, publish=Codec.INT8)]
-        rows += [Row(m, c, d, publish, min(1.0, factor * d)) for c in SPARSE for d in densities]
+        rows += [Row(m, c, d, publish, min(1.0, factor * d), warmup=w) for c in codecs for d in densities
+                 for w in warmups]
     return rows
 
 
@@ -173,6 +185,7 @@ class HeaderTap:
     link: LocalLink
     header_bytes: int = 0
     frames: int = 0
+    payload_by_round: dict[int, list[int]] = field(default_factory=dict)  # base version → each push's zstd payload
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.link, name)
@@ -181,6 +194,7 @@ class HeaderTap:
         sent = list(iter_chunks(frames))
         self.header_bytes += framing(sent)
         self.frames += sum(c.header is not None for c in sent)
+        self.payload_by_round.setdefault(header.base_version, []).append(sum(len(c.data) for c in sent))
         return self.link.push(header, [Sent(sent)])
 
 
@@ -210,10 +224,11 @@ class Taps:
         return BlockWorker(cfg, tc, wcfg, tap, corpus, **kw)
 
 
-def downloads(sim: Simulation) -> tuple[float, float, int]:
+def downloads(sim: Simulation) -> tuple[float, float, int, dict[int, list[int]]]:
     """(zstd payload bytes, framing bytes, versions) of the published deltas per version, mean over units:
-    the bundle each FetchDelta sends (BlockAggregator.delta_frames)."""
-    payload, header, versions = [], [], 0
+    the bundle each FetchDelta sends (BlockAggregator.delta_frames); and each delta's payload by the
+    version it builds on."""
+    payload, header, versions, by_round = [], [], 0, {}
     for agg in sim.agg.blocks.values():
         for v in range(1, agg.info.version + 1):
             stored = agg.delta_frames(v)
@@ -222,9 +237,21 @@ def downloads(sim: Simulation) -> tuple[float, float, int]:
             finally:
                 stored.close()
             payload.append(sum(len(c.data) for c in sent))
+            by_round.setdefault(v - 1, []).append(payload[-1])
             header.append(framing(sent))
             versions += 1
-    return statistics.mean(payload), statistics.mean(header), versions
+    return statistics.mean(payload), statistics.mean(header), versions, by_round
+
+
+def by_round(up: dict[int, list[int]], down: dict[int, list[int]]) -> list[tuple[float, float]]:
+    """(bytes up per worker, bytes down per version) of each round, mean over workers and units."""
+    return [(statistics.mean(up.get(r, [0])), statistics.mean(down.get(r, [0]))) for r in sorted(set(up) | set(down))]
+
+
+def steady(rounds: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """(up, down) per worker-round over the rounds after the density warm-up (all of them without one)."""
+    after = rounds[warmup:] or rounds[-1:]
+    return statistics.mean(u for u, _ in after), statistics.mean(d for _, d in after)
 
 
 def run_row(row: Row, s: Settings) -> dict:
@@ -233,17 +260,20 @@ def run_row(row: Row, s: Settings) -> dict:
     t0 = time.perf_counter()
     cfg, corpus, taps = model_of(s.shape, row.model), _corpus(), Taps()
     scfg = SimConfig(rounds=s.rounds, replicas=s.replicas, steps_per_round=s.h, step_time_s=STEP_S, delays_s=(0.0,),
-                     delay_dist="fixed", codec=row.codec, density=row.density)
+                     delay_dist="fixed", codec=row.codec, density=row.density, warmup=row.warmup)
     acfg = AggregatorConfig(round=RoundConfig(deadline_s=1e6), outer=row.outer_config(),
-                            publish_codec=row.publish, publish_density=row.publish_density, keep=s.rounds + 1)
+                            publish_codec=row.publish, publish_density=row.publish_density, keep=s.rounds + 1,
+                            warmup=row.warmup)
     acfg = replace(acfg, **dict(row.aggregator))
     workers = {f"b{b}r{r}": taps.factory for b in range(cfg.total_blocks) for r in range(s.replicas)}
     with tempfile.TemporaryDirectory(prefix="btnode-comms-") as tmp:
         sim = Simulation(cfg, s.tc, acfg, scfg, corpus.train, Path(tmp), device=torch.device("cpu"), workers=workers)
         res = sim.run()
         ce = swarm_ce(sim.blocks(), corpus.test, s.windows, torch.device("cpu"))
-        down, header_down, versions = downloads(sim)
+        down, header_down, versions, down_by = downloads(sim)
     stats = [r.worker.stats for r in sim.replicas]
+    rounds = by_round(_merged(t.payload_by_round for t in taps.taps.values()), down_by)
+    up_steady, down_steady = steady(rounds, row.warmup.rounds)
     params = sum(t.numel() for t in sim.blocks()[0].state_dict().values())
     up = statistics.mean(w.bytes_pushed_wire / w.pushes for w in stats)
     header_up = statistics.mean(t.header_bytes / sim.worker(w).stats.pushes for w, t in taps.taps.items())
@@ -252,12 +282,23 @@ def run_row(row: Row, s: Settings) -> dict:
            "publish_density": row.publish_density, "lever": row.lever, "aggregator": dict(row.aggregator),
            "outer": row.outer,
            "label": row.label, "bytes_up": up, "bytes_down": down, "header_up": header_up, "header_down": header_down,
+           "warmup": [row.warmup.rounds, row.warmup.factor], "bytes_by_round": rounds,
+           "bytes_up_steady": up_steady, "bytes_down_steady": down_steady,
            "params": params, "bits_per_param": 8 * (up + down) / params, "bits_per_param_up": 8 * up / params,
            "bits_per_param_down": 8 * down / params, "ce": ce, "versions": versions / cfg.total_blocks,
            "pushes": sum(w.pushes for w in stats), "outcomes": res.outcomes, "closed_by": res.closed_by,
            "steps_per_worker": statistics.mean(w.steps for w in stats), "wall_s": time.perf_counter() - t0}
     print(f"[comms] {row.model} {row.label}: CE {ce:.4f}, {up:,.0f} B up + {down:,.0f} B down per worker-round "
-          f"({out['bits_per_param']:.3f} bits/param), outcomes {res.outcomes}, {out['wall_s']:.0f} s", flush=True)
+          f"({out['bits_per_param']:.3f} bits/param; after the warm-up {up_steady:,.0f} + {down_steady:,.0f}), "
+          f"outcomes {res.outcomes}, {out['wall_s']:.0f} s", flush=True)
+    return out
+
+
+def _merged(maps: Iterable[dict[int, list[int]]]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for m in maps:
+        for r, xs in m.items():
+            out.setdefault(r, []).extend(xs)
     return out
 
 
@@ -268,7 +309,25 @@ def all_accepted(row: dict) -> bool:
 
 def setting(row: dict) -> dict:
     """What a row sets: enough to run it again (bench/comms_wan.py turns it into node flags)."""
-    return {k: row[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator", "outer")}
+    out = {k: row[k] for k in ("codec", "density", "publish_codec", "publish_density", "aggregator", "outer")}
+    return {**out, "warmup": row["warmup"]} if (row.get("warmup") or [0])[0] else out
+
+
+def steady_ratios(rows: list[dict]) -> list[dict]:
+    """Each sparse row against its model's int8 row (int8 up, fp32 published): the ratio of bytes over the
+    run and after the density warm-up (without and with the frame headers), and ΔCE."""
+    out = []
+    for r in rows:
+        ref = next((x for x in rows if x["model"] == r["model"] and x["codec"] == "int8"
+                    and x["publish_codec"] == "fp32" and not x["lever"] and not x["outer"]), None)
+        if ref is None or not Codec[r["codec"].upper()].sparse or "bytes_up_steady" not in r:
+            continue
+        total, heads = ref["bytes_up"] + ref["bytes_down"], ref["header_up"] + ref["header_down"]
+        steady_bytes = r["bytes_up_steady"] + r["bytes_down_steady"]
+        out.append({"model": r["model"], "row": r["label"], "warmup": r.get("warmup"), "delta_ce": r["ce"] - ref["ce"],
+                    "ratio": total / (r["bytes_up"] + r["bytes_down"]), "ratio_steady": total / steady_bytes,
+                    "ratio_steady_with_headers": (total + heads) / (steady_bytes + r["header_up"] + r["header_down"])})
+    return out
 
 
 def best_ratios(rows: list[dict], outer: tuple[float, float] | None = None) -> dict[str, dict]:
@@ -326,7 +385,9 @@ def frontier(args: argparse.Namespace) -> None:
     publish_codec = Codec[args.publish_codec.upper()]
     chosen = [r for r in levers(args.models, args.densities, publish_codec, args.publish_factor)
               if args.levers and (not args.lever or r.lever in args.lever)]
-    for r in grid(args.models, args.densities, publish_codec, args.publish_factor) + chosen:
+    warmups = [DensityWarmup(w, args.density_warmup_factor) for w in args.density_warmup_rounds]
+    codecs = [Codec[c.upper()] for c in args.codecs]
+    for r in grid(args.models, args.densities, publish_codec, args.publish_factor, codecs, warmups) + chosen:
         unique.setdefault((r.model, r.label), r)
     plan = list(unique.values())
     plan.sort(key=lambda r: r.model != "block")  # the longer block rows first, so the pool ends together
@@ -338,7 +399,7 @@ def frontier(args: argparse.Namespace) -> None:
     best = best_ratios(rows)
     out = {"rows": [r for r in rows if not r["lever"]], "levers": [r for r in rows if r["lever"]],
            "best_ratio_vs_int8_at_002": {m: b["ratio"] for m, b in best.items()}, "best": best,
-           "best_plain_outer": best_ratios(rows, PLAIN),
+           "best_plain_outer": best_ratios(rows, PLAIN), "steady": steady_ratios(rows),
            "not_all_accepted": bad, "shape": args.shape.to_dict(), "replicas": args.replicas, "rounds": args.rounds,
            "h": args.h, "batch": args.batch, "lr": args.lr, "windows": args.windows, "quick": args.quick,
            "seed": args.seed, "publish_codec": args.publish_codec, "publish_factor": args.publish_factor,
@@ -350,6 +411,10 @@ def frontier(args: argparse.Namespace) -> None:
     out["png"] = is_published(args.results) and plot(out, RESULTS / "comms.png") is not None
     publish("comms", out, metrics(out), render, out=args.results)
     print(json.dumps({"best": best, "not_all_accepted": bad}, indent=1))
+    for x in out["steady"]:
+        print(f"[comms] {x['model']} {x['row']}: ΔCE {x['delta_ce']:+.4f}, {x['ratio']:.1f}× fewer bytes than int8 "
+              f"over the run, {x['ratio_steady']:.1f}× after the warm-up ({x['ratio_steady_with_headers']:.1f}× with "
+              "headers)")
 
 
 def plot(out: dict, path: Path) -> Path | None:
@@ -478,6 +543,12 @@ def main() -> None:
                     help="what the grid's sparse rows publish")
     ap.add_argument("--publish-factor", type=float, default=PUBLISH_FACTOR,
                     help="the grid's sparse rows publish at this × their density")
+    names = [c.name.lower() for c in SPARSE]
+    ap.add_argument("--codecs", nargs="*", default=names, choices=names, help="the grid's sparse upload codecs")
+    ap.add_argument("--density-warmup-rounds", type=int, nargs="*", default=[0],
+                    help="the grid's sparse rows once per density warm-up length W (codec/warmup.py; 0: none)")
+    ap.add_argument("--density-warmup-factor", type=float, default=FACTOR,
+                    help="a warm-up's start, × the final density")
     ap.add_argument("--seed", type=int, default=0, help="TrainConfig.seed of every row: model init, windows, noise")
     ap.add_argument("--aside", metavar="FOLDER", help="keep the record beside, unrendered: "
                                                      "bench/results/comms/FOLDER/<setting>.json")

@@ -58,6 +58,10 @@ def flags_of(setting: dict) -> tuple[list[str], list[str]]:
         agg += {"sparse_mean": ["--sparse-mean", str(value)], "clip": ["--clip" if value else "--no-clip"]}[name]
     if setting["outer"]:  # (η, μ) instead of the model's default outer step
         agg += ["--outer-lr", f"{setting['outer'][0]:g}", "--outer-momentum", f"{setting['outer'][1]:g}"]
+    if setting.get("warmup"):  # (W, factor): both densities' warm-up (codec/warmup.py)
+        rounds, factor = setting["warmup"]
+        warm = ["--density-warmup-rounds", str(rounds), "--density-warmup-factor", f"{factor:g}"]
+        worker, agg = worker + warm, agg + warm
     return worker, agg
 
 

@@ -92,12 +92,14 @@ def join(role: Annotated[Role, typer.Option("--role", help="What this node does.
 
 SWARM_SECTIONS = (ModelConfig,  # in the order run_swarm takes the configs
                   Section(AggregatorConfig, only=("deadline", "keep", "outer_lr", "outer_momentum", "check_claims",
-                                                  "audit", "probation", "publish_codec", "publish_density", "link"),
+                                                  "audit", "probation", "publish_codec", "publish_density", "link",
+                                                  "density_warmup_rounds", "density_warmup_factor"),
                           defaults={"deadline": 60.0}, helps={"deadline": "τ in seconds."}),
                   Section(AggregatorNodeConfig, only=("state_dir", "seed", "identities"), defaults={"state_dir": Path("runs/swarm")},
                           helps={"state_dir": "Aggregator state and logs."}),
                   Section(TrainConfig, only=("batch", "lr", "precision")),
-                  Section(WorkerConfig, only=("rounds", "steps_per_round", "codec", "density"), defaults={"rounds": 5},
+                  Section(WorkerConfig, only=("rounds", "steps_per_round", "codec", "density", "density_warmup_rounds",
+                                              "density_warmup_factor"), defaults={"rounds": 5},
                           helps={"rounds": "Pushes per worker."}),
                   SwarmConfig,
                   Section(HostConfig, only=("data", "data_cache", "data_cache_gb")))  # the workers' (and audits') data

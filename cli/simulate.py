@@ -21,7 +21,8 @@ from btnode.train.config import TrainConfig
 from btnode_cli.options import device, takes
 
 
-@takes(Section(WorkerConfig, only=("steps_per_round", "codec", "density", "train_while_waiting", "schedule_by_version"),
+@takes(Section(WorkerConfig, only=("steps_per_round", "codec", "density", "density_warmup_rounds",
+                                   "density_warmup_factor", "train_while_waiting", "schedule_by_version"),
                defaults={"steps_per_round": 20, "train_while_waiting": False},
                helps={"train_while_waiting": "Replicas keep training while they wait for a version.",
                       "schedule_by_version": "Inner LR schedule position: at least version × H, or each replica's "
@@ -56,7 +57,8 @@ def simulate(participation: Annotated[float, typer.Option("--participation", hel
     wcfg = build(WorkerConfig, flags)  # its H, codec, density and waiting policy; the simulator names the replicas
     scfg = SimConfig(participation=participation, rounds=rounds, replicas=replicas, steps_per_round=wcfg.steps_per_round,
                      step_time_s=step_time, delays_s=tuple(d / 1e3 for d in parse_ints(delay_ms, "--delay-ms")),
-                     delay_dist=delay_dist, codec=wcfg.codec, density=wcfg.density, train_while_waiting=wcfg.train_while_waiting,
+                     delay_dist=delay_dist, codec=wcfg.codec, density=wcfg.density, warmup=wcfg.warmup,
+                     train_while_waiting=wcfg.train_while_waiting,
                      seed=sim_seed, schedule_by_version=wcfg.schedule_by_version)
     flags["deadline"] = flags["deadline"] or 1.5 * wcfg.steps_per_round * step_time
     acfg = build(AggregatorConfig, flags)

@@ -10,7 +10,11 @@ publish most (bench/results/cheats/screen/). DiLoCo
 sparse2 at 2 % up and 4 % published is 66× fewer bytes within +0.02 CE at the bench's H = 5 (3 seeds,
 bench/results/comms/diloco/), but +0.16 at the daemon's H = 50, where only ~20× (10 % / 20 %, one seed)
 stayed within +0.02; one flag away until a denser setting passes at H = 50 over seeds. `--link lan` is int8 up, fp32 down, which the library's dataclass defaults (simulator, in-process
-tools) keep.
+tools) keep. A profile may carry a density warm-up (codec/warmup.py: the sparse densities start at 10× and
+decay over the first versions, for the 0.3 % row's few early rounds); none does: at 0.3 % / 0.9 % over 20
+versions from 10× it was +0.067 in `bench.comms` (without it +0.31 on the same code; 177× fewer bytes after
+the warm-up), and honest CE in the cheats bench's 30 rounds 2.94–3.11 against 2.79–2.87 at 3 % (3 seeds;
+bench/results/{comms,cheats}/warmup/).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec
+from btnode.codec.warmup import NONE, DensityWarmup
 from btnode.errors import ConfigError
 from btnode.settings import flag
 
@@ -31,6 +36,7 @@ class LinkCodecs:
     density: float  # ... their share of values, for a sparse codec
     publish_codec: Codec  # the aggregator's published deltas
     publish_density: float
+    warmup: DensityWarmup = NONE  # both densities over the first versions (codec/warmup.py)
 
 
 LAN = LinkCodecs(Codec.INT8, SPARSE_DENSITY, Codec.FP32, 0.03)

@@ -43,6 +43,7 @@ from btnode.aggregate.trust.claims import ClaimConfig
 from btnode.aggregate.trust.delegate import WAIT_S
 from btnode.aggregate.service import SwarmAggregator
 from btnode.codec.codecs import SPARSE_DENSITY, Codec
+from btnode.codec.warmup import NONE, DensityWarmup
 from btnode.data.source import ByteSource
 from btnode.errors import ConfigError, Forbidden
 from btnode.model.config import ModelConfig
@@ -71,6 +72,7 @@ class SimConfig:
     delay_dist: str = "exp"  # fixed | exp (exponential) | lognormal (σ = 0.5), with that mean
     codec: Codec = Codec.INT8
     density: float = SPARSE_DENSITY  # a sparse codec's share of values sent
+    warmup: DensityWarmup = NONE  # ... over the first versions (codec/warmup.py; the aggregator's: AggregatorConfig's)
     train_while_waiting: bool = False
     schedule_by_version: bool = True  # see WorkerConfig
     seed: int = 0  # participation and delay streams
@@ -166,7 +168,7 @@ class Simulation:
         for b, r in itertools.product(range(cfg.total_blocks), range(scfg.replicas)):
             wid = f"b{b}r{r}"
             wcfg = WorkerConfig(worker_id=wid, block=b, steps_per_round=scfg.steps_per_round, codec=scfg.codec,
-                                density=scfg.density,
+                                density=scfg.density, warmup=scfg.warmup,
                                 train_while_waiting=scfg.train_while_waiting,
                                 schedule_by_version=scfg.schedule_by_version)
             mean = scfg.delays_s[len(self.replicas) % len(scfg.delays_s)]

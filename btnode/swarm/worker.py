@@ -51,7 +51,7 @@ import torch
 
 from btnode.codec.codecs import SPARSE_DENSITY, Codec, parse
 from btnode.codec.profiles import CLI_LINK, LINKS, Link, link_codecs
-from btnode.codec.sparse import keep_of
+from btnode.codec.warmup import DensityWarmup
 from btnode.codec.frames import Bundle, Frame, ReplayableFrames, encode_update, frame_from_raw, lazy_frames
 from btnode.data.source import ByteSource
 from btnode.data.windows import WindowSampler
@@ -96,6 +96,7 @@ class WorkerConfig:
                         default=Codec.INT8, value=str, parse=parse, format=lambda c: c.name.lower(), optional=True)
     density: float = flag("--density", "Share of values a sparse codec sends (0, 1]; default: --link's.",
                           default=SPARSE_DENSITY, optional=True)  # sparse codecs: top-k per 4,096-value chunk at this share
+    warmup: DensityWarmup = DensityWarmup()  # ... denser over the first versions (codec/warmup.py)
     link: str = same_flag(Link, "link")  # the profile the CLI filled the codec from (codec/profiles.py)
     # a codec the link profile chose, not the user: where the aggregator does not take it (a relay takes
     # dense updates only), the worker sends this one instead (a flag, so that `btnode swarm` can pass it on)
@@ -134,7 +135,7 @@ class WorkerConfig:
             made = replace(made, codec=link.codec, fallback=Codec.INT8 if link.codec is not Codec.INT8 else None)
         if values.get("density") is None:
             made = replace(made, density=link.density)
-        return made
+        return replace(made, warmup=link.warmup.over(values))
 
 
 @dataclass
@@ -380,9 +381,12 @@ class BlockWorker:
         return {n: t.detach().cpu().clone() for n, t in self.trainer.model.state_dict().items()}
 
     def _encode(self) -> dict[str, bytes]:
-        """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback)."""
+        """The codec's raw bytes of Δ (+ residual); keeps the new residual (error feedback). A sparse codec keeps
+        the share of values the warm-up gives the base version (codec/warmup.py)."""
+        assert self.info is not None
+        keep = self.wcfg.warmup.keep(self.wcfg.density, self.info.version)
         raw, residual = encode_update(self.trainer.model.state_dict(), self.base, self.residual, self.wcfg.codec,
-                                      error_feedback=self.wcfg.error_feedback, keep=keep_of(self.wcfg.density))
+                                      error_feedback=self.wcfg.error_feedback, keep=keep)
         self.residual = residual
         return raw
 

@@ -75,3 +75,15 @@ def test_the_watch_rows_are_refused_and_hold_no_stream():
     assert {c: r["revoked"] for c, r in rows.items()} == {"watch_foreign": True, "watch_never_joined": False,
                                                           "watch_revoked": True}  # impersonation revokes
     assert rows["watch_revoked"]["held_before"] and rows["watch_revoked"]["stream_end_s"] is not None
+
+
+def test_a_density_warm_up_from_the_flags_reaches_the_workers_codecs_and_the_aggregator():
+    from bench.cheats import codecs_of, warmup_of
+    from btnode.codec.warmup import FACTOR, DensityWarmup
+
+    given = argparse.Namespace(link="wan", density_warmup_rounds=10, density_warmup_factor=None)
+    w = warmup_of(given)
+    assert w == DensityWarmup(10, FACTOR)
+    assert codecs_of("wan", 0.003, 0.009, w).warmup == w == config("default", "wan", 0.009, None, w).warmup
+    assert warmup_of(argparse.Namespace(link="wan", density_warmup_rounds=None, density_warmup_factor=None)) is None
+    assert config("default").warmup == codecs_of("wan").warmup  # the link's (none yet)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.comms import Row, Settings, all_accepted, best_ratios, framing, grid, levers, model_of, run_row
+from bench.comms import (Row, Settings, all_accepted, best_ratios, framing, grid, levers, model_of, run_row, steady,
+                         steady_ratios)
 from bench.comms_wan import INT8, flags_of
 from btnode.codec.codecs import Codec
 from btnode.codec.frames import Bundle, ChunkData, frame_from_raw
+from btnode.codec.warmup import DensityWarmup
 from btnode.model.config import ModelConfig
 from btnode.rpc.convert import chunk_to_pb
 
@@ -69,3 +71,27 @@ def test_a_frontier_setting_becomes_the_flags_of_real_nodes():
                                  ["--publish-codec", "sparse8", "--publish-density", "0.03", "--sparse-mean", "all", "--clip",
                                   "--outer-lr", "1", "--outer-momentum", "0"])
     assert flags_of(INT8) == (["--codec", "int8"], ["--publish-codec", "fp32"])
+
+
+def test_a_density_warm_up_row_sends_more_first_and_reports_its_steady_state():
+    """Issue #40: the grid's sparse rows once per warm-up; a warm-up row's bytes fall round by round to
+    the steady state it reports apart from the mean over the run, which it keeps."""
+    rows = grid(["block"], [0.003], codecs=[Codec.SPARSE8], warmups=[DensityWarmup(), DensityWarmup(10)])
+    assert [r.label for r in rows if r.codec.sparse] == ["sparse8@0.003 / publish sparse8@0.009",
+                                                         "sparse8@0.003 / publish sparse8@0.009, warm-up 10 from 10×"]
+    assert Row("block", Codec.INT8, warmup=DensityWarmup(10)).label == "int8 / publish fp32"  # nothing to warm up
+    s = Settings(TINY, rounds=3, h=1, batch=2, lr=2e-3, replicas=2, windows=4)
+    r = run_row(Row("block", Codec.SPARSE8, 0.01, Codec.SPARSE8, 0.03, warmup=DensityWarmup(2, 10.0)), s)
+    assert all_accepted(r) and r["warmup"] == [2, 10.0] and len(r["bytes_by_round"]) == 3
+    (u0, d0), (u1, d1), (u2, d2) = r["bytes_by_round"]
+    assert u0 > u1 > u2 and d0 > d1 > d2
+    assert (r["bytes_up_steady"], r["bytes_down_steady"]) == (u2, d2)
+    assert r["bytes_up"] == pytest.approx((u0 + u1 + u2) / 3) and r["bytes_down"] == pytest.approx((d0 + d1 + d2) / 3)
+    assert steady(r["bytes_by_round"], 0) == (pytest.approx(r["bytes_up"]), pytest.approx(r["bytes_down"]))
+    ref = {**row("int8", 100, 400, 2.0), "header_up": 5, "header_down": 5}
+    warm = {**row("sparse8", 3, 7, 2.01), "bytes_up_steady": 1, "bytes_down_steady": 4, "warmup": [10, 10.0]}
+    [x] = steady_ratios([ref, warm])
+    assert (x["ratio"], x["ratio_steady"], x["ratio_steady_with_headers"]) == (50, 100, 510 / 7)
+    assert x["delta_ce"] == pytest.approx(0.01)
+    assert flags_of({**INT8, "codec": "sparse8", "density": 0.003, "warmup": [10, 10.0]})[0][-4:] == [
+        "--density-warmup-rounds", "10", "--density-warmup-factor", "10"]

@@ -17,6 +17,7 @@ from btnode.aggregate.trust.evidence import RelayAuditConfig
 from btnode.aggregate.trust.standing import StandingConfig
 from btnode.codec.codecs import Codec, parse
 from btnode.codec.profiles import CLI_LINK, LINKS, Link, link_codecs
+from btnode.codec.warmup import DensityWarmup
 from btnode.errors import ConfigError
 from btnode.protocol import VersionInfo
 from btnode.settings import fill, flag, same_flag
@@ -45,6 +46,7 @@ class AggregatorConfig:
     publish_density: float = flag("--publish-density", "Share of values a sparse publish codec sends (0, 1]; default: "
                                                        "--link's.",
                                   default=0.03, optional=True)  # a sparse publish codec keeps the top of step + residual
+    warmup: DensityWarmup = DensityWarmup()  # ... denser over the first versions (codec/warmup.py)
     keep: int = flag("--keep", "Versions kept on disk per block.", default=3)  # versions kept on disk
     max_norm_ratio: float = 10.0  # reject an update whose norm exceeds this × the median accepted norm
     screen_band: tuple[float, float] = (0.5, 2.0)  # screened mode: keep norms within this × the round's median
@@ -73,7 +75,8 @@ class AggregatorConfig:
         return replace(made, link=values.get("link") or CLI_LINK,
                        publish_codec=made.publish_codec if values.get("publish_codec") is not None else link.publish_codec,
                        publish_density=(made.publish_density if values.get("publish_density") is not None
-                                        else link.publish_density))
+                                        else link.publish_density),
+                       warmup=link.warmup.over(values))
 
     def __post_init__(self) -> None:
         if self.link not in LINKS:

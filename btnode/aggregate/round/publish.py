@@ -16,7 +16,6 @@ from btnode.aggregate.round.rounds import Update
 from btnode.aggregate.sums.averaging import OuterOptimizer
 from btnode.aggregate.sums.spill import Spill
 from btnode.codec.codecs import Codec, decode, encode
-from btnode.codec.sparse import keep_of
 from btnode.protocol import Outcome, PushHeader, VersionInfo
 from btnode.store.files import Streamed, state_sha256
 from btnode.errors import MalformedInput
@@ -82,7 +81,7 @@ class Publisher:
         # Tensor by tensor: a round's close is the aggregator's memory peak (bench/scale.py measures
         # it), and a unit may be large; each temporary is one tensor, dropped as soon as it is used.
         codec = block.cfg.publish_codec
-        keep = keep_of(block.cfg.publish_density)
+        keep = block.cfg.warmup.keep(block.cfg.publish_density, block.info.version)  # codec/warmup.py
         in_file = block.theta_in_file
         raw, made, residual = {}, {}, dict(block.residual)
         for n in block.spec:
